@@ -1,0 +1,218 @@
+"""The ``fa4-audit`` command line (also ``python -m audits``).
+
+Exit codes (DESIGN.md): 0 every check passed; 1 a check failed (a bound violated, a bit
+mismatch with production); 2 a usage or configuration error (bad arguments, CUDA or the
+production package missing where they are required), with a message saying what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import platform
+import shlex
+import sys
+from typing import Sequence
+
+import torch
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A problem with the command line or the environment: exit 2 with this message."""
+
+
+def _environment(device: torch.device) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import numba
+
+        env["numba"] = numba.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["compute_capability"] = "sm_%d%d" % torch.cuda.get_device_capability(device)
+        try:
+            from importlib.metadata import version
+
+            env["flash-attn-4"] = version("flash-attn-4")
+            env["nvidia-cutlass-dsl"] = version("nvidia-cutlass-dsl")
+        except Exception:  # metadata absent when staged without dist-info
+            pass
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+        env["threads"] = torch.get_num_threads()
+    return env
+
+
+def _parse_degrees(text: str) -> list[int]:
+    from fa4.ex2 import DEGREES
+
+    if text == "all":
+        return list(DEGREES)
+    try:
+        d = int(text)
+    except ValueError:
+        d = None
+    if d not in DEGREES:
+        raise UsageError(f"--degree {text!r} is not valid; accepted: {', '.join(map(str, DEGREES))} or 'all'")
+    return [d]
+
+
+def _device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UsageError(
+            "--device cuda was requested but torch sees no CUDA device "
+            f"(torch {torch.__version__}); run on a GPU machine or use --device cpu"
+        )
+    return torch.device("cuda")
+
+
+def cmd_ex2(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from audits.ex2_report import print_summary, write_report
+    from audits.ex2_sweep import planned_inputs, sweep_ex2
+    from numerics.bounds import ex2_bound_details
+
+    degrees = _parse_degrees(args.degree)
+    device = _device(args.device)
+    if args.sample <= 0:
+        raise UsageError(f"--sample must be a positive number of inputs per class, got {args.sample}")
+    prod = {}
+    if device.type == "cuda":
+        from fa4.production import ProductionUnavailable, ex2_kernel, require_production
+
+        try:
+            require_production()
+        except ProductionUnavailable as exc:
+            raise UsageError(f"--device cuda compares with production, which is unavailable: {exc}") from exc
+    console = Console(stderr=True)
+    common = dict(exhaustive=args.exhaustive, device=device, sample=args.sample, seed=args.seed)
+    if args.chunk:
+        common["chunk"] = args.chunk
+    n_each = planned_inputs(exhaustive=args.exhaustive, sample=args.sample)
+    results, verdicts, failed = [], [], False
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, disable=args.quiet,
+    ) as bar:
+
+        def sweep(label: str, **kw) -> dict:
+            task = bar.add_task(label, total=n_each)
+            return sweep_ex2(progress=lambda n: bar.advance(task, n), **common, **kw)
+
+        for deg in degrees:
+            entry = {"degree": deg}
+            details = ex2_bound_details(deg)
+            entry["bound"] = details["bound"]
+            entry["bound_details"] = details
+            prod_entry = {}
+            if device.type == "cuda":
+                entry["sweep"] = sweep(f"degree {deg}: model vs production scalar", degree=deg, production=ex2_kernel("scalar", deg))
+                prod_entry["scalar"] = entry["sweep"].pop("production")
+                try:
+                    packed = ex2_kernel("packed", deg)
+                    packed(torch.zeros(512, device=device))  # compile now: fails before sm_100
+                except NotImplementedError as exc:
+                    prod_entry["packed"] = {"skipped": str(exc)}
+                else:
+                    ps = sweep(f"degree {deg}: packed model vs production packed", degree=deg, packed=True, production=packed)
+                    prod_entry["packed"] = ps["production"]
+            else:
+                entry["sweep"] = sweep(f"degree {deg}: model", degree=deg)
+            entry["production"] = prod_entry
+            n = entry["sweep"]["classes"]["normal"]
+            if n["max_rel_error"] > entry["bound"]:
+                failed = True
+                verdicts.append(
+                    f"FAIL degree {deg}: measured max relative error {n['max_rel_error']:.6e} at x = "
+                    f"{n['argmax_x']!r} exceeds the proven bound {entry['bound']:.6e} — the model or the analysis is wrong"
+                )
+            else:
+                verdicts.append(
+                    f"ok degree {deg}: measured max {n['max_rel_error']:.6e} <= proven bound {entry['bound']:.6e} "
+                    f"(bound/measured = {entry['bound'] / n['max_rel_error']:.4f})"
+                )
+            for variant, p in prod_entry.items():
+                if "mismatches" in p:
+                    ok = p["mismatches"] == 0
+                    failed |= not ok
+                    verdicts.append(
+                        f"{'ok' if ok else 'FAIL'} degree {deg}: production {variant} vs model: "
+                        f"{p['mismatches']:,} bit mismatches in {p['compared']:,} inputs"
+                    )
+                else:
+                    verdicts.append(f"note degree {deg}: production {variant} not compared: {p['skipped']}")
+            results.append(entry)
+        hardware = None
+        if device.type == "cuda":
+            hardware = sweep("hardware ex2.approx.ftz (MUFU.EX2)", degree=0, function=ex2_kernel("hardware"))
+        elif not args.quiet:
+            verdicts.append("note: production not compared (--device cpu); use --device cuda with the gpu extra")
+    report = {
+        "schema": "fa4-audit/ex2/1",
+        "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "mode": "exhaustive (all 2^32 float32 inputs)" if args.exhaustive else f"sample (~{args.sample:,} inputs per class, seed {args.seed})",
+        "device": str(device),
+        "environment": _environment(device),
+        "degrees": results,
+        "verdicts": verdicts,
+    }
+    if hardware is not None:
+        report["hardware"] = hardware
+    paths = write_report(report, args.out)
+    print_summary(report, console)
+    console.print(f"report: {paths['md']} ({paths['json'].name}, {paths['svg'].name})")
+    return EXIT_FAIL if failed else EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fa4-audit",
+        description="Numerics audits of the FlashAttention-4 kernel (exit 0 pass, 1 fail, 2 usage error).",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    e = sub.add_parser(
+        "ex2",
+        help="audit the polynomial exp2 emulation: error statistics, proven bound, bit-exact comparison with production",
+        description="Measure fa4.ex2 (the bit-exact model of FA4's polynomial exp2) against exp2 in float64 over "
+        "a sample or all 2^32 float32 inputs, beside the proven bound; with --device cuda also compare the "
+        "production device functions bit for bit and measure the hardware MUFU.EX2.",
+    )
+    e.add_argument("--degree", default="3", help="polynomial degree 1-5, or 'all' (default 3, production's)")
+    e.add_argument("--exhaustive", action="store_true", help="every float32 bit pattern (2^32) instead of a sample")
+    e.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default cpu)")
+    e.add_argument("--out", default="reports/ex2-latest", help="report directory (default reports/ex2-latest)")
+    e.add_argument("--sample", type=int, default=1 << 20, help="inputs per input class without --exhaustive (default 2^20)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the sample (default 0)")
+    e.add_argument("--chunk", type=int, default=0, help="inputs per chunk (default: 2^22)")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.set_defaults(func=cmd_ex2)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    args.argv = argv
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"fa4-audit {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

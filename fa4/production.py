@@ -1,0 +1,157 @@
+"""Adapters to the production FA4 package (``flash-attn-4``, import ``flash_attn.cute``).
+
+Everything here is imported lazily: without CUDA or without the package the rest of fa4-audit
+works, and the functions here raise :class:`ProductionUnavailable` with what is missing and how
+to install it.
+
+``ex2_kernel(variant, degree)`` compiles a small CuTe-DSL kernel that applies a *production*
+device function elementwise, so the model in ``fa4.ex2`` can be compared with it bit for bit:
+
+* ``"scalar"``: ``flash_attn.cute.utils.ex2_emulation(x, poly_degree=degree)``;
+* ``"packed"``: ``flash_attn.cute.utils.ex2_emulation_2(x0, x1, poly_degree=degree)`` on pairs
+  of consecutive elements (its f32x2 instructions exist from sm_100 on);
+* ``"hardware"``: ``cute.math.exp2(x, fastmath=True)`` (``ex2.approx.ftz.f32``, MUFU.EX2), what
+  the kernel uses for the non-emulated elements.
+
+Each thread handles two consecutive elements (the pair for ``packed``).
+"""
+
+# No `from __future__ import annotations` here: the CuTe DSL evaluates the kernels'
+# annotations (cute.Tensor, cutlass.Constexpr) at compile time, in the defining scope.
+import functools
+import os
+from typing import Callable
+
+import torch
+
+__all__ = ["ProductionUnavailable", "INSTALL_HINT", "require_production", "ex2_kernel", "EX2_VARIANTS"]
+
+INSTALL_HINT = (
+    "install the production kernel with: pip install 'fa4-audit[gpu]' "
+    "(flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1; needs an NVIDIA GPU with CUDA 12.9+ or 13)"
+)
+EX2_VARIANTS = ("scalar", "packed", "hardware")
+_THREADS = 256
+
+
+class ProductionUnavailable(RuntimeError):
+    """The production FA4 package or a CUDA device is missing; the message says which."""
+
+
+def require_production() -> None:
+    """Raise :class:`ProductionUnavailable` unless CUDA and ``flash_attn.cute`` are usable."""
+    if not torch.cuda.is_available():
+        raise ProductionUnavailable(f"no CUDA device is visible to torch (torch {torch.__version__}); {INSTALL_HINT}")
+    _import_dsl()
+
+
+def _import_dsl():
+    """Import the CuTe DSL and the production utils, or raise :class:`ProductionUnavailable`."""
+    try:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import from_dlpack
+        from flash_attn.cute import utils as fa_utils
+    except ImportError as exc:
+        raise ProductionUnavailable(f"cannot import the production package ({exc}); {INSTALL_HINT}") from exc
+    return cutlass, cute, from_dlpack, fa_utils
+
+
+def _ex2_launcher(variant: str, degree: int):
+    """The ``@cute.jit`` launcher of a kernel applying the production function ``variant``
+    elementwise: ``launch(mX, mY, n_blocks)``, 2 elements per thread, 256 threads per block."""
+    if variant not in EX2_VARIANTS:
+        raise ValueError(f"variant must be one of {EX2_VARIANTS}, got {variant!r}")
+    cutlass, cute, _, fa_utils = _import_dsl()
+
+    @cute.kernel
+    def _apply(mX: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = (bidx * _THREADS + tidx) * 2
+        x0 = mX[i]
+        x1 = mX[i + 1]
+        if cutlass.const_expr(variant == "scalar"):
+            y0 = fa_utils.ex2_emulation(x0, poly_degree=degree)
+            y1 = fa_utils.ex2_emulation(x1, poly_degree=degree)
+        elif cutlass.const_expr(variant == "packed"):
+            y0, y1 = fa_utils.ex2_emulation_2(x0, x1, poly_degree=degree)
+        else:
+            y0 = cute.math.exp2(x0, fastmath=True)
+            y1 = cute.math.exp2(x1, fastmath=True)
+        mY[i] = y0
+        mY[i + 1] = y1
+
+    @cute.jit
+    def _launch(mX: cute.Tensor, mY: cute.Tensor, n_blocks: cutlass.Constexpr[int]):
+        _apply(mX, mY).launch(grid=[n_blocks, 1, 1], block=[_THREADS, 1, 1])
+
+    return _launch
+
+
+@functools.lru_cache(maxsize=None)
+def ex2_kernel(variant: str, degree: int = 3) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A callable float32 CUDA tensor -> float32 CUDA tensor applying the production device
+    function ``variant`` (see module doc) elementwise.  Compiled once per (variant, degree) and
+    grid size (the grid is a compile-time constant, so chunks should have one size).
+
+    Raises :class:`ProductionUnavailable`; or, when the production function does not compile
+    for this GPU (``packed`` before sm_100), ``NotImplementedError`` on the first call.
+    """
+    require_production()
+    _, cute, from_dlpack, _ = _import_dsl()
+    launch = _ex2_launcher(variant, degree)
+    compiled = {}
+    per_block = 2 * _THREADS
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_cuda:
+            raise TypeError(f"x must be a float32 CUDA tensor, got {x.dtype} on {x.device}")
+        n = x.numel()
+        pad = (-n) % per_block
+        xf = x.reshape(-1)
+        if pad:
+            xf = torch.cat([xf, xf.new_zeros(pad)])
+        y = torch.empty_like(xf)
+        mx, my = from_dlpack(xf, assumed_align=16), from_dlpack(y, assumed_align=16)
+        nb = xf.numel() // per_block
+        if nb not in compiled:
+            try:
+                compiled[nb] = cute.compile(launch, mx, my, nb)
+            except Exception as exc:  # the DSL raises its own error types
+                if variant == "packed":
+                    cc = "sm_%d%d" % torch.cuda.get_device_capability()
+                    raise NotImplementedError(
+                        f"production ex2_emulation_2 does not compile for this GPU ({cc}): its f32x2 "
+                        f"instructions need sm_100+ ({type(exc).__name__}: {str(exc)[:200]})"
+                    ) from exc
+                raise
+        compiled[nb](mx, my, nb)
+        return y[:n].view(x.shape)
+
+    return run
+
+
+def compile_ex2_ptx(variant: str, degree: int, dump_dir: str) -> str:
+    """Compile the ``variant`` kernel without running it and return its PTX text.
+
+    The target is ``CUTE_DSL_ARCH`` (e.g. ``sm_100a``), which, with ``CUTE_DSL_KEEP_PTX=1`` and
+    ``CUTE_DSL_DUMP_DIR=dump_dir``, must be set before ``cutlass`` is first imported (the DSL
+    reads them then); so call this in a fresh process.  Needs no GPU.
+    """
+    import glob
+
+    if not os.environ.get("CUTE_DSL_ARCH") or os.environ.get("CUTE_DSL_DUMP_DIR") != dump_dir:
+        raise RuntimeError("set CUTE_DSL_ARCH, CUTE_DSL_KEEP_PTX=1 and CUTE_DSL_DUMP_DIR before importing cutlass")
+    _, cute, from_dlpack, _ = _import_dsl()
+    pattern = os.path.join(dump_dir, "**", "*.ptx")
+    before = {p: os.path.getmtime(p) for p in glob.glob(pattern, recursive=True)}
+    x = torch.zeros(2 * _THREADS, dtype=torch.float32)
+    y = torch.zeros_like(x)
+    cute.compile(_ex2_launcher(variant, degree), from_dlpack(x, assumed_align=16), from_dlpack(y, assumed_align=16), 1)
+    # the dump's file name does not encode the kernel body: a later compile overwrites it
+    new = sorted((p for p in glob.glob(pattern, recursive=True) if before.get(p) != os.path.getmtime(p)), key=os.path.getmtime)
+    if not new:
+        raise RuntimeError(f"the compiler wrote no PTX into {dump_dir}")
+    with open(new[-1]) as fh:
+        return fh.read()
