@@ -72,6 +72,31 @@ def _device(name: str) -> torch.device:
     return torch.device("cuda")
 
 
+def _ptx_checks(degrees: list[int], arch: str, out: str, bar) -> list[dict]:
+    """Compile production's scalar and packed exp2 for ``arch`` and check them (audits.ex2_ptx)."""
+    import importlib.util
+    from pathlib import Path
+
+    from audits.ex2_ptx import check_ptx, compile_ptx
+
+    missing = [m for m in ("cutlass", "flash_attn") if importlib.util.find_spec(m) is None]
+    if missing:
+        from fa4.production import INSTALL_HINT
+
+        raise UsageError(f"--ptx needs the production package to compile (missing: {', '.join(missing)}); {INSTALL_HINT}")
+    rows = []
+    task = bar.add_task(f"compile production exp2 for {arch}", total=2 * len(degrees))
+    for deg in degrees:
+        for variant in ("scalar", "packed"):
+            try:
+                text = compile_ptx(variant, deg, arch=arch, dump_dir=Path(out) / "ptx-dump")
+            except RuntimeError as exc:
+                raise UsageError(str(exc)) from exc
+            rows.append({"degree": deg, "variant": variant, "differences": check_ptx(text, variant=variant, degree=deg)})
+            bar.advance(task)
+    return rows
+
+
 def cmd_ex2(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -150,6 +175,16 @@ def cmd_ex2(args: argparse.Namespace) -> int:
                 else:
                     verdicts.append(f"note degree {deg}: production {variant} not compared: {p['skipped']}")
             results.append(entry)
+        ptx = None
+        if args.ptx:
+            ptx = _ptx_checks(degrees, args.ptx_arch, args.out, bar)
+            for row in ptx:
+                ok = not row["differences"]
+                failed |= not ok
+                verdicts.append(
+                    f"{'ok' if ok else 'FAIL'} degree {row['degree']}: production {row['variant']} PTX for {args.ptx_arch} "
+                    + ("matches the model's instructions" if ok else "differs from the model: " + "; ".join(row["differences"]))
+                )
         hardware = None
         if device.type == "cuda":
             hardware = sweep("hardware ex2.approx.ftz (MUFU.EX2)", degree=0, function=ex2_kernel("hardware"))
@@ -167,6 +202,8 @@ def cmd_ex2(args: argparse.Namespace) -> int:
     }
     if hardware is not None:
         report["hardware"] = hardware
+    if ptx is not None:
+        report["ptx"] = {"arch": args.ptx_arch, "checks": ptx}
     paths = write_report(report, args.out)
     print_summary(report, console)
     console.print(f"report: {paths['md']} ({paths['json'].name}, {paths['svg'].name})")
@@ -194,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sample", type=int, default=1 << 20, help="inputs per input class without --exhaustive (default 2^20)")
     e.add_argument("--seed", type=int, default=0, help="seed of the sample (default 0)")
     e.add_argument("--chunk", type=int, default=0, help="inputs per chunk (default: 2^22)")
+    e.add_argument(
+        "--ptx", action="store_true",
+        help="also compile production's scalar and packed exp2 (needs the gpu extra, not a GPU) and check "
+        "their f32 instructions (rounding, ftz, packing) and constants against the model",
+    )
+    e.add_argument("--ptx-arch", default="sm_100a", help="target of --ptx (default sm_100a, what the SM100 kernel runs)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_ex2)
     return p

@@ -72,6 +72,11 @@ def _markdown(report: dict) -> str:
             f"max rel. error {_fmt(n.get('max_rel_error'))} at x = {n.get('argmax_x', 0):.9g}, "
             f"mean {_fmt(n.get('mean_rel_error'))}, max {_fmt(n.get('max_ulp_error'), '.2f')} ULP.",
         ]
+    if report.get("ptx"):
+        L += ["", f"PTX of production's exp2 compiled for {report['ptx']['arch']} vs the model's instructions "
+              "(`audits.ex2_ptx`: every f32 instruction's opcode, rounding, .ftz, packing; the constants):", ""]
+        for row in report["ptx"]["checks"]:
+            L.append(f"- degree {row['degree']} {row['variant']}: " + ("identical" if not row["differences"] else "; ".join(row["differences"])))
     L += ["", "## Verdict", ""]
     for v in report["verdicts"]:
         L.append(f"- {v}")
