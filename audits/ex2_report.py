@@ -25,6 +25,7 @@ def atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -124,6 +125,8 @@ def _plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.rcParams["svg.fonttype"] = "none"  # text as text: a much smaller SVG
+
     degs = report["degrees"]
     fig, axes = plt.subplots(len(degs), 1, figsize=(7, 2.2 * len(degs)), squeeze=False)
     for ax, r in zip(axes[:, 0], degs):
@@ -147,6 +150,22 @@ def _plot(report: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _compact(report: dict) -> dict:
+    """The envelope is for the plot: 4 significant digits are plenty and keep the JSON small."""
+
+    def rnd(v):
+        return None if v is None else float(f"{v:.4g}")
+
+    def fix(sweep: dict) -> dict:
+        env = sweep["envelope"]
+        return {**sweep, "envelope": {**env, "min_rel": [rnd(v) for v in env["min_rel"]], "max_rel": [rnd(v) for v in env["max_rel"]]}}
+
+    out = {**report, "degrees": [{**r, "sweep": fix(r["sweep"])} for r in report["degrees"]]}
+    if "hardware" in report:
+        out["hardware"] = fix(report["hardware"])
+    return out
+
+
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     """Write ``ex2.json``, ``ex2.md`` and ``ex2.svg`` into ``out_dir``; return their paths."""
     out = Path(out_dir)
@@ -154,7 +173,7 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     paths = {"json": out / "ex2.json", "md": out / "ex2.md", "svg": out / "ex2.svg"}
     _plot(report, paths["svg"])
     report = {**report, "plot": paths["svg"].name}
-    atomic_write(paths["json"], json.dumps(report, indent=1, sort_keys=False) + "\n")
+    atomic_write(paths["json"], json.dumps(_compact(report), separators=(",", ":")) + "\n")
     atomic_write(paths["md"], _markdown(report))
     return paths
 

@@ -38,7 +38,7 @@ __all__ = ["CLASSES", "ULP_BIN_EDGES", "FRAC_BINS", "class_ranges", "planned_inp
 CLASSES = ("normal", "subnormal", "clamped", "overflow", "inf", "nan")
 #: ULP histogram bin edges: [0, 0.5), [0.5, 1), [1, 2), [2, 4) ... [2**14, inf).
 ULP_BIN_EDGES = (0.0, 0.5) + tuple(float(2**k) for k in range(15)) + (math.inf,)
-FRAC_BINS = 512  # bins of the fractional part for the error envelope (the plot)
+FRAC_BINS = 128  # bins of the fractional part for the error envelope (the plot)
 
 
 def _b(v: float) -> int:

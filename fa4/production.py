@@ -45,6 +45,18 @@ def require_production() -> None:
     _import_dsl()
 
 
+def _first_line(exc: BaseException) -> str:
+    """The compiler's diagnosis in one line: ANSI colours removed, the backend's own reason
+    preferred over the DSL's generic header."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    for line in text.splitlines():
+        if "not supported" in line:
+            return line.strip().removeprefix("extra log:").strip()
+    return " ".join(text.split())[:160]
+
+
 def _import_dsl():
     """Import the CuTe DSL and the production utils, or raise :class:`ProductionUnavailable`."""
     try:
@@ -123,7 +135,7 @@ def ex2_kernel(variant: str, degree: int = 3) -> Callable[[torch.Tensor], torch.
                     cc = "sm_%d%d" % torch.cuda.get_device_capability()
                     raise NotImplementedError(
                         f"production ex2_emulation_2 does not compile for this GPU ({cc}): its f32x2 "
-                        f"instructions need sm_100+ ({type(exc).__name__}: {str(exc)[:200]})"
+                        f"instructions need sm_100+ (compiler: {_first_line(exc)})"
                     ) from exc
                 raise
         compiled[nb](mx, my)  # the constexpr grid size is not a runtime argument

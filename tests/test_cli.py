@@ -1,0 +1,81 @@
+"""The fa4-audit command line: exit codes, messages, reports."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from audits import cli
+
+
+def run(*argv):
+    return cli.main(list(argv))
+
+
+def test_ex2_sample_writes_reports(tmp_path, capsys):
+    rc = run("ex2", "--degree", "3", "--sample", "3000", "--out", str(tmp_path), "--quiet")
+    assert rc == 0
+    rep = json.loads((tmp_path / "ex2.json").read_text())
+    assert rep["schema"] == "fa4-audit/ex2/1"
+    (d,) = rep["degrees"]
+    assert d["degree"] == 3 and d["sweep"]["classes"]["normal"]["max_rel_error"] <= d["bound"]
+    assert {r["input"] for r in d["sweep"]["special"]} >= {"+inf", "-126.5"}
+    md = (tmp_path / "ex2.md").read_text()
+    assert "proven bound" in md and "ex2.svg" in md
+    assert (tmp_path / "ex2.svg").read_text().startswith("<?xml")
+    err = capsys.readouterr().err
+    assert "8.77" in err  # the printed table
+
+
+def test_bound_violation_exits_1(tmp_path, monkeypatch, capsys):
+    import numerics.bounds as b
+
+    real = b.ex2_bound_details
+
+    def tiny(degree, **kw):
+        return {**real(degree, **kw), "bound": 1e-9}
+
+    monkeypatch.setattr(b, "ex2_bound_details", tiny)
+    assert run("ex2", "--sample", "500", "--out", str(tmp_path), "--quiet") == 1
+    assert "FAIL degree 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["ex2", "--degree", "7"], "--degree '7' is not valid; accepted: 1, 2, 3, 4, 5 or 'all'"),
+        (["ex2", "--degree", "three"], "accepted: 1, 2, 3, 4, 5"),
+        (["ex2", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["ex2", "--sample", "0"], "--sample must be a positive number"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_usage_errors_exit_2(argv, message, capsys, tmp_path):
+    assert run(*argv, "--out", str(tmp_path)) == 2 if argv[0] == "ex2" else run(*argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_gpu_exits_2(capsys, tmp_path):
+    assert run("ex2", "--device", "cuda", "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda was requested but torch sees no CUDA device" in err and "--device cpu" in err
+
+
+def test_ptx_without_production_package_exits_2(capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("cutlass", "flash_attn") else real(name, *a))
+    assert run("ex2", "--ptx", "--sample", "100", "--out", str(tmp_path), "--quiet") == 2
+    err = capsys.readouterr().err
+    assert "--ptx needs the production package" in err and "pip install 'fa4-audit[gpu]'" in err
+
+
+def test_python_dash_m_audits_is_the_same_cli(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "audits", "ex2", "--degree", "9", "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert p.returncode == 2 and "accepted: 1, 2, 3, 4, 5" in p.stderr
