@@ -66,15 +66,16 @@ if numba is not None:
         return types.float32(types.int32), codegen
 
     @numba.njit(parallel=True, fastmath=False, cache=True, nogil=True)
-    def _kernel(x, out, flags, coeffs, ftz):  # pragma: no cover - compiled
+    def _kernel(x, out, flags, coeffs, ftz, want_flags):  # pragma: no cover - compiled
         n = x.shape[0]
         deg = coeffs.shape[0] - 1
+        nflag = 0
         for i in numba.prange(n):
             xi = x[i]
             xc = np.float32(-127.0) if math.isnan(xi) else max(xi, np.float32(-127.0))
             if xc < _FAST_LIMIT:
                 # RD(xc + 1.5*2**23) == 1.5*2**23 + floor(xc): bits 0x4B400000 + floor(xc)
-                fl = np.float32(math.floor(xc))
+                fl = np.floor(xc)  # float32 floor (math.floor would round-trip through int64)
                 if ftz and xc > -_FLT_MIN:
                     fl = max(fl, np.float32(0.0))  # add.rm.ftz sees -0 for a negative subnormal
                 rbits = np.int64(0x4B400000) + np.int64(fl)
@@ -105,11 +106,19 @@ if numba is not None:
             pbits = np.int64(0x7FFFFFFF) if math.isnan(p) else np.int64(_bits32(p)) & 0xFFFFFFFF
             w = ((rbits << 23) + pbits) & 0xFFFFFFFF
             out[i] = _float32(np.int32(w - ((w >> 31) << 32)))
-            flags[i] = mid
+            if want_flags:
+                flags[i] = mid
+            nflag += mid
+        return nflag
 
 
-def ex2_fast(x: np.ndarray, out: np.ndarray, flags: np.ndarray, coeffs: tuple[float, ...], ftz: bool) -> int:
-    """Fill ``out`` (float32) for every unflagged element of float32 ``x``; set ``flags`` (uint8)
-    to 1 where the caller must recompute.  Returns the number of flagged elements."""
-    _kernel(x, out, flags, np.asarray(coeffs, dtype=np.float64), bool(ftz))
-    return int(np.count_nonzero(flags))
+def ex2_fast(x: np.ndarray, out: np.ndarray, coeffs: tuple[float, ...], ftz: bool) -> np.ndarray | None:
+    """Fill ``out`` (float32) for every element of float32 ``x`` that needs no recomputation.
+    Returns None when no element does (the common case), else a bool mask of those that do."""
+    c = np.asarray(coeffs, dtype=np.float64)
+    no_flags = np.empty(0, dtype=np.uint8)
+    if _kernel(x, out, no_flags, c, bool(ftz), False) == 0:
+        return None
+    flags = np.zeros(x.shape, dtype=np.uint8)
+    _kernel(x, out, flags, c, bool(ftz), True)
+    return flags.astype(bool)

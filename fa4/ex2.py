@@ -184,10 +184,9 @@ def _ex2_numba(x: torch.Tensor, coeffs: tuple[float, ...], ftz_round: bool) -> t
     elements it flags (xc >= 2**22, float64 midpoints) are redone by the torch path."""
     xf = x.contiguous().view(-1)
     out = torch.empty_like(xf)
-    flags = torch.empty(xf.shape, dtype=torch.uint8)
-    n_flagged = _ex2_cpu.ex2_fast(xf.numpy(), out.numpy(), flags.numpy(), coeffs, ftz_round)
-    if n_flagged:
-        idx = flags.nonzero(as_tuple=True)
+    flags = _ex2_cpu.ex2_fast(xf.numpy(), out.numpy(), coeffs, ftz_round)
+    if flags is not None:
+        idx = torch.from_numpy(flags).nonzero(as_tuple=True)
         out[idx] = _ex2_torch(xf[idx], coeffs, ftz_round)
     return out.view(x.shape)
 

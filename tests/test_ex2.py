@@ -133,3 +133,18 @@ def test_emulated_columns_off_and_bad():
     assert not emulated_columns(128, ex2_emu_freq=0).any()
     with pytest.raises(ValueError, match="multiple of 32"):
         emulated_columns(100, ex2_emu_freq=10)
+
+
+def test_double_rounding_guard_of_both_paths():
+    """Horner's fma is evaluated in float64; a sum that lands on a float32 midpoint after
+    rounding must be redone exactly.  With the made-up polynomial 1 + c1*t, c1 = 6700417*2**-28
+    and t = 641*2**-28 (a float32 in [0, 1), so the fraction is t itself), the exact fma is
+    1 + 2**-24 + 2**-56: float64 rounds it onto the midpoint 1 + 2**-24, which would then tie to
+    1.0.  The correctly rounded value is 1 + 2**-23."""
+    coeffs = (1.0, 6700417 * 2.0**-28)
+    x = torch.full((8,), 641 * 2.0**-28)
+    want = exact.ex2_emulation(exact.bits_of(641 * 2.0**-28), coeffs, ftz_round=True)
+    assert want == exact.bits_of(1.0 + 2.0**-23)
+    assert bits(ex2._ex2_torch(x, coeffs, True)).tolist() == [want] * 8
+    if ex2._ex2_cpu.available():
+        assert bits(ex2._ex2_numba(x, coeffs, True)).tolist() == [want] * 8
