@@ -119,6 +119,10 @@ def _prod_cell(p) -> str:
     return f"{p['mismatches']:,} mismatches / {p['compared']:,}"
 
 
+def _short_cell(p: dict) -> str:
+    return "not run" if "skipped" in p else f"{p['mismatches']:,} bits differ"
+
+
 def _plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -192,7 +196,7 @@ def print_summary(report: dict, console: Console | None = None) -> None:
             _fmt(n.get("max_ulp_error"), ".1f"),
             _fmt(r["bound"]),
             _fmt(ratio, ".4f"),
-            "; ".join(f"{k}: {_prod_cell(v)}" for k, v in prod.items()) or "not compared (cpu)",
+            "; ".join(f"{k}: {_short_cell(v)}" for k, v in prod.items()) or "—",
         )
     console.print(t)
     for v in report["verdicts"]:
