@@ -1,0 +1,409 @@
+"""Bit-faithful numerics model of the FA4 forward kernel: the Blackwell (SM100) path with its
+polynomial exp2 and lazy rescaling, and the Hopper (SM90) path, knob by knob.
+
+``attention(q, k, v, *, ..., numerics=None)`` has the audited-callable signature of
+``flash_attn.cute.flash_attn_func`` (DESIGN.md) plus ``numerics``, an :class:`FA4Numerics`.
+Each step follows production's order and precision; the production function it models is named
+where it happens (flash-attn-4 4.0.0b36, ``flash_attn/cute``):
+
+1. S = Q K^T in float32 — the tensor-core MMA.  *Assumption*: every product is exact and the
+   d-term sum is rounded once to float32 (computed in float64 from the exact inputs).  The MMA's
+   internal summation order and truncation are not specified by the source and cannot be
+   reproduced on a CPU; the fidelity report measures the consequence.
+2. softcap (``utils.create_softcap_scoremod`` via ``apply_score_mod_inner``): ``s*scale``,
+   ``/ softcap`` (``div.rn``), ``tanh`` (MUFU.TANH, modelled correctly rounded), ``* softcap``;
+   then ``scale_log2 = log2(e)``.  Without softcap ``scale_log2 = fl32(scale * log2(e))``.
+3. Masks (``mask.py`` ``AttentionMask.apply_mask``): -inf outside the causal / local window
+   (bottom-right aligned) and beyond seqlen_k.  KV blocks run from the last to the first
+   (``flash_fwd_sm90.py`` ``mma``; the SM100 softmax loop), over the block range of the row's
+   query tile (``block_info.py`` ``get_n_block_min_max``).
+4. Row max (``Softmax.online_softmax`` / ``SoftmaxSm100.update_row_max``): NaN-quiet
+   ``max.f32``; SM100 keeps the old max while ``(old - new) * scale_log2 >= -rescale_threshold``
+   (lazy rescaling; threshold 0 disables it: the max moves at every block, as on SM90).
+5. ``t = fma(s, scale_log2, bias)``, ``bias = fma(-max, scale_log2, max_offset)`` — ptxas
+   fuses both (``SoftmaxSm100.scale_subtract_rowmax``; on SM90 ``bias = -fl32(max*scale_log2)``
+   and ``s*scale_log2 - bias`` is one FFMA; with max_offset 0 the two forms agree).
+6. ``P = exp2(t)`` per element: hardware (``ex2.approx.ftz``, modelled as the correctly rounded
+   exp2 with flush-to-zero: see :func:`hardware_exp2`) or the bit-exact polynomial
+   (``fa4.ex2.ex2_emulation_2``) on the columns ``SoftmaxSm100.apply_exp2_convert`` emulates.
+7. Row sum of the *unrounded* float32 P in production's order (``utils.fadd_reduce``: SM100
+   eight packed lanes; SM90 four thread-partial sequential chains reduced at the end).
+8. P cast to ``p_dtype`` (round to nearest even; fp8 saturating: ``cvt.rn.satfinite``).
+9. O = O * acc_scale + P V per block (float32 accumulator; the MMA sum rounded once, as 1.).
+10. Finalize (``Softmax.finalize`` / SM100 epilogue): learnable sink folded into the row sum,
+    ``rcp_approx`` (modelled as the correctly rounded reciprocal), O * rcp, the output cast
+    (fp8 inputs give bf16), LSE in natural log with max_offset accounted for.
+
+NaN semantics come along: a NaN score is ignored by the row max, swallowed (P = 0) where the
+polynomial exp2 handles it and propagated by the hardware exp2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from fa4.ex2 import DEGREES, emulated_columns, ex2_emulation_2
+from numerics.fp import CANONICAL_NAN_BITS, fma_f32, round_to
+
+__all__ = ["FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_LOG2_E = 1.4426950408889634  # math.log2(math.e), rounded to float32 where the kernel uses it
+_LN2 = math.log(2.0)
+
+# flash_fwd_sm100.py _TUNING_CONFIG: (use_2cta_instrs, is_causal, head_dim_padded, is_sm103)
+_SM100_TUNING = {
+    (True, False, 128, False): (10, 1),
+    (False, True, 128, False): (16, 1),
+    (True, False, 192, False): (16, 0),
+    (False, True, 192, False): (32, 1),
+    (True, False, 128, True): (0, 0),
+    (False, True, 128, True): (0, 0),
+    (True, False, 192, True): (0, 0),
+    (False, True, 192, True): (0, 0),
+    (True, False, 256, False): (14, 0),
+    (True, True, 256, False): (14, 0),
+}
+# _FP8_TUNING_CONFIG overrides for fp8
+_SM100_FP8_TUNING = {(True, False, 128, False): (10, 1), (False, True, 128, False): (8, 1)}
+
+
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+@dataclass(frozen=True)
+class FA4Numerics:
+    """The knobs that decide FA4's forward numerics.  A variant to gate is a new value
+    (``dataclasses.replace``), not new code.
+
+    arch: ``"sm100"`` or ``"sm90"`` (row-sum order, LSE/finalize form).
+    tile_m, tile_n: query rows and keys per tile (tile_n sets the KV block boundaries; tile_m
+    only which blocks a query tile visits).
+    exp2: ``"mixed"`` (production: emulation on the interleaved columns), ``"emulated"`` (every
+    element), ``"hardware"`` (none).
+    poly_degree, emu_freq, emu_res, emu_start_frg: the polynomial and the interleave
+    (``fa4.ex2.emulated_columns``).
+    rescale_threshold: log2 units the row max may lag (0: rescale whenever the max grows).
+    max_offset: log2 offset added to every exponent (fp8 spends unused code points).
+    p_dtype: dtype P is cast to before P V (None: the input dtype).
+    """
+
+    arch: Literal["sm100", "sm90"] = "sm100"
+    tile_m: int = 128
+    tile_n: int = 128
+    exp2: Literal["mixed", "emulated", "hardware"] = "mixed"
+    poly_degree: int = 3
+    emu_freq: int = 0
+    emu_res: int = 4
+    emu_start_frg: int = 0
+    rescale_threshold: float = 8.0
+    max_offset: int = 0
+    p_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.arch not in ("sm100", "sm90"):
+            raise ValueError(f"arch must be 'sm100' or 'sm90', got {self.arch!r}")
+        if self.exp2 not in ("mixed", "emulated", "hardware"):
+            raise ValueError(f"exp2 must be 'mixed', 'emulated' or 'hardware', got {self.exp2!r}")
+        if self.poly_degree not in DEGREES:
+            raise ValueError(f"poly_degree must be one of {list(DEGREES)}, got {self.poly_degree!r}")
+        if self.tile_n <= 0 or self.tile_n % 8 or self.tile_m <= 0:
+            raise ValueError(f"tile_n must be a positive multiple of 8 and tile_m positive, got {self.tile_m}x{self.tile_n}")
+        if self.rescale_threshold < 0:
+            raise ValueError(f"rescale_threshold must be >= 0 (log2 units), got {self.rescale_threshold}")
+        if self.p_dtype is not None and self.p_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"p_dtype must be one of {SUPPORTED_DTYPES} or None, got {self.p_dtype}")
+
+    @staticmethod
+    def sm100(dtype: torch.dtype, head_dim: int, causal: bool = False, local: bool = False, *, use_2cta: bool | None = None) -> "FA4Numerics":
+        """Production SM100 defaults (``FlashAttentionForwardSm100.__init__`` and ``__call__``):
+        threshold 8 / max_offset 0 for 16-bit inputs, 0 / 8 for fp8; the exp2 interleave from
+        ``_TUNING_CONFIG`` (and ``_FP8_TUNING_CONFIG``) keyed by (2-CTA, causal, padded head dim)."""
+        _check_dtype(dtype)
+        fp8 = dtype in _FP8
+        hdp = int(math.ceil(head_dim / 16) * 16)
+        if use_2cta is None:
+            use_2cta = not causal and not local and hdp in (128, 192, 256) or hdp == 256
+        key = (use_2cta, causal, hdp, False)
+        freq, start = _SM100_TUNING.get(key, (None, 1))
+        if fp8 and key in _SM100_FP8_TUNING:
+            freq, start = _SM100_FP8_TUNING[key]
+        if freq is None:  # no tuning entry: the default rule of __init__
+            enable = hdp <= 128 or (hdp == 192 and use_2cta and not causal and not local)
+            freq = 16 if enable else 0
+        return FA4Numerics(
+            arch="sm100",
+            tile_m=128,
+            tile_n=128,
+            exp2="mixed",
+            poly_degree=3,
+            emu_freq=freq,
+            emu_res=4,
+            emu_start_frg=start,
+            rescale_threshold=0.0 if fp8 else 8.0,
+            max_offset=8 if fp8 else 0,
+        )
+
+    @staticmethod
+    def sm90(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, causal: bool = False, local: bool = False, head_dim_v: int | None = None) -> "FA4Numerics":
+        """The Hopper path (``flash_fwd_sm90.py``): hardware exp2, the max moves at every block,
+        no threshold, no max_offset; tiles from ``interface._tile_size_fwd_sm90``."""
+        if dtype in _FP8:
+            raise NotImplementedError("the SM90 path supports only bf16 and fp16 (flash_fwd.py _check_type)")
+        _check_dtype(dtype)
+        dv = head_dim if head_dim_v is None else head_dim_v
+        if head_dim <= 64:
+            tm, tn = 192, 128
+        elif head_dim <= 96:
+            tm, tn = (192, 128) if causal or local else (192, 144)
+        elif head_dim <= 128:
+            tm, tn = 128, 128
+        elif head_dim <= 192:
+            tm, tn = 128, 96 if local else (128 if dv <= 128 else 112)
+        else:
+            tm, tn = 128, 64 if local else 80
+        return FA4Numerics(arch="sm90", tile_m=tm, tile_n=tn, exp2="hardware", rescale_threshold=0.0, max_offset=0)
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported input dtype {dtype}; accepted: bfloat16, float16, float8_e4m3fn, float8_e5m2")
+
+
+def hardware_exp2(t: torch.Tensor) -> torch.Tensor:
+    """Model of ``ex2.approx.ftz.f32`` (MUFU.EX2): 2**t correctly rounded to float32, results
+    below 2**-126 flushed to +0, NaN -> canonical NaN.  MUFU.EX2 itself is not correctly
+    rounded: measured over all 2**32 inputs on the H200 (reports/ex2) its relative error is at
+    most 1.46e-7 (2.05 float32 ULP), so it can differ from this model by about 2 ULP."""
+    y = torch.exp2(t.double()).float()
+    y = torch.where(y < 2.0**-126, torch.zeros_like(y), y)
+    nan = torch.tensor(CANONICAL_NAN_BITS, dtype=torch.int32, device=t.device).view(torch.float32)
+    return torch.where(torch.isnan(t), nan, y)
+
+
+def _block_ranges(sq: int, sk: int, nm: FA4Numerics, causal: bool, window: tuple, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per query row: [n_min, n_max) of the KV blocks its query tile visits
+    (``block_info.BlockInfo.get_n_block_min_max``), and the number of blocks."""
+    tm, tn = nm.tile_m, nm.tile_n
+    left, right = window
+    if causal:
+        right = 0
+    nblk = max(1, -(-sk // tn))
+    mb = torch.arange(sq, device=device) // tm
+    n_max = torch.full((sq,), nblk, dtype=torch.int64, device=device)
+    if right is not None:
+        n_idx_right = torch.clamp((mb + 1) * tm + sk - sq + right, min=0)
+        n_max = torch.minimum(n_max, -(-n_idx_right // tn))
+    n_min = torch.zeros(sq, dtype=torch.int64, device=device)
+    if left is not None:
+        n_idx_left = mb * tm + sk - sq - left
+        n_min = torch.clamp(torch.div(n_idx_left, tn, rounding_mode="floor"), min=0)
+    return n_min, n_max, nblk
+
+
+def _exp2_mixed(t: torch.Tensor, nm: FA4Numerics) -> torch.Tensor:
+    if nm.exp2 == "hardware":
+        return hardware_exp2(t)
+    emu = ex2_emulation_2(t.contiguous(), nm.poly_degree)
+    if nm.exp2 == "emulated":
+        return emu
+    cols = emulated_columns(nm.tile_n, ex2_emu_freq=nm.emu_freq, ex2_emu_res=nm.emu_res, ex2_emu_start_frg=nm.emu_start_frg) if nm.tile_n % 32 == 0 else torch.zeros(nm.tile_n, dtype=torch.bool)
+    return torch.where(cols.to(t.device), emu, hardware_exp2(t))
+
+
+def _row_sum_sm100(p: torch.Tensor, init: torch.Tensor | None) -> torch.Tensor:
+    """``utils.fadd_reduce`` for arch >= 100: eight lanes (packed pairs (0,1),(2,3),(4,5),(6,7)),
+    each a sequential float32 chain over the groups of 8 columns, ``init`` added to lane 0
+    first; then (l0+l2, l1+l3, ...) pairwise: ((0,1)+(2,3)), ((4,5)+(6,7)), their sum, and
+    finally lane pair [0] + [1]."""
+    g = p.reshape(*p.shape[:-1], -1, 8)
+    acc = g[..., 0, :].clone()
+    if init is not None:
+        acc[..., 0] = init + acc[..., 0]
+    for i in range(1, g.shape[-2]):
+        acc = acc + g[..., i, :]
+    l01, l23, l45, l67 = acc[..., 0:2], acc[..., 2:4], acc[..., 4:6], acc[..., 6:8]
+    a = l01 + l23
+    c = l45 + l67
+    a = a + c
+    return a[..., 0] + a[..., 1]
+
+
+def _row_sum_sm90(p: torch.Tensor, partial: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """SM90: four thread-partial sums per row (thread q of a quad owns columns 8j+2q, 8j+2q+1),
+    each a strictly sequential float32 chain in column order; a later block starts with
+    ``fma(partial, scale, p0)`` (ptxas fuses it).  Returns the (…, 4) partials."""
+    n = p.shape[-1]
+    cols = torch.arange(n, device=p.device).reshape(-1, 4, 2).permute(1, 0, 2).reshape(4, -1)  # (4, n/4)
+    pq = p[..., cols]  # (..., 4, n/4)
+    if partial is None:
+        acc = torch.zeros_like(pq[..., 0]) + pq[..., 0]
+    else:
+        acc = fma_f32(partial, scale.unsqueeze(-1).expand_as(partial).contiguous(), pq[..., 0].contiguous())
+    for i in range(1, pq.shape[-1]):
+        acc = acc + pq[..., i]
+    return acc
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    return_lse: bool = False,
+    numerics: FA4Numerics | None = None,
+):
+    """The FA4 forward pass as production computes it (module doc), on q's device.
+
+    q: (b, sq, hq, d); k: (b, sk, hk, d); v: (b, sk, hk, dv); hq % hk == 0; dtype bf16, fp16,
+    fp8 e4m3fn / e5m2 (descale 1).  Returns out (b, sq, hq, dv) in the input dtype (bf16 for
+    fp8 inputs) and, with ``return_lse``, lse (b, hq, sq) float32.  ``numerics=None``:
+    ``FA4Numerics.sm100`` for these inputs.
+    """
+    _validate(q, k, v, learnable_sink)
+    b, sq, hq, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    left, right = window_size
+    local = not causal and (left is not None or right is not None)
+    nm = numerics if numerics is not None else FA4Numerics.sm100(q.dtype, d, causal, local)
+    dev = q.device
+    out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
+    p_dtype = nm.p_dtype or q.dtype
+    scale = _f32(1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale))
+    softcap = float(softcap or 0.0)
+    if softcap > 0:
+        sl2 = _f32(_LOG2_E)
+    else:
+        sl2 = _f32(scale * _f32(_LOG2_E))
+    tn = nm.tile_n
+    n_min, n_max, nblk = _block_ranges(sq, sk, nm, causal, (left, right), dev)
+    rep = hq // hk
+    q64 = q.to(torch.float64)
+    k64 = k.to(torch.float64).repeat_interleave(rep, dim=2)
+    v64 = v.to(torch.float64).repeat_interleave(rep, dim=2)
+    from numerics.reference import visible_mask
+
+    vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev)
+    shape = (b, hq, sq)
+    row_max = torch.full(shape, -math.inf, dtype=torch.float32, device=dev)
+    started = torch.zeros(shape, dtype=torch.bool, device=dev)
+    row_sum = torch.zeros(shape, dtype=torch.float32, device=dev)
+    partial = torch.zeros(shape + (4,), dtype=torch.float32, device=dev)
+    acc_o = torch.zeros(shape + (dv,), dtype=torch.float32, device=dev)
+    sl2_t = torch.tensor(sl2, dtype=torch.float32, device=dev)
+    off = torch.tensor(float(nm.max_offset), dtype=torch.float32, device=dev)
+    for n in range(nblk - 1, -1, -1):
+        active = ((n >= n_min) & (n < n_max)).view(1, 1, sq).expand(shape)
+        if not bool(active.any()):
+            continue
+        j0, j1 = n * tn, min((n + 1) * tn, sk)
+        s = torch.einsum("bihd,bjhd->bhij", q64, k64[:, j0:j1]).float()  # step 1
+        if softcap > 0:  # step 2
+            s = (s * scale) / softcap
+            s = torch.tanh(s.double()).float() * _f32(softcap)
+        s = torch.nn.functional.pad(s, (0, tn - (j1 - j0)), value=-math.inf)
+        mask = torch.nn.functional.pad(vis[:, j0:j1], (0, tn - (j1 - j0)), value=False)
+        s = s.masked_fill(~mask, -math.inf)  # step 3
+        first = ~started
+        blk_max = torch.where(torch.isnan(s), torch.full_like(s, -math.inf), s).amax(-1)  # step 4
+        new_max = torch.where(first, blk_max, torch.fmax(row_max, blk_max))
+        safe = torch.where(new_max == -math.inf, torch.zeros_like(new_max), new_max)
+        scale_arg = (row_max - safe) * sl2_t
+        acc_scale = torch.where(first, torch.zeros_like(safe), hardware_exp2(scale_arg))
+        if nm.rescale_threshold > 0:  # SoftmaxSm100.update_row_max: lazy rescaling
+            keep = ~first & (scale_arg >= -nm.rescale_threshold)
+            new_max = torch.where(keep, row_max, new_max)
+            safe = torch.where(keep, row_max, safe)
+            acc_scale = torch.where(keep, torch.ones_like(acc_scale), acc_scale)
+        bias = _fma(-safe, sl2_t, off)  # step 5: ptxas fuses max_offset - max*scale_log2 (one rounding)
+        t = _fma(s, sl2_t, bias.unsqueeze(-1))
+        p = _exp2_mixed(t, nm)  # step 6
+        if nm.arch == "sm100":  # step 7
+            init = torch.where(first, torch.zeros_like(row_sum), row_sum * acc_scale)
+            blk_sum = _row_sum_sm100(p, init)
+            blk_sum = torch.where(first, _row_sum_sm100(p, None), blk_sum)
+            new_partial = partial
+        else:
+            new_partial = torch.where(first.unsqueeze(-1), _row_sum_sm90(p, None, None), _row_sum_sm90(p, partial, acc_scale))
+            blk_sum = row_sum
+        p_lp = round_to(p, p_dtype, saturate=p_dtype in _FP8)  # step 8
+        pv = torch.einsum("bhij,bjhd->bhid", p_lp.double()[..., : j1 - j0], v64[:, j0:j1])
+        o_new = torch.where(first.unsqueeze(-1), pv.float(), (acc_o * acc_scale.unsqueeze(-1)).double().add(pv).float())  # step 9
+        a3 = active
+        row_max = torch.where(a3, new_max, row_max)
+        row_sum = torch.where(a3, blk_sum, row_sum)
+        partial = torch.where(a3.unsqueeze(-1), new_partial, partial)
+        acc_o = torch.where(a3.unsqueeze(-1), o_new, acc_o)
+        started = started | a3
+    if nm.arch == "sm90":
+        row_sum = (partial[..., 0] + partial[..., 1]) + (partial[..., 2] + partial[..., 3])
+    out, lse = _finalize(nm, row_max, row_sum, acc_o, sl2_t, off, learnable_sink, out_dtype)
+    out = out.permute(0, 2, 1, 3).contiguous()
+    return (out, lse) if return_lse else out
+
+
+def _fma(a: torch.Tensor, b, c) -> torch.Tensor:
+    """fma.rn.f32 with broadcasting (``numerics.fp.fma_f32`` wants equal shapes)."""
+    a, b, c = torch.broadcast_tensors(a, torch.as_tensor(b, dtype=torch.float32, device=a.device), torch.as_tensor(c, dtype=torch.float32, device=a.device))
+    return fma_f32(a.contiguous(), b.contiguous(), c.contiguous())
+
+
+def _finalize(nm, row_max, row_sum, acc_o, sl2, off, sink, out_dtype):
+    """The SM100 correction-warp epilogue (``flash_fwd_sm100.py`` ``correction_loop``) or
+    ``Softmax.finalize`` (SM90): learnable sink, reciprocal, O scaling, LSE.  Fused operations
+    follow the SASS ptxas emits (fma where it fuses, separate roundings where it does not)."""
+    dev = row_sum.device
+    l2e = torch.tensor(_f32(_LOG2_E), device=dev)
+    ln2 = torch.tensor(_f32(_LN2), device=dev)
+    if sink is not None:
+        s = sink.to(torch.float32).view(1, -1, 1).expand_as(row_sum)
+        empty = row_max == -math.inf
+        if nm.arch == "sm100":  # softmax.apply_learnable_sink
+            u = _fma(s, l2e, -(row_max * sl2)) + off  # FMUL, FFMA, FADD
+            row_sum = torch.where(empty, torch.full_like(row_sum, 2.0**nm.max_offset), row_sum + hardware_exp2(u))
+            row_max = torch.where(empty, s * (l2e / sl2), row_max)  # div.rn, FMUL
+        else:  # Softmax.finalize
+            rms = torch.where(empty, s * l2e, row_max * sl2)
+            row_sum = row_sum + hardware_exp2(_fma(s, l2e, -rms))
+    bad = (row_sum == 0) | torch.isnan(row_sum)
+    rcp = (1.0 / torch.where(bad, torch.ones_like(row_sum), row_sum).double()).float()  # rcp.approx.ftz
+    out = (acc_o * rcp.unsqueeze(-1)).to(out_dtype)
+    lg2 = torch.log2(row_sum.double()).float()  # lg2.approx.ftz
+    if nm.arch == "sm90" and sink is not None:
+        lse = ((rms + lg2) * ln2)
+    else:  # FFMA(row_max, scale_log2, lg2 - max_offset) * LN2
+        lse = _fma(row_max, sl2, lg2 - off) * ln2
+    lse = torch.where(bad, torch.full_like(lse, -math.inf), lse)
+    return out, lse
+
+
+def _validate(q, k, v, sink):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d tensor (batch, seqlen, heads, dim), got {getattr(t, 'shape', type(t))}")
+        _check_dtype(t.dtype)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({k.shape[2]})")
+    if sink is not None and sink.shape != (q.shape[2],):
+        raise ValueError(f"learnable_sink must have shape (heads_q,) = ({q.shape[2]},), got {tuple(sink.shape)}")
+
+
+def replace(numerics: FA4Numerics, **changes) -> FA4Numerics:
+    """``dataclasses.replace`` for a variant (validated)."""
+    return dataclasses.replace(numerics, **changes)

@@ -1,0 +1,116 @@
+"""Error metrics of an attention output (and LSE) against a reference, and of one kernel's
+output against another's.
+
+* :func:`output_errors` — against the FP64 reference: max |err| (value, index, reference value
+  there), relative L2, max ULP error in the output dtype (``numerics.fp.ulp_error``'s
+  convention), non-finite mismatches.
+* :func:`lse_errors` — max |lse - ref| over rows where both are finite, and rows where one is
+  -inf/NaN and the other is not.
+* :func:`ulp_diff_histogram` — integer ULP distance between two tensors of the same 16- or
+  8-bit float dtype (model vs production): counts of 0, 1, 2 and > 2 steps apart.
+* :func:`fa_criterion` — FlashAttention's own test: max|out - ref| <= 2 max|out_lp - ref| + 2
+  * rounding error of the output dtype at the reference's max magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from numerics.fp import format_of, ulp_error
+
+__all__ = ["output_errors", "lse_errors", "ulp_diff_histogram", "fa_criterion"]
+
+
+def _index(flat_idx: int, shape) -> tuple[int, ...]:
+    out = []
+    for n in reversed(shape):
+        out.append(flat_idx % n)
+        flat_idx //= n
+    return tuple(reversed(out))
+
+
+def output_errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Errors of ``out`` (any float dtype) against the float64 reference ``ref`` (same shape).
+
+    Elements where the reference is finite but ``out`` is not are counted in
+    ``nonfinite_where_ref_finite`` (they always fail); where the reference is NaN but ``out`` is
+    finite, in ``nan_swallowed`` (a semantics deviation).  Error statistics use the elements
+    where both are finite.
+    """
+    if out.shape != ref.shape:
+        raise ValueError(f"shapes differ: out {tuple(out.shape)} vs reference {tuple(ref.shape)}")
+    o, r = out.double(), ref.double()
+    fin_o, fin_r = torch.isfinite(o), torch.isfinite(r)
+    both = fin_o & fin_r
+    err = torch.where(both, (o - r).abs(), torch.zeros_like(o))
+    i = int(err.argmax()) if err.numel() else 0
+    num = torch.linalg.vector_norm(torch.where(both, o - r, torch.zeros_like(o)))
+    den = torch.linalg.vector_norm(torch.where(both, r, torch.zeros_like(r)))
+    res = {
+        "max_abs": float(err.max()) if err.numel() else 0.0,
+        "argmax": _index(i, out.shape),
+        "ref_at_argmax": float(r.reshape(-1)[i]) if err.numel() else 0.0,
+        "rel_l2": float(num / den) if den > 0 else float(num),
+        "nonfinite_where_ref_finite": int((fin_r & ~fin_o).sum()),
+        "nan_swallowed": int((torch.isnan(r) & fin_o).sum()),
+        "elements": out.numel(),
+    }
+    if out.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        u = ulp_error(o, r, dtype=out.dtype)
+        res["max_ulp"] = float(torch.where(both, u, torch.zeros_like(u)).max()) if u.numel() else 0.0
+    return res
+
+
+def lse_errors(lse: torch.Tensor, ref: torch.Tensor) -> dict:
+    """LSE (natural log) against the float64 reference lse."""
+    a, r = lse.double(), ref.double()
+    both = torch.isfinite(a) & torch.isfinite(r)
+    err = torch.where(both, (a - r).abs(), torch.zeros_like(a))
+    same_special = (a == r) | (torch.isnan(a) & torch.isnan(r))
+    return {
+        "max_abs": float(err.max()) if err.numel() else 0.0,
+        "mismatched_nonfinite": int((~both & ~same_special).sum()),
+    }
+
+
+def _ordered_int(x: torch.Tensor) -> torch.Tensor:
+    """Integer image of a 16- or 8-bit float tensor's bit patterns, monotone in value, +0 = -0."""
+    width = {2: torch.int16, 1: torch.int8}[x.element_size()]
+    b = x.view(width).to(torch.int64)
+    sign_bit = 1 << (8 * x.element_size() - 1)
+    mag = b & (sign_bit - 1)
+    return torch.where(b < 0, -mag, mag)
+
+
+def ulp_diff_histogram(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How many elements of two same-dtype low-precision tensors are 0, 1, 2, >2 ULP steps
+    apart (integer steps of the format; NaN vs NaN counts as 0, NaN vs a number as >2)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"need equal dtype and shape, got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}")
+    if a.element_size() not in (1, 2):
+        raise ValueError(f"ulp_diff_histogram takes 16- or 8-bit floats, got {a.dtype}")
+    d = (_ordered_int(a) - _ordered_int(b)).abs()
+    na, nb = torch.isnan(a.float()), torch.isnan(b.float())
+    d = torch.where(na & nb, torch.zeros_like(d), d)
+    d = torch.where(na ^ nb, torch.full_like(d, 1 << 20), d)
+    n = d.numel()
+    counts = {"0": int((d == 0).sum()), "1": int((d == 1).sum()), "2": int((d == 2).sum()), ">2": int((d > 2).sum())}
+    counts["total"] = n
+    counts["max"] = int(d.max()) if n else 0
+    counts["fraction_within_1"] = (counts["0"] + counts["1"]) / n if n else 1.0
+    return counts
+
+
+def fa_criterion(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor) -> dict:
+    """FlashAttention's test criterion (tests/cute/test_flash_attn.py): pass iff
+    max|out - ref| <= 2 * max|out_lowprec - ref| + 2 * rounding, where rounding is the output
+    dtype's unit roundoff times max|ref| (its ``(ref + 0.3 - 0.3 - ref).abs().max()``)."""
+    fmt = format_of(out.dtype)
+    r = ref.double()
+    err = float((out.double() - r).abs().max())
+    base = float((out_lowprec.double() - r).abs().max())
+    rounding = fmt.unit_roundoff * float(r.abs().max()) if r.numel() else 0.0
+    allowed = 2 * base + 2 * rounding
+    return {"max_abs": err, "lowprec_max_abs": base, "allowed": allowed, "passed": err <= allowed and math.isfinite(err)}
