@@ -167,3 +167,31 @@ def compile_ex2_ptx(variant: str, degree: int, dump_dir: str) -> str:
         raise RuntimeError(f"the compiler wrote no PTX into {dump_dir}")
     with open(new[-1]) as fh:
         return fh.read()
+
+
+def flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale=None,
+    causal: bool = False,
+    window_size=(None, None),
+    softcap: float = 0.0,
+    learnable_sink=None,
+    return_lse: bool = False,
+):
+    """The audited-callable adapter of production ``flash_attn.cute.flash_attn_func`` (kernel
+    ``fa4``).  FA4's own refusals of a configuration (its asserts and type checks on head dims,
+    dtypes, architectures) become ``NotImplementedError``; anything else propagates as an error."""
+    require_production()
+    from flash_attn.cute import flash_attn_func
+
+    try:
+        out, lse = flash_attn_func(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+            softcap=softcap, learnable_sink=learnable_sink, return_lse=return_lse,
+        )
+    except (AssertionError, NotImplementedError, TypeError) as exc:
+        raise NotImplementedError(f"flash_attn_func refused the configuration: {type(exc).__name__}: {exc}") from exc
+    return (out, lse) if return_lse else out
