@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from fa4.model import FA4Numerics, attention
-from numerics.metrics import lse_errors, output_errors, ulp_diff_histogram
+from numerics.metrics import lse_errors, output_errors, row_scaled_ulp_diff, ulp_diff_histogram
 from numerics.reference import attention_reference
 
 __all__ = ["FidelityCase", "CASES", "run_case", "summarize"]
@@ -99,6 +99,8 @@ def run_case(c: FidelityCase, production, device) -> dict:
         "case": asdict(c),
         "tiles": [nm.tile_m, nm.tile_n],
         "ulp_diff": hist,
+        "row_scaled_ulp_diff": row_scaled_ulp_diff(mo, po, ref),
+        "max_abs_diff": float((mo.double() - po.double()).abs().nan_to_num(math.inf).max()),
         "lse_max_abs_diff": float(dl[fin].abs().max()) if bool(fin.any()) else 0.0,
         "lse_nonfinite_agree": bool(torch.equal(torch.isfinite(pl), torch.isfinite(ml))),
         "production_vs_fp64": output_errors(po, ref),
@@ -120,6 +122,8 @@ def summarize(results: list[dict]) -> dict:
         "fraction_identical": tot["0"] / tot["total"],
         "fraction_within_1": (tot["0"] + tot["1"]) / tot["total"],
         "max_ulp_diff": max(r["ulp_diff"]["max"] for r in results),
+        "row_scaled": {k: sum(r["row_scaled_ulp_diff"][k] for r in results) for k in ("le_1", "le_2", "gt_2", "total")},
+        "row_scaled_max": max(r["row_scaled_ulp_diff"]["max"] for r in results),
         "lse_max_abs_diff": max(r["lse_max_abs_diff"] for r in results),
     }
 
@@ -135,11 +139,15 @@ def markdown(report: dict) -> str:
         f"{100 * s['fraction_within_1']:.3f}% identical or 1 ULP apart, {s['outputs']['2']:,} 2 ULP apart, "
         f"{s['outputs']['>2']:,} more than 2 (max {s['max_ulp_diff']}); LSE max |model - production| = {s['lse_max_abs_diff']:.3g}.",
         "",
-        "ULP = integer steps of the output dtype between model and production outputs. "
-        "Errors against FP64: max |out - ref|.",
+        f"In ULPs at each row's largest |reference| (row-scaled; integer steps overstate entries near 0): "
+        f"{s['row_scaled']['le_1']:,} within 1, {s['row_scaled']['le_2'] - s['row_scaled']['le_1']:,} in (1, 2], "
+        f"{s['row_scaled']['gt_2']:,} beyond 2 (max {s['row_scaled_max']:.3g}).",
         "",
-        "| case | dtype | tiles | ULP diff 0 / 1 / 2 / >2 (max) | LSE diff | prod max err | model max err | prod rel L2 | model rel L2 | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "ULP diff = integer steps of the output dtype between model and production outputs; row ULP = the largest "
+        "difference in ULPs at the row's largest |reference|. Errors against FP64: max |out - ref|.",
+        "",
+        "| case | dtype | tiles | ULP diff 0 / 1 / 2 / >2 (max) | row ULP max | LSE diff | prod max err | model max err | prod rel L2 | model rel L2 | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     if "mufu_ex2_vs_model" in report:
         m = report["mufu_ex2_vs_model"]
@@ -154,7 +162,7 @@ def markdown(report: dict) -> str:
         h, c = r["ulp_diff"], r["case"]
         L.append(
             f"| {c['name']} | {c['dtype']} | {r['tiles'][0]}x{r['tiles'][1]} | {h['0']:,} / {h['1']:,} / {h['2']:,} / {h['>2']:,} ({h['max']}) "
-            f"| {r['lse_max_abs_diff']:.2g} | {r['production_vs_fp64']['max_abs']:.3g} | {r['model_vs_fp64']['max_abs']:.3g} "
+            f"| {r['row_scaled_ulp_diff']['max']:.3g} | {r['lse_max_abs_diff']:.2g} | {r['production_vs_fp64']['max_abs']:.3g} | {r['model_vs_fp64']['max_abs']:.3g} "
             f"| {r['production_vs_fp64']['rel_l2']:.3g} | {r['model_vs_fp64']['rel_l2']:.3g} | {'yes' if r['ok'] else 'NO'} |"
         )
     return "\n".join(L) + "\n"

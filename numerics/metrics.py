@@ -8,6 +8,7 @@ output against another's.
   -inf/NaN and the other is not.
 * :func:`ulp_diff_histogram` — integer ULP distance between two tensors of the same 16- or
   8-bit float dtype (model vs production): counts of 0, 1, 2 and > 2 steps apart.
+* :func:`row_scaled_ulp_diff` — the same in ULPs at each row's largest reference magnitude.
 * :func:`fa_criterion` — FlashAttention's own test: max|out - ref| <= 2 max|out_lp - ref| + 2
   * rounding error of the output dtype at the reference's max magnitude.
 """
@@ -20,7 +21,7 @@ import torch
 
 from numerics.fp import format_of, ulp_error
 
-__all__ = ["output_errors", "lse_errors", "ulp_diff_histogram", "fa_criterion"]
+__all__ = ["output_errors", "lse_errors", "ulp_diff_histogram", "row_scaled_ulp_diff", "fa_criterion"]
 
 
 def _index(flat_idx: int, shape) -> tuple[int, ...]:
@@ -101,6 +102,26 @@ def ulp_diff_histogram(a: torch.Tensor, b: torch.Tensor) -> dict:
     counts["max"] = int(d.max()) if n else 0
     counts["fraction_within_1"] = (counts["0"] + counts["1"]) / n if n else 1.0
     return counts
+
+
+def row_scaled_ulp_diff(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> dict:
+    """|a - b| in ULPs of a's dtype at the *row's* largest reference magnitude (the last dim is
+    the row: an attention output row is a convex combination of V rows, so its rounding scale
+    is set by its largest entries).  Integer ULP steps overstate differences of entries near 0,
+    where the format's spacing is tiny; this measure does not.  Counts of <= 1, <= 2, > 2."""
+    from numerics.fp import ulp_of
+
+    fmt = format_of(a.dtype)
+    scale = ulp_of(ref.double().abs().amax(dim=-1, keepdim=True), fmt)
+    d = (a.double() - b.double()).abs() / scale
+    both_nan = torch.isnan(a.double()) & torch.isnan(b.double())
+    d = torch.where(both_nan, torch.zeros_like(d), d)
+    d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
+    n = d.numel()
+    return {
+        "le_1": int((d <= 1).sum()), "le_2": int((d <= 2).sum()), "gt_2": int((d > 2).sum()),
+        "max": float(d.max()) if n else 0.0, "total": n,
+    }
 
 
 def fa_criterion(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor) -> dict:
