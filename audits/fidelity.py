@@ -152,12 +152,12 @@ def markdown(report: dict) -> str:
     if "mufu_ex2_vs_model" in report:
         m = report["mufu_ex2_vs_model"]
         u = m["ulp_distance"]
-        L[5:5] = [
+        L[6:6] = [
             f"MUFU.EX2 (the H200's `ex2.approx.ftz.f32`) vs the model's `hardware_exp2` (correctly rounded, ftz) over all "
             f"{m['inputs']:,} float32 inputs: {u['0']:,} identical, {u['1']:,} 1 ULP apart, {u['2']:,} 2 apart, {u['>2']:,} more "
             f"(max {m['max']} at x = {m['max_at_x_bits']}).",
             "",
-        ]
+        ]  # after the summary line and its blank
     for r in report["results"]:
         h, c = r["ulp_diff"], r["case"]
         L.append(

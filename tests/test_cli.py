@@ -79,3 +79,33 @@ def test_python_dash_m_audits_is_the_same_cli(tmp_path):
         [sys.executable, "-m", "audits", "ex2", "--degree", "9", "--out", str(tmp_path)], capture_output=True, text=True
     )
     assert p.returncode == 2 and "accepted: 1, 2, 3, 4, 5" in p.stderr
+
+
+def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).parents[1])
+    rc = run("fidelity", "--device", "cpu", "--production", "tests.fake_kernels:sm90_model", "--cases", "d64_sq*", "--out", str(tmp_path), "--quiet")
+    assert rc == 0
+    rep = json.loads((tmp_path / "fidelity.json").read_text())
+    assert rep["summary"]["fraction_identical"] == 1.0 and rep["summary"]["cases_ok"] == 1
+    rc = run("fidelity", "--device", "cpu", "--production", "tests.fake_kernels:sm90_model_poly_exp2", "--cases", "d64_sq*", "--out", str(tmp_path), "--quiet")
+    assert rc == 1  # a kernel whose exp2 differs fails the fidelity threshold
+    assert "0/1 cases ok" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["fidelity", "--device", "cpu", "--production", "nocolon"], "is not of the form module:attr"),
+        (["fidelity", "--device", "cpu", "--production", "no.such.module:f"], "cannot load 'no.such.module:f'"),
+        (["fidelity", "--device", "cpu", "--production", "tests.fake_kernels:sm90_model", "--cases", "zzz"], "matches none of"),
+    ],
+)
+def test_fidelity_usage_errors(argv, message, capsys):
+    assert run(*argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-production message")
+def test_fidelity_without_production_exits_2(capsys):
+    assert run("fidelity", "--device", "cpu") == 2
+    assert "fidelity compares with the production kernel, which is unavailable" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""numerics.reference (FP64, certified by mpmath) and numerics.metrics."""
+
+import math
+
+import mpmath
+import pytest
+import torch
+
+from numerics.metrics import fa_criterion, lse_errors, output_errors, row_scaled_ulp_diff, ulp_diff_histogram
+from numerics.reference import attention_reference, mp_attention_rows, visible_mask
+
+
+def _inputs(seed=0, b=2, sq=7, sk=11, hq=4, hk=2, d=16):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, generator=g).bfloat16()
+    k = torch.randn(b, sk, hk, d, generator=g).bfloat16()
+    v = torch.randn(b, sk, hk, d, generator=g).bfloat16()
+    return q, k, v, torch.randn(hq, generator=g)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"causal": True}, {"window_size": (3, 1)}, {"window_size": (None, 0)}, {"softcap": 4.0}, {"softmax_scale": 0.7}, {"sink": True, "causal": True}],
+)
+def test_fp64_reference_certified_by_mpmath(kw):
+    q, k, v, sink = _inputs()
+    kw = dict(kw)
+    if kw.pop("sink", False):
+        kw["learnable_sink"] = sink
+    out, lse = attention_reference(q, k, v, return_lse=True, **kw)
+    rows = [(0, 0, 0), (1, 3, 6), (1, 2, 3)]
+    old = mpmath.mp.dps
+    for (bi, h, i), (mo, ml) in zip(rows, mp_attention_rows(q, k, v, rows, **kw)):
+        assert mpmath.mp.dps == old
+        for c, x in enumerate(mo):
+            assert abs(float(x) - out[bi, i, h, c].item()) <= 1e-14
+        if math.isfinite(float(ml)):
+            assert abs(float(ml) - lse[bi, h, i].item()) <= 1e-14
+        else:
+            assert lse[bi, h, i].item() == -math.inf
+
+
+def test_visible_mask_bottom_right_and_windows():
+    m = visible_mask(3, 5, causal=True)
+    assert m.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    m = visible_mask(4, 2, causal=True)  # seqlen_q > seqlen_k: the first rows see nothing
+    assert m.sum(-1).tolist() == [0, 0, 1, 2]
+    m = visible_mask(4, 4, window_size=(1, 0))
+    assert m.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+
+
+def test_empty_rows_and_sink_conventions():
+    q, k, v, sink = _inputs(sq=9, sk=4)
+    out, lse = attention_reference(q, k, v, causal=True, return_lse=True)
+    assert (out[:, :5] == 0).all() and (lse[..., :5] == -math.inf).all()
+    out, lse = attention_reference(q, k, v, causal=True, return_lse=True, learnable_sink=sink)
+    assert (out[:, :5] == 0).all() and torch.allclose(lse[0, :, 0], sink.double())
+
+
+def test_nan_propagates_only_where_visible():
+    q, k, v, _ = _inputs(sq=4, sk=6)
+    k[:, 5, :, 0] = float("nan")  # key 5: visible to the last query only under causal (sq=4, sk=6)
+    out = attention_reference(q, k, v, causal=True)
+    assert torch.isnan(out[:, 3]).all() and torch.isfinite(out[:, :3]).all()
+
+
+def test_output_errors_and_lse_errors():
+    ref = torch.tensor([[1.0, 2.0, math.nan, 4.0]], dtype=torch.float64)
+    out = torch.tensor([[1.0, 2.5, 3.0, math.inf]], dtype=torch.float32)
+    e = output_errors(out, ref)
+    assert e["max_abs"] == 0.5 and e["argmax"] == (0, 1)
+    assert e["nan_swallowed"] == 1 and e["nonfinite_where_ref_finite"] == 1
+    le = lse_errors(torch.tensor([1.0, -math.inf, 2.0]), torch.tensor([1.5, -math.inf, -math.inf], dtype=torch.float64))
+    assert le == {"max_abs": 0.5, "mismatched_nonfinite": 1}
+
+
+def test_ulp_histograms():
+    a = torch.tensor([1.0, 1.0, 1.0, -1e-30, float("nan")]).bfloat16()
+    b = torch.tensor([1.0, 1.0078125, 1.0234375, 1e-30, float("nan")]).bfloat16()
+    h = ulp_diff_histogram(a, b)
+    assert (h["0"], h["1"], h[">2"]) == (2, 1, 2)  # +-1e-30 are far apart in integer steps
+    ref = torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0]], dtype=torch.float64)
+    r = row_scaled_ulp_diff(a.view(1, -1)[:, :4], b.view(1, -1)[:, :4], ref[:, :4])
+    assert r["max"] == 3.0 and r["le_1"] == 3  # ... but a fraction of a ULP of the row's scale
+
+
+def test_fa_criterion():
+    ref = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    low = torch.tensor([1.01, -2.0])
+    assert fa_criterion(torch.tensor([1.02, -2.0]), ref, low)["passed"]
+    assert not fa_criterion(torch.tensor([1.04, -2.0]), ref, low)["passed"]
