@@ -122,22 +122,50 @@ class FA4Numerics:
             raise ValueError(f"p_dtype must be one of {SUPPORTED_DTYPES} or None, got {self.p_dtype}")
 
     @staticmethod
-    def sm100(dtype: torch.dtype, head_dim: int, causal: bool = False, local: bool = False, *, use_2cta: bool | None = None) -> "FA4Numerics":
-        """Production SM100 defaults (``FlashAttentionForwardSm100.__init__`` and ``__call__``):
+    def sm100(
+        dtype: torch.dtype,
+        head_dim: int,
+        causal: bool = False,
+        local: bool = False,
+        *,
+        seqlen_q: int | None = None,
+        qhead_per_kvhead: int = 1,
+        head_dim_v: int | None = None,
+        use_2cta: bool | None = None,
+    ) -> "FA4Numerics":
+        """Production SM100 defaults, as ``interface._flash_attn_fwd`` and
+        ``FlashAttentionForwardSm100.__init__``/``__call__`` choose them for these inputs:
         threshold 8 / max_offset 0 for 16-bit inputs, 0 / 8 for fp8; the exp2 interleave from
-        ``_TUNING_CONFIG`` (and ``_FP8_TUNING_CONFIG``) keyed by (2-CTA, causal, padded head dim)."""
+        ``_TUNING_CONFIG`` (``_FP8_TUNING_CONFIG`` for fp8) keyed by (2-CTA, causal, padded head
+        dim), the default rule when no key matches, and pack_gqa's override.
+
+        2-CTA (``interface.py``, ``use_2cta_instrs``): hd256, or non-causal non-local head dims
+        128/192 with head_dim_v 128 — and more than one 128-row block of packed queries (unless
+        hd256 decode) and ``128 % qhead_per_kvhead == 0`` when GQA is packed.  ``seqlen_q=None``
+        assumes a long sequence.  pack_gqa is production's default: ``qhead_per_kvhead > 1``.
+        """
         _check_dtype(dtype)
         fp8 = dtype in _FP8
         hdp = int(math.ceil(head_dim / 16) * 16)
+        hdvp = int(math.ceil((head_dim if head_dim_v is None else head_dim_v) / 16) * 16)
+        pack_gqa = qhead_per_kvhead > 1
         if use_2cta is None:
-            use_2cta = not causal and not local and hdp in (128, 192, 256) or hdp == 256
+            packed_rows = None if seqlen_q is None else seqlen_q * (qhead_per_kvhead if pack_gqa else 1)
+            q_stage = 2 if packed_rows is None or (packed_rows > 128 and hdvp != 256) else 1
+            one_m_block = packed_rows is not None and packed_rows <= q_stage * 128
+            use_2cta = (
+                (hdp == 256 or (not causal and not local and hdp in (128, 192) and hdvp == 128))
+                and (not one_m_block or hdp == 256)
+                and (128 % qhead_per_kvhead == 0 or not pack_gqa)
+            )
         key = (use_2cta, causal, hdp, False)
-        freq, start = _SM100_TUNING.get(key, (None, 1))
-        if fp8 and key in _SM100_FP8_TUNING:
-            freq, start = _SM100_FP8_TUNING[key]
-        if freq is None:  # no tuning entry: the default rule of __init__
-            enable = hdp <= 128 or (hdp == 192 and use_2cta and not causal and not local)
-            freq = 16 if enable else 0
+        tune = dict(zip(("freq", "start"), _SM100_TUNING[key])) if key in _SM100_TUNING else {}
+        if fp8 and hdp >= 96 and key in _SM100_FP8_TUNING:
+            tune = dict(zip(("freq", "start"), _SM100_FP8_TUNING[key]))
+        enable = tune["freq"] > 0 if "freq" in tune else (hdp <= 128 or (hdp == 192 and use_2cta and not causal and not local))
+        freq = tune.get("freq", 16) if enable else 0
+        if enable and pack_gqa and hdp > 64 and not causal and not local:
+            freq = tune.get("freq", 10)
         return FA4Numerics(
             arch="sm100",
             tile_m=128,
@@ -146,7 +174,7 @@ class FA4Numerics:
             poly_degree=3,
             emu_freq=freq,
             emu_res=4,
-            emu_start_frg=start,
+            emu_start_frg=tune.get("start", 1),
             rescale_threshold=0.0 if fp8 else 8.0,
             max_offset=8 if fp8 else 0,
         )
@@ -277,7 +305,7 @@ def attention(
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
     left, right = window_size
     local = not causal and (left is not None or right is not None)
-    nm = numerics if numerics is not None else FA4Numerics.sm100(q.dtype, d, causal, local)
+    nm = numerics if numerics is not None else FA4Numerics.sm100(q.dtype, d, causal, local, seqlen_q=sq, qhead_per_kvhead=hq // hk, head_dim_v=dv)
     dev = q.device
     out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
     p_dtype = nm.p_dtype or q.dtype
@@ -402,8 +430,3 @@ def _validate(q, k, v, sink):
         raise ValueError(f"heads_q ({q.shape[2]}) must be a multiple of heads_kv ({k.shape[2]})")
     if sink is not None and sink.shape != (q.shape[2],):
         raise ValueError(f"learnable_sink must have shape (heads_q,) = ({q.shape[2]},), got {tuple(sink.shape)}")
-
-
-def replace(numerics: FA4Numerics, **changes) -> FA4Numerics:
-    """``dataclasses.replace`` for a variant (validated)."""
-    return dataclasses.replace(numerics, **changes)

@@ -58,6 +58,27 @@ def test_sm90_model_matches_production_samples(name):
     assert e_model <= 1.02 * e_prod
 
 
+@pytest.mark.parametrize(
+    "kw,freq,start",
+    [
+        (dict(head_dim=128), 10, 1),  # 2-CTA non-causal hd128: (T, F, 128)
+        (dict(head_dim=128, seqlen_q=100), 16, 1),  # one m-block: 1-CTA, no key: default freq 16
+        (dict(head_dim=128, causal=True), 16, 1),  # (F, T, 128)
+        (dict(head_dim=192, causal=True), 32, 1),  # (F, T, 192)
+        (dict(head_dim=192, head_dim_v=128), 16, 0),  # (T, F, 192); SM100 takes (192, 128) only
+        (dict(head_dim=256, causal=True), 14, 0),  # (T, T, 256)
+        (dict(head_dim=64), 16, 1),  # no key, hd <= 128: default 16
+        (dict(head_dim=96, local=True), 16, 1),
+        (dict(head_dim=128, seqlen_q=100, qhead_per_kvhead=4), 10, 1),  # 2-CTA again (400 packed rows)
+        (dict(head_dim=96, qhead_per_kvhead=3), 10, 1),  # 1-CTA (hd 96), packed GQA override: 10
+        (dict(head_dim=160), 0, 1),  # hd 160: no emulation
+    ],
+)
+def test_sm100_interleave_resolution(kw, freq, start):
+    nm = FA4Numerics.sm100(torch.bfloat16, **kw)
+    assert (nm.emu_freq, nm.emu_start_frg if nm.emu_freq else 1) == (freq, start)
+
+
 def test_sm100_defaults_follow_production_tables():
     bf = FA4Numerics.sm100(torch.bfloat16, 128)
     assert (bf.rescale_threshold, bf.max_offset, bf.emu_freq, bf.emu_start_frg) == (8.0, 0, 10, 1)
