@@ -1,4 +1,5 @@
-r"""Proven error bounds.
+r"""Proven error bounds: the polynomial exp2 (below) and the range analysis of lazy rescaling
+(``rescaling_analysis``, derivation beside it).
 
 ``ex2_error_bound(degree)`` — an upper bound, proven with interval arithmetic, on
 
@@ -54,11 +55,13 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
+from dataclasses import asdict, dataclass
 
 import mpmath
 from mpmath import iv
 
-__all__ = ["ex2_error_bound", "ex2_bound_details"]
+__all__ = ["ex2_error_bound", "ex2_bound_details", "RescalingAnalysis", "rescaling_analysis", "PRODUCTION_RESCALING"]
 
 _U_EXP = -24  # float32: |RN(v) - v| <= 2**(floor(log2|v|) - 24)
 
@@ -180,3 +183,119 @@ def ex2_error_bound(degree: int) -> float:
     Degrees 1-5 (``fa4.ex2.POLY_EX2``).  See the module docstring for the derivation.
     """
     return ex2_bound_details(degree)["bound"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Range analysis of lazy rescaling (SoftmaxSm100.update_row_max + scale_subtract_rowmax)
+# ---------------------------------------------------------------------------------------------
+#
+# Production keeps a *reference* row max m_ref and replaces it by the running max m only when
+# (m_ref - m) * scale_log2 < -threshold; otherwise P = exp2((s - m_ref) * scale_log2 + max_offset).
+# Every visible score satisfies s <= m, and the reference is kept only while
+# (m - m_ref) * scale_log2 <= threshold, so the exponent is at most threshold + max_offset and
+#     P <= 2**(threshold + max_offset)                                                    (R1)
+# (up to the float32 rounding of the fma and exp2, relative 2**-22, which cannot carry a power of
+# two past the next representable value of an 8/16-bit format).  The largest element of the block
+# that set m_ref had exponent exactly max_offset, and later elements never push the exponent
+# below the reference, so the row sum of the *float32* P (the denominator) is at least
+#     D >= 2**max_offset.                                                                 (R2)
+# P is cast to the input dtype before P.V: values above the format's largest finite value
+# saturate (cvt.rn.satfinite), so (R1) must stay below it — production asserts
+# max_offset + threshold < log2(dtype max) (flash_fwd_sm100.py, Note [Low Precision Scaling]).
+# Below, P rounds to the format's grid: a P smaller than half the smallest positive value rounds
+# to 0 (flush), and any P loses at most half a subnormal step in absolute terms; before that the
+# hardware exp2 (ex2.approx.ftz) already flushed float32 results below 2**-126.  So a row of
+# seqlen_k keys loses at most
+#     seqlen_k * max(min_positive / 2, 2**-126) / 2**max_offset                          (R3)
+# of its probability mass to underflow, relative to D (the cast's share is lost by the numerator
+# only: the float32 denominator keeps it).
+# The float32 row sum and the O accumulator are bounded by seqlen_k * 2**(threshold+max_offset)
+# and seqlen_k * 2**(threshold+max_offset) * max|V|: their float32 headroom (log2 of FLT_MAX over
+# that) is what `RescalingAnalysis` reports.
+
+_LOG2_FLT_MAX = math.log2(3.4028234663852886e38)
+
+
+@dataclass(frozen=True)
+class RescalingAnalysis:
+    """Range analysis of FA4's lazy rescaling for one (dtype, rescale_threshold, max_offset)."""
+
+    dtype: str
+    rescale_threshold: float
+    max_offset: int
+    safe: bool
+    p_max: float  # (R1): largest P before the cast
+    dtype_max: float
+    headroom_log2: float  # log2(dtype_max) - (threshold + max_offset); must be > 0
+    p_min_after_cast: float  # smallest positive value of the format (subnormal)
+    explanation: str
+
+    def flush_mass_bound(self, seqlen_k: int) -> float:
+        """(R3): upper bound on the fraction of a row's probability mass lost to underflow."""
+        return min(1.0, seqlen_k * max(self.p_min_after_cast / 2, 2.0**-126) / 2.0**self.max_offset)
+
+    def row_sum_headroom_log2(self, seqlen_k: int) -> float:
+        """log2(FLT_MAX) - log2(seqlen_k * P_max): float32 headroom of the denominator."""
+        return _LOG2_FLT_MAX - math.log2(seqlen_k * self.p_max)
+
+    def o_accumulator_headroom_log2(self, seqlen_k: int, max_abs_v: float) -> float:
+        """log2(FLT_MAX) - log2(seqlen_k * P_max * max|V|): float32 headroom of O."""
+        return _LOG2_FLT_MAX - math.log2(seqlen_k * self.p_max * max(max_abs_v, 2.0**-149))
+
+    def as_dict(self, seqlen_k: int = 32768, max_abs_v: float = 1.0) -> dict:
+        d = asdict(self)
+        d.update(
+            seqlen_k=seqlen_k,
+            max_abs_v=max_abs_v,
+            flush_mass_bound=self.flush_mass_bound(seqlen_k),
+            row_sum_headroom_log2=self.row_sum_headroom_log2(seqlen_k),
+            o_accumulator_headroom_log2=self.o_accumulator_headroom_log2(seqlen_k, max_abs_v),
+        )
+        return d
+
+
+#: Production's settings (flash_fwd_sm100.py softmax_loop): 16-bit inputs threshold 8, offset 0;
+#: fp8 threshold 0, offset 8.
+PRODUCTION_RESCALING = {
+    "bfloat16": (8.0, 0),
+    "float16": (8.0, 0),
+    "float8_e4m3fn": (0.0, 8),
+    "float8_e5m2": (0.0, 8),
+}
+
+
+def rescaling_analysis(dtype, rescale_threshold: float, max_offset: int) -> RescalingAnalysis:
+    """Range analysis of lazy rescaling for P cast to ``dtype`` (name or torch dtype); see the
+    derivation above this function.  ``safe`` is False when P can exceed the dtype's largest
+    finite value (it then saturates and the output shrinks while the LSE stays exact, #2716)."""
+    from numerics.fp import format_of
+
+    fmt = format_of(dtype)
+    if fmt.name == "float32":
+        raise ValueError("P is cast to the input dtype: one of bfloat16, float16, float8_e4m3fn, float8_e5m2")
+    if not (isinstance(rescale_threshold, (int, float)) and math.isfinite(rescale_threshold)) or rescale_threshold < 0:
+        raise ValueError(f"rescale_threshold must be a finite number >= 0 (log2 units), got {rescale_threshold!r}")
+    log2_max = math.log2(fmt.max)
+    if not isinstance(max_offset, int) or max_offset < 0 or max_offset >= log2_max:
+        raise ValueError(
+            f"max_offset must be an integer in [0, {math.floor(log2_max)}] for {fmt.name} "
+            f"(log2 of its largest value {fmt.max:g} is {log2_max:.3f}), got {max_offset!r}"
+        )
+    expo = rescale_threshold + max_offset
+    headroom = log2_max - expo
+    safe = headroom > 0
+    p_min = fmt.smallest_subnormal
+    if safe:
+        why = (
+            f"P <= 2^({rescale_threshold:g}+{max_offset}) = {2.0**expo:g} fits {fmt.name} (max {fmt.max:g}) with "
+            f"{headroom:.3f} log2 units to spare; the smallest positive P after the cast is {p_min:.3g}, so a row "
+            f"of n keys loses at most n*{max(p_min / 2, 2.0**-126) / 2.0**max_offset:.3g} of its mass to underflow."
+        )
+    else:
+        why = (
+            f"UNSAFE: P can reach 2^({rescale_threshold:g}+{max_offset}) = {2.0**expo:g} > {fmt.name} max {fmt.max:g}: "
+            f"the largest probabilities saturate at {fmt.max:g} in P.V while the float32 denominator counts them in "
+            f"full, so the output shrinks silently and the LSE stays exact (flash-attention #2716); production "
+            f"asserts max_offset + threshold < log2(dtype max) = {log2_max:.3f}."
+        )
+    return RescalingAnalysis(fmt.name, float(rescale_threshold), max_offset, safe, 2.0**expo, fmt.max, headroom, p_min, why)
