@@ -271,7 +271,10 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     if args.mufu:
         if device.type != "cuda":
             raise UsageError("--mufu measures the GPU's MUFU.EX2: it needs --device cuda and the production package")
+        from audits.mufu import measure_mufu
+
         report["mufu_ex2_vs_model"] = fidelity.mufu_vs_model(device)
+        report["mufu_accuracy"] = measure_mufu(device)
     out = Path(args.out)
     atomic_write(out / "fidelity.json", json.dumps(report, separators=(",", ":")) + "\n")
     atomic_write(out / "fidelity.md", fidelity.markdown(report))

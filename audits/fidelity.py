@@ -158,6 +158,14 @@ def markdown(report: dict) -> str:
             f"(max {m['max']} at x = {m['max_at_x_bits']}).",
             "",
         ]  # after the summary line and its blank
+    if "mufu_accuracy" in report:
+        a = report["mufu_accuracy"]
+        L[6:6] = [
+            "MUFU accuracy over all 2^32 inputs against float64: "
+            + "; ".join(f"{k}: " + ", ".join(f"{m} {v:.4g}" for m, v in a[k].items()) for k in ("ex2", "lg2", "rcp", "tanh"))
+            + " (domains in the JSON).",
+            "",
+        ]
     for r in report["results"]:
         h, c = r["ulp_diff"], r["case"]
         L.append(

@@ -31,6 +31,9 @@ INSTALL_HINT = (
     "(flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1; needs an NVIDIA GPU with CUDA 12.9+ or 13)"
 )
 EX2_VARIANTS = ("scalar", "packed", "hardware")
+#: Other MUFU approximations production uses: lg2.approx.ftz (LSE), rcp.approx.ftz (final
+#: normalisation), tanh.approx (softcap).
+MUFU_VARIANTS = ("lg2", "rcp", "tanh")
 _THREADS = 256
 
 
@@ -72,8 +75,8 @@ def _import_dsl():
 def _ex2_launcher(variant: str, degree: int):
     """The ``@cute.jit`` launcher of a kernel applying the production function ``variant``
     elementwise: ``launch(mX, mY, n_blocks)``, 2 elements per thread, 256 threads per block."""
-    if variant not in EX2_VARIANTS:
-        raise ValueError(f"variant must be one of {EX2_VARIANTS}, got {variant!r}")
+    if variant not in EX2_VARIANTS + MUFU_VARIANTS:
+        raise ValueError(f"variant must be one of {EX2_VARIANTS + MUFU_VARIANTS}, got {variant!r}")
     cutlass, cute, _, fa_utils = _import_dsl()
 
     @cute.kernel
@@ -88,6 +91,15 @@ def _ex2_launcher(variant: str, degree: int):
             y1 = fa_utils.ex2_emulation(x1, poly_degree=degree)
         elif cutlass.const_expr(variant == "packed"):
             y0, y1 = fa_utils.ex2_emulation_2(x0, x1, poly_degree=degree)
+        elif cutlass.const_expr(variant == "lg2"):
+            y0 = cute.math.log2(x0, fastmath=True)
+            y1 = cute.math.log2(x1, fastmath=True)
+        elif cutlass.const_expr(variant == "rcp"):
+            y0 = cute.arch.rcp_approx(x0)
+            y1 = cute.arch.rcp_approx(x1)
+        elif cutlass.const_expr(variant == "tanh"):
+            y0 = cute.math.tanh(x0, fastmath=True)
+            y1 = cute.math.tanh(x1, fastmath=True)
         else:
             y0 = cute.math.exp2(x0, fastmath=True)
             y1 = cute.math.exp2(x1, fastmath=True)
