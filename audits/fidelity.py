@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from fa4.model import FA4Numerics, attention
+from numerics.forward_bound import forward_error_bound
 from numerics.metrics import lse_errors, output_errors, row_scaled_ulp_diff, ulp_diff_histogram
 from numerics.reference import attention_reference
 
@@ -93,6 +94,18 @@ def run_case(c: FidelityCase, production, device) -> dict:
     mo, ml = attention(q, k, v, return_lse=True, numerics=nm, **kw)
     ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
     hist = ulp_diff_histogram(mo, po)
+    ob, lb = forward_error_bound(q, k, v, nm, **kw)
+
+    def against_bound(out, lse):
+        err = (out.double() - ref).abs()
+        lerr = (lse.double() - rl).abs().nan_to_num(0.0)
+        return {
+            "violations": int((err > ob).sum()),
+            "lse_violations": int((lerr > lb).sum()),
+            "tightness": float((err / ob.clamp(min=1e-300)).nan_to_num(0.0).max()),
+            "lse_tightness": float((lerr / lb.clamp(min=1e-300)).nan_to_num(0.0).max()),
+        }
+
     dl = (ml.double() - pl.double())
     fin = torch.isfinite(pl) & torch.isfinite(ml)
     res = {
@@ -107,9 +120,12 @@ def run_case(c: FidelityCase, production, device) -> dict:
         "model_vs_fp64": output_errors(mo, ref),
         "production_lse_vs_fp64": lse_errors(pl, rl),
         "model_lse_vs_fp64": lse_errors(ml, rl),
+        "production_vs_bound": against_bound(po, pl),
+        "model_vs_bound": against_bound(mo, ml),
         "seconds": time.perf_counter() - t0,
     }
-    res["ok"] = hist["fraction_within_1"] >= MIN_WITHIN_1 and res["lse_nonfinite_agree"]
+    no_violation = all(res[k]["violations"] == 0 and res[k]["lse_violations"] == 0 for k in ("production_vs_bound", "model_vs_bound"))
+    res["ok"] = hist["fraction_within_1"] >= MIN_WITHIN_1 and res["lse_nonfinite_agree"] and no_violation
     return res
 
 
@@ -125,6 +141,8 @@ def summarize(results: list[dict]) -> dict:
         "row_scaled": {k: sum(r["row_scaled_ulp_diff"][k] for r in results) for k in ("le_1", "le_2", "gt_2", "total")},
         "row_scaled_max": max(r["row_scaled_ulp_diff"]["max"] for r in results),
         "lse_max_abs_diff": max(r["lse_max_abs_diff"] for r in results),
+        "bound_violations": sum(r[k]["violations"] + r[k]["lse_violations"] for r in results for k in ("production_vs_bound", "model_vs_bound")),
+        "production_tightness_median": sorted(r["production_vs_bound"]["tightness"] for r in results)[len(results) // 2],
     }
 
 
@@ -146,8 +164,11 @@ def markdown(report: dict) -> str:
         "ULP diff = integer steps of the output dtype between model and production outputs; row ULP = the largest "
         "difference in ULPs at the row's largest |reference|. Errors against FP64: max |out - ref|.",
         "",
-        "| case | dtype | tiles | ULP diff 0 / 1 / 2 / >2 (max) | row ULP max | LSE diff | prod max err | model max err | prod rel L2 | model rel L2 | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"Error bound (numerics.forward_bound, SM90 numerics): {s['bound_violations']} violations by production or model; "
+        f"median over cases of max(production error / bound) = {s['production_tightness_median']:.3f}.",
+        "",
+        "| case | dtype | tiles | ULP diff 0 / 1 / 2 / >2 (max) | row ULP max | LSE diff | prod max err | model max err | prod rel L2 | model rel L2 | prod err/bound | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     if "mufu_ex2_vs_model" in report:
         m = report["mufu_ex2_vs_model"]
@@ -171,7 +192,7 @@ def markdown(report: dict) -> str:
         L.append(
             f"| {c['name']} | {c['dtype']} | {r['tiles'][0]}x{r['tiles'][1]} | {h['0']:,} / {h['1']:,} / {h['2']:,} / {h['>2']:,} ({h['max']}) "
             f"| {r['row_scaled_ulp_diff']['max']:.3g} | {r['lse_max_abs_diff']:.2g} | {r['production_vs_fp64']['max_abs']:.3g} | {r['model_vs_fp64']['max_abs']:.3g} "
-            f"| {r['production_vs_fp64']['rel_l2']:.3g} | {r['model_vs_fp64']['rel_l2']:.3g} | {'yes' if r['ok'] else 'NO'} |"
+            f"| {r['production_vs_fp64']['rel_l2']:.3g} | {r['model_vs_fp64']['rel_l2']:.3g} | {r['production_vs_bound']['tightness']:.3f} | {'yes' if r['ok'] else 'NO'} |"
         )
     return "\n".join(L) + "\n"
 

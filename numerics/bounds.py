@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 import mpmath
 from mpmath import iv
 
-__all__ = ["ex2_error_bound", "ex2_bound_details", "RescalingAnalysis", "rescaling_analysis", "PRODUCTION_RESCALING"]
+__all__ = ["ex2_error_bound", "ex2_bound_details", "RescalingAnalysis", "rescaling_analysis", "PRODUCTION_RESCALING", "forward_error_bound"]
 
 _U_EXP = -24  # float32: |RN(v) - v| <= 2**(floor(log2|v|) - 24)
 
@@ -299,3 +299,11 @@ def rescaling_analysis(dtype, rescale_threshold: float, max_offset: int) -> Resc
             f"asserts max_offset + threshold < log2(dtype max) = {log2_max:.3f}."
         )
     return RescalingAnalysis(fmt.name, float(rescale_threshold), max_offset, safe, 2.0**expo, fmt.max, headroom, p_min, why)
+
+
+def forward_error_bound(q, k, v, numerics=None, **kw):
+    """Per-element bound on |out - exact| and |lse - exact| of the forward pass:
+    ``numerics.forward_bound.forward_error_bound`` (derivation there)."""
+    from numerics.forward_bound import forward_error_bound as bound
+
+    return bound(q, k, v, numerics, **kw)

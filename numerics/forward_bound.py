@@ -1,0 +1,229 @@
+r"""Per-element error bound of the FA4 forward pass: ``forward_error_bound(q, k, v, numerics)``.
+
+Bounds |out - exact| and |lse - exact| for the computation ``fa4.model`` performs with the given
+``FA4Numerics`` (default: production SM100 for the inputs), evaluated from the inputs and FP64
+intermediates.  The hardware approximations are bounded by their exhaustive H200 measurement
+(``MUFU``; the model's correctly rounded stand-ins are within these too), so the bound also
+covers the production kernel whose numerics the knobs describe, whatever order its tensor cores
+sum in.
+
+Notation, for one query row (index i dropped), visible keys j = 1..n, output column c:
+``u = 2**-24``; ``gamma(m) = m u / (1 - m u)``; ``s_j`` the exact logit in natural units
+(``scale * q.k_j``, or ``softcap * tanh(scale * q.k_j / softcap)``); ``m`` the row max of s;
+``p_j = 2**((s_j - m) log2 e + max_offset)`` ("P units": the kernel's P when its reference max
+equals m; by (R2) of ``numerics.bounds`` the denominator is >= 2**max_offset in these units,
+so fixed absolute errors weigh most here); ``o = sum p_j v_j / sum p_j`` (+ sink) the exact output.
+
+1. Score.  The float32 dot of d exactly representable products, summed in any order, is within
+   ``E_dot = gamma(d) sum_k |q_k k_jk|`` of q.k (Higham, Accuracy and Stability, 3.1); the model's
+   single rounding is a special case.  Softcap: ``fl(s*scale)``, ``div.rn``, MUFU.TANH
+   (absolute error <= TANH_ABS), ``fl(*softcap)`` add u-relative roundings and TANH_ABS*softcap.
+2. Exponent.  The kernel computes ``t_j = fma(s^_j, sl2, fma(-m_ref, sl2, offset))`` with
+   ``sl2 = fl32(fl32(scale) fl32(log2 e))``.  A shift common to the row cancels in the output,
+   so only the j-dependent part of the error counts:
+   ``E_j = E_dot sl2 + |q.k_j - q.k_max| |sl2 - scale log2 e| + u |t_j|`` (log2 units), with
+   ``|t_j| <= (s_j - m) log2 e + threshold + offset + 1`` (the reference max lags by at most the
+   threshold).
+3. exp2.  Relative error ``eps_j``: MUFU.EX2 (``EX2_REL``) or the proven polynomial bound
+   (``ex2_error_bound``) on the columns ``j mod tile_n`` production emulates.  Results below
+   2**-126 are flushed (hardware) or wrongly scaled (polynomial): absolute error ``alpha_j <=
+   2**-126`` where ``log2 p_j + E_j < -125``.  So ``P^_j = p_j (1 + eta_j) + a_j`` with
+   ``|eta_j| <= 2**E_j (1 + eps_j) - 1``, ``|a_j| <= alpha_j``.
+4. Cast of P to p_dtype (round to nearest even): ``P~_j = P^_j (1 + rho_j) + sigma_j``,
+   ``|rho_j| <= u_p`` (the format's unit roundoff), ``|sigma_j| <= min_subnormal_p / 2``; where
+   P can exceed the format's largest value (an unsafe threshold+offset) saturation adds
+   ``rho_j <= 1 - max_p / (p_j 2**threshold (1 + eta_j))``.
+5. Numerator and denominator.  With ``N = sum P~_j v_j`` and ``D~ = sum P^_j`` (+ the sink term
+   ``p_s (1 + eta_s)``, which enters D only), using ``sum p_j (v_j - o) - o p_s = 0``:
+   ``|N - o D~| <= sum p_j|eta_j|(|v_j|+|o|) + sum alpha_j(|v_j|+|o|)
+   + sum (p_j(1+|eta_j|)+alpha_j) rho_j |v_j| + sum sigma_j |v_j| + |o| p_s |eta_s|``, and
+   ``D~ >= D_low = sum p_j (1 - |eta_j|) - sum alpha_j + p_s (1 - |eta_s|)``; so
+   ``B1 = |N - o D~| / D_low`` bounds ``|N/D~ - o|``.
+6. float32 accumulation.  The row sum and each O column are sums of n + n_blocks terms and
+   rescalings by the same float32 acc_scale (whose own error cancels between them): relative
+   ``gamma(n + n_blocks + 2)`` for D, ``gamma(...) sum P~|v|`` absolute for O.  The reciprocal
+   (MUFU.RCP, ``RCP_REL``) and the product add ``kappa = (1+RCP_REL)(1+u)/(1-gamma) - 1``:
+   ``B2 = (|o| + B1) kappa + gamma S_abs / D_low (1 + kappa)``.
+7. Output cast: ``|out - o| <= B + u_out (|o| + B) + min_subnormal_out / 2`` with B = B1 + B2.
+
+LSE.  The kernel computes ``ln2_f32 * fma(m_ref, sl2, fl(lg2(D^) - offset))``; the m_ref*sl2
+term equals the one inside the exponents, so the row shift cancels again, leaving the full
+(not j-relative) exponent errors ``E'_j = E_dot sl2 + |q.k_j| |sl2 - scale log2 e| + u |t_j| +
+u (|m| sl2 + threshold + offset + 1)``, the relative error of D, lg2.approx (``LG2_REL`` |L| for
+|L| >= 1, ``LG2_ABS`` otherwise), two roundings and ln2_f32.  Rows with no visible key have an
+exact output (0) and LSE (-inf, or the sink up to its few roundings).
+
+Inputs that are not finite give an infinite bound where they can reach (the model's NaN
+semantics are audited separately).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["forward_error_bound", "MUFU"]
+
+#: MUFU accuracy measured over all 2**32 float32 inputs on the H200 (reports/fidelity,
+#: ``fa4-audit fidelity --mufu``), rounded up: ex2 relative 1.4584e-7; lg2 absolute 7.778e-6
+#: overall, relative 2.2925e-7 where |log2 x| >= 1; rcp relative 9.829e-8; tanh absolute 7.984e-6.
+#: Blackwell's MUFU may differ: re-measure there before trusting SM100 runs of production.
+MUFU = {"ex2_rel": 1.46e-7, "lg2_abs": 7.78e-6, "lg2_rel": 2.3e-7, "rcp_rel": 9.83e-8, "tanh_abs": 7.99e-6}
+_U = 2.0**-24
+
+
+def _gamma(m: torch.Tensor | float):
+    return m * _U / (1 - m * _U)
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def forward_error_bound(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    numerics=None,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out_bound, lse_bound): float64 tensors shaped like the output (b, sq, hq, dv) and the
+    LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc)."""
+    from fa4.ex2 import emulated_columns
+    from fa4.model import FA4Numerics
+    from numerics.bounds import ex2_error_bound
+    from numerics.fp import format_of
+    from numerics.reference import attention_reference, visible_mask
+
+    b, sq, hq, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    left, right = window_size
+    local = not causal and (left is not None or right is not None)
+    nm = numerics if numerics is not None else FA4Numerics.sm100(q.dtype, d, causal, local, seqlen_q=sq, qhead_per_kvhead=hq // hk, head_dim_v=dv)
+    fmt_p = format_of(nm.p_dtype or q.dtype)
+    fmt_o = format_of(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
+    thr, off = float(nm.rescale_threshold), float(nm.max_offset)
+    l2e = math.log2(math.e)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale32 = _f32(scale)
+    softcap = float(softcap or 0.0)
+    dev = q.device
+
+    rep = hq // hk
+    q64 = q.double()
+    k64 = k.double().repeat_interleave(rep, dim=2)
+    v64 = v.double().repeat_interleave(rep, dim=2)
+    dot = torch.einsum("bihd,bjhd->bhij", q64, k64)
+    e_dot = _gamma(d) * torch.einsum("bihd,bjhd->bhij", q64.abs(), k64.abs())
+    vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev).view(1, 1, sq, sk)
+    ninf = torch.tensor(-math.inf, dtype=torch.float64, device=dev)
+
+    if softcap > 0:  # step 1, softcap branch; exponent in natural units s, sl2 = fl32(log2 e)
+        sl2 = _f32(l2e)
+        x = dot * scale / softcap
+        s_nat = softcap * torch.tanh(x)
+        ea = e_dot * scale32 + dot.abs() * abs(scale32 - scale) + _U * (dot.abs() * scale + e_dot * scale32)
+        ex = ea / softcap + _U * (x.abs() + ea / softcap)
+        es = softcap * (ex + MUFU["tanh_abs"]) + _U * softcap * (torch.tanh(x).abs() + ex + MUFU["tanh_abs"])
+        d_sl2 = abs(sl2 - l2e)
+        base = s_nat  # exponent = base * log2e (ideal)
+        e_score = es * sl2
+    else:
+        sl2 = _f32(scale32 * _f32(l2e))
+        d_sl2 = abs(sl2 - scale * l2e)
+        base = dot  # exponent = dot * scale * log2e (ideal)
+        s_nat = dot * scale
+        e_score = e_dot * sl2
+    ideal = l2e if softcap > 0 else scale * l2e  # log2 units per unit of `base`
+    base_m = torch.where(vis, base, ninf)
+    m_base = base_m.amax(-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m_base), m_base, torch.zeros_like(m_base))
+    rel_exp = (base - m_safe) * ideal  # <= 0 on visible keys
+    t_abs = rel_exp.abs() + thr + off + 1.0
+    e_j = e_score + (base - m_safe).abs() * d_sl2 + _U * t_abs  # step 2 (j-dependent part)
+
+    cols = torch.arange(sk, device=dev) % nm.tile_n
+    if nm.exp2 == "hardware":
+        emu = torch.zeros(sk, dtype=torch.bool, device=dev)
+    elif nm.exp2 == "emulated":
+        emu = torch.ones(sk, dtype=torch.bool, device=dev)
+    else:
+        mask = emulated_columns(nm.tile_n, ex2_emu_freq=nm.emu_freq, ex2_emu_res=nm.emu_res, ex2_emu_start_frg=nm.emu_start_frg) if nm.tile_n % 32 == 0 else torch.zeros(nm.tile_n, dtype=torch.bool)
+        emu = mask.to(dev)[cols]
+    eps = torch.where(emu, torch.tensor(ex2_error_bound(nm.poly_degree), device=dev, dtype=torch.float64), torch.tensor(MUFU["ex2_rel"], device=dev, dtype=torch.float64))
+
+    p = torch.where(vis, torch.exp2(rel_exp + off), torch.zeros_like(rel_exp))
+    eta = torch.where(vis, torch.exp2(e_j) * (1 + eps) - 1, torch.zeros_like(e_j))  # step 3
+    low = vis & (torch.log2(p.clamp(min=1e-300)) + e_j < -125)  # may be flushed or wrongly scaled
+    eta = torch.where(low, torch.ones_like(eta).clamp(min=eta), eta)
+    alpha = torch.where(low, torch.full_like(p, 2.0**-126), torch.zeros_like(p))
+
+    rho = torch.full_like(p, fmt_p.unit_roundoff)  # step 4
+    p_hi = p * 2.0**thr * (1 + eta)
+    rho = torch.where(p_hi > fmt_p.max, torch.maximum(rho, 1 - fmt_p.max / p_hi), rho)
+    sigma = torch.where(vis, torch.full_like(p, fmt_p.smallest_subnormal / 2), torch.zeros_like(p))
+
+    p_s = torch.zeros(b, hq, sq, 1, dtype=torch.float64, device=dev)
+    eta_s = torch.zeros_like(p_s)
+    if learnable_sink is not None:
+        sink = learnable_sink.double().view(1, hq, 1, 1)
+        m_nat = m_base * (1.0 if softcap > 0 else scale)
+        m_nat_safe = torch.where(torch.isfinite(m_nat), m_nat, torch.zeros_like(m_nat))
+        p_s = torch.where(torch.isfinite(m_nat), torch.exp2((sink - m_nat_safe) * l2e + off), torch.zeros_like(p_s))
+        e_s = sink.abs() * abs(_f32(l2e) - l2e) + m_nat_safe.abs() * l2e * 2 * _U + 3 * _U * ((sink.abs() + m_nat_safe.abs()) * l2e + thr + off + 1)
+        eta_s = torch.exp2(e_s) * (1 + MUFU["ex2_rel"]) - 1
+
+    ref, ref_lse = attention_reference(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink, return_lse=True)
+    o = ref.permute(0, 2, 1, 3)  # (b, h, i, c)
+    av = v64.abs()
+    ao = o.abs()
+    w1 = p * eta.abs() + alpha
+    a_num = (
+        torch.einsum("bhij,bjhc->bhic", w1, av) + w1.sum(-1, keepdim=True) * ao
+        + torch.einsum("bhij,bjhc->bhic", (p * (1 + eta.abs()) + alpha) * rho + sigma, av)
+        + ao * p_s * eta_s.abs()
+    )  # step 5
+    d_low = (p * (1 - eta.abs())).sum(-1, keepdim=True) - alpha.sum(-1, keepdim=True) + p_s * (1 - eta_s.abs())
+    d_low = torch.where(d_low > 0, d_low, torch.full_like(d_low, math.nan))
+    b1 = a_num / d_low
+    n_vis = vis.sum(-1, keepdim=True).to(torch.float64)
+    nblk = -(-sk // nm.tile_n)
+    gam = _gamma(n_vis + nblk + 2)  # step 6
+    s_abs = torch.einsum("bhij,bjhc->bhic", (p * (1 + eta.abs()) + alpha) * (1 + rho) + sigma, av)
+    kappa = (1 + MUFU["rcp_rel"]) * (1 + _U) / (1 - gam) - 1
+    b2 = (ao + b1) * kappa + gam * s_abs / d_low * (1 + kappa)
+    pre = b1 + b2
+    out_b = pre + fmt_o.unit_roundoff * (ao + pre) + fmt_o.smallest_subnormal / 2  # step 7
+    empty = (n_vis == 0).expand_as(out_b)
+    out_b = torch.where(empty, torch.zeros_like(out_b), out_b)
+    out_b = torch.where(torch.isnan(out_b), torch.full_like(out_b, math.inf), out_b)
+
+    # LSE
+    e_full = e_score + base.abs() * d_sl2 + _U * t_abs + _U * (m_safe.abs() * sl2 + thr + off + 1.0)
+    eta_l = torch.where(vis, torch.exp2(e_full) * (1 + eps) - 1, torch.zeros_like(e_full))
+    eta_l = torch.where(low, torch.ones_like(eta_l).clamp(min=eta_l), eta_l)
+    dd = p.sum(-1, keepdim=True) + p_s
+    w = torch.where(dd > 0, dd, torch.ones_like(dd))
+    rel_d = ((p * eta_l).sum(-1, keepdim=True) + alpha.sum(-1, keepdim=True) + p_s * eta_s.abs()) / w
+    rel_d = rel_d + gam + rel_d * gam
+    log2_d = torch.log2(w)
+    lg2_err = torch.where(log2_d.abs() >= 1, MUFU["lg2_rel"] * log2_d.abs(), torch.full_like(log2_d, MUFU["lg2_abs"]))
+    l2_total = -torch.log2((1 - rel_d).clamp(min=1e-300))  # max |log2(1 +- r)| = -log2(1 - r)
+    lse_abs = ref_lse.unsqueeze(-1).abs()
+    x_log2 = lse_abs / math.log(2) + off + 1.0
+    lse_b = math.log(2) * (l2_total + lg2_err + 2 * _U * x_log2) + abs(_f32(math.log(2)) - math.log(2)) * x_log2 + _U * lse_abs
+    lse_b = lse_b.squeeze(-1)
+    if learnable_sink is not None:
+        only_sink = (n_vis.squeeze(-1) == 0)
+        sink_b = (learnable_sink.double().abs().view(1, hq, 1) * (8 * _U + abs(_f32(l2e) * _f32(math.log(2)) - 1)) + MUFU["lg2_abs"] * math.log(2)).expand_as(lse_b)
+        lse_b = torch.where(only_sink, sink_b, lse_b)
+    else:
+        lse_b = torch.where(n_vis.squeeze(-1) == 0, torch.zeros_like(lse_b), lse_b)
+    lse_b = torch.where(torch.isnan(lse_b), torch.full_like(lse_b, math.inf), lse_b)
+    return out_b.permute(0, 2, 1, 3).contiguous(), lse_b
