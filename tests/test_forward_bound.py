@@ -78,7 +78,7 @@ def test_bound_is_tight_in_median():
             err, ob, _, _ = run(name)
             RATIOS[name] = float((err / ob.clamp(min=1e-300)).nan_to_num(0).max())
     med = statistics.median(RATIOS.values())
-    assert med >= 0.1, RATIOS  # measured 0.29 on these cases (0.15 - 0.74)
+    assert med >= 0.1, RATIOS  # measured 0.31 on these cases (0.15 - 0.91)
 
 
 def test_empty_rows_are_exact_and_nonfinite_inputs_unbounded():
