@@ -236,6 +236,26 @@ def _block_ranges(sq: int, sk: int, nm: FA4Numerics, causal: bool, window: tuple
     return n_min, n_max, nblk
 
 
+def _visible(sq: int, sk: int, causal: bool, window: tuple, device) -> torch.Tensor:
+    """(sq, sk) bool, True where production keeps the score (``mask.py``
+    ``AttentionMask.apply_mask``, in global indices): with ``offset = sk - sq``, causal keeps
+    ``col < row + offset + 1``; a local window keeps ``row + offset - left <= col < row + offset
+    + 1 + right`` (a side given as None is unbounded).  Written from production's column limits,
+    independently of ``numerics.reference`` (which states the same rule mathematically) so
+    that the audit compares two implementations."""
+    left, right = window
+    if causal:
+        right = 0
+    row = torch.arange(sq, device=device).view(-1, 1)
+    col = torch.arange(sk, device=device).view(1, -1)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right is not None:
+        keep &= col < row + (sk - sq) + 1 + right
+    if left is not None:
+        keep &= col >= row + (sk - sq) - left
+    return keep
+
+
 def _exp2_mixed(t: torch.Tensor, nm: FA4Numerics) -> torch.Tensor:
     if nm.exp2 == "hardware":
         return hardware_exp2(t)
@@ -321,9 +341,7 @@ def attention(
     q64 = q.to(torch.float64)
     k64 = k.to(torch.float64).repeat_interleave(rep, dim=2)
     v64 = v.to(torch.float64).repeat_interleave(rep, dim=2)
-    from numerics.reference import visible_mask
-
-    vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev)
+    vis = _visible(sq, sk, causal, (left, right), dev)
     shape = (b, hq, sq)
     row_max = torch.full(shape, -math.inf, dtype=torch.float32, device=dev)
     started = torch.zeros(shape, dtype=torch.bool, device=dev)
