@@ -64,6 +64,26 @@ def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
     return t.repeat_interleave(heads_q // hk, dim=2)
 
 
+def _masked_matmul(w: torch.Tensor, vis: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """sum_j w_ij v_jc over *visible* j only, with IEEE semantics for non-finite v at visible
+    positions (w * inf = inf, 0 * inf = NaN, inf - inf = NaN) and none at masked ones — a plain
+    einsum would turn 0 * inf at a masked key into NaN.  w: (b, h, i, j); vis: (i, j);
+    v: (b, j, h, c); returns (b, i, h, c)."""
+    fin = torch.isfinite(v)
+    out = torch.einsum("bhij,bjhc->bihc", w, torch.where(fin, v, torch.zeros_like(v)))
+    if bool(fin.all()):
+        return out
+    visf = vis.to(w.dtype).view(1, 1, *vis.shape).expand_as(w)
+    pos = visf * (w > 0)
+    zero = visf * (w == 0)
+    cnt = lambda a, m: torch.einsum("bhij,bjhc->bihc", a, m.to(w.dtype))  # noqa: E731
+    n_nan = cnt(visf, torch.isnan(v)) + cnt(zero, torch.isinf(v))
+    n_pinf, n_ninf = cnt(pos, v == math.inf), cnt(pos, v == -math.inf)
+    out = torch.where(n_pinf > 0, torch.full_like(out, math.inf), out)
+    out = torch.where(n_ninf > 0, torch.full_like(out, -math.inf), out)
+    return torch.where((n_nan > 0) | ((n_pinf > 0) & (n_ninf > 0)), torch.full_like(out, math.nan), out)
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,7 +117,8 @@ def attention_reference(
     denom = p.sum(dim=-1, keepdim=True)
     if learnable_sink is not None:
         denom = denom + torch.exp(sink - m_safe)
-    out = torch.einsum("bhij,bjhd->bihd", p / torch.where(denom == 0, torch.ones_like(denom), denom), v64)
+    w = p / torch.where(denom == 0, torch.ones_like(denom), denom)
+    out = _masked_matmul(w, vis, v64)
     lse = (m_safe + torch.log(denom)).squeeze(-1)
     if learnable_sink is None:
         empty = ~vis.any(dim=-1)  # (sq,)

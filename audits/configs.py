@@ -1,0 +1,107 @@
+"""Audit cases and named suites.
+
+A :class:`Case` is one configuration of the audited call plus its inputs' family and seed.
+``SUITES["smoke"]`` is the CPU/CI suite: every feature axis and every input family at least
+once, small enough for the model on 2 cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["Case", "smoke_suite", "SUITES", "suite"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One audited configuration.  dtype: torch dtype name; window: (left, right), None =
+    unbounded; layout: contiguous | strided | packed_qkv; family: see ``audits.inputs``."""
+
+    dtype: str = "bfloat16"
+    d: int = 128
+    dv: int = 128
+    batch: int = 1
+    heads_q: int = 2
+    heads_kv: int = 2
+    seqlen_q: int = 128
+    seqlen_k: int = 128
+    causal: bool = False
+    window: tuple = (None, None)
+    softcap: float = 0.0
+    sink: bool = False
+    layout: str = "contiguous"
+    family: str = "normal"
+    seed: int = 0
+
+    @property
+    def local(self) -> bool:
+        return not self.causal and any(w is not None for w in self.window)
+
+    @property
+    def name(self) -> str:
+        parts = [self.dtype.replace("float", "f").replace("bf16", "bf16"), f"d{self.d}" + (f"v{self.dv}" if self.dv != self.d else ""),
+                 f"b{self.batch}h{self.heads_q}k{self.heads_kv}", f"s{self.seqlen_q}x{self.seqlen_k}"]
+        if self.causal:
+            parts.append("causal")
+        if self.local:
+            parts.append(f"win{self.window[0]}_{self.window[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        if self.sink:
+            parts.append("sink")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        parts += [self.family, f"seed{self.seed}"]
+        return "-".join(parts)
+
+    @property
+    def compile_key(self) -> tuple:
+        """What a JIT kernel specialises on: cases sharing it reuse one compiled variant."""
+        return (self.dtype, self.d, self.dv, self.causal, self.local, self.softcap > 0, self.sink, self.heads_q // self.heads_kv)
+
+    @property
+    def cost(self) -> int:
+        """Expected work (multiply-adds), for balancing shards."""
+        return self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * (self.d + self.dv)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def smoke_suite() -> list[Case]:
+    """Every feature axis and input family at least once (see tests/test_configs.py)."""
+    from audits.inputs import FAMILIES
+
+    base = [
+        Case("bfloat16", 64, 64, 2, 4, 2, 200, 300, causal=True, family="normal"),  # GQA, batch 2, non-multiple-of-128
+        Case("float16", 128, 128, 1, 4, 1, 160, 160, family="uniform"),  # MQA
+        Case("float8_e4m3fn", 128, 128, 1, 2, 2, 128, 384, family="student_t"),
+        Case("float8_e5m2", 64, 64, 1, 2, 2, 96, 200, causal=True, family="outliers"),
+        Case("bfloat16", 256, 256, 1, 2, 1, 64, 260, family="offset"),
+        Case("bfloat16", 96, 96, 1, 2, 2, 130, 70, causal=True, family="peaked"),  # sq > sk: rows with no visible key
+        Case("bfloat16", 128, 128, 1, 2, 2, 200, 200, window=(64, 16), family="flat"),
+        Case("float8_e4m3fn", 64, 64, 1, 1, 1, 64, 2048, family="long_tail"),
+        Case("bfloat16", 64, 64, 1, 2, 2, 64, 1024, family="drift", sink=True),
+        Case("bfloat16", 128, 128, 1, 2, 2, 128, 128, softcap=15.0, layout="packed_qkv", family="huge_logits"),
+        Case("float16", 64, 64, 1, 2, 2, 100, 100, family="near_max", layout="strided"),
+        Case("bfloat16", 64, 64, 1, 2, 2, 64, 96, family="subnormal"),
+        Case("bfloat16", 64, 64, 1, 2, 2, 64, 200, causal=True, family="nan_inf_visible"),
+        Case("bfloat16", 64, 64, 1, 2, 2, 64, 400, window=(32, 0), family="nan_inf_masked"),
+        Case("bfloat16", 128, 128, 1, 16, 4, 160, 256, family="normal"),  # 2560 query rows x heads
+    ]
+    steps = [Case("bfloat16", 64, 64, 1, 1, 1, 32, 1024, family=f) for f in FAMILIES if f.startswith("tile_step_")]
+    return base + steps
+
+
+def _suites() -> dict:
+    return {"smoke": smoke_suite}
+
+
+SUITES = _suites()
+
+
+def suite(name: str) -> list[Case]:
+    """The cases of a named suite; ValueError naming the valid ones otherwise."""
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}")
+    return SUITES[name]()

@@ -1,0 +1,216 @@
+"""Input families for the audit: each deterministic from a seed, each hunting one failure.
+
+``make_inputs(case, device=...)`` builds q, k, v (and the learnable sink) for a
+``audits.configs.Case``: values drawn in float64 by the case's family, rounded to the case's
+dtype (so the reference sees exactly what the kernel sees), laid out as the case says
+(contiguous, or non-contiguous views).  ``FAMILIES`` maps a family name to its one-line purpose.
+
+Logit-shaping families work through one feature channel: ``q[..., 0] = c`` and
+``k[j, 0] = target_j / (scale * c)``, so the logit ``scale * q.k_j`` is ``target_j`` up to the
+small noise of the remaining channels and the dtype's rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["Family", "FAMILIES", "TILE_STEPS_LOG2", "make_inputs"]
+
+#: logit steps between consecutive 128-key tiles, in log2 units: around the 16-bit rescale
+#: threshold (8), and far above it
+TILE_STEPS_LOG2 = (1.0, 4.0, 7.9, 8.1, 12.0, 17.0, 24.0, 40.0)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hunts: str
+    build: Callable  # (shape_q, shape_k, shape_v, case, gen) -> (q, k, v) float64
+
+
+def _normal(sq, sk, sv, case, g):
+    return torch.randn(sq, generator=g, dtype=torch.float64), torch.randn(sk, generator=g, dtype=torch.float64), torch.randn(sv, generator=g, dtype=torch.float64)
+
+
+def _uniform(sq, sk, sv, case, g):
+    u = lambda s: (torch.rand(s, generator=g, dtype=torch.float64) * 2 - 1) * math.sqrt(3)  # noqa: E731
+    return u(sq), u(sk), u(sv)
+
+
+def _student_t(sq, sk, sv, case, g, df: float = 3.0):
+    def t(shape):
+        z = torch.randn(shape, generator=g, dtype=torch.float64)
+        chi2 = (torch.randn((*shape, int(df)), generator=g, dtype=torch.float64) ** 2).sum(-1)
+        return z / torch.sqrt(chi2 / df)
+
+    return t(sq), t(sk), t(sv)
+
+
+def _outliers(sq, sk, sv, case, g):
+    q, k, v = _normal(sq, sk, sv, case, g)
+    d = sq[-1]
+    # a few channels 10-100x larger (LLM activations) ...
+    ch = torch.randperm(d, generator=g)[: max(1, d // 32)]
+    gain = 10 ** (1 + torch.rand(len(ch), generator=g, dtype=torch.float64))
+    q[..., ch] *= gain
+    k[..., ch] *= gain
+    # ... plus FA3's N(0,1) + N(0,100) * Bernoulli(0.001)
+    for t in (q, k, v):
+        t += torch.randn(t.shape, generator=g, dtype=torch.float64) * 10 * (torch.rand(t.shape, generator=g, dtype=torch.float64) < 1e-3)
+    return q, k, v
+
+
+def _offset(sq, sk, sv, case, g):
+    q, k, v = _normal(sq, sk, sv, case, g)
+    return 4 + 0.05 * q, 4 + 0.05 * k, 50 + v  # means large against the spread
+
+
+def _logit_channel(sq, sk, sv, case, g, targets: torch.Tensor):
+    """q, k with logit(i, j) ~= targets[j] (natural units), via channel 0; small noise elsewhere."""
+    q = 0.01 * torch.randn(sq, generator=g, dtype=torch.float64)
+    k = 0.01 * torch.randn(sk, generator=g, dtype=torch.float64)
+    v = torch.randn(sv, generator=g, dtype=torch.float64)
+    scale = 1 / math.sqrt(sq[-1])
+    c = 4.0
+    q[..., 0] = c
+    k[..., 0] = (targets / (scale * c)).view(1, -1, 1)
+    return q, k, v
+
+
+def _peaked(sq, sk, sv, case, g):
+    t = torch.zeros(sk[1], dtype=torch.float64)
+    t[torch.randint(0, sk[1], (1,), generator=g)] = 12.0  # one key ~e^12 above the rest
+    return _logit_channel(sq, sk, sv, case, g, t)
+
+
+def _flat(sq, sk, sv, case, g):
+    q, k, v = _logit_channel(sq, sk, sv, case, g, torch.zeros(sk[1], dtype=torch.float64))
+    return q, k, v
+
+
+def _long_tail(sq, sk, sv, case, g):
+    n = sk[1]
+    t = torch.full((n,), -math.log(max(n, 2)) + 3.0, dtype=torch.float64)  # n small entries hold ~e^3 the mass of ...
+    t[0] = 0.0  # ... the single largest one
+    t -= 6.0 * torch.rand(n, generator=g, dtype=torch.float64)
+    return _logit_channel(sq, sk, sv, case, g, t)
+
+
+def _drift(sq, sk, sv, case, g):
+    n = sk[1]
+    return _logit_channel(sq, sk, sv, case, g, torch.linspace(0, 40, n, dtype=torch.float64))
+
+
+def _tile_steps(step_log2: float):
+    def build(sq, sk, sv, case, g):
+        n = sk[1]
+        tiles = torch.arange(n, dtype=torch.float64) // 128
+        t = (tiles * step_log2 * math.log(2)).clamp(max=80.0)  # rising by `step` per KV tile
+        t = t + 0.5 * torch.randn(n, generator=g, dtype=torch.float64)
+        return _logit_channel(sq, sk, sv, case, g, t)
+
+    return build
+
+
+def _huge(sq, sk, sv, case, g):
+    n = sk[1]
+    t = 120 + 60 * torch.rand(n, generator=g, dtype=torch.float64)  # |s| in [120, 180]: > 100
+    return _logit_channel(sq, sk, sv, case, g, t)
+
+
+def _near_max(sq, sk, sv, case, g):
+    from numerics.fp import format_of
+
+    m = format_of(case.dtype).max
+    q, k, v = _normal(sq, sk, sv, case, g)
+    return q, k, v.clamp(-1, 1).sign() * m * (1 - 0.01 * torch.rand(sv, generator=g, dtype=torch.float64))
+
+
+def _subnormal(sq, sk, sv, case, g):
+    from numerics.fp import format_of
+
+    f = format_of(case.dtype)
+    tiny = f.smallest_subnormal
+    q, k, v = _normal(sq, sk, sv, case, g)
+    sub = lambda s: torch.randint(-(2 ** (f.p - 1)) + 1, 2 ** (f.p - 1), s, generator=g).double() * tiny  # noqa: E731
+    return q, sub(sk), sub(sv)
+
+
+def _nan_inf(where: str):
+    def build(sq, sk, sv, case, g):
+        q, k, v = _normal(sq, sk, sv, case, g)
+        n = sk[1]
+        if where == "visible":
+            js = [n - 1, n // 2]  # the last key is visible to the last query under every mask
+        else:
+            # keys no query can see: before the left edge of every local window
+            left = case.window[0]
+            if left is None:
+                raise ValueError(f"family nan_inf_masked needs a case with a left window, got {case.window}")
+            js = list(range(0, max(0, n - sq[1] - left)))[:2]
+            if not js:
+                raise ValueError(f"case has no key masked for every query (seqlen_q {sq[1]}, seqlen_k {n}, left {left})")
+        k[:, js[0], :, 0] = math.nan
+        v[:, js[-1], :, 1] = math.inf
+        k[:, js[-1], :, 2] = -math.inf
+        return q, k, v
+
+    return build
+
+
+_FAMS = [
+    Family("normal", "baseline: FA's own test distribution", _normal),
+    Family("uniform", "bounded inputs: flat logit distribution, accumulation of many similar terms", _uniform),
+    Family("student_t", "heavy tails (df 3): rare huge products inside the QK^T dot", _student_t),
+    Family("outliers", "outlier feature channels (10-100x; FA3's N(0,1)+N(0,100)Bernoulli(0.001)): large logits from few channels", _outliers),
+    Family("offset", "shared offset (mean >> spread): cancellation in the scale-and-subtract, V far from zero", _offset),
+    Family("peaked", "one dominant key per row: P = 1 at the max, its rounding and saturation", _peaked),
+    Family("flat", "identical logits: the denominator sums seqlen_k equal terms", _flat),
+    Family("long_tail", "mass in many small entries: underflow/flush of small P (fp8), sum accuracy", _long_tail),
+    Family("drift", "logits rising along the keys: the running max moves at every tile", _drift),
+    *[Family(f"tile_step_{s:g}", f"logit step of {s:g} log2 units between KV tiles: lazy rescaling around its threshold", _tile_steps(s)) for s in TILE_STEPS_LOG2],
+    Family("huge_logits", "|s| > 100: exponent range, fma error growing with |logit|", _huge),
+    Family("near_max", "V near the dtype's largest value: overflow in P.V and the output cast", _near_max),
+    Family("subnormal", "subnormal K and V: flush-to-zero of inputs", _subnormal),
+    Family("nan_inf_visible", "NaN/inf at visible positions: NaN propagation (emulated exp2 swallows NaN scores)", _nan_inf("visible")),
+    Family("nan_inf_masked", "NaN/inf at keys no query sees: must not leak (0 * NaN in a processed tile)", _nan_inf("masked")),
+]
+FAMILIES: dict[str, Family] = {f.name: f for f in _FAMS}
+
+
+def _layout(t: torch.Tensor, layout: str, g: torch.Generator) -> torch.Tensor:
+    if layout == "contiguous":
+        return t.contiguous()
+    if layout == "strided":  # every other head-dim element of a twice-wider buffer
+        buf = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        buf[..., ::2] = t
+        return buf[..., ::2]
+    raise ValueError(f"unknown layout {layout!r}; accepted: contiguous, strided, packed_qkv")
+
+
+def make_inputs(case, *, device: str | torch.device = "cpu") -> dict:
+    """q, k, v (case.dtype, on ``device``, laid out per ``case.layout``) and the keyword
+    arguments of the audited call for ``case`` (an ``audits.configs.Case``)."""
+    if case.family not in FAMILIES:
+        raise ValueError(f"unknown input family {case.family!r}; accepted: {', '.join(FAMILIES)}")
+    g = torch.Generator().manual_seed(case.seed)
+    dt = getattr(torch, case.dtype)
+    sq = (case.batch, case.seqlen_q, case.heads_q, case.d)
+    sk = (case.batch, case.seqlen_k, case.heads_kv, case.d)
+    sv = (case.batch, case.seqlen_k, case.heads_kv, case.dv)
+    q, k, v = FAMILIES[case.family].build(sq, sk, sv, case, g)
+    if case.layout == "packed_qkv" and case.heads_q == case.heads_kv and case.d == case.dv and case.seqlen_q == case.seqlen_k:
+        qkv = torch.stack([q, k, v], dim=3).to(dt).to(device)  # (b, s, h, 3, d): slices are non-contiguous
+        q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+    else:
+        if case.layout == "packed_qkv":
+            raise ValueError("layout packed_qkv needs heads_q == heads_kv, d == dv and seqlen_q == seqlen_k")
+        q, k, v = (_layout(t.to(dt).to(device), case.layout, g) for t in (q, k, v))
+    kw = {"causal": case.causal, "window_size": tuple(case.window), "softcap": case.softcap}
+    if case.sink:
+        kw["learnable_sink"] = torch.randn(case.heads_q, generator=g, dtype=torch.float64).float().to(device)
+    return {"q": q, "k": k, "v": v, "kw": kw}
