@@ -331,6 +331,66 @@ def cmd_bounds(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.safe for r in rows) else EXIT_FAIL
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import fnmatch
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from audits.configs import SUITES, suite
+    from audits.gate import ThresholdsError, load_thresholds
+    from audits.kernels import get_kernel
+    from audits.report import build_report, exit_code, write_report
+    from audits.runner import run_suite, shard_cases
+
+    try:
+        get_kernel(args.kernel)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    try:
+        cases = suite(args.suite)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    try:
+        th = load_thresholds(args.thresholds)
+    except ThresholdsError as exc:
+        raise UsageError(str(exc)) from exc
+    device = _device(args.device)
+    if args.seed:
+        cases = [dataclasses.replace(c, seed=c.seed + args.seed) for c in cases]
+    if args.case:
+        cases = [c for c in cases if fnmatch.fnmatch(c.name, args.case)]
+        if not cases:
+            raise UsageError(f"--case {args.case!r} matches no case of suite {args.suite!r}")
+    shard = None
+    if args.shard:
+        try:
+            i, n = (int(x) for x in args.shard.split("/"))
+            cases = shard_cases(cases, i, n)
+        except ValueError as exc:
+            raise UsageError(f"--shard {args.shard!r}: expected I/N with 0 <= I < N ({exc})") from exc
+        shard = args.shard
+    console = Console(stderr=True)
+    base = f"fa4-audit run --kernel {shlex.quote(args.kernel)} --suite {args.suite} --device {args.device}"
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, disable=args.quiet) as bar:
+        task = bar.add_task(f"{args.kernel} / {args.suite}", total=len(cases))
+        records = run_suite(
+            args.kernel, cases, device=device, out_dir=args.out, thresholds=th, resume=args.resume, exitfirst=args.exitfirst,
+            repro_cmd=lambda c: f"{base} --case {shlex.quote(c.name)}" + (f" --seed {args.seed}" if args.seed else ""),
+            progress=lambda r: bar.advance(task),
+        )
+    rep = build_report(
+        kernel=args.kernel, suite=args.suite, seed=args.seed, device=str(device), environment=_environment(device), thresholds=th,
+        records=records, command="fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), shard=shard,
+    )
+    paths = write_report(rep, args.out)
+    v = rep["summary"]["verdicts"]
+    console.print(", ".join(f"{k} {n}" for k, n in v.items() if n) + f" of {len(records)} cases; report: {paths['md']}")
+    return exit_code(rep)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fa4-audit",
@@ -389,6 +449,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-v", type=float, default=1.0, help="max |V| for the O headroom column (default 1)")
     b.add_argument("--json", action="store_true", help="also print the records as JSON")
     b.set_defaults(func=cmd_bounds)
+    r = sub.add_parser(
+        "run",
+        help="audit a kernel on a suite: FP64 reference, metrics, bounds, verdicts, report",
+        description="Run every case of a suite for a kernel; write OUT/report.json and OUT/report.md.  "
+        "Exit 0 when every case passes, 1 when any fails, errors or crashes or none could run, 2 for usage errors.",
+    )
+    r.add_argument("--kernel", required=True, help="fa4, fa4-model, fa4-model-sm90, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, or module:attr")
+    r.add_argument("--suite", default="smoke", help="suite name (default smoke)")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    r.add_argument("--seed", type=int, default=0, help="added to every case's seed (default 0)")
+    r.add_argument("--out", default="reports/run-latest", help="report directory (default reports/run-latest)")
+    r.add_argument("--thresholds", default=None, help="thresholds TOML (default: the shipped audits/thresholds.toml)")
+    r.add_argument("--resume", action="store_true", help="continue from OUT/journal.jsonl without redoing finished cases")
+    r.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing case")
+    r.add_argument("--shard", default=None, help="I/N: run a deterministic, cost-balanced 1/N slice")
+    r.add_argument("--case", default=None, help="glob over case names (e.g. a reproducer's name)")
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(func=cmd_run)
     return p
 
 
@@ -405,6 +483,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"fa4-audit {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"fa4-audit {args.command}: interrupted; finished cases are in the journal, --resume continues", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -36,9 +36,10 @@ def output_errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
     """Errors of ``out`` (any float dtype) against the float64 reference ``ref`` (same shape).
 
     Elements where the reference is finite but ``out`` is not are counted in
-    ``nonfinite_where_ref_finite`` (they always fail); where the reference is NaN but ``out`` is
-    finite, in ``nan_swallowed`` (a semantics deviation).  Error statistics use the elements
-    where both are finite.
+    ``nonfinite_where_ref_finite`` (they always fail); where the reference is NaN or infinite
+    (non-finite inputs) and ``out`` differs from it, in ``nan_swallowed`` (a semantics
+    deviation: e.g. FA4's polynomial exp2 maps a NaN score to 0).  Error statistics use the
+    elements where both are finite.
     """
     if out.shape != ref.shape:
         raise ValueError(f"shapes differ: out {tuple(out.shape)} vs reference {tuple(ref.shape)}")
@@ -55,7 +56,7 @@ def output_errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
         "ref_at_argmax": float(r.reshape(-1)[i]) if err.numel() else 0.0,
         "rel_l2": float(num / den) if den > 0 else float(num),
         "nonfinite_where_ref_finite": int((fin_r & ~fin_o).sum()),
-        "nan_swallowed": int((torch.isnan(r) & fin_o).sum()),
+        "nan_swallowed": int((~fin_r & ~((o == r) | (torch.isnan(o) & torch.isnan(r)))).sum()),
         "elements": out.numel(),
     }
     if out.dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -65,14 +66,23 @@ def output_errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def lse_errors(lse: torch.Tensor, ref: torch.Tensor) -> dict:
-    """LSE (natural log) against the float64 reference lse."""
+    """LSE (natural log) against the float64 reference lse: max |err| where both are finite;
+    rows NaN/inf where the reference is finite (``nonfinite_where_ref_finite``); rows that
+    differ where the reference is NaN or +inf, which only non-finite inputs cause
+    (``nan_swallowed``, a semantics deviation: FA4 reports -inf for a NaN row sum); and rows
+    with no visible key (reference -inf) where the kernel is not -inf (``mismatched_nonfinite``)."""
     a, r = lse.double(), ref.double()
     both = torch.isfinite(a) & torch.isfinite(r)
     err = torch.where(both, (a - r).abs(), torch.zeros_like(a))
-    same_special = (a == r) | (torch.isnan(a) & torch.isnan(r))
+    same = (a == r) | (torch.isnan(a) & torch.isnan(r))
+    nan_swallowed = (torch.isnan(r) | (r == math.inf)) & ~same
+    bad_where_finite = torch.isfinite(r) & ~torch.isfinite(a)
+    other = (r == -math.inf) & ~same
     return {
         "max_abs": float(err.max()) if err.numel() else 0.0,
-        "mismatched_nonfinite": int((~both & ~same_special).sum()),
+        "nonfinite_where_ref_finite": int(bad_where_finite.sum()),
+        "nan_swallowed": int(nan_swallowed.sum()),
+        "mismatched_nonfinite": int(other.sum()),
     }
 
 

@@ -31,7 +31,7 @@ from typing import Iterable
 import mpmath
 import torch
 
-__all__ = ["visible_mask", "attention_reference", "mp_attention_rows"]
+__all__ = ["visible_mask", "attention_reference", "attention_lowprec", "mp_attention_rows"]
 
 
 def visible_mask(
@@ -125,6 +125,13 @@ def attention_reference(
         out = out.masked_fill(empty.view(1, sq, 1, 1), 0.0)
         lse = lse.masked_fill(empty.view(1, 1, sq), -math.inf)
     return (out, lse) if return_lse else out
+
+
+def attention_lowprec(q, k, v, **kw) -> torch.Tensor:
+    """The same math done in the input dtype by PyTorch (fp8 inputs: in bfloat16), the
+    ``out_lowprec`` of FA's test criterion (``numerics.metrics.fa_criterion``)."""
+    dt = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
+    return attention_reference(q, k, v, dtype=dt, **kw)
 
 
 def mp_attention_rows(

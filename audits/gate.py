@@ -1,0 +1,100 @@
+"""Verdicts: a case's measurements judged against the thresholds (TOML).
+
+Rules (DESIGN.md, "Numerical conventions"): output and LSE are both checked, elementwise; a NaN
+or inf where the reference is finite fails; a finite value where the reference is NaN is a
+semantics deviation (warning or failure by policy); FA4 kernels must stay within the per-element
+forward-pass bound; FA's test criterion is a floor for every kernel.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+__all__ = ["DEFAULT_THRESHOLDS", "load_thresholds", "judge", "ThresholdsError"]
+
+DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
+_KEYS = {
+    "policy": {"nan_swallowed": str, "bound": bool, "fa_criterion": bool, "fa_multiplier": float, "fa_criterion_dtypes": list},
+    "lse": {"max_abs": float},
+    "reference": {"mpmath_max_abs": float},
+}
+
+
+class ThresholdsError(ValueError):
+    """A malformed thresholds file; the message names the file, the line (when TOML says it)
+    and the key."""
+
+
+def load_thresholds(path: str | Path | None = None) -> dict:
+    """Parse and validate a thresholds file (default: the shipped one)."""
+    p = Path(path) if path is not None else DEFAULT_THRESHOLDS
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError as exc:
+        raise ThresholdsError(f"{p}: no such thresholds file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ThresholdsError(f"{p}: not valid TOML: {exc}") from exc
+    for section, keys in _KEYS.items():
+        if section not in data or not isinstance(data[section], dict):
+            raise ThresholdsError(f"{p}: missing table [{section}] (keys {', '.join(keys)})")
+        for key, typ in keys.items():
+            if key not in data[section]:
+                raise ThresholdsError(f"{p}: [{section}] lacks the key {key!r}")
+            val = data[section][key]
+            if typ is float and isinstance(val, int) and not isinstance(val, bool):
+                val = data[section][key] = float(val)
+            if not isinstance(val, typ):
+                raise ThresholdsError(f"{p}: [{section}] {key} = {val!r} must be a {typ.__name__}")
+        unknown = set(data[section]) - set(keys)
+        if unknown:
+            raise ThresholdsError(f"{p}: [{section}] has unknown key(s) {', '.join(sorted(unknown))}; accepted: {', '.join(keys)}")
+    if data["policy"]["nan_swallowed"] not in ("warn", "fail"):
+        raise ThresholdsError(f"{p}: [policy] nan_swallowed must be 'warn' or 'fail', got {data['policy']['nan_swallowed']!r}")
+    data["path"] = str(p)
+    return data
+
+
+def judge(m: dict, th: dict) -> tuple[str, list[str]]:
+    """(verdict, reasons) for one case's measurements ``m`` (see ``audits.runner``)."""
+    if m.get("status") in ("error", "skipped", "crash"):
+        return m["status"], [m.get("reason", "")]
+    reasons, verdict = [], "pass"
+    out, lse = m["out"], m.get("lse")
+    for what, r in (("outputs", out), ("LSE values", lse)):
+        if r is None:
+            continue
+        if r["nonfinite_where_ref_finite"]:
+            reasons.append(f"{r['nonfinite_where_ref_finite']} {what} are NaN/inf where the FP64 reference is finite")
+            verdict = "fail"
+        if r["nan_swallowed"]:
+            reasons.append(f"semantics deviation: {r['nan_swallowed']} {what} differ where non-finite inputs make the reference NaN/inf")
+            if th["policy"]["nan_swallowed"] == "fail":
+                verdict = "fail"
+            elif verdict == "pass":
+                verdict = "warn"
+    b = m.get("bound")
+    if b is not None and th["policy"]["bound"] and (b["violations"] or b["lse_violations"]):
+        reasons.append(
+            f"{b['violations']} outputs and {b['lse_violations']} LSE values exceed the forward-pass bound "
+            f"(worst error/bound {b['tightness']:.3g}) — a bug in the kernel or in the analysis"
+        )
+        verdict = "fail"
+    fa = m.get("fa_criterion")
+    if fa is not None and th["policy"]["fa_criterion"] and m["config"]["dtype"] in th["policy"]["fa_criterion_dtypes"]:
+        allowed = th["policy"]["fa_multiplier"] * fa["lowprec_max_abs"] + 2 * fa["rounding"]
+        if not fa["max_abs"] <= allowed:
+            reasons.append(f"FA criterion: max|out - ref| {fa['max_abs']:.3g} > allowed {allowed:.3g}")
+            verdict = "fail"
+    if lse is not None:
+        if lse["mismatched_nonfinite"]:
+            reasons.append(f"{lse['mismatched_nonfinite']} rows with no visible key have an LSE other than -inf")
+            verdict = "fail"
+        if lse["max_abs"] > th["lse"]["max_abs"]:
+            reasons.append(f"LSE max |err| {lse['max_abs']:.3g} > {th['lse']['max_abs']:.3g}")
+            verdict = "fail"
+    cert = m.get("mpmath_max_abs")
+    if cert is not None and cert > th["reference"]["mpmath_max_abs"]:
+        reasons.append(f"FP64 reference not certified by mpmath: differs by {cert:.3g}")
+        verdict = "fail"
+    return verdict, reasons

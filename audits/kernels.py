@@ -1,0 +1,134 @@
+"""Kernels by name (DESIGN.md contract 2), each an audited callable
+``fn(q, k, v, *, softmax_scale, causal, window_size, softcap, learnable_sink, return_lse)``.
+
+* ``fa4``: production ``flash_attn.cute.flash_attn_func`` (CUDA + the ``gpu`` extra).
+* ``fa4-model``: ``fa4.model.attention`` with production SM100 numerics for the inputs.
+* ``fa4-model-sm90``: the model's Hopper configuration.
+* ``sdpa-math``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: PyTorch's SDPA backends
+  as peers.  SDPA has no softcap, sink or LSE output and aligns causal masks top-left, so those
+  configurations raise ``NotImplementedError`` (rows with no visible key too: SDPA gives NaN
+  there where FA's convention is 0), and ``return_lse`` yields ``None``.
+* ``module:attr``: any callable with that signature.
+
+``fa4_numerics(name)`` says which ``FA4Numerics`` family a kernel implements, so the runner
+can hold it to ``numerics.forward_bound``; None for the peers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Callable
+
+import torch
+
+__all__ = ["KERNELS", "get_kernel", "fa4_numerics"]
+
+
+def _model(q, k, v, *, return_lse=False, **kw):
+    from fa4.model import attention
+
+    return attention(q, k, v, return_lse=return_lse, **kw)
+
+
+def _model_sm90(q, k, v, *, causal=False, window_size=(None, None), return_lse=False, **kw):
+    from fa4.model import FA4Numerics, attention
+
+    local = not causal and any(w is not None for w in window_size)
+    nm = FA4Numerics.sm90(q.dtype, q.shape[-1], causal=causal, local=local, head_dim_v=v.shape[-1])
+    return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
+
+
+def _production(q, k, v, **kw):
+    from fa4.production import flash_attn
+
+    return flash_attn(q, k, v, **kw)
+
+
+def _sdpa(backend: str) -> Callable:
+    def run(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None, return_lse=False):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from numerics.reference import visible_mask
+
+        if softcap or learnable_sink is not None:
+            raise NotImplementedError("SDPA has no softcap or learnable sink")
+        if q.dtype.itemsize == 1:
+            raise NotImplementedError("SDPA takes no fp8 inputs")
+        sq, sk = q.shape[1], k.shape[1]
+        vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=q.device)
+        if not bool(vis.any(-1).all()):
+            raise NotImplementedError("SDPA returns NaN for rows with no visible key (FA returns 0)")
+        mask = None
+        is_causal = False
+        if causal and sq == sk and all(w is None for w in window_size):
+            is_causal = True
+        elif not bool(vis.all()):
+            if backend in ("flash", "cudnn"):
+                raise NotImplementedError(f"sdpa-{backend} takes no arbitrary mask (bottom-right causal, windows)")
+            mask = vis
+        be = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        try:
+            with sdpa_kernel(be):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2]
+                )
+        except RuntimeError as exc:  # "No available kernel": the backend refuses this configuration
+            if "No available kernel" in str(exc) or "not supported" in str(exc).lower():
+                raise NotImplementedError(f"sdpa-{backend}: {str(exc).splitlines()[0]}") from exc
+            raise
+        o = o.transpose(1, 2)
+        return (o, None) if return_lse else o
+
+    return run
+
+
+KERNELS: dict[str, Callable] = {
+    "fa4": _production,
+    "fa4-model": _model,
+    "fa4-model-sm90": _model_sm90,
+    "sdpa-math": _sdpa("math"),
+    "sdpa-flash": _sdpa("flash"),
+    "sdpa-efficient": _sdpa("efficient"),
+    "sdpa-cudnn": _sdpa("cudnn"),
+}
+
+
+def fa4_numerics(name: str):
+    """Callable (q, k, v, causal, window) -> FA4Numerics for kernels that implement FA4's
+    numerics (held to the forward-pass bound); None for the others."""
+    from fa4.model import FA4Numerics
+
+    def sm100(q, k, v, causal, window):
+        local = not causal and any(w is not None for w in window)
+        return FA4Numerics.sm100(q.dtype, q.shape[-1], causal, local, seqlen_q=q.shape[1], qhead_per_kvhead=q.shape[2] // k.shape[2], head_dim_v=v.shape[-1])
+
+    def sm90(q, k, v, causal, window):
+        local = not causal and any(w is not None for w in window)
+        return FA4Numerics.sm90(q.dtype, q.shape[-1], causal=causal, local=local, head_dim_v=v.shape[-1])
+
+    if name == "fa4-model":
+        return sm100
+    if name == "fa4-model-sm90":
+        return sm90
+    if name == "fa4":  # on this machine's GPU generation
+        return sm90 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 else sm100
+    return None
+
+
+def get_kernel(spec: str) -> Callable:
+    """A kernel by name or ``module:attr``; ``ValueError`` naming the valid ones."""
+    if spec in KERNELS:
+        return KERNELS[spec]
+    if ":" in spec:
+        mod, _, attr = spec.partition(":")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            return getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load kernel {spec!r}: {exc}") from exc
+    raise ValueError(f"unknown kernel {spec!r}; accepted: {', '.join(KERNELS)}, or module:attr")
+

@@ -1,0 +1,89 @@
+"""The audit report: JSON (schema ``fa4-audit/report/1``, DESIGN.md contract 6) and Markdown."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from audits.ex2_report import atomic_write
+
+__all__ = ["SCHEMA", "build_report", "write_report", "exit_code"]
+
+SCHEMA = "fa4-audit/report/1"
+VERDICTS = ("pass", "warn", "fail", "error", "crash", "skipped")
+
+
+def _worst(records: list[dict], path: tuple[str, str]) -> dict | None:
+    best = None
+    for r in records:
+        v = r.get(path[0], {}) or {}
+        x = v.get(path[1]) if isinstance(v, dict) else None
+        if x is not None and (best is None or x > best[0]):
+            best = (x, r["case"])
+    return None if best is None else {"value": best[0], "case": best[1]}
+
+
+def build_report(*, kernel: str, suite: str, seed: int, device: str, environment: dict, thresholds: dict, records: list[dict], command: str, created: str, shard: str | None) -> dict:
+    counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
+    return {
+        "schema": SCHEMA,
+        "kernel": kernel,
+        "suite": suite,
+        "shard": shard,
+        "seed": seed,
+        "device": device,
+        "environment": environment,
+        "command": command,
+        "created": created,
+        "thresholds": {k: v for k, v in thresholds.items()},
+        "summary": {
+            "cases": len(records),
+            "verdicts": counts,
+            "worst": {
+                "out_max_abs": _worst(records, ("out", "max_abs")),
+                "lse_max_abs": _worst(records, ("lse", "max_abs")),
+                "bound_tightness": _worst(records, ("bound", "tightness")),
+            },
+        },
+        "cases": records,
+    }
+
+
+def exit_code(report: dict) -> int:
+    """0 when every case passed (warnings included) and at least one ran; 1 otherwise."""
+    c = report["summary"]["verdicts"]
+    ran = c["pass"] + c["warn"] + c["fail"] + c["error"] + c["crash"]
+    return 0 if ran and c["fail"] + c["error"] + c["crash"] == 0 else 1
+
+
+def _markdown(rep: dict) -> str:
+    s = rep["summary"]
+    L = [
+        f"# fa4-audit: {rep['kernel']} on suite {rep['suite']}" + (f" (shard {rep['shard']})" if rep["shard"] else ""),
+        "",
+        f"`{rep['command']}` on {rep['created']}; device {rep['device']}; thresholds `{rep['thresholds'].get('path', '')}`.",
+        "",
+        "Verdicts: " + ", ".join(f"{k} {v}" for k, v in s["verdicts"].items() if v) + f" of {s['cases']} cases.",
+        "",
+    ]
+    for k, w in s["worst"].items():
+        if w:
+            L.append(f"- worst {k}: {w['value']:.3g} ({w['case']})")
+    L += ["", "| case | verdict | max abs err | rel L2 | LSE err | err/bound | seconds | reasons |", "|---|---|---|---|---|---|---|---|"]
+    for r in rep["cases"]:
+        o, l, b = r.get("out") or {}, r.get("lse") or {}, r.get("bound") or {}
+        f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"  # noqa: E731
+        L.append(f"| {r['case']} | {r['verdict']} | {f(o, 'max_abs')} | {f(o, 'rel_l2')} | {f(l, 'max_abs')} | {f(b, 'tightness')} | {r['seconds']:.2f} | {'; '.join(x for x in r['reasons'] if x)} |")
+    fails = [r for r in rep["cases"] if r["verdict"] in ("fail", "error", "crash")]
+    if fails:
+        L += ["", "## Reproduce", ""]
+        L += [f"- `{r.get('repro', '')}`" + (f" (inputs: `{r['repro_inputs']}`)" if r.get("repro_inputs") else "") for r in fails]
+    return "\n".join(L) + "\n"
+
+
+def write_report(rep: dict, out_dir: str | Path) -> dict[str, Path]:
+    out = Path(out_dir)
+    paths = {"json": out / "report.json", "md": out / "report.md"}
+    atomic_write(paths["json"], json.dumps(rep, separators=(",", ":"), default=str) + "\n")
+    atomic_write(paths["md"], _markdown(rep))
+    return paths

@@ -1,0 +1,174 @@
+"""Run a suite of cases for one kernel: inputs, the kernel, the FP64 reference (certified by
+mpmath on a sampled row), metrics, the per-element bound, a verdict per case.
+
+Every finished case is appended to ``OUT/journal.jsonl`` (flushed and fsynced) so that
+``resume=True`` continues after a crash, a kill or Ctrl-C without redoing finished cases.
+Cases run grouped by compile key, so a JIT kernel compiles each variant once.  ``shard=(i, n)``
+runs a deterministic 1/n slice balanced by expected cost.  Failing cases get a reproducer:
+their inputs saved under ``OUT/repro/`` and a one-line command in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from audits.configs import Case
+from audits.gate import judge
+from audits.inputs import make_inputs
+from audits.kernels import fa4_numerics, get_kernel
+from numerics.forward_bound import forward_error_bound
+from numerics.fp import format_of
+from numerics.metrics import lse_errors, output_errors
+from numerics.reference import attention_lowprec, attention_reference, mp_attention_rows
+
+__all__ = ["evaluate_case", "run_suite", "shard_cases"]
+
+
+def shard_cases(cases: list[Case], index: int, count: int) -> list[Case]:
+    """Deterministic slice ``index`` of ``count``: greedy balancing by ``Case.cost`` (largest
+    first onto the lightest shard), then back in suite order."""
+    if not (0 <= index < count):
+        raise ValueError(f"shard {index}/{count}: need 0 <= I < N")
+    loads = [0] * count
+    owner = {}
+    for i in sorted(range(len(cases)), key=lambda i: (-cases[i].cost, cases[i].name)):
+        s = min(range(count), key=lambda j: (loads[j], j))
+        loads[s] += cases[i].cost
+        owner[i] = s
+    return [c for i, c in enumerate(cases) if owner[i] == index]
+
+
+def _certify(x: dict, ref: torch.Tensor, ref_lse: torch.Tensor, case: Case) -> float:
+    """mpmath (30 digits) on one deterministic row against the FP64 reference."""
+    row = (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1)
+    ((mo, ml),) = mp_attention_rows(x["q"], x["k"], x["v"], [row], dps=30, **x["kw"])
+    r = ref[row[0], row[2], row[1]].double().cpu()
+    if not torch.isfinite(r).all():
+        return 0.0  # non-finite rows are judged by the semantics rules, not certified
+    return max(abs(float(a) - float(b)) for a, b in zip(mo, r.tolist()))
+
+
+def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, thresholds: dict) -> dict:
+    """Measurements and verdict of one case (a JSON-able dict)."""
+    rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
+    t0 = time.perf_counter()
+    x = make_inputs(case, device=device)
+    q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
+    try:
+        res = fn(q, k, v, return_lse=True, **kw)
+    except NotImplementedError as exc:
+        rec.update(status="skipped", reason=f"kernel does not support this configuration: {exc}")
+    except Exception as exc:  # any other exception is the case's verdict, never a pass
+        rec.update(status="error", reason=f"kernel raised {type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
+    else:
+        out, lse = res if isinstance(res, tuple) else (res, None)
+        want = (case.batch, case.seqlen_q, case.heads_q, case.dv)
+        want_dt = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != want_dt:
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            rec.update(status="error", reason=f"kernel returned {got}; expected shape {want} and dtype {want_dt}")
+        else:
+            rec["status"] = "ran"
+            ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
+            rec["out"] = output_errors(out, ref)
+            if lse is not None:
+                rec["lse"] = lse_errors(lse, rl)
+            nmf = fa4_numerics(kernel)
+            if nmf is not None:
+                nm = nmf(q, k, v, case.causal, tuple(case.window))
+                ob, lb = forward_error_bound(q, k, v, nm, **kw)
+                err = (out.double() - ref).abs()
+                fin = torch.isfinite(ref) & torch.isfinite(out.double())
+                lerr = (lse.double() - rl).abs() if lse is not None else torch.zeros_like(lb)
+                lfin = torch.isfinite(rl) & torch.isfinite(lerr)
+                rec["bound"] = {
+                    "violations": int(((err > ob) & fin).sum()),
+                    "lse_violations": int(((lerr > lb) & lfin).sum()),
+                    "tightness": float(torch.where(fin, err / ob.clamp(min=1e-300), 0.0).max()),
+                    "max_bound": float(torch.where(torch.isfinite(ob), ob, 0.0).max()),
+                }
+            low = attention_lowprec(q, k, v, **kw)
+            fin = torch.isfinite(ref)
+            r = torch.where(fin, ref, 0.0)
+            rec["fa_criterion"] = {
+                "max_abs": float(torch.where(fin, (out.double() - ref).abs(), 0.0).nan_to_num(float("inf")).max()),
+                "lowprec_max_abs": float(torch.where(fin, (low.double() - ref).abs(), 0.0).nan_to_num(0.0).max()),
+                "rounding": format_of(want_dt).unit_roundoff * float(r.abs().max()),
+            }
+            rec["mpmath_max_abs"] = _certify(x, ref, rl, case)
+    rec["verdict"], rec["reasons"] = judge(rec, thresholds)
+    rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+def _journal_append(path: Path, rec: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_journal(path: Path) -> dict[str, dict]:
+    """Finished case records by case name (a torn last line from a kill is ignored)."""
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[rec["case"]] = rec
+    return done
+
+
+def run_suite(
+    kernel: str,
+    cases: list[Case],
+    *,
+    device: torch.device,
+    out_dir: str | Path,
+    thresholds: dict,
+    resume: bool = False,
+    exitfirst: bool = False,
+    repro_cmd: Callable[[Case], str] | None = None,
+    progress: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Evaluate ``cases`` (grouped by compile key) for ``kernel``; journal each; return records
+    in suite order.  KeyboardInterrupt propagates after the journal holds what finished."""
+    fn = get_kernel(kernel)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    journal = out / "journal.jsonl"
+    done = read_journal(journal) if resume else {}
+    if not resume and journal.exists():
+        journal.unlink()
+    order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
+    records: dict[int, dict] = {}
+    for i in order:
+        c = cases[i]
+        if c.name in done:
+            records[i] = {**done[c.name], "resumed": True}
+        else:
+            rec = evaluate_case(kernel, fn, c, device, thresholds)
+            if repro_cmd is not None:
+                rec["repro"] = repro_cmd(c)
+            if rec["verdict"] in ("fail", "error"):
+                rdir = out / "repro"
+                rdir.mkdir(exist_ok=True)
+                x = make_inputs(c, device="cpu")
+                torch.save({"q": x["q"].contiguous(), "k": x["k"].contiguous(), "v": x["v"].contiguous(), "kw": x["kw"], "case": c.as_dict()}, rdir / f"{c.name}.pt")
+                rec["repro_inputs"] = f"repro/{c.name}.pt"
+            _journal_append(journal, rec)
+            records[i] = rec
+        if progress is not None:
+            progress(records[i])
+        if exitfirst and records[i]["verdict"] in ("fail", "error", "crash"):
+            break
+    return [records[i] for i in sorted(records)]
