@@ -391,6 +391,105 @@ def cmd_run(args: argparse.Namespace) -> int:
     return exit_code(rep)
 
 
+def _load_report(path: str) -> dict:
+    import json
+    from pathlib import Path
+
+    try:
+        rep = json.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise UsageError(f"{path}: no such report") from exc
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: not JSON ({exc})") from exc
+    if rep.get("schema") != "fa4-audit/report/1":
+        raise UsageError(f"{path}: schema {rep.get('schema')!r} is not fa4-audit/report/1")
+    return rep
+
+
+def _summarize(rep: dict) -> dict:
+    from audits.report import build_report
+
+    return build_report(
+        kernel=rep["kernel"], suite=rep["suite"], seed=rep["seed"], device=rep["device"], environment=rep["environment"],
+        thresholds=rep["thresholds"], records=rep["cases"], command=rep["command"], created=rep["created"], shard=rep.get("shard"),
+    )
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from audits.gate import ThresholdsError, load_thresholds, rejudge
+    from audits.report import exit_code
+
+    rep = _load_report(args.report)
+    try:
+        th = load_thresholds(args.thresholds)
+    except ThresholdsError as exc:
+        raise UsageError(str(exc)) from exc
+    base = _load_report(args.baseline) if args.baseline else None
+    new = _summarize(rejudge(rep, th, base))
+    for c in new["cases"]:
+        if c["verdict"] in ("fail", "error", "crash"):
+            print(f"{c['verdict'].upper():6s} {c['case']}: {'; '.join(c['reasons'])}")
+    v = new["summary"]["verdicts"]
+    print(", ".join(f"{k} {n}" for k, n in v.items() if n) + f" of {new['summary']['cases']} cases under {th['path']}" + (f" against {args.baseline}" if base else ""))
+    return exit_code(new)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    rep = _load_report(args.report)
+    t = Table(title=f"{rep['kernel']} / {rep['suite']} ({rep['created']})")
+    for col in ("case", "verdict", "max abs err", "LSE err", "err/bound", "reasons"):
+        t.add_column(col)
+    for c in rep["cases"]:
+        o, l, b = c.get("out") or {}, c.get("lse") or {}, c.get("bound") or {}
+        f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"  # noqa: E731
+        t.add_row(c["case"], c["verdict"], f(o, "max_abs"), f(l, "max_abs"), f(b, "tightness"), "; ".join(x for x in c["reasons"] if x))
+    Console().print(t)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    a, b = _load_report(args.base), _load_report(args.cand)
+    ca, cb = {c["case"]: c for c in a["cases"]}, {c["case"]: c for c in b["cases"]}
+    changed = 0
+    for name in sorted(set(ca) | set(cb)):
+        x, y = ca.get(name), cb.get(name)
+        if x is None or y is None:
+            print(f"{'only in cand' if x is None else 'only in base'}: {name}")
+            changed += 1
+            continue
+        ex, ey = (x.get("out") or {}).get("max_abs"), (y.get("out") or {}).get("max_abs")
+        moved = ex is not None and ey is not None and (ex != ey)
+        if x["verdict"] != y["verdict"] or moved:
+            changed += 1
+            err = f"max |err| {ex:.3g} -> {ey:.3g}" if moved else ""
+            print(f"{name}: {x['verdict']} -> {y['verdict']} {err}")
+    print(f"{changed} of {len(set(ca) | set(cb))} cases differ")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from audits.report import exit_code, write_report
+
+    reps = [_load_report(p) for p in args.reports]
+    keys = {(r["kernel"], r["suite"], r["seed"]) for r in reps}
+    if len(keys) != 1:
+        raise UsageError(f"shard reports must share kernel, suite and seed; got {sorted(keys)}")
+    seen, cases = set(), []
+    for r in reps:
+        for c in r["cases"]:
+            if c["case"] in seen:
+                raise UsageError(f"case {c['case']} appears in two shard reports")
+            seen.add(c["case"])
+            cases.append(c)
+    merged = _summarize({**reps[0], "cases": cases, "shard": None, "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)})
+    paths = write_report(merged, args.out)
+    print(f"merged {len(reps)} reports, {len(cases)} cases: {paths['md']}")
+    return exit_code(merged)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fa4-audit",
@@ -467,6 +566,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--case", default=None, help="glob over case names (e.g. a reproducer's name)")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=cmd_run)
+    g = sub.add_parser("gate", help="re-judge a report under thresholds (and against a baseline report)")
+    g.add_argument("report")
+    g.add_argument("--thresholds", default=None)
+    g.add_argument("--baseline", default=None, help="BASE.json: fail cases worse than the baseline by more than [baseline] max_ratio")
+    g.set_defaults(func=cmd_gate)
+    sh = sub.add_parser("show", help="print a report as a table")
+    sh.add_argument("report")
+    sh.set_defaults(func=cmd_show)
+    df = sub.add_parser("diff", help="where two reports differ (verdicts, max errors)")
+    df.add_argument("base")
+    df.add_argument("cand")
+    df.set_defaults(func=cmd_diff)
+    mg = sub.add_parser("merge", help="combine shard reports (run --shard I/N) into one")
+    mg.add_argument("reports", nargs="+")
+    mg.add_argument("--out", required=True)
+    mg.set_defaults(func=cmd_merge)
     return p
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-__all__ = ["DEFAULT_THRESHOLDS", "load_thresholds", "judge", "ThresholdsError"]
+__all__ = ["DEFAULT_THRESHOLDS", "load_thresholds", "judge", "judge_against_baseline", "rejudge", "ThresholdsError"]
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
 _KEYS = {
     "policy": {"nan_swallowed": str, "bound": bool, "fa_criterion": bool, "fa_multiplier": float, "fa_criterion_dtypes": list},
     "lse": {"max_abs": float},
     "reference": {"mpmath_max_abs": float},
+    "baseline": {"max_ratio": float},
 }
 
 
@@ -98,3 +99,30 @@ def judge(m: dict, th: dict) -> tuple[str, list[str]]:
         reasons.append(f"FP64 reference not certified by mpmath: differs by {cert:.3g}")
         verdict = "fail"
     return verdict, reasons
+
+
+def judge_against_baseline(m: dict, base: dict, th: dict) -> list[str]:
+    """Reasons a candidate case record is worse than its baseline record (empty: not worse)."""
+    if m.get("status") != "ran" or base.get("status") != "ran":
+        return []
+    r = th["baseline"]["max_ratio"]
+    out = []
+    for key, label in (("out", "max |out - ref|"), ("lse", "LSE max |err|")):
+        a, b = (m.get(key) or {}).get("max_abs"), (base.get(key) or {}).get("max_abs")
+        if a is not None and b is not None and a > r * b and a > 0:
+            out.append(f"{label} {a:.3g} > {r:g} x baseline {b:.3g}")
+    return out
+
+
+def rejudge(report: dict, th: dict, baseline: dict | None = None) -> dict:
+    """The report's cases judged again under ``th`` (and against ``baseline``'s cases by name)."""
+    base = {c["case"]: c for c in baseline["cases"]} if baseline else {}
+    cases = []
+    for c in report["cases"]:
+        verdict, reasons = judge(c, th)
+        if c["case"] in base:
+            worse = judge_against_baseline(c, base[c["case"]], th)
+            if worse:
+                verdict, reasons = "fail", reasons + worse
+        cases.append({**c, "verdict": verdict, "reasons": reasons})
+    return {**report, "cases": cases, "thresholds": th}

@@ -103,3 +103,34 @@ def test_thresholds_file_errors(tmp_path):
 def test_usage_errors(argv, message, capsys, tmp_path):
     assert run(*argv, "--out", str(tmp_path)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_gate_show_diff_merge(tmp_path, capsys):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert run("--kernel", "fa4-model", "--case", "*uniform*", "--out", str(a)) == 0
+    # re-judged under the default thresholds: same verdict
+    assert cli.main(["gate", str(a / "report.json")]) == 0
+    # a stricter policy file fails it
+    strict = tmp_path / "strict.toml"
+    strict.write_text(Path(load_thresholds()["path"]).read_text().replace("max_abs = 1e-3", "max_abs = 1e-9"))
+    assert cli.main(["gate", str(a / "report.json"), "--thresholds", str(strict)]) == 1
+    assert "LSE max |err|" in capsys.readouterr().out
+    # a candidate worse than its baseline fails the baseline gate
+    assert run("--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*uniform*", "--out", str(b)) == 1
+    rep = json.loads((a / "report.json").read_text())
+    rep["cases"][0]["out"]["max_abs"] *= 3
+    (c / "report.json").parent.mkdir()
+    (c / "report.json").write_text(json.dumps(rep))
+    assert cli.main(["gate", str(c / "report.json"), "--baseline", str(a / "report.json")]) == 1
+    assert "x baseline" in capsys.readouterr().out
+    assert cli.main(["diff", str(a / "report.json"), str(b / "report.json")]) == 0
+    assert "pass -> fail" in capsys.readouterr().out
+    assert cli.main(["show", str(a / "report.json")]) == 0
+    # shards merge back into the whole
+    s0, s1, m = tmp_path / "s0", tmp_path / "s1", tmp_path / "m"
+    assert run("--kernel", "fa4-model", "--case", "*tile_step_[14]*", "--shard", "0/2", "--out", str(s0)) == 0
+    assert run("--kernel", "fa4-model", "--case", "*tile_step_[14]*", "--shard", "1/2", "--out", str(s1)) == 0
+    assert cli.main(["merge", str(s0 / "report.json"), str(s1 / "report.json"), "--out", str(m)]) == 0
+    n0, n1 = (json.loads((d / "report.json").read_text())["summary"]["cases"] for d in (s0, s1))
+    assert n0 and n1 and json.loads((m / "report.json").read_text())["summary"]["cases"] == n0 + n1 == 5
+    assert cli.main(["gate", str(tmp_path / "nope.json")]) == 2
