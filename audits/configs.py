@@ -81,6 +81,7 @@ def smoke_suite() -> list[Case]:
         Case("bfloat16", 96, 96, 1, 2, 2, 130, 70, causal=True, family="peaked"),  # sq > sk: rows with no visible key
         Case("bfloat16", 128, 128, 1, 2, 2, 200, 200, window=(64, 16), family="flat"),
         Case("float8_e4m3fn", 64, 64, 1, 1, 1, 64, 2048, family="long_tail"),
+        Case("bfloat16", 64, 64, 1, 1, 1, 64, 2048, family="long_tail", seed=1),  # flush of small P, 16-bit
         Case("bfloat16", 64, 64, 1, 2, 2, 64, 1024, family="drift", sink=True),
         Case("bfloat16", 128, 128, 1, 2, 2, 128, 128, softcap=15.0, layout="packed_qkv", family="huge_logits"),
         Case("float16", 64, 64, 1, 2, 2, 100, 100, family="near_max", layout="strided"),

@@ -15,7 +15,7 @@ __all__ = ["DEFAULT_THRESHOLDS", "load_thresholds", "judge", "judge_against_base
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
 _KEYS = {
-    "policy": {"nan_swallowed": str, "bound": bool, "fa_criterion": bool, "fa_multiplier": float, "fa_criterion_dtypes": list},
+    "policy": {"nan_swallowed": str, "bound": bool, "peer_bound": bool, "fa_criterion": bool, "fa_multiplier": float, "fa_criterion_dtypes": list},
     "lse": {"max_abs": float},
     "reference": {"mpmath_max_abs": float},
     "baseline": {"max_ratio": float},
@@ -75,7 +75,8 @@ def judge(m: dict, th: dict) -> tuple[str, list[str]]:
             elif verdict == "pass":
                 verdict = "warn"
     b = m.get("bound")
-    if b is not None and th["policy"]["bound"] and (b["violations"] or b["lse_violations"]):
+    applies = th["policy"]["bound"] if (b or {}).get("kind") == "fa4" else th["policy"]["peer_bound"]
+    if b is not None and applies and (b["violations"] or b["lse_violations"]):
         reasons.append(
             f"{b['violations']} outputs and {b['lse_violations']} LSE values exceed the forward-pass bound "
             f"(worst error/bound {b['tightness']:.3g}) — a bug in the kernel or in the analysis"

@@ -35,3 +35,99 @@ def wrong_shape(q, k, v, **kw):
 
 def raises(q, k, v, **kw):
     raise RuntimeError("illegal memory access (simulated)")
+
+
+# ---------------------------------------------------------------------------------------------
+# A plain blockwise online-softmax kernel (float32, 128-key tiles) and the bugs seeded into it.
+# ---------------------------------------------------------------------------------------------
+
+import math
+
+BUGS = {
+    "no_causal": "masking: ignores the causal mask",
+    "window_off_by_one": "masking: the local window's right edge one key too far",
+    "gqa_tile": "GQA mapping: query head h reads kv head h % heads_kv instead of h // group",
+    "no_o_rescale": "rescaling: O is not rescaled when the running max grows",
+    "stale_sum": "rescaling: the row sum is not rescaled when the running max grows",
+    "flush_p": "flush: P below 2**-10 is dropped from the numerator",
+    "saturate_p": "saturation: P scaled by 2**17 before its fp16 cast overflows",
+    "nan_leak": "NaN handling: an additive -inf mask lets NaN at masked keys through",
+    "lse_log2": "LSE: returned in log2 units",
+    "layout": "layout: reads non-contiguous inputs as if they were contiguous",
+    "bf16_accum": "accumulation precision: O accumulated in bfloat16",
+}
+
+
+def _online(q, k, v, *, bug=None, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None, return_lse=False):
+    from numerics.reference import visible_mask
+
+    if bug == "layout":
+        q, k, v = (torch.as_strided(t, t.shape, torch.empty(t.shape).stride()) if not t.is_contiguous() else t for t in (q, k, v))
+    b, sq, hq, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    scale = 1 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    idx = torch.arange(hq) % hk if bug == "gqa_tile" else torch.arange(hq) // (hq // hk)
+    kf, vf = k.float()[:, :, idx], v.float()[:, :, idx]
+    qf = q.float()
+    w = tuple(window_size)
+    if bug == "window_off_by_one" and w[1] is not None:
+        w = (w[0], w[1] + 1)
+    vis = visible_mask(sq, sk, causal=causal and bug != "no_causal", window_size=w)
+    acc_dt = torch.bfloat16 if bug == "bf16_accum" else torch.float32
+    m = torch.full((b, hq, sq, 1), -math.inf)
+    lsum = torch.zeros(b, hq, sq, 1)
+    o = torch.zeros(b, hq, sq, dv, dtype=acc_dt)
+    for j0 in range(0, sk, 128):
+        j1 = min(j0 + 128, sk)
+        s = torch.einsum("bihd,bjhd->bhij", qf, kf[:, j0:j1]) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        mk = vis[:, j0:j1]
+        if bug != "nan_leak" and not bool(mk.any()):
+            continue  # a tile no query sees is skipped, as FA's block ranges do
+        s = s + torch.where(mk, 0.0, -math.inf) if bug == "nan_leak" else s.masked_fill(~mk, -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe)
+        pn = torch.where(p < 2.0**-10, 0.0, p) if bug == "flush_p" else p
+        if bug == "saturate_p":
+            pn = (pn * 2.0**17).to(torch.float16).float() / 2.0**17
+        else:
+            pn = pn.to(q.dtype if q.dtype.itemsize == 2 else torch.bfloat16).float()
+        lsum = (lsum if bug == "stale_sum" else lsum * alpha) + p.sum(-1, keepdim=True)
+        pv = torch.einsum("bhij,bjhd->bhid", pn, vf[:, j0:j1])
+        o = ((o.float() if bug == "no_o_rescale" else o.float() * alpha) + pv).to(acc_dt)
+        m = m_new
+    if learnable_sink is not None:
+        sink = learnable_sink.float().view(1, hq, 1, 1)
+        m2 = torch.maximum(m, sink)
+        m2s = torch.where(torch.isfinite(m2), m2, torch.zeros_like(m2))
+        lsum = lsum * torch.exp(m - m2s) + torch.exp(sink - m2s)
+        o = (o.float() * torch.exp(m - m2s)).to(acc_dt)
+        m = m2
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    bad = lsum == 0
+    out = (o.float() / torch.where(bad, 1.0, lsum)).to(q.dtype if q.dtype.itemsize == 2 else torch.bfloat16)
+    lse = torch.where(bad, -math.inf, m_safe + torch.log(lsum)).squeeze(-1)
+    if bug == "lse_log2":
+        lse = lse / math.log(2)
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse) if return_lse else out
+
+
+def online(q, k, v, **kw):
+    """The correct blockwise kernel."""
+    return _online(q, k, v, **kw)
+
+
+def _make(bug):
+    def kernel(q, k, v, **kw):
+        return _online(q, k, v, bug=bug, **kw)
+
+    kernel.__doc__ = BUGS[bug]
+    return kernel
+
+
+for _bug in BUGS:
+    globals()[f"bug_{_bug}"] = _make(_bug)

@@ -134,3 +134,18 @@ def test_gate_show_diff_merge(tmp_path, capsys):
     n0, n1 = (json.loads((d / "report.json").read_text())["summary"]["cases"] for d in (s0, s1))
     assert n0 and n1 and json.loads((m / "report.json").read_text())["summary"]["cases"] == n0 + n1 == 5
     assert cli.main(["gate", str(tmp_path / "nope.json")]) == 2
+
+
+from tests.bugged_kernels import BUGS  # noqa: E402
+
+
+def test_correct_blockwise_kernel_passes_smoke(tmp_path):
+    assert run("--kernel", "tests.bugged_kernels:online", "--suite", "smoke", "--out", str(tmp_path)) == 0
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_smoke_suite_catches_every_catalogued_bug(tmp_path, bug):
+    """The catalogue of seeded bugs (tests/bugged_kernels.BUGS): the smoke suite fails each."""
+    assert run("--kernel", f"tests.bugged_kernels:bug_{bug}", "--suite", "smoke", "--out", str(tmp_path)) == 1, BUGS[bug]
+    rep = report(tmp_path)
+    assert rep["summary"]["verdicts"]["fail"] + rep["summary"]["verdicts"]["error"] >= 1
