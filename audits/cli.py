@@ -357,6 +357,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ThresholdsError as exc:
         raise UsageError(str(exc)) from exc
     device = _device(args.device)
+    if args.isolate is None:
+        args.isolate = args.kernel == "fa4" or ":" in args.kernel
     if args.seed:
         cases = [dataclasses.replace(c, seed=c.seed + args.seed) for c in cases]
     if args.case:
@@ -377,6 +379,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         task = bar.add_task(f"{args.kernel} / {args.suite}", total=len(cases))
         records = run_suite(
             args.kernel, cases, device=device, out_dir=args.out, thresholds=th, resume=args.resume, exitfirst=args.exitfirst,
+            isolate=args.isolate,
             repro_cmd=lambda c: f"{base} --case {shlex.quote(c.name)}" + (f" --seed {args.seed}" if args.seed else ""),
             progress=lambda r: bar.advance(task),
         )
@@ -564,6 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing case")
     r.add_argument("--shard", default=None, help="I/N: run a deterministic, cost-balanced 1/N slice")
     r.add_argument("--case", default=None, help="glob over case names (e.g. a reproducer's name)")
+    r.add_argument(
+        "--isolate", action=argparse.BooleanOptionalAction, default=None,
+        help="run the kernel in a worker process so that a crash is one case's verdict "
+        "(default: on for fa4 and module:attr kernels, off for the built-in model and SDPA)",
+    )
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=cmd_run)
     g = sub.add_parser("gate", help="re-judge a report under thresholds (and against a baseline report)")

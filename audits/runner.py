@@ -83,6 +83,8 @@ def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, t
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
     try:
         res = fn(q, k, v, return_lse=True, **kw)
+    except WorkerCrashed as exc:
+        rec.update(status="crash", reason=str(exc))
     except NotImplementedError as exc:
         rec.update(status="skipped", reason=f"kernel does not support this configuration: {exc}")
     except Exception as exc:  # any other exception is the case's verdict, never a pass
@@ -128,6 +130,76 @@ def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, t
     return rec
 
 
+class WorkerCrashed(RuntimeError):
+    """The kernel's worker process died during a call."""
+
+
+def _worker(conn, kernel: str) -> None:  # pragma: no cover - runs in the child process
+    """Call the kernel on inputs sent over ``conn`` until None arrives (see :class:`_Isolated`).
+    Replies ("ok", result) or ("raise", exception)."""
+    fn = get_kernel(kernel)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        (q, k, v, kw), device = msg
+        dev = torch.device(device)
+        kw = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+        try:
+            res = fn(q.to(dev), k.to(dev), v.to(dev), return_lse=True, **kw)
+            res = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in res) if isinstance(res, tuple) else (res.cpu() if isinstance(res, torch.Tensor) else res)
+            conn.send(("ok", res))
+        except Exception as exc:  # sent back and re-raised in the parent
+            conn.send(("raise", exc))
+
+
+class _Isolated:
+    """A persistent worker process that runs the kernel: a kernel that kills its process (a
+    segfault, an abort, a CUDA illegal address that poisons the context) costs one case — its
+    verdict is ``crash`` — and a fresh worker takes the next case.  Only the kernel call crosses
+    the process boundary; references and verdicts stay in the parent (and its caches)."""
+
+    def __init__(self, kernel: str, device: torch.device):
+        import multiprocessing as mp
+
+        self.ctx = mp.get_context("spawn")
+        self.kernel, self.device = kernel, str(device)
+        self.proc = None
+
+    def _start(self):
+        self.conn, child = self.ctx.Pipe()
+        self.proc = self.ctx.Process(target=_worker, args=(child, self.kernel), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def __call__(self, q, k, v, *, return_lse=True, **kw):
+        if self.proc is None or not self.proc.is_alive():
+            self._start()
+        cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        try:
+            self.conn.send(((cpu(q), cpu(k), cpu(v), {n: cpu(t) for n, t in kw.items()}), self.device))
+            status, payload = self.conn.recv()
+        except (EOFError, ConnectionError, BrokenPipeError):
+            self.proc.join(timeout=5)
+            code = self.proc.exitcode
+            self.proc = None
+            raise WorkerCrashed(f"the kernel's worker process died (exit code {code}) on this case")
+        if status == "raise":
+            raise payload
+        dev = q.device
+        return tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in payload) if isinstance(payload, tuple) else payload.to(dev)
+
+    def close(self):
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, ConnectionError):
+                pass
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
 def _journal_append(path: Path, rec: dict) -> None:
     with open(path, "a") as fh:
         fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
@@ -157,12 +229,15 @@ def run_suite(
     thresholds: dict,
     resume: bool = False,
     exitfirst: bool = False,
+    isolate: bool = False,
     repro_cmd: Callable[[Case], str] | None = None,
     progress: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Evaluate ``cases`` (grouped by compile key) for ``kernel``; journal each; return records
-    in suite order.  KeyboardInterrupt propagates after the journal holds what finished."""
+    in suite order.  ``isolate``: evaluate in a worker process (crashes become verdicts).
+    KeyboardInterrupt propagates after the journal holds what finished."""
     fn = get_kernel(kernel)
+    iso = _Isolated(kernel, device) if isolate else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     journal = out / "journal.jsonl"
@@ -171,15 +246,24 @@ def run_suite(
         journal.unlink()
     order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
     records: dict[int, dict] = {}
+    try:
+        _loop(order, cases, done, records, kernel, fn, iso, device, thresholds, out, journal, repro_cmd, progress, exitfirst)
+    finally:
+        if iso is not None:
+            iso.close()
+    return [records[i] for i in sorted(records)]
+
+
+def _loop(order, cases, done, records, kernel, fn, iso, device, thresholds, out, journal, repro_cmd, progress, exitfirst):
     for i in order:
         c = cases[i]
         if c.name in done:
             records[i] = {**done[c.name], "resumed": True}
         else:
-            rec = evaluate_case(kernel, fn, c, device, thresholds)
+            rec = evaluate_case(kernel, iso if iso is not None else fn, c, device, thresholds)
             if repro_cmd is not None:
                 rec["repro"] = repro_cmd(c)
-            if rec["verdict"] in ("fail", "error"):
+            if rec["verdict"] in ("fail", "error", "crash"):
                 rdir = out / "repro"
                 rdir.mkdir(exist_ok=True)
                 x = make_inputs(c, device="cpu")
@@ -191,4 +275,3 @@ def run_suite(
             progress(records[i])
         if exitfirst and records[i]["verdict"] in ("fail", "error", "crash"):
             break
-    return [records[i] for i in sorted(records)]

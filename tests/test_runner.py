@@ -149,3 +149,13 @@ def test_smoke_suite_catches_every_catalogued_bug(tmp_path, bug):
     assert run("--kernel", f"tests.bugged_kernels:bug_{bug}", "--suite", "smoke", "--out", str(tmp_path)) == 1, BUGS[bug]
     rep = report(tmp_path)
     assert rep["summary"]["verdicts"]["fail"] + rep["summary"]["verdicts"]["error"] >= 1
+
+
+def test_a_crashing_kernel_is_isolated(tmp_path):
+    assert run("--kernel", "tests.bugged_kernels:crashes_on_fp16", "--case", "*d64*", "--out", str(tmp_path)) == 1
+    rep = report(tmp_path)
+    v = {c["case"]: c["verdict"] for c in rep["cases"]}
+    crashed = [n for n, x in v.items() if x == "crash"]
+    assert crashed and all(n.startswith("f16") for n in crashed)
+    assert any(x == "pass" for x in v.values())  # the audit went on after the crash
+    assert "exit code 134" in next(c for c in rep["cases"] if c["verdict"] == "crash")["reasons"][0]
