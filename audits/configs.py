@@ -2,14 +2,15 @@
 
 A :class:`Case` is one configuration of the audited call plus its inputs' family and seed.
 ``SUITES["smoke"]`` is the CPU/CI suite: every feature axis and every input family at least
-once, small enough for the model on 2 cores.
+once, small enough for the model on 2 cores.  ``release`` (GPU) is a pairwise-covering array of
+FA's test axes times every input family; ``nightly`` adds seeds and lengths up to 32k.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Case", "smoke_suite", "SUITES", "suite"]
+__all__ = ["Case", "smoke_suite", "release_suite", "nightly_suite", "pairwise", "SUITES", "suite"]
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,89 @@ def smoke_suite() -> list[Case]:
     return base + steps
 
 
+#: (seqlen_q, seqlen_k) pairs of FA's own tests (tests/cute/test_flash_attn.py) and more
+SEQLEN_PAIRS = [
+    (1, 239), (3, 799), (127, 512), (127, 513), (113, 203), (128, 217), (113, 211), (108, 256),
+    (256, 512), (384, 256), (640, 128), (512, 256), (1024, 1024), (1023, 1024), (1024, 1023),
+    (200, 2048), (2048, 2048), (4096, 4096), (8192, 8192), (1, 8192), (4224, 4224), (1000, 3000),
+]
+RELEASE_AXES = {
+    "dtype": ["bfloat16", "float16", "float8_e4m3fn"],
+    "d": [64, 96, 128, 192, 256],
+    "mask": ["none", "causal", "local"],
+    "softcap": [0.0, 15.0],
+    "sink": [False, True],
+    "heads": [(4, 4), (8, 2), (4, 1)],
+    "seqlens": SEQLEN_PAIRS,
+    "layout": ["contiguous", "strided"],
+}
+
+
+def pairwise(axes: dict[str, list], seed: int = 0, candidates: int = 40) -> list[dict]:
+    """A covering array of strength 2: rows (one value per axis) such that every pair of values
+    of every two axes appears in some row.  Greedy (AETG-style): each new row is the best of
+    ``candidates`` random rows seeded by an uncovered pair; deterministic from ``seed``."""
+    import itertools
+    import random
+
+    names = list(axes)
+    rng = random.Random(seed)
+    uncovered = {
+        (a, i, b, j)
+        for a, b in itertools.combinations(range(len(names)), 2)
+        for i in range(len(axes[names[a]]))
+        for j in range(len(axes[names[b]]))
+    }
+    rows = []
+    while uncovered:
+        a, i, b, j = min(uncovered)
+        best, gain = None, -1
+        for _ in range(candidates):
+            row = [rng.randrange(len(axes[n])) for n in names]
+            row[a], row[b] = i, j
+            g = sum((x, row[x], y, row[y]) in uncovered for x, y in itertools.combinations(range(len(names)), 2))
+            if g > gain:
+                best, gain = row, g
+        for x, y in itertools.combinations(range(len(names)), 2):
+            uncovered.discard((x, best[x], y, best[y]))
+        rows.append({n: axes[n][best[k]] for k, n in enumerate(names)})
+    return rows
+
+
+def _release_case(row: dict, family: str, seed: int) -> Case:
+    sq, sk = row["seqlens"]
+    hq, hk = row["heads"]
+    window = (128, 32) if row["mask"] == "local" else (None, None)
+    if family == "nan_inf_masked":  # needs keys that no query sees: a left window short of them
+        window, sq = (64, 0), min(sq, max(1, sk - 80))
+        if sk - sq - 64 <= 0:
+            sk = sq + 80
+    d = row["d"]
+    return Case(
+        row["dtype"], d, d, 1 if sq * sk > 4096 * 4096 else 2, hq, hk, sq, sk,
+        causal=row["mask"] == "causal" and family != "nan_inf_masked", window=window,
+        softcap=row["softcap"], sink=row["sink"], layout=row["layout"], family=family, seed=seed,
+    )
+
+
+def release_suite(seeds: tuple[int, ...] = (0,), extra_pairs: list | None = None) -> list[Case]:
+    """A pairwise-covering array of FA's test axes (``RELEASE_AXES``) times every input family."""
+    from audits.inputs import FAMILIES
+
+    axes = dict(RELEASE_AXES)
+    if extra_pairs:
+        axes["seqlens"] = axes["seqlens"] + list(extra_pairs)
+    rows = pairwise(axes)
+    return [_release_case(r, f, s) for s in seeds for f in FAMILIES for r in rows]
+
+
+def nightly_suite() -> list[Case]:
+    """release with three seeds and sequence lengths up to 32k."""
+    return release_suite(seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
+
+
 def _suites() -> dict:
-    return {"smoke": smoke_suite}
+    return {"smoke": smoke_suite, "release": release_suite, "nightly": nightly_suite}
 
 
 SUITES = _suites()

@@ -90,3 +90,36 @@ def test_unknown_suite_and_family():
         suite("weekly")
     with pytest.raises(ValueError, match="accepted: normal, uniform"):
         make_inputs(Case(family="gaussian"))
+
+
+def test_pairwise_covers_every_pair():
+    import itertools
+
+    from audits.configs import RELEASE_AXES, pairwise
+
+    axes = {"a": [0, 1, 2], "b": ["x", "y"], "c": [True, False], "d": [1, 2, 3, 4]}
+    rows = pairwise(axes)
+    for p, q in itertools.combinations(axes, 2):
+        assert {(r[p], r[q]) for r in rows} == set(itertools.product(axes[p], axes[q]))
+    assert len(rows) < 3 * 2 * 2 * 4  # smaller than the full cross
+    rows = pairwise(RELEASE_AXES)
+    for p, q in itertools.combinations(RELEASE_AXES, 2):
+        got = {(repr(r[p]), repr(r[q])) for r in rows}
+        assert got == {(repr(x), repr(y)) for x in RELEASE_AXES[p] for y in RELEASE_AXES[q]}, (p, q)
+
+
+def test_release_and_nightly_suites():
+    from audits.configs import nightly_suite, release_suite
+
+    rel = release_suite()
+    assert len(rel) >= 1000 and {c.family for c in rel} == set(FAMILIES)
+    assert max(max(c.seqlen_q, c.seqlen_k) for c in rel) == 8192
+    assert len({c.name for c in rel}) == len(rel)
+    for c in rel:
+        if c.family == "nan_inf_masked":
+            assert c.seqlen_k - c.seqlen_q - c.window[0] > 0
+    small = [c for c in rel if c.seqlen_q * c.seqlen_k <= 1 << 16][:: 25]
+    for c in small:
+        make_inputs(c)
+    night = nightly_suite()
+    assert len(night) > 3 * len(rel) - 1 and max(c.seqlen_k for c in night) == 32768
