@@ -81,9 +81,36 @@ def _markdown(rep: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _junit(rep: dict) -> str:
+    """JUnit XML for CI systems: one testcase per case; fail/error/crash as failures or errors,
+    skipped as skipped, warnings in system-out."""
+    import xml.etree.ElementTree as ET
+
+    c = rep["summary"]["verdicts"]
+    suite = ET.Element(
+        "testsuite", name=f"fa4-audit {rep['kernel']} {rep['suite']}", tests=str(rep["summary"]["cases"]),
+        failures=str(c["fail"]), errors=str(c["error"] + c["crash"]), skipped=str(c["skipped"]),
+        time=f"{sum(r.get('seconds', 0.0) for r in rep['cases']):.3f}",
+    )
+    for r in rep["cases"]:
+        tc = ET.SubElement(suite, "testcase", classname=f"{rep['kernel']}.{rep['suite']}", name=r["case"], time=f"{r.get('seconds', 0.0):.3f}")
+        msg = "; ".join(x for x in r["reasons"] if x)
+        if r["verdict"] == "fail":
+            ET.SubElement(tc, "failure", message=msg).text = r.get("repro", "")
+        elif r["verdict"] in ("error", "crash"):
+            ET.SubElement(tc, "error", message=msg, type=r["verdict"]).text = r.get("repro", "")
+        elif r["verdict"] == "skipped":
+            ET.SubElement(tc, "skipped", message=msg)
+        elif r["verdict"] == "warn":
+            ET.SubElement(tc, "system-out").text = msg
+    return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode", xml_declaration=True) + "\n"
+
+
 def write_report(rep: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json, report.md and report.junit.xml into ``out_dir``."""
     out = Path(out_dir)
-    paths = {"json": out / "report.json", "md": out / "report.md"}
+    paths = {"json": out / "report.json", "md": out / "report.md", "junit": out / "report.junit.xml"}
     atomic_write(paths["json"], json.dumps(rep, separators=(",", ":"), default=str) + "\n")
     atomic_write(paths["md"], _markdown(rep))
+    atomic_write(paths["junit"], _junit(rep))
     return paths

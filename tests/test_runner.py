@@ -159,3 +159,13 @@ def test_a_crashing_kernel_is_isolated(tmp_path):
     assert crashed and all(n.startswith("f16") for n in crashed)
     assert any(x == "pass" for x in v.values())  # the audit went on after the crash
     assert "exit code 134" in next(c for c in rep["cases"] if c["verdict"] == "crash")["reasons"][0]
+
+
+def test_junit_xml(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    assert run("--kernel", "tests.bugged_kernels:bug_lse_log2", "--case", "*uniform*", "--no-isolate", "--out", str(tmp_path)) == 1
+    root = ET.parse(tmp_path / "report.junit.xml").getroot()
+    assert root.tag == "testsuite" and root.get("failures") == "1"
+    (tc,) = root.findall("testcase")
+    assert "LSE" in tc.find("failure").get("message")
