@@ -1,0 +1,51 @@
+"""pytest plugin (entry point ``pytest11``): audit your own kernels inside your test suite.
+
+    def test_my_kernel(fa4_audit):
+        fa4_audit("mypkg.attention:my_kernel", suite="smoke")
+
+The ``fa4_audit`` fixture runs a suite for a kernel (a registered name or ``module:attr``)
+exactly as ``fa4-audit run`` does, writes the report under pytest's temporary directory, and
+fails the test with the failing cases, their reasons and reproducers; it returns the report.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import pytest
+
+__all__ = ["fa4_audit"]
+
+
+@pytest.fixture
+def fa4_audit(tmp_path):
+    """Callable ``(kernel, *, suite="smoke", case="*", device="cpu", thresholds=None,
+    isolate=False) -> report dict``; fails the calling test when any case fails."""
+    import torch
+
+    from audits.configs import suite as get_suite
+    from audits.gate import load_thresholds
+    from audits.report import build_report, exit_code, write_report
+    from audits.runner import run_suite
+
+    def audit(kernel: str, *, suite: str = "smoke", case: str = "*", device: str = "cpu", thresholds=None, isolate: bool = False) -> dict:
+        cases = [c for c in get_suite(suite) if fnmatch.fnmatch(c.name, case)]
+        th = load_thresholds(thresholds)
+        out = tmp_path / f"fa4-audit-{suite}"
+        records = run_suite(kernel, cases, device=torch.device(device), out_dir=out, thresholds=th, isolate=isolate)
+        rep = build_report(
+            kernel=kernel, suite=suite, seed=0, device=device, environment={}, thresholds=th, records=records,
+            command=f"fa4_audit({kernel!r}, suite={suite!r}, case={case!r})", created="", shard=None,
+        )
+        paths = write_report(rep, out)
+        if exit_code(rep):
+            bad = [r for r in records if r["verdict"] in ("fail", "error", "crash")] or records
+            lines = [f"  {r['verdict']}: {r['case']}: {'; '.join(x for x in r['reasons'] if x)}" for r in bad[:10]]
+            pytest.fail(f"fa4-audit: {kernel} fails {len(bad)} case(s) of suite {suite} (report {paths['md']}):\n" + "\n".join(lines), pytrace=False)
+        return rep
+
+    return audit
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fa4_audit: a test that audits an attention kernel with fa4-audit")

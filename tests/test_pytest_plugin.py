@@ -1,0 +1,22 @@
+"""The pytest plugin: users audit their kernels inside their own test suites."""
+
+pytest_plugins = ["pytester"]
+
+
+def test_fixture_passes_a_correct_kernel_and_fails_a_bugged_one(pytester, monkeypatch):
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]))
+    pytester.makepyfile(
+        """
+        def test_good(fa4_audit):
+            rep = fa4_audit("tests.bugged_kernels:online", case="*uniform*")
+            assert rep["summary"]["verdicts"]["pass"] == 1
+
+        def test_bad(fa4_audit):
+            fa4_audit("tests.bugged_kernels:bug_lse_log2", case="*uniform*")
+        """
+    )
+    result = pytester.runpytest()  # the plugin is loaded by its pytest11 entry point
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*fa4-audit: tests.bugged_kernels:bug_lse_log2 fails 1 case(s) of suite smoke*", "*LSE*"])
