@@ -493,6 +493,33 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return exit_code(merged)
 
 
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from audits.ex2_report import atomic_write
+    from audits.gate import ThresholdsError, load_thresholds
+    from audits.kernels import get_kernel
+    from audits.strategies import fuzz
+
+    try:
+        get_kernel(args.kernel)
+        th = load_thresholds(args.thresholds)
+    except (ValueError, ThresholdsError) as exc:
+        raise UsageError(str(exc)) from exc
+    if args.budget <= 0 or args.max_seqlen <= 0:
+        raise UsageError(f"--budget and --max-seqlen must be positive, got {args.budget}, {args.max_seqlen}")
+    device = _device(args.device)
+    res = fuzz(args.kernel, budget=args.budget, device=device, thresholds=th, database=args.database, max_seqlen=args.max_seqlen, seed=args.seed)
+    atomic_write(Path(args.out) / "fuzz.json", json.dumps(res, indent=1) + "\n")
+    print(f"{res['examples']} examples; largest error/bound {res['best_tightness']} ({res['best_case']})")
+    if res["failure"]:
+        f = res["failure"]
+        print(f"FAILING (shrunk): {f['name']}: {f['verdict']}: {'; '.join(f['reasons'])}\nreproduce: {f['repro']}")
+        return EXIT_FAIL
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fa4-audit",
@@ -590,6 +617,16 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("reports", nargs="+")
     mg.add_argument("--out", required=True)
     mg.set_defaults(func=cmd_merge)
+    fz = sub.add_parser("fuzz", help="Hypothesis search for a failing case, climbing toward the largest error/bound")
+    fz.add_argument("--kernel", required=True)
+    fz.add_argument("--budget", type=int, default=200, help="examples to try (default 200)")
+    fz.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    fz.add_argument("--max-seqlen", type=int, default=512)
+    fz.add_argument("--database", default=".hypothesis/fa4-audit", help="Hypothesis example database (kept between runs)")
+    fz.add_argument("--thresholds", default=None)
+    fz.add_argument("--seed", type=int, default=None, help="a fixed search (Hypothesis then neither reads nor writes the database)")
+    fz.add_argument("--out", default="reports/fuzz-latest")
+    fz.set_defaults(func=cmd_fuzz)
     return p
 
 

@@ -169,3 +169,16 @@ def test_junit_xml(tmp_path):
     assert root.tag == "testsuite" and root.get("failures") == "1"
     (tc,) = root.findall("testcase")
     assert "LSE" in tc.find("failure").get("message")
+
+
+def test_fuzz_finds_and_shrinks_a_bug_and_passes_an_exact_kernel(tmp_path, capsys):
+    db = tmp_path / "db"
+    rc = cli.main(["fuzz", "--kernel", "tests.bugged_kernels:bug_lse_log2", "--budget", "10", "--max-seqlen", "64", "--database", str(db), "--seed", "1", "--out", str(tmp_path / "a")])
+    assert rc == 1
+    res = json.loads((tmp_path / "a" / "fuzz.json").read_text())
+    f = res["failure"]
+    assert "LSE" in " ".join(f["reasons"]) and f["case"]["seqlen_q"] <= 64
+    assert f["case"]["family"] == "normal" and f["case"]["window"] == [None, None]  # shrunk to the simplest family and mask
+    rc = cli.main(["fuzz", "--kernel", "tests.bugged_kernels:exact", "--budget", "8", "--max-seqlen", "48", "--database", str(db / "x"), "--seed", "1", "--out", str(tmp_path / "b")])
+    assert rc == 0
+    assert json.loads((tmp_path / "b" / "fuzz.json").read_text())["failure"] is None
