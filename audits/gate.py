@@ -15,7 +15,7 @@ __all__ = ["DEFAULT_THRESHOLDS", "load_thresholds", "judge", "judge_against_base
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
 _KEYS = {
-    "policy": {"nan_swallowed": str, "bound": bool, "peer_bound": bool, "fa_criterion": bool, "fa_multiplier": float, "fa_criterion_dtypes": list},
+    "policy": {"nan_swallowed": str, "bound": bool, "peer_bound": bool, "claim_float32_overflow": bool, "fa_criterion": bool, "fa_multiplier": float, "fa_criterion_dtypes": list},
     "lse": {"max_abs": float},
     "reference": {"mpmath_max_abs": float},
     "baseline": {"max_ratio": float},
@@ -62,6 +62,9 @@ def judge(m: dict, th: dict) -> tuple[str, list[str]]:
         return m["status"], [m.get("reason", "")]
     reasons, verdict = [], "pass"
     out, lse = m["out"], m.get("lse")
+    ood = m.get("out_of_domain")
+    if ood and not th["policy"]["claim_float32_overflow"] and (out["nonfinite_where_ref_finite"] or (lse or {}).get("nonfinite_where_ref_finite")):
+        return "out-of-domain", [f"inputs outside the kernel design's float32 range: {ood}"]
     for what, r in (("outputs", out), ("LSE values", lse)):
         if r is None:
             continue

@@ -10,7 +10,7 @@ from audits.ex2_report import atomic_write
 __all__ = ["SCHEMA", "build_report", "write_report", "exit_code"]
 
 SCHEMA = "fa4-audit/report/1"
-VERDICTS = ("pass", "warn", "fail", "error", "crash", "skipped")
+VERDICTS = ("pass", "warn", "fail", "error", "crash", "skipped", "out-of-domain")
 
 
 def _worst(records: list[dict], path: tuple[str, str]) -> dict | None:

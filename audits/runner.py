@@ -67,6 +67,23 @@ def _reference(case: Case, device: str) -> tuple:
     return ref, rl, low, _certify(x, ref, rl, case)
 
 
+def _domain(q, k, v, case: Case, nm) -> str | None:
+    """Why these inputs lie outside the float32 range the kernel's design covers (the headroom
+    analysis of ``numerics.bounds``), or None: logits |q.k| beyond FLT_MAX, or P.V sums up to
+    seqlen_k * P_max * max|V| beyond it, P_max = 2**(threshold + max_offset)."""
+    import math
+
+    fin = lambda t: t.double()[torch.isfinite(t.double())]  # noqa: E731
+    qa, ka, va = (fin(t).abs().max().item() if fin(t).numel() else 0.0 for t in (q, k, v))
+    flt = 3.4028234663852886e38
+    if qa * ka * case.d >= flt:
+        return f"logits can reach {qa * ka * case.d:.3g} > float32 max (max|q| {qa:.3g}, max|k| {ka:.3g}, d {case.d})"
+    pmax = 2.0 ** (nm.rescale_threshold + nm.max_offset) if nm is not None else 1.0
+    if va > 0 and math.log2(case.seqlen_k * pmax * va) >= 128:
+        return f"P.V sums can reach seqlen_k * P_max * max|V| = {case.seqlen_k} * {pmax:g} * {va:.3g} > float32 max"
+    return None
+
+
 def _peer_numerics(q: torch.Tensor):
     """Generic flash-attention numerics for kernels that do not implement FA4's (thresholds
     ``peer_bound``): float32 softmax, hardware-class exp2, P rounded to the input dtype."""
@@ -117,6 +134,7 @@ def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, t
                     "tightness": float(torch.where(fin, err / ob.clamp(min=1e-300), 0.0).max()),
                     "max_bound": float(torch.where(torch.isfinite(ob), ob, 0.0).max()),
                 }
+            rec["out_of_domain"] = _domain(q, k, v, case, nm)
             fin = torch.isfinite(ref)
             r = torch.where(fin, ref, 0.0)
             rec["fa_criterion"] = {

@@ -182,3 +182,16 @@ def test_fuzz_finds_and_shrinks_a_bug_and_passes_an_exact_kernel(tmp_path, capsy
     rc = cli.main(["fuzz", "--kernel", "tests.bugged_kernels:exact", "--budget", "8", "--max-seqlen", "48", "--database", str(db / "x"), "--seed", "1", "--out", str(tmp_path / "b")])
     assert rc == 0
     assert json.loads((tmp_path / "b" / "fuzz.json").read_text())["failure"] is None
+
+
+def test_out_of_domain_inputs_are_reported_not_failed(tmp_path, monkeypatch):
+    import audits.configs as cfg
+    from audits.configs import Case
+
+    big = Case("bfloat16", 64, 64, 1, 1, 1, 16, 300, family="near_max")  # V ~ 3.4e38: P.V overflows float32
+    monkeypatch.setitem(cfg.SUITES, "tiny", lambda: [big])
+    assert run("--kernel", "fa4-model", "--suite", "tiny", "--out", str(tmp_path)) == 1  # nothing passed...
+    rep = report(tmp_path)
+    (c,) = rep["cases"]
+    assert c["verdict"] == "out-of-domain" and "P.V sums can reach" in c["reasons"][0]
+    assert rep["summary"]["verdicts"]["out-of-domain"] == 1
