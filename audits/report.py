@@ -107,9 +107,12 @@ def _junit(rep: dict) -> str:
 
 
 def write_report(rep: dict, out_dir: str | Path) -> dict[str, Path]:
-    """Write report.json, report.md and report.junit.xml into ``out_dir``."""
+    """Write report.json, report.md, report.html and report.junit.xml into ``out_dir``."""
+    from audits.report_html import render_html
+
     out = Path(out_dir)
-    paths = {"json": out / "report.json", "md": out / "report.md", "junit": out / "report.junit.xml"}
+    paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html", "junit": out / "report.junit.xml"}
+    atomic_write(paths["html"], render_html(rep))
     atomic_write(paths["json"], json.dumps(rep, separators=(",", ":"), default=str) + "\n")
     atomic_write(paths["md"], _markdown(rep))
     atomic_write(paths["junit"], _junit(rep))

@@ -195,3 +195,12 @@ def test_out_of_domain_inputs_are_reported_not_failed(tmp_path, monkeypatch):
     (c,) = rep["cases"]
     assert c["verdict"] == "out-of-domain" and "P.V sums can reach" in c["reasons"][0]
     assert rep["summary"]["verdicts"]["out-of-domain"] == 1
+
+
+def test_html_report_is_self_contained(tmp_path):
+    import re
+
+    assert run("--kernel", "fa4-model", "--case", "*uniform*", "--out", str(tmp_path)) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "<svg" in page and "Worst cases" in page and "float16, head dim 128" in page
+    assert "<script" not in page and not re.search(r"(src|href)=['\"]https?:", page)  # opens offline
