@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["KERNELS", "get_kernel", "fa4_numerics"]
+__all__ = ["KERNELS", "get_kernel", "fa4_numerics", "claims_nonfinite_inputs"]
 
 
 def _model(q, k, v, *, return_lse=False, **kw):
@@ -94,6 +94,14 @@ KERNELS: dict[str, Callable] = {
     "sdpa-efficient": _sdpa("efficient"),
     "sdpa-cudnn": _sdpa("cudnn"),
 }
+
+
+def claims_nonfinite_inputs(name: str) -> bool:
+    """Whether a kernel claims defined results for NaN/inf inputs (FA's convention: masked
+    positions never leak).  PyTorch's SDPA makes no such claim — its additive mask lets a NaN at
+    a masked key reach every row — so cases with non-finite inputs are out of its domain.  FA4
+    kernels and user kernels (``module:attr``) are held to it."""
+    return not name.startswith("sdpa-")
 
 
 def fa4_numerics(name: str):

@@ -23,7 +23,7 @@ import torch
 from audits.configs import Case
 from audits.gate import judge
 from audits.inputs import make_inputs
-from audits.kernels import fa4_numerics, get_kernel
+from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel
 from numerics.forward_bound import forward_error_bound
 from numerics.fp import format_of
 from numerics.metrics import lse_errors, output_errors
@@ -135,6 +135,8 @@ def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, t
                     "max_bound": float(torch.where(torch.isfinite(ob), ob, 0.0).max()),
                 }
             rec["out_of_domain"] = _domain(q, k, v, case, nm)
+            if rec["out_of_domain"] is None and not claims_nonfinite_inputs(kernel) and not all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v)):
+                rec["out_of_domain"] = f"inputs contain NaN/inf and {kernel} claims no semantics for them"
             fin = torch.isfinite(ref)
             r = torch.where(fin, ref, 0.0)
             rec["fa_criterion"] = {
