@@ -204,3 +204,10 @@ def test_html_report_is_self_contained(tmp_path):
     page = (tmp_path / "report.html").read_text()
     assert page.startswith("<!doctype html>") and "<svg" in page and "Worst cases" in page and "float16, head dim 128" in page
     assert "<script" not in page and not re.search(r"(src|href)=['\"]https?:", page)  # opens offline
+
+
+def test_sdpa_math_and_an_exact_kernel_pass_smoke(tmp_path):
+    assert run("--kernel", "sdpa-math", "--out", str(tmp_path / "s")) == 0
+    v = report(tmp_path / "s")["summary"]["verdicts"]
+    assert v["pass"] >= 16 and v["out-of-domain"] == 2  # the two NaN/inf families: SDPA claims nothing there
+    assert run("--kernel", "tests.bugged_kernels:exact", "--no-isolate", "--out", str(tmp_path / "e")) == 0
