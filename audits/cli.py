@@ -581,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "run",
         help="audit a kernel on a suite: FP64 reference, metrics, bounds, verdicts, report",
-        description="Run every case of a suite for a kernel; write OUT/report.json and OUT/report.md.  "
+        description="Run every case of a suite for a kernel; write OUT/report.{json,md,html,junit.xml}.  "
         "Exit 0 when every case passes, 1 when any fails, errors or crashes or none could run, 2 for usage errors.",
     )
     r.add_argument("--kernel", required=True, help="fa4, fa4-model, fa4-model-sm90, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, or module:attr")
