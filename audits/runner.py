@@ -3,8 +3,8 @@ mpmath on a sampled row), metrics, the per-element bound, a verdict per case.
 
 Every finished case is appended to ``OUT/journal.jsonl`` (flushed and fsynced) so that
 ``resume=True`` continues after a crash, a kill or Ctrl-C without redoing finished cases.
-Cases run grouped by compile key, so a JIT kernel compiles each variant once.  ``shard=(i, n)``
-runs a deterministic 1/n slice balanced by expected cost.  Failing cases get a reproducer:
+Cases run grouped by compile key, so a JIT kernel compiles each variant once.
+:func:`shard_cases` cuts a deterministic 1/n slice balanced by expected cost.  Failing cases get a reproducer:
 their inputs saved under ``OUT/repro/`` and a one-line command in the report.
 """
 
@@ -46,7 +46,7 @@ def shard_cases(cases: list[Case], index: int, count: int) -> list[Case]:
     return [c for i, c in enumerate(cases) if owner[i] == index]
 
 
-def _certify(x: dict, ref: torch.Tensor, ref_lse: torch.Tensor, case: Case) -> float:
+def _certify(x: dict, ref: torch.Tensor, case: Case) -> float:
     """mpmath (30 digits) on one deterministic row against the FP64 reference."""
     row = (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1)
     ((mo, ml),) = mp_attention_rows(x["q"], x["k"], x["v"], [row], dps=30, **x["kw"])
@@ -64,7 +64,7 @@ def _reference(case: Case, device: str) -> tuple:
     x = make_inputs(case, device=device)
     ref, rl = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
     low = attention_lowprec(x["q"], x["k"], x["v"], **x["kw"])
-    return ref, rl, low, _certify(x, ref, rl, case)
+    return ref, rl, low, _certify(x, ref, case)
 
 
 def _domain(q, k, v, case: Case, nm) -> str | None:
