@@ -109,7 +109,6 @@ def cmd_ex2(args: argparse.Namespace) -> int:
     device = _device(args.device)
     if args.sample <= 0:
         raise UsageError(f"--sample must be a positive number of inputs per class, got {args.sample}")
-    prod = {}
     if device.type == "cuda":
         from fa4.production import ProductionUnavailable, ex2_kernel, require_production
 
@@ -210,23 +209,6 @@ def cmd_ex2(args: argparse.Namespace) -> int:
     return EXIT_FAIL if failed else EXIT_OK
 
 
-def _load_callable(spec: str):
-    """``module:attr`` -> the object, with a usage error naming what failed."""
-    import importlib
-
-    import os
-
-    mod, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:  # like `python -m`: modules of the working directory resolve
-        sys.path.insert(0, os.getcwd())
-    if not mod or not attr:
-        raise UsageError(f"{spec!r} is not of the form module:attr (e.g. fa4.production:flash_attn)")
-    try:
-        return getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as exc:
-        raise UsageError(f"cannot load {spec!r}: {exc}") from exc
-
-
 def cmd_fidelity(args: argparse.Namespace) -> int:
     import fnmatch
     import json
@@ -248,7 +230,12 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             raise UsageError(f"fidelity compares with the production kernel, which is unavailable: {exc}") from exc
         production = flash_attn
     else:
-        production = _load_callable(args.production)
+        from audits.kernels import get_kernel
+
+        try:
+            production = get_kernel(args.production)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
     cases = [c for c in fidelity.CASES if fnmatch.fnmatch(c.name, args.cases)]
     if not cases:
         raise UsageError(f"--cases {args.cases!r} matches none of: {', '.join(c.name for c in fidelity.CASES)}")
@@ -293,7 +280,6 @@ def cmd_bounds(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from numerics.bounds import PRODUCTION_RESCALING, rescaling_analysis
-    from numerics.fp import FORMATS
 
     variant = any(v is not None for v in (args.dtype, args.threshold, args.max_offset))
     if variant:
@@ -338,7 +324,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from audits.configs import SUITES, suite
+    from audits.configs import suite
     from audits.gate import ThresholdsError, load_thresholds
     from audits.kernels import get_kernel
     from audits.report import build_report, exit_code, write_report
@@ -441,14 +427,15 @@ def cmd_show(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from audits.report import case_cells
+
     rep = _load_report(args.report)
     t = Table(title=f"{rep['kernel']} / {rep['suite']} ({rep['created']})")
     for col in ("case", "verdict", "max abs err", "LSE err", "err/bound", "reasons"):
         t.add_column(col)
-    for c in rep["cases"]:
-        o, l, b = c.get("out") or {}, c.get("lse") or {}, c.get("bound") or {}
-        f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"  # noqa: E731
-        t.add_row(c["case"], c["verdict"], f(o, "max_abs"), f(l, "max_abs"), f(b, "tightness"), "; ".join(x for x in c["reasons"] if x))
+    for r in rep["cases"]:
+        c = case_cells(r)
+        t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], c["reasons"])
     Console().print(t)
     return 0
 
@@ -558,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
         "outputs identical or 1 ULP apart.",
     )
     f.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="default cuda")
-    f.add_argument("--production", default="fa4", help="the kernel to compare: fa4 (production) or module:attr")
+    f.add_argument("--production", default="fa4", help="the kernel to compare: fa4 (production), another kernel name, or module:attr")
     f.add_argument("--cases", default="*", help="glob over case names (default all)")
     f.add_argument("--out", default="reports/fidelity-latest", help="report directory")
     f.add_argument("--mufu", action="store_true", help="also compare MUFU.EX2 with the model's hardware exp2 over all 2^32 inputs (cuda)")

@@ -8,7 +8,7 @@ FA's test axes times every input family; ``nightly`` adds seeds and lengths up t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 __all__ = ["Case", "smoke_suite", "release_suite", "nightly_suite", "pairwise", "SUITES", "suite"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -89,8 +89,7 @@ def run_case(c: FidelityCase, production, device) -> dict:
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
     t0 = time.perf_counter()
     po, pl = production(q, k, v, return_lse=True, **kw)
-    local = not c.causal and any(w is not None for w in c.window)
-    nm = FA4Numerics.sm90(q.dtype, c.d, causal=c.causal, local=local)
+    nm = FA4Numerics.for_inputs("sm90", q, k, v, c.causal, c.window)
     mo, ml = attention(q, k, v, return_lse=True, numerics=nm, **kw)
     ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
     hist = ulp_diff_histogram(mo, po)

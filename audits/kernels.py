@@ -35,8 +35,7 @@ def _model(q, k, v, *, return_lse=False, **kw):
 def _model_sm90(q, k, v, *, causal=False, window_size=(None, None), return_lse=False, **kw):
     from fa4.model import FA4Numerics, attention
 
-    local = not causal and any(w is not None for w in window_size)
-    nm = FA4Numerics.sm90(q.dtype, q.shape[-1], causal=causal, local=local, head_dim_v=v.shape[-1])
+    nm = FA4Numerics.for_inputs("sm90", q, k, v, causal, window_size)
     return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
 
 
@@ -109,21 +108,13 @@ def fa4_numerics(name: str):
     numerics (held to the forward-pass bound); None for the others."""
     from fa4.model import FA4Numerics
 
-    def sm100(q, k, v, causal, window):
-        local = not causal and any(w is not None for w in window)
-        return FA4Numerics.sm100(q.dtype, q.shape[-1], causal, local, seqlen_q=q.shape[1], qhead_per_kvhead=q.shape[2] // k.shape[2], head_dim_v=v.shape[-1])
-
-    def sm90(q, k, v, causal, window):
-        local = not causal and any(w is not None for w in window)
-        return FA4Numerics.sm90(q.dtype, q.shape[-1], causal=causal, local=local, head_dim_v=v.shape[-1])
-
-    if name == "fa4-model":
-        return sm100
-    if name == "fa4-model-sm90":
-        return sm90
     if name == "fa4":  # on this machine's GPU generation
-        return sm90 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 else sm100
-    return None
+        arch = "sm90" if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 else "sm100"
+    else:
+        arch = {"fa4-model": "sm100", "fa4-model-sm90": "sm90"}.get(name)
+    if arch is None:
+        return None
+    return lambda q, k, v, causal, window: FA4Numerics.for_inputs(arch, q, k, v, causal, window)
 
 
 def get_kernel(spec: str) -> Callable:
@@ -137,6 +128,6 @@ def get_kernel(spec: str) -> Callable:
         try:
             return getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load kernel {spec!r}: {exc}") from exc
+            raise ValueError(f"cannot load {spec!r}: {exc}") from exc
     raise ValueError(f"unknown kernel {spec!r}; accepted: {', '.join(KERNELS)}, or module:attr")
 

@@ -7,8 +7,6 @@ inputs, on the GPU, through ``fa4.production`` kernels.  The error bound of the 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 __all__ = ["measure_mufu"]

@@ -49,6 +49,16 @@ def build_report(*, kernel: str, suite: str, seed: int, device: str, environment
     }
 
 
+def case_cells(r: dict) -> dict[str, str]:
+    """The per-case figures every view shows (Markdown, HTML, ``fa4-audit show``), formatted."""
+    o, l, b = r.get("out") or {}, r.get("lse") or {}, r.get("bound") or {}
+    f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"  # noqa: E731
+    return {
+        "max_abs": f(o, "max_abs"), "rel_l2": f(o, "rel_l2"), "lse": f(l, "max_abs"), "tightness": f(b, "tightness"),
+        "reasons": "; ".join(x for x in r["reasons"] if x),
+    }
+
+
 def exit_code(report: dict) -> int:
     """0 when every case passed (warnings included) and at least one ran; 1 otherwise."""
     c = report["summary"]["verdicts"]
@@ -71,9 +81,8 @@ def _markdown(rep: dict) -> str:
             L.append(f"- worst {k}: {w['value']:.3g} ({w['case']})")
     L += ["", "| case | verdict | max abs err | rel L2 | LSE err | err/bound | seconds | reasons |", "|---|---|---|---|---|---|---|---|"]
     for r in rep["cases"]:
-        o, l, b = r.get("out") or {}, r.get("lse") or {}, r.get("bound") or {}
-        f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"  # noqa: E731
-        L.append(f"| {r['case']} | {r['verdict']} | {f(o, 'max_abs')} | {f(o, 'rel_l2')} | {f(l, 'max_abs')} | {f(b, 'tightness')} | {r['seconds']:.2f} | {'; '.join(x for x in r['reasons'] if x)} |")
+        c = case_cells(r)
+        L.append(f"| {r['case']} | {r['verdict']} | {c['max_abs']} | {c['rel_l2']} | {c['lse']} | {c['tightness']} | {r['seconds']:.2f} | {c['reasons']} |")
     fails = [r for r in rep["cases"] if r["verdict"] in ("fail", "error", "crash")]
     if fails:
         L += ["", "## Reproduce", ""]

@@ -9,6 +9,8 @@ import io
 import math
 from collections import defaultdict
 
+from audits.report import case_cells
+
 __all__ = ["render_html"]
 
 _CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:.5em 0 1.5em}
@@ -54,12 +56,10 @@ def _plots(cases: list[dict]) -> str:
     return svg
 
 
-def _row(c: dict) -> str:
-    o, l, b = c.get("out") or {}, c.get("lse") or {}, c.get("bound") or {}
-    f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"  # noqa: E731
-    reasons = html.escape("; ".join(x for x in c["reasons"] if x))
-    return (f"<tr class='{c['verdict']}'><td>{html.escape(c['case'])}</td><td>{c['verdict']}</td><td>{f(o, 'max_abs')}</td>"
-            f"<td>{f(o, 'rel_l2')}</td><td>{f(l, 'max_abs')}</td><td>{f(b, 'tightness')}</td><td style='text-align:left'>{reasons}</td></tr>")
+def _row(r: dict) -> str:
+    c = case_cells(r)
+    return (f"<tr class='{r['verdict']}'><td>{html.escape(r['case'])}</td><td>{r['verdict']}</td><td>{c['max_abs']}</td>"
+            f"<td>{c['rel_l2']}</td><td>{c['lse']}</td><td>{c['tightness']}</td><td style='text-align:left'>{html.escape(c['reasons'])}</td></tr>")
 
 
 _HEAD = "<tr><th>case</th><th>verdict</th><th>max abs err</th><th>rel L2</th><th>LSE err</th><th>err/bound</th><th>reasons</th></tr>"

@@ -2,10 +2,7 @@
 # One device call: the production kernel (its SM90 path) on the smoke suite, through the runner
 # with crash isolation.  Usage (device tool, carry [".fa4dev"]):  bash benchmarks/h200_run.sh
 set -uo pipefail
-mkdir -p /tmp/site && tar xJf .fa4dev/site.tar.xz -C /tmp/site
-export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/.fa4dev/extra
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
+. benchmarks/h200_env.sh
 nvidia-smi -L
 time python -m audits run --kernel fa4 --suite smoke --device cuda --out $OUT/fa4-smoke --quiet 2>&1 | grep -v "Warning\|LayoutEnum" | tail -5
 rm -rf $OUT/fa4-smoke/repro

@@ -2,10 +2,7 @@
 # One device call: everything the exp2 issue needs from the H200 (see ../shared/device/README.md).
 # Usage (device tool, carry [".fa4dev"]):  bash benchmarks/h200_session.sh
 set -uo pipefail
-mkdir -p /tmp/site && tar xJf .fa4dev/site.tar.xz -C /tmp/site
-export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/.fa4dev/extra
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
+. benchmarks/h200_env.sh
 nvidia-smi -L | tee $OUT/gpu.txt
 python -c "import torch, flash_attn.cute; print('torch', torch.__version__)" 2>&1 | tail -2
 echo "== gpu tests"; python -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/pytest_gpu.txt

@@ -40,7 +40,6 @@ polynomial exp2 handles it and propagated by the hardware exp2.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -48,7 +47,7 @@ from typing import Literal
 import torch
 
 from fa4.ex2 import DEGREES, emulated_columns, ex2_emulation_2
-from numerics.fp import CANONICAL_NAN_BITS, fma_f32, round_to
+from numerics.fp import CANONICAL_NAN_BITS, fma_f32, round_to, to_f32 as _f32
 
 __all__ = ["FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES"]
 
@@ -72,10 +71,6 @@ _SM100_TUNING = {
 }
 # _FP8_TUNING_CONFIG overrides for fp8
 _SM100_FP8_TUNING = {(True, False, 128, False): (10, 1), (False, True, 128, False): (8, 1)}
-
-
-def _f32(v: float) -> float:
-    return float(torch.tensor(v, dtype=torch.float32))
 
 
 @dataclass(frozen=True)
@@ -198,6 +193,18 @@ class FA4Numerics:
         else:
             tm, tn = 128, 64 if local else 80
         return FA4Numerics(arch="sm90", tile_m=tm, tile_n=tn, exp2="hardware", rescale_threshold=0.0, max_offset=0)
+
+
+    @staticmethod
+    def for_inputs(arch: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, window_size: tuple = (None, None)) -> "FA4Numerics":
+        """Production's numerics of ``arch`` (``"sm100"`` or ``"sm90"``) for a call on these
+        inputs: head dims, seqlen_q and GQA grouping from the shapes, local from the window."""
+        local = not causal and any(w is not None for w in window_size)
+        if arch == "sm100":
+            return FA4Numerics.sm100(q.dtype, q.shape[-1], causal, local, seqlen_q=q.shape[1], qhead_per_kvhead=q.shape[2] // k.shape[2], head_dim_v=v.shape[-1])
+        if arch == "sm90":
+            return FA4Numerics.sm90(q.dtype, q.shape[-1], causal=causal, local=local, head_dim_v=v.shape[-1])
+        raise ValueError(f"arch must be 'sm100' or 'sm90', got {arch!r}")
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -324,8 +331,7 @@ def attention(
     b, sq, hq, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
     left, right = window_size
-    local = not causal and (left is not None or right is not None)
-    nm = numerics if numerics is not None else FA4Numerics.sm100(q.dtype, d, causal, local, seqlen_q=sq, qhead_per_kvhead=hq // hk, head_dim_v=dv)
+    nm = numerics if numerics is not None else FA4Numerics.for_inputs("sm100", q, k, v, causal, window_size)
     dev = q.device
     out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
     p_dtype = nm.p_dtype or q.dtype

@@ -63,6 +63,8 @@ import math
 
 import torch
 
+from numerics.fp import to_f32 as _f32
+
 __all__ = ["forward_error_bound", "MUFU"]
 
 #: MUFU accuracy measured over all 2**32 float32 inputs on the H200 (reports/fidelity,
@@ -75,10 +77,6 @@ _U = 2.0**-24
 
 def _gamma(m: torch.Tensor | float):
     return m * _U / (1 - m * _U)
-
-
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def forward_error_bound(
@@ -102,10 +100,8 @@ def forward_error_bound(
     from numerics.reference import attention_reference, visible_mask
 
     b, sq, hq, d = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    left, right = window_size
-    local = not causal and (left is not None or right is not None)
-    nm = numerics if numerics is not None else FA4Numerics.sm100(q.dtype, d, causal, local, seqlen_q=sq, qhead_per_kvhead=hq // hk, head_dim_v=dv)
+    sk, hk = k.shape[1], k.shape[2]
+    nm = numerics if numerics is not None else FA4Numerics.for_inputs("sm100", q, k, v, causal, window_size)
     fmt_p = format_of(nm.p_dtype or q.dtype)
     fmt_o = format_of(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
     thr, off = float(nm.rescale_threshold), float(nm.max_offset)

@@ -34,6 +34,7 @@ __all__ = [
     "FloatFormat",
     "FORMATS",
     "format_of",
+    "to_f32",
     "f32_bits",
     "f32_from_bits",
     "canonicalize_nan",
@@ -101,6 +102,11 @@ def _check_f32(x: torch.Tensor, name: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{name} must be a float32 torch.Tensor, got {got}; convert with .float()")
+
+
+def to_f32(x: float) -> float:
+    """A Python float rounded to the nearest float32 (the value a kernel's Float32 constant holds)."""
+    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def f32_bits(x: torch.Tensor) -> torch.Tensor:

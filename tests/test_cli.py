@@ -83,7 +83,7 @@ def test_python_dash_m_audits_is_the_same_cli(tmp_path):
 
 def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(__import__("pathlib").Path(__file__).parents[1])
-    rc = run("fidelity", "--device", "cpu", "--production", "tests.fake_kernels:sm90_model", "--cases", "d64_sq*", "--out", str(tmp_path), "--quiet")
+    rc = run("fidelity", "--device", "cpu", "--production", "fa4-model-sm90", "--cases", "d64_sq*", "--out", str(tmp_path), "--quiet")
     assert rc == 0
     rep = json.loads((tmp_path / "fidelity.json").read_text())
     assert rep["summary"]["fraction_identical"] == 1.0 and rep["summary"]["cases_ok"] == 1
@@ -95,9 +95,9 @@ def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["fidelity", "--device", "cpu", "--production", "nocolon"], "is not of the form module:attr"),
+        (["fidelity", "--device", "cpu", "--production", "nocolon"], "unknown kernel 'nocolon'; accepted: fa4, fa4-model"),
         (["fidelity", "--device", "cpu", "--production", "no.such.module:f"], "cannot load 'no.such.module:f'"),
-        (["fidelity", "--device", "cpu", "--production", "tests.fake_kernels:sm90_model", "--cases", "zzz"], "matches none of"),
+        (["fidelity", "--device", "cpu", "--production", "fa4-model-sm90", "--cases", "zzz"], "matches none of"),
     ],
 )
 def test_fidelity_usage_errors(argv, message, capsys):

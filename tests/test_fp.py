@@ -1,7 +1,6 @@
 """numerics.fp against the exact-rational reference (tests/exact.py)."""
 
 import math
-import struct
 
 import numpy as np
 import pytest

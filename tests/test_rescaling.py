@@ -8,7 +8,6 @@ import torch
 from audits import cli
 from fa4.model import FA4Numerics, attention
 from numerics.bounds import PRODUCTION_RESCALING, rescaling_analysis
-from numerics.reference import attention_reference
 
 
 @pytest.mark.parametrize("dtype", list(PRODUCTION_RESCALING))

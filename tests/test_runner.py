@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from audits import cli
 from audits.configs import smoke_suite

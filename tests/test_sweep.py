@@ -1,7 +1,5 @@
 """audits.ex2_sweep: input classes, and the numba and torch statistics backends agree."""
 
-import math
-
 import pytest
 import torch
 
