@@ -1,5 +1,5 @@
-"""Run a suite of cases for one kernel: inputs, the kernel, the FP64 reference (certified by
-mpmath on a sampled row), metrics, the per-element bound, a verdict per case.
+"""Run a suite of cases for one kernel: inputs, the kernel, the FP64 reference (certified on
+one row by an exact computation, ``numerics.reference.exact_attention_rows``), metrics, the per-element bound, a verdict per case.
 
 Every finished case is appended to ``OUT/journal.jsonl`` (flushed and fsynced) so that
 ``resume=True`` continues after a crash, a kill or Ctrl-C without redoing finished cases.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 import traceback
@@ -27,7 +28,7 @@ from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel
 from numerics.forward_bound import forward_error_bound
 from numerics.fp import format_of
 from numerics.metrics import lse_errors, output_errors
-from numerics.reference import attention_lowprec, attention_reference, mp_attention_rows
+from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
 
 __all__ = ["evaluate_case", "run_suite", "shard_cases"]
 
@@ -46,25 +47,32 @@ def shard_cases(cases: list[Case], index: int, count: int) -> list[Case]:
     return [c for i, c in enumerate(cases) if owner[i] == index]
 
 
-def _certify(x: dict, ref: torch.Tensor, case: Case) -> float:
-    """mpmath (30 digits) on one deterministic row against the FP64 reference."""
+def _certify(x: dict, ref: torch.Tensor, rl: torch.Tensor, case: Case) -> float | None:
+    """Largest |FP64 reference - exact| over one deterministic row's outputs and LSE (the exact
+    row from ``numerics.reference.exact_attention_rows``, ~1e-23 relative); None when the row
+    is not certifiable (non-finite inputs reach it: the semantics rules judge it)."""
     row = (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1)
-    ((mo, ml),) = mp_attention_rows(x["q"], x["k"], x["v"], [row], dps=30, **x["kw"])
-    r = ref[row[0], row[2], row[1]].double().cpu()
-    if not torch.isfinite(r).all():
-        return 0.0  # non-finite rows are judged by the semantics rules, not certified
-    return max(abs(float(a) - float(b)) for a, b in zip(mo, r.tolist()))
+    (got,) = exact_attention_rows(x["q"], x["k"], x["v"], [row], **x["kw"])
+    if got is None:
+        return None
+    mo, ml = got
+    r = ref[row[0], row[2], row[1]].double().cpu().tolist()
+    lse = float(rl[row[0], row[1], row[2]])
+    diffs = [abs(float(a) - b) for a, b in zip(mo, r)]
+    if math.isfinite(float(ml)) or math.isfinite(lse):
+        diffs.append(abs(float(ml) - lse))  # inf if only one of them is infinite
+    return max(diffs)
 
 
 @functools.lru_cache(maxsize=64)
 def _reference(case: Case, device: str) -> tuple:
-    """FP64 reference, its LSE, the low-precision PyTorch result and the mpmath certification
+    """FP64 reference, its LSE, the low-precision PyTorch result and the exact-row certification
     of one case: they depend on the inputs only, so a process auditing several kernels on the
     same suite computes them once."""
     x = make_inputs(case, device=device)
     ref, rl = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
     low = attention_lowprec(x["q"], x["k"], x["v"], **x["kw"])
-    return ref, rl, low, _certify(x, ref, case)
+    return ref, rl, low, _certify(x, ref, rl, case)
 
 
 def _domain(q, k, v, case: Case, nm) -> str | None:

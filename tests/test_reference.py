@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from numerics.metrics import fa_criterion, lse_errors, output_errors, row_scaled_ulp_diff, ulp_diff_histogram
-from numerics.reference import attention_reference, mp_attention_rows, visible_mask
+from numerics.reference import attention_reference, exact_attention_rows, mp_attention_rows, visible_mask
 
 
 def _inputs(seed=0, b=2, sq=7, sk=11, hq=4, hk=2, d=16):
@@ -90,3 +90,40 @@ def test_fa_criterion():
     low = torch.tensor([1.01, -2.0])
     assert fa_criterion(torch.tensor([1.02, -2.0]), ref, low)["passed"]
     assert not fa_criterion(torch.tensor([1.04, -2.0]), ref, low)["passed"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32])
+@pytest.mark.parametrize("kw", [{"causal": True, "softcap": 5.0, "sink": True}, {"window_size": (2, 1)}, {"softmax_scale": 3.0}])
+def test_exact_rows_agree_with_50_digit_mpmath(dtype, kw):
+    """The fast certifier is within its documented 2**-78 (3.3e-24) of the pure-mpmath rows, on
+    logits up to ~1e2 (wide exponent spread among the softmax weights)."""
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(1, 5, 2, 16, generator=g) * 3).to(dtype)
+    k = (torch.randn(1, 9, 1, 16, generator=g) * 3).to(dtype)
+    v = (torch.randn(1, 9, 1, 8, generator=g) * torch.logspace(-3, 3, 8)).to(dtype)
+    kw = dict(kw)
+    if kw.pop("sink", False):
+        kw["learnable_sink"] = torch.tensor([0.3, -1.0])
+    rows = [(0, 0, 4), (0, 1, 0), (0, 1, 2)]
+    got = exact_attention_rows(q, k, v, rows, **kw)
+    want = mp_attention_rows(q, k, v, rows, dps=50, **kw)
+    old = mpmath.mp.dps
+    mpmath.mp.dps = 50
+    vmax = float(v.float().abs().max())  # the documented error is relative to the row's max |v|
+    try:
+        for (go, gl), (wo, wl) in zip(got, want):
+            assert all(abs(a - b) <= 4e-24 * vmax for a, b in zip(go, wo))
+            assert gl == wl if not mpmath.isfinite(wl) else abs(gl - wl) <= 1e-25 * (abs(wl) + 1)
+    finally:
+        mpmath.mp.dps = old
+
+
+def test_exact_rows_refuse_nonfinite_rows_and_float64():
+    q, k, v, _ = _inputs()
+    v[0, 2, 0, 0] = float("inf")  # key 2 of kv head 0: visible to every query of batch 0
+    got = exact_attention_rows(q, k, v, [(0, 0, 6), (1, 0, 6)])
+    assert got[0] is None and got[1] is not None
+    got = exact_attention_rows(q, k, v, [(0, 0, 0)], window_size=(0, 0))  # query 0 sees key 0 only
+    assert got[0] is not None
+    with pytest.raises(ValueError, match="float64"):
+        exact_attention_rows(q.double(), k, v, [(0, 0, 0)])
