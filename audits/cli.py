@@ -328,12 +328,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from audits.gate import ThresholdsError, load_thresholds
     from audits.kernels import get_kernel
     from audits.report import build_report, exit_code, write_report
-    from audits.runner import run_suite, shard_cases
+    from audits.runner import kernel_dir, run_suites, shard_cases
 
-    try:
-        get_kernel(args.kernel)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+    kernels = list(dict.fromkeys(args.kernel))
+    for kern in kernels:
+        try:
+            get_kernel(kern)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
     try:
         cases = suite(args.suite)
     except ValueError as exc:
@@ -343,8 +345,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ThresholdsError as exc:
         raise UsageError(str(exc)) from exc
     device = _device(args.device)
-    if args.isolate is None:
-        args.isolate = args.kernel == "fa4" or ":" in args.kernel
+    isolate = args.isolate if args.isolate is not None else (lambda kern: kern == "fa4" or ":" in kern)
     if args.seed:
         cases = [dataclasses.replace(c, seed=c.seed + args.seed) for c in cases]
     if args.case:
@@ -360,24 +361,31 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--shard {args.shard!r}: expected I/N with 0 <= I < N ({exc})") from exc
         shard = args.shard
     console = Console(stderr=True)
-    base = f"fa4-audit run --kernel {shlex.quote(args.kernel)} --suite {args.suite} --device {args.device}"
+
+    def repro(kern, c):
+        base = f"fa4-audit run --kernel {shlex.quote(kern)} --suite {args.suite} --device {args.device}"
+        return f"{base} --case {shlex.quote(c.name)}" + (f" --seed {args.seed}" if args.seed else "")
+
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, disable=args.quiet) as bar:
-        task = bar.add_task(f"{args.kernel} / {args.suite}", total=len(cases))
-        records = run_suite(
-            args.kernel, cases, device=device, out_dir=args.out, thresholds=th, resume=args.resume, exitfirst=args.exitfirst,
-            isolate=args.isolate,
-            repro_cmd=lambda c: f"{base} --case {shlex.quote(c.name)}" + (f" --seed {args.seed}" if args.seed else ""),
-            progress=lambda r: bar.advance(task),
+        task = bar.add_task(f"{', '.join(kernels)} / {args.suite}", total=len(cases) * len(kernels))
+        runs = run_suites(
+            kernels, cases, device=device, out_dir=args.out, thresholds=th, resume=args.resume, exitfirst=args.exitfirst,
+            isolate=isolate, repro_cmd=repro, progress=lambda kern, r: bar.advance(task),
         )
-    rep = build_report(
-        kernel=args.kernel, suite=args.suite, seed=args.seed, device=str(device), environment=_environment(device), thresholds=th,
-        records=records, command="fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), shard=shard,
-    )
-    paths = write_report(rep, args.out)
-    v = rep["summary"]["verdicts"]
-    console.print(", ".join(f"{k} {n}" for k, n in v.items() if n) + f" of {len(records)} cases; report: {paths['md']}")
-    return exit_code(rep)
+    env = _environment(device)
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
+    code = 0
+    for kern, records in runs.items():
+        rep = build_report(
+            kernel=kern, suite=args.suite, seed=args.seed, device=str(device), environment=env, thresholds=th,
+            records=records, command=command, created=created, shard=shard,
+        )
+        paths = write_report(rep, kernel_dir(args.out, kern, len(kernels) > 1))
+        v = rep["summary"]["verdicts"]
+        console.print(f"{kern}: " + ", ".join(f"{k} {n}" for k, n in v.items() if n) + f" of {len(records)} cases; report: {paths['md']}")
+        code = max(code, exit_code(rep))
+    return code
 
 
 def _load_report(path: str) -> dict:
@@ -568,10 +576,15 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "run",
         help="audit a kernel on a suite: FP64 reference, metrics, bounds, verdicts, report",
-        description="Run every case of a suite for a kernel; write OUT/report.{json,md,html,junit.xml}.  "
+        description="Run every case of a suite for a kernel; write OUT/report.{json,md,html,junit.xml} "
+        "(OUT/<kernel>/report.* with several --kernel).  "
         "Exit 0 when every case passes, 1 when any fails, errors or crashes or none could run, 2 for usage errors.",
     )
-    r.add_argument("--kernel", required=True, help="fa4, fa4-model, fa4-model-sm90, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, or module:attr")
+    r.add_argument(
+        "--kernel", required=True, action="append",
+        help="fa4, fa4-model, fa4-model-sm90, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, or module:attr; "
+        "repeat to audit several kernels on shared inputs and references (one OUT/<kernel>/ report each)",
+    )
     r.add_argument("--suite", default="smoke", help="suite name (default smoke)")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--seed", type=int, default=0, help="added to every case's seed (default 0)")

@@ -30,7 +30,7 @@ from numerics.fp import format_of
 from numerics.metrics import lse_errors, output_errors
 from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
 
-__all__ = ["evaluate_case", "run_suite", "shard_cases"]
+__all__ = ["evaluate_case", "run_suite", "run_suites", "kernel_dir", "shard_cases"]
 
 
 def shard_cases(cases: list[Case], index: int, count: int) -> list[Case]:
@@ -248,8 +248,19 @@ def read_journal(path: Path) -> dict[str, dict]:
     return done
 
 
-def run_suite(
-    kernel: str,
+def run_suite(kernel: str, cases: list[Case], **kw) -> list[dict]:
+    """:func:`run_suites` for one kernel: its records in suite order."""
+    return run_suites([kernel], cases, **kw)[kernel]
+
+
+def kernel_dir(out_dir: str | Path, kernel: str, several: bool) -> Path:
+    """Where a kernel's journal and report go: ``out_dir`` itself for a single kernel, else a
+    subdirectory named after the kernel (``module:attr`` -> ``module.attr``)."""
+    return Path(out_dir) / kernel.replace(":", ".").replace("/", "_") if several else Path(out_dir)
+
+
+def run_suites(
+    kernels: list[str],
     cases: list[Case],
     *,
     device: torch.device,
@@ -257,49 +268,59 @@ def run_suite(
     thresholds: dict,
     resume: bool = False,
     exitfirst: bool = False,
-    isolate: bool = False,
-    repro_cmd: Callable[[Case], str] | None = None,
-    progress: Callable[[dict], None] | None = None,
-) -> list[dict]:
-    """Evaluate ``cases`` (grouped by compile key) for ``kernel``; journal each; return records
-    in suite order.  ``isolate``: evaluate in a worker process (crashes become verdicts).
-    KeyboardInterrupt propagates after the journal holds what finished."""
-    fn = get_kernel(kernel)
-    iso = _Isolated(kernel, device) if isolate else None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    journal = out / "journal.jsonl"
-    done = read_journal(journal) if resume else {}
-    if not resume and journal.exists():
-        journal.unlink()
+    isolate: bool | Callable[[str], bool] = False,
+    repro_cmd: Callable[[str, Case], str] | None = None,
+    progress: Callable[[str, dict], None] | None = None,
+) -> dict[str, list[dict]]:
+    """Evaluate ``cases`` (grouped by compile key) for every kernel; journal each record under
+    :func:`kernel_dir`; return each kernel's records in suite order.  The kernels take turns
+    case by case, so a case's inputs and FP64 reference are computed once for all of them.
+    ``isolate`` (a bool or a predicate on the kernel name): evaluate in a worker process, where
+    a crash becomes the case's verdict.  KeyboardInterrupt propagates after the journals hold
+    what finished."""
+    several = len(kernels) > 1
+    state = {}
+    for kern in kernels:
+        fn = get_kernel(kern)
+        iso = _Isolated(kern, device) if (isolate(kern) if callable(isolate) else isolate) else None
+        out = kernel_dir(out_dir, kern, several)
+        out.mkdir(parents=True, exist_ok=True)
+        journal = out / "journal.jsonl"
+        done = read_journal(journal) if resume else {}
+        if not resume and journal.exists():
+            journal.unlink()
+        state[kern] = {"fn": iso if iso is not None else fn, "iso": iso, "out": out, "journal": journal, "done": done, "records": {}}
     order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
-    records: dict[int, dict] = {}
     try:
-        _loop(order, cases, done, records, kernel, fn, iso, device, thresholds, out, journal, repro_cmd, progress, exitfirst)
+        _loop(order, cases, state, device, thresholds, repro_cmd, progress, exitfirst)
     finally:
-        if iso is not None:
-            iso.close()
-    return [records[i] for i in sorted(records)]
+        for st in state.values():
+            if st["iso"] is not None:
+                st["iso"].close()
+    return {kern: [st["records"][i] for i in sorted(st["records"])] for kern, st in state.items()}
 
 
-def _loop(order, cases, done, records, kernel, fn, iso, device, thresholds, out, journal, repro_cmd, progress, exitfirst):
+def _loop(order, cases, state, device, thresholds, repro_cmd, progress, exitfirst):
     for i in order:
         c = cases[i]
-        if c.name in done:
-            records[i] = {**done[c.name], "resumed": True}
-        else:
-            rec = evaluate_case(kernel, iso if iso is not None else fn, c, device, thresholds)
-            if repro_cmd is not None:
-                rec["repro"] = repro_cmd(c)
-            if rec["verdict"] in ("fail", "error", "crash"):
-                rdir = out / "repro"
-                rdir.mkdir(exist_ok=True)
-                x = make_inputs(c, device="cpu")
-                torch.save({"q": x["q"].contiguous(), "k": x["k"].contiguous(), "v": x["v"].contiguous(), "kw": x["kw"], "case": c.as_dict()}, rdir / f"{c.name}.pt")
-                rec["repro_inputs"] = f"repro/{c.name}.pt"
-            _journal_append(journal, rec)
-            records[i] = rec
-        if progress is not None:
-            progress(records[i])
-        if exitfirst and records[i]["verdict"] in ("fail", "error", "crash"):
+        stop = False
+        for kern, st in state.items():
+            if c.name in st["done"]:
+                rec = {**st["done"][c.name], "resumed": True}
+            else:
+                rec = evaluate_case(kern, st["fn"], c, device, thresholds)
+                if repro_cmd is not None:
+                    rec["repro"] = repro_cmd(kern, c)
+                if rec["verdict"] in ("fail", "error", "crash"):
+                    rdir = st["out"] / "repro"
+                    rdir.mkdir(exist_ok=True)
+                    x = make_inputs(c, device="cpu")
+                    torch.save({"q": x["q"].contiguous(), "k": x["k"].contiguous(), "v": x["v"].contiguous(), "kw": x["kw"], "case": c.as_dict()}, rdir / f"{c.name}.pt")
+                    rec["repro_inputs"] = f"repro/{c.name}.pt"
+                _journal_append(st["journal"], rec)
+            st["records"][i] = rec
+            if progress is not None:
+                progress(kern, rec)
+            stop |= exitfirst and rec["verdict"] in ("fail", "error", "crash")
+        if stop:
             break

@@ -68,6 +68,24 @@ def test_journal_resume_and_exitfirst(tmp_path):
     assert all(c.get("resumed") for c in rep["cases"])
 
 
+def test_several_kernels_share_inputs_and_references(tmp_path, monkeypatch):
+    """Repeated --kernel: one report per kernel under OUT/<kernel>/, the FP64 reference computed
+    once per case for all of them, and the exit code of the worst kernel."""
+    from audits import runner
+
+    calls = []
+    real = runner.attention_reference
+    monkeypatch.setattr(runner, "attention_reference", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    runner._reference.cache_clear()
+    rc = run("--kernel", "tests.bugged_kernels:exact", "--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*uniform*", "--out", str(tmp_path))
+    assert rc == 1
+    good, bad = report(tmp_path / "tests.bugged_kernels.exact"), report(tmp_path / "tests.bugged_kernels.wrong_lse")
+    assert good["kernel"] == "tests.bugged_kernels:exact" and good["summary"]["verdicts"]["pass"] == 1
+    assert bad["summary"]["verdicts"]["fail"] == 1
+    assert len(calls) == 1  # one case, two kernels, one reference
+    assert "--kernel tests.bugged_kernels:wrong_lse" in bad["cases"][0]["repro"]
+
+
 def test_shards_partition_the_suite_and_balance_cost():
     cases = smoke_suite()
     shards = [shard_cases(cases, i, 3) for i in range(3)]
