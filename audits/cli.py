@@ -356,22 +356,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.shard:
         try:
             i, n = (int(x) for x in args.shard.split("/"))
-            cases = shard_cases(cases, i, n)
+            cases = shard_cases(cases, i, n, by=args.shard_by)
         except ValueError as exc:
             raise UsageError(f"--shard {args.shard!r}: expected I/N with 0 <= I < N ({exc})") from exc
         shard = args.shard
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: expected a positive number of processes")
+    if args.jobs > 1 and args.shard:
+        raise UsageError("--jobs and --shard cannot be combined: --jobs N already runs N key shards (--shard I/N --shard-by key)")
     console = Console(stderr=True)
+    if args.jobs > 1:
+        runs = _run_jobs(args, kernels, cases, console)
+        shard = None
+    else:
+        runs = None
 
     def repro(kern, c):
         base = f"fa4-audit run --kernel {shlex.quote(kern)} --suite {args.suite} --device {args.device}"
         return f"{base} --case {shlex.quote(c.name)}" + (f" --seed {args.seed}" if args.seed else "")
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, disable=args.quiet) as bar:
-        task = bar.add_task(f"{', '.join(kernels)} / {args.suite}", total=len(cases) * len(kernels))
-        runs = run_suites(
-            kernels, cases, device=device, out_dir=args.out, thresholds=th, resume=args.resume, exitfirst=args.exitfirst,
-            isolate=isolate, repro_cmd=repro, progress=lambda kern, r: bar.advance(task),
-        )
+    if runs is None:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, disable=args.quiet) as bar:
+            task = bar.add_task(f"{', '.join(kernels)} / {args.suite}", total=len(cases) * len(kernels))
+            runs = run_suites(
+                kernels, cases, device=device, out_dir=args.out, thresholds=th, resume=args.resume, exitfirst=args.exitfirst,
+                isolate=isolate, repro_cmd=repro, progress=lambda kern, r: bar.advance(task),
+            )
     env = _environment(device)
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
@@ -385,7 +395,68 @@ def cmd_run(args: argparse.Namespace) -> int:
         v = rep["summary"]["verdicts"]
         console.print(f"{kern}: " + ", ".join(f"{k} {n}" for k, n in v.items() if n) + f" of {len(records)} cases; report: {paths['md']}")
         code = max(code, exit_code(rep))
+        missing = len(cases) - len(records)
+        if missing and not args.exitfirst:
+            console.print(f"{kern}: {missing} of {len(cases)} cases did not finish (see OUT/jobs/*/log.txt); rerun with --resume to complete them")
+            code = max(code, 1)
     return code
+
+
+def _run_jobs(args: argparse.Namespace, kernels: list[str], cases: list, console) -> dict[str, list[dict]]:
+    """``run --jobs N``: N child processes ``run --shard I/N --shard-by key`` (each compiles
+    only its own compile keys, so JIT compilation runs N-wide), journals under OUT/jobs/I/,
+    logs in OUT/jobs/I/log.txt; returns each kernel's finished records in suite order."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from audits.runner import kernel_dir, read_journal
+
+    n = args.jobs
+    argv = [a for k in kernels for a in ("--kernel", k)] + ["--suite", args.suite, "--device", args.device, "--seed", str(args.seed), "--quiet"]
+    argv += ["--thresholds", args.thresholds] if args.thresholds else []
+    argv += ["--case", args.case] if args.case else []
+    argv += ["--resume"] if args.resume else []
+    argv += ["-x"] if args.exitfirst else []
+    argv += [] if args.isolate is None else (["--isolate"] if args.isolate else ["--no-isolate"])
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    jobs = Path(args.out) / "jobs"
+    several = len(kernels) > 1
+    journals = [kernel_dir(jobs / str(i), k, several) / "journal.jsonl" for i in range(n) for k in kernels]
+    procs = []
+    try:
+        for i in range(n):
+            d = jobs / str(i)
+            d.mkdir(parents=True, exist_ok=True)
+            log = open(d / "log.txt", "a")
+            cmd = [sys.executable, "-m", "audits", "run", *argv, "--shard", f"{i}/{n}", "--shard-by", "key", "--out", str(d)]
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+            log.close()
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, disable=args.quiet) as bar:
+            task = bar.add_task(f"{', '.join(kernels)} / {args.suite} ({n} jobs)", total=len(cases) * len(kernels))
+            while any(p.poll() is None for p in procs):
+                time.sleep(1.0)
+                bar.update(task, completed=sum(sum(1 for _ in open(j)) for j in journals if j.exists()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+    for i, p in enumerate(procs):
+        if p.returncode not in (0, 1):
+            console.print(f"job {i} exited with code {p.returncode}; see {jobs / str(i) / 'log.txt'}")
+    order = {c.name: i for i, c in enumerate(cases)}
+    runs = {}
+    for k in kernels:
+        recs = {}
+        for i in range(n):
+            recs.update(read_journal(kernel_dir(jobs / str(i), k, several) / "journal.jsonl"))
+        runs[k] = sorted((r for r in recs.values() if r["case"] in order), key=lambda r: order[r["case"]])
+    return runs
 
 
 def _load_report(path: str) -> dict:
@@ -592,7 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--thresholds", default=None, help="thresholds TOML (default: the shipped audits/thresholds.toml)")
     r.add_argument("--resume", action="store_true", help="continue from OUT/journal.jsonl without redoing finished cases")
     r.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing case")
-    r.add_argument("--shard", default=None, help="I/N: run a deterministic, cost-balanced 1/N slice")
+    r.add_argument("--shard", default=None, help="I/N: run a deterministic, balanced 1/N slice")
+    r.add_argument("--shard-by", default="cost", choices=["cost", "key"], help="balance shards by case cost, or keep compile-key groups whole (default cost)")
+    r.add_argument("--jobs", type=int, default=1, help="N parallel processes, one compile-key shard each (GPU audits: compilation dominates); reports as one run")
     r.add_argument("--case", default=None, help="glob over case names (e.g. a reproducer's name)")
     r.add_argument(
         "--isolate", action=argparse.BooleanOptionalAction, default=None,

@@ -33,17 +33,30 @@ from numerics.reference import attention_lowprec, attention_reference, exact_att
 __all__ = ["evaluate_case", "run_suite", "run_suites", "kernel_dir", "shard_cases"]
 
 
-def shard_cases(cases: list[Case], index: int, count: int) -> list[Case]:
-    """Deterministic slice ``index`` of ``count``: greedy balancing by ``Case.cost`` (largest
-    first onto the lightest shard), then back in suite order."""
+def shard_cases(cases: list[Case], index: int, count: int, *, by: str = "cost") -> list[Case]:
+    """Deterministic slice ``index`` of ``count``, back in suite order.  ``by="cost"``: greedy
+    balancing of ``Case.cost`` (largest first onto the lightest shard).  ``by="key"``: whole
+    compile-key groups per shard (each JIT variant compiled by one process only), balanced by
+    group size plus cost, for parallel processes that each compile their own share."""
     if not (0 <= index < count):
         raise ValueError(f"shard {index}/{count}: need 0 <= I < N")
-    loads = [0] * count
+    if by not in ("cost", "key"):
+        raise ValueError(f"shard by {by!r}: accepted 'cost' or 'key'")
+    if by == "cost":
+        units = {i: [i] for i in range(len(cases))}
+    else:
+        units = {}
+        for i, c in enumerate(cases):
+            units.setdefault(c.compile_key, []).append(i)
+    total = sum(c.cost for c in cases) or 1
+    weight = {u: sum(cases[i].cost for i in m) / total + (len(m) / len(cases) if by == "key" else 0.0) for u, m in units.items()}
+    loads = [0.0] * count
     owner = {}
-    for i in sorted(range(len(cases)), key=lambda i: (-cases[i].cost, cases[i].name)):
+    for u in sorted(units, key=lambda u: (-weight[u], repr(u))):
         s = min(range(count), key=lambda j: (loads[j], j))
-        loads[s] += cases[i].cost
-        owner[i] = s
+        loads[s] += weight[u]
+        for i in units[u]:
+            owner[i] = s
     return [c for i, c in enumerate(cases) if owner[i] == index]
 
 

@@ -95,6 +95,27 @@ def test_shards_partition_the_suite_and_balance_cost():
     assert shard_cases(cases, 1, 3) == shards[1]  # deterministic
 
 
+def test_key_shards_keep_compile_keys_whole():
+    from audits.configs import release_suite
+
+    cases = release_suite()
+    shards = [shard_cases(cases, i, 8, by="key") for i in range(8)]
+    assert sorted(c.name for s in shards for c in s) == sorted(c.name for c in cases)
+    keys = [{c.compile_key for c in s} for s in shards]
+    assert sum(len(k) for k in keys) == len({c.compile_key for c in cases})  # no key compiled twice
+    assert max(len(s) for s in shards) <= 1.5 * min(len(s) for s in shards)
+
+
+def test_jobs_run_key_shards_in_parallel_and_report_as_one(tmp_path):
+    out = tmp_path / "j"
+    assert run("--kernel", "fa4-model", "--case", "bf16-d64-b1h2k2-s64x*", "--jobs", "2", "--out", str(out)) == 0
+    rep = report(out)
+    names = {c["case"] for c in rep["cases"]}
+    assert len(names) == rep["summary"]["cases"] >= 3
+    per_job = [set(read_journal(out / "jobs" / str(i) / "journal.jsonl")) for i in range(2)]
+    assert per_job[0] and per_job[1] and not per_job[0] & per_job[1] and per_job[0] | per_job[1] == names
+
+
 def test_thresholds_file_errors(tmp_path):
     bad = tmp_path / "t.toml"
     bad.write_text("[policy]\nnan_swallowed = 'maybe'\n")
@@ -113,6 +134,8 @@ def test_thresholds_file_errors(tmp_path):
         (["--kernel", "flash9"], "unknown kernel 'flash9'; accepted: fa4, fa4-model"),
         (["--kernel", "fa4-model", "--suite", "weekly"], "unknown suite 'weekly'; accepted: smoke"),
         (["--kernel", "fa4-model", "--shard", "3/2"], "expected I/N with 0 <= I < N"),
+        (["--kernel", "fa4-model", "--shard", "0/2", "--jobs", "2"], "--jobs and --shard cannot be combined"),
+        (["--kernel", "fa4-model", "--jobs", "0"], "--jobs 0: expected a positive"),
         (["--kernel", "fa4-model", "--case", "nothing*"], "matches no case"),
         (["--kernel", "fa4-model", "--thresholds", "/nonexistent.toml"], "no such thresholds file"),
     ],
