@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Device calls for the release audit on the H200 (device tool, carry [".fa4dev", ".release-state"]).
+#   MODE=speed bash benchmarks/h200_release.sh   FP64 reference FLOP rate; fa4 on release from a
+#                                                cold, then a warm compile cache (audit_speed.py);
+#                                                the cold run's journals come back in $OUT/state.tgz
+#   MODE=audit bash benchmarks/h200_release.sh   fa4 and its peers on release, resuming from
+#                                                .release-state/state.tgz; journals and reports back
+# Each call stays under the device's 10-minute limit (LIMIT seconds for the audit itself); the
+# journals carry the audit across calls (fa4-audit run --resume).
+set -uo pipefail
+. benchmarks/h200_env.sh
+nvidia-smi -L
+KERNELS="--kernel fa4 --kernel fa4-model-sm90 --kernel sdpa-flash --kernel sdpa-cudnn --kernel sdpa-efficient"
+R=/tmp/release
+mkdir -p $R
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+if [ "${MODE:-speed}" = speed ]; then
+  python benchmarks/reference_flops.py --out $OUT/reference_flops.json 2>&1 | tail -8
+  python benchmarks/audit_speed.py --kernel fa4 --suite release --jobs 8 --cold-limit ${COLD:-330} --warm-limit ${WARM:-120} --out /tmp/speed
+  cp /tmp/speed/speed.json $OUT/
+  # the cold run is the fa4 audit: its per-job journals become $R/jobs/I/fa4/ (the layout of a
+  # several-kernel run, which resumes from them)
+  for d in /tmp/speed/cold/jobs/*; do mkdir -p $R/jobs/$(basename $d)/fa4 && cp $d/journal.jsonl $R/jobs/$(basename $d)/fa4/ 2>/dev/null; done
+  grep -h "Error\|error" /tmp/speed/cold/jobs/*/log.txt | sort | uniq -c | sort -rn | head -5
+else
+  [ -f .release-state/state.tgz ] && tar xzf .release-state/state.tgz -C $R
+  timeout ${LIMIT:-520} python -m audits run $KERNELS --suite release --device cuda --jobs 8 --resume --out $R --quiet 2>&1 | grep -v "Warning\|LayoutEnum" | tail -12
+  echo "audit exit $?"
+  (cd $R && tar czf $OUT/reports.tgz --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' .)
+fi
+(cd $R && find jobs -name journal.jsonl | tar czf $OUT/state.tgz -T -)
+ls -la $OUT
