@@ -1,0 +1,127 @@
+"""Numerics facts of a compiled FA4 forward kernel, read from its PTX text.
+
+What is extracted (``kernel_facts``), and how — every rule was checked against the sm_100a PTX
+of ``FlashAttentionForwardSm100`` (flash-attn-4 4.0.0b36, cutlass-dsl 4.8.1, tests/data/ptx):
+
+* ``exp2.hardware``: the ``ex2`` instructions with their modifiers (MUFU.EX2; ``.ftz`` decides
+  whether subnormal results flush).
+* ``exp2.emulated_pairs`` / ``exp2.emulated_scalar``: the polynomial exp2's signature, its
+  round-down add ``add.rm.f32x2`` (one per packed pair, ``utils.ex2_emulation_2``) and
+  ``add.rm(.ftz).f32`` (scalar ``utils.ex2_emulation``).
+* Softmax steps: production inlines the per-block softmax (``SoftmaxSm100.apply_exp2_convert``)
+  in a few places (masked / unmasked blocks...).  Each place computes exp2 of one row tile of
+  ``tile_n`` scores, so with E emulated and H hardware elements, ``steps = round((E + H) /
+  tile_n)`` and the remainder ``E + H - steps * tile_n`` (0 <= r < steps + 2) is the rescale
+  factors' ``ex2``.  ``exp2.emulated_per_step = E / steps`` — the emulated fraction.
+* ``exp2.poly_degree``: the degree whose ``POLY_EX2`` coefficients all occur as float
+  immediates (each degree's minimax coefficients are distinct numbers); cross-checked by the
+  packed fma count, ``fma.rn.f32x2 = steps * tile_n / 2`` (scale-and-subtract, one per pair)
+  ``+ pairs * degree`` (Horner) — ``exp2.fma_per_pair``.
+* ``rescale.threshold``: the lazy rescale compares ``(m_old - m_new) * scale_log2`` with
+  ``-threshold`` (``setp.ge.f32 %p, %r, 0f<-threshold>``, ``SoftmaxSm100.update_row_max``);
+  no such comparison means threshold 0 (the max moves at every block).
+* ``max_offset``: the bias ``max_offset - max * scale_log2`` is ``mov.b32 %r, 0f<offset>``
+  then ``sub.f32 %s, %r, ...``; absent means 0.
+* ``arith.nonstandard``: f32 add/sub/mul/fma with a rounding other than ``.rn`` or with
+  ``.ftz``, other than the emulation's round-down adds (the model assumes IEEE round to nearest
+  and no flush everywhere else on the softmax path).
+* ``p_convert``: float32 -> P-dtype conversions (``cvt.rn.bf16x2.f32``, ``cvt.rn.satfinite
+  .e4m3x2.f32``...), with counts.
+* ``reciprocal``: ``rcp`` variants (the epilogue's 1/row_sum).  ``tanh``: ``tanh.approx``
+  count (softcap).
+
+A PTX text these rules do not understand raises :class:`PtxFormatError` naming what was not
+recognised; a fact is never silently defaulted.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections import Counter
+
+from fa4.ex2 import POLY_EX2
+
+__all__ = ["PtxFormatError", "kernel_facts", "f32_hex"]
+
+
+class PtxFormatError(ValueError):
+    """The PTX is not what the extractor understands; the message says what is missing."""
+
+
+def f32_hex(v: float) -> str:
+    """PTX spelling of a float32 immediate: ``0f3F800000`` for 1.0."""
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _hex_f32(h: str) -> float:
+    return struct.unpack("<f", struct.pack("<I", int(h[2:], 16)))[0]
+
+
+_INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_:]+)*)\s*(.*?);", re.M)
+_IMM = re.compile(r"0f[0-9A-Fa-f]{8}")
+
+
+def _instructions(ptx: str) -> list[tuple[str, str]]:
+    return [(op, args) for op, args in _INSTR.findall(ptx)]
+
+
+def kernel_facts(ptx: str, *, tile_n: int) -> dict:
+    """The facts of the module doc for the forward kernel in ``ptx`` (``tile_n`` keys per
+    softmax row tile, production's ``n_block_size``).  Values are JSON-able."""
+    if ".entry" not in ptx:
+        raise PtxFormatError("no .entry (kernel) in the PTX")
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
+    ins = _instructions(ptx)
+    ops = Counter(op for op, _ in ins)
+    ex2 = {op: n for op, n in ops.items() if op.startswith("ex2.")}
+    if not ex2:
+        raise PtxFormatError("no ex2 instruction: not an attention forward kernel, or a form the extractor does not know")
+    pairs = ops.get("add.rm.f32x2", 0)
+    scalar = sum(n for op, n in ops.items() if re.fullmatch(r"(add|sub)\.rm(\.ftz)?\.f32", op))
+    e, h = 2 * pairs + scalar, sum(ex2.values())
+    steps = round((e + h) / tile_n)
+    extra = e + h - steps * tile_n
+    if steps < 1 or not (0 <= extra < steps + 2):
+        raise PtxFormatError(
+            f"{e} emulated + {h} hardware exp2 do not split into softmax steps of {tile_n} elements "
+            f"(remainder {extra}): the softmax loop has a structure the extractor does not know"
+        )
+    imm = {m.upper().replace("0F", "0f") for m in _IMM.findall(ptx)}
+    degrees = [d for d, cs in POLY_EX2.items() if all(f32_hex(c) in imm for c in cs if c != 1.0)]
+    degree = max(degrees) if degrees else None
+    fma2 = ops.get("fma.rn.f32x2", 0)
+    thresholds = sorted({-_hex_f32(a.split(",")[-1].strip()) for op, a in ins if op == "setp.ge.f32" and _IMM.fullmatch(a.split(",")[-1].strip()) and _hex_f32(a.split(",")[-1].strip()) < 0})
+    movs = {m.group(1): m.group(2) for m in re.finditer(r"mov\.b32\s+(%r\d+),\s*(0f[0-9A-Fa-f]{8});", ptx)}
+    offsets = sorted({_hex_f32(movs[m.group(1)]) for m in re.finditer(r"sub\.f32\s+%r\d+,\s*(%r\d+),\s*%r\d+;", ptx) if m.group(1) in movs})
+    nonstd = Counter()
+    for op, n in ops.items():
+        parts = op.split(".")
+        if parts[0] in ("add", "sub", "mul", "fma") and parts[-1] in ("f32", "f32x2"):
+            if op in ("add.rm.f32x2",) or re.fullmatch(r"(add|sub)\.rm(\.ftz)?\.f32", op):
+                continue  # the emulation's round-down add, counted above
+            rnd = next((p for p in parts if p in ("rn", "rz", "rm", "rp")), "rn")
+            if rnd != "rn" or "ftz" in parts or "sat" in parts:
+                nonstd[op] += n
+    cvt = {op: n for op, n in ops.items() if op.startswith("cvt.") and re.search(r"\.(bf16|f16|e4m3|e5m2)(x2)?\.f32$", op)}
+    if not cvt:
+        raise PtxFormatError("no float32 -> 16/8-bit conversion (cvt...f32): the P conversion was not found")
+    return {
+        "target": target.group(1) if target else None,
+        "lines": ptx.count("\n"),
+        "exp2.hardware": dict(sorted(ex2.items())),
+        "exp2.emulated_pairs": pairs,
+        "exp2.emulated_scalar": scalar,
+        "softmax.steps": steps,
+        "softmax.rescale_ex2": extra,
+        "exp2.emulated_per_step": e / steps,
+        "exp2.poly_degree": degree,
+        "exp2.poly_coefficients": [float(c) for c in POLY_EX2[degree]] if degree else [],
+        "exp2.fma_per_pair": (fma2 - steps * tile_n / 2) / pairs if pairs else None,
+        "rescale.threshold": thresholds[0] if len(thresholds) == 1 else (0.0 if not thresholds else thresholds),
+        "max_offset": offsets[0] if len(offsets) == 1 else (0.0 if not offsets else offsets),
+        "arith.nonstandard": dict(sorted(nonstd.items())),
+        "p_convert": dict(sorted(cvt.items())),
+        "reciprocal": dict(sorted((op, n) for op, n in ops.items() if op.startswith("rcp."))),
+        "tanh": sum(n for op, n in ops.items() if op.startswith("tanh.")),
+    }

@@ -1,0 +1,130 @@
+"""The static fidelity audit: PTX fact extraction (on excerpts written here and on production's
+real sm_100a PTX in tests/data/ptx), the comparison with FA4Numerics.sm100, and bad input."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from audits import cli
+from audits.configs import Case
+from audits.ptx_facts import PtxFormatError, f32_hex, kernel_facts
+from audits.static import audit_group, compare_facts, expected_facts, static_groups
+from fa4.ex2 import POLY_EX2
+
+DATA = Path(__file__).parent / "data" / "ptx"
+
+
+def excerpt(*, steps=2, emu_per_step=24, degree=3, threshold=8.0, max_offset=0.0, ex2="ex2.approx.ftz.f32", cvt="cvt.rn.bf16x2.f32",
+            rcp="rcp.approx.ftz.f32", extra="", tanh=0, tile_n=128) -> str:
+    """A PTX module with the instruction mix of the SM100 forward kernel's softmax: ``steps``
+    inlined softmax steps of ``tile_n`` exp2 each (``emu_per_step`` of them emulated in packed
+    pairs), one rescale ex2 with its threshold compare, the bias, P conversion and rcp."""
+    L = [".version 8.8", ".target sm_100a", ".address_size 64", ".visible .entry kernel(", ")", "{"]
+    for _ in range(steps):
+        L += ["\tfma.rn.f32x2 \t%rd1, %rd2, %rd3, %rd4;"] * (tile_n // 2)  # s * scale_log2 - bias, per pair
+        L += [f"\t{ex2} \t%r1, %r2;"] * (tile_n - emu_per_step)
+        for _ in range(emu_per_step // 2):
+            L += ["\tmax.f32 \t%r3, %r4, 0fC2FE0000;", "\tmov.b32 \t%r5, 0f4B400000;", "\tadd.rm.f32x2 \t%rd5, %rd6, %rd7;", "\tsub.rn.f32x2 \t%rd8, %rd5, %rd7;"]
+            L += [f"\tmov.b32 \t%r6, {f32_hex(c)};" for c in POLY_EX2[degree]]
+            L += ["\tfma.rn.f32x2 \t%rd9, %rd10, %rd11, %rd12;"] * degree
+            L += ["\tshl.b32 \t%r7, %r8, 23;", "\tadd.s32 \t%r9, %r7, %r10;"]
+        L += [f"\t{cvt} \t%r11, %r12, %r13;"] * (tile_n // 2)
+        L += ["\tmul.f32 \t%r20, %r21, %r22;"] + ([f"\tmov.b32 \t%r23, {f32_hex(max_offset)};", "\tsub.f32 \t%r24, %r23, %r20;"] if max_offset else [])
+        L += ["\ttanh.approx.f32 \t%r30, %r31;"] * (tanh // steps)
+    L += ["\tsub.f32 \t%r40, %r41, %r42;", "\tmul.f32 \t%r43, %r44, %r40;", f"\t{ex2} \t%r45, %r43;"]
+    if threshold:
+        L += [f"\tsetp.ge.f32 \t%p1, %r43, {f32_hex(-threshold)};"]
+    L += [f"\t{rcp} \t%r50, %r51;", extra, "\tret;", "}"]
+    return "\n".join(L) + "\n"
+
+
+BF16 = Case("bfloat16", 128, 128, 1, 16, 16, 1024, 1024)  # 2-CTA: production emulates 24 of 128 per step
+E4M3 = Case("float8_e4m3fn", 128, 128, 1, 16, 16, 1024, 1024)
+
+
+def test_excerpt_matches_the_model():
+    f = kernel_facts(excerpt(), tile_n=128)
+    assert f["softmax.steps"] == 2 and f["exp2.emulated_per_step"] == 24 and f["exp2.poly_degree"] == 3 and f["exp2.fma_per_pair"] == 3
+    assert f["rescale.threshold"] == 8.0 and f["max_offset"] == 0.0 and f["arith.nonstandard"] == {}
+    assert compare_facts(f, expected_facts(BF16)) == []
+
+
+@pytest.mark.parametrize(
+    "change,fact",
+    [
+        ({"degree": 4}, "exp2.poly_degree"),  # a new polynomial
+        ({"emu_per_step": 32}, "exp2.emulated_per_step"),  # a new tuning table
+        ({"threshold": 4.0}, "rescale.threshold"),
+        ({"threshold": 0.0}, "rescale.threshold"),
+        ({"max_offset": 8.0}, "max_offset"),
+        ({"ex2": "ex2.approx.f32"}, "exp2.hardware"),  # subnormal results no longer flushed
+        ({"cvt": "cvt.rz.bf16x2.f32"}, "p_convert"),  # P truncated instead of rounded
+        ({"rcp": "rcp.rn.f32"}, "reciprocal"),
+        ({"extra": "\tadd.rn.ftz.f32 \t%r60, %r61, %r62;"}, "arith.nonstandard"),
+        ({"extra": "\tadd.rm.ftz.f32 \t%r60, %r61, %r62;"}, "exp2.emulated_scalar"),  # the scalar emulation appears
+        ({"tanh": 256}, "tanh"),
+    ],
+)
+def test_each_changed_fact_is_reported(change, fact):
+    diffs = compare_facts(kernel_facts(excerpt(**change), tile_n=128), expected_facts(BF16))
+    assert fact in {d["fact"] for d in diffs}, diffs
+
+
+def test_fp8_expectations_and_saturating_conversion():
+    ptx = excerpt(threshold=0.0, max_offset=8.0, cvt="cvt.rn.satfinite.e4m3x2.f32")
+    assert compare_facts(kernel_facts(ptx, tile_n=128), expected_facts(E4M3)) == []
+    ptx = excerpt(threshold=0.0, max_offset=8.0, cvt="cvt.rn.e4m3x2.f32")  # saturation lost
+    assert {d["fact"] for d in compare_facts(kernel_facts(ptx, tile_n=128), expected_facts(E4M3))} == {"p_convert"}
+
+
+@pytest.mark.parametrize(
+    "ptx,message",
+    [
+        (".target sm_100a\nadd.f32 %r1, %r2, %r3;\n", "no .entry"),
+        (".target sm_100a\n.entry k()\n{\nadd.f32 %r1, %r2, %r3;\n}\n", "no ex2"),
+        (excerpt(cvt="mov.b32"), "P conversion was not found"),
+        (excerpt(emu_per_step=24).replace("\tex2.approx.ftz.f32 \t%r1, %r2;\n", "", 40), "do not split into softmax steps"),
+    ],
+)
+def test_unrecognised_ptx_is_an_error_never_a_match(ptx, message):
+    with pytest.raises(PtxFormatError, match=message):
+        kernel_facts(ptx, tile_n=128)
+
+
+@pytest.mark.parametrize("name,case", [("fwd_bf16_d128_s1024", BF16), ("fwd_e4m3_d128_s1024", E4M3)])
+def test_production_ptx_matches_the_model(name, case, tmp_path):
+    """Production's real sm_100a PTX (compiled on a CPU-only machine, 2026-11-29, flash-attn-4
+    4.0.0b36): every fact agrees with FA4Numerics.sm100; a tampered copy diverges."""
+    ptx = gzip.decompress((DATA / f"{name}.sm_100a.ptx.gz").read_bytes()).decode()
+    rep = case.name
+    (tmp_path / f"{rep}.ptx.gz").write_bytes(gzip.compress(ptx.encode()))
+    (tmp_path / f"{rep}.ptx.json").write_text(json.dumps({"kernel_class": "FlashAttentionForwardSm100", "attributes": {"n_block_size": 128, "use_2cta_instrs": True}}))
+    rec = audit_group(case, [case.name], ptx_dir=tmp_path, no_driver=True)
+    assert rec["verdict"] == "match" and rec["compiled"] == "cached", rec.get("differences")
+    assert rec["facts"]["exp2.hardware"] == {"ex2.approx.ftz.f32": 209} and rec["facts"]["exp2.emulated_pairs"] == 24
+    c = next(c for c in POLY_EX2[3] if c != 1.0)
+    tampered = ptx.replace(f32_hex(c), f32_hex(c * 1.001))  # one coefficient of the polynomial changes
+    (tmp_path / f"{rep}.ptx.gz").write_bytes(gzip.compress(tampered.encode()))
+    rec = audit_group(case, [case.name], ptx_dir=tmp_path, no_driver=True)
+    assert rec["verdict"] == "diverged" and "exp2.poly_degree" in {d["fact"] for d in rec["differences"]}
+
+
+def test_static_groups_cover_the_suite_once():
+    from audits.configs import smoke_suite
+
+    cases = smoke_suite()
+    groups = static_groups(cases)
+    assert sorted(n for _, names in groups for n in names) == sorted(c.name for c in cases)
+    assert len(groups) == len({(c.compile_key, str(c.seqlen_q <= 128)) for c in cases}) or len(groups) <= len(cases)
+
+
+def test_static_bad_input_exits_2(tmp_path, capsys, monkeypatch):
+    assert cli.main(["static", "--config", "{nope", "--out", str(tmp_path)]) == 2
+    assert "expected a JSON object" in capsys.readouterr().err
+    assert cli.main(["static", "--arch", "sm_90a", "--out", str(tmp_path)]) == 2
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # not importable
+    assert cli.main(["static", "--suite", "smoke", "--out", str(tmp_path)]) == 2
+    assert "production package is not importable" in capsys.readouterr().err
