@@ -464,7 +464,12 @@ def _load_report(path: str) -> dict:
     from pathlib import Path
 
     try:
-        rep = json.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
+        if path.endswith(".gz"):  # committed reports are kept compressed
+            import gzip
+
+            raw = gzip.decompress(raw)
+        rep = json.loads(raw)
     except FileNotFoundError as exc:
         raise UsageError(f"{path}: no such report") from exc
     except json.JSONDecodeError as exc:
@@ -651,6 +656,26 @@ def _static_markdown(rep: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def cmd_summary(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from audits.ex2_report import atomic_write
+    from audits.summary import plot_errors, summary_markdown
+
+    reps = [_load_report(p) for p in args.reports]
+    by = tuple(b.strip() for b in args.by.split(",") if b.strip())
+    known = {"mask", "heads", "dtype", "d", "dv", "softcap", "sink", "layout", "family", "seqlen_k", "seqlen_q"}
+    if not by or set(by) - known:
+        raise UsageError(f"--by {args.by!r}: expected a comma-separated list of {', '.join(sorted(known))}")
+    text = summary_markdown(reps, by)
+    print(text, end="")
+    if args.out:
+        out = Path(args.out)
+        atomic_write(out / "summary.md", text)
+        plot_errors(reps, out / "summary.svg")
+    return 0
+
+
 def cmd_fuzz(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -792,6 +817,11 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--seed", type=int, default=None, help="a fixed search (Hypothesis then neither reads nor writes the database)")
     fz.add_argument("--out", default="reports/fuzz-latest")
     fz.set_defaults(func=cmd_fuzz)
+    sm = sub.add_parser("summary", help="several kernels' reports side by side, per configuration group")
+    sm.add_argument("reports", nargs="+", help="report.json (or .json.gz) files, one per kernel")
+    sm.add_argument("--by", default="dtype,mask", help="grouping: comma-separated Case fields, mask or heads (default dtype,mask)")
+    sm.add_argument("--out", default=None, help="also write OUT/summary.md and OUT/summary.svg")
+    sm.set_defaults(func=cmd_summary)
     st = sub.add_parser(
         "static", help="compile production's SM100 forward kernel per compile group and check its PTX against the model",
         description="Cross-compile FlashAttentionForwardSm100 to sm_100a PTX for each compile group of a suite (or --config), "

@@ -251,3 +251,18 @@ def test_sdpa_math_and_an_exact_kernel_pass_smoke(tmp_path):
     v = report(tmp_path / "s")["summary"]["verdicts"]
     assert v["pass"] >= 16 and v["out-of-domain"] == 2  # the two NaN/inf families: SDPA claims nothing there
     assert run("--kernel", "tests.bugged_kernels:exact", "--no-isolate", "--out", str(tmp_path / "e")) == 0
+
+
+def test_summary_groups_reports_side_by_side(tmp_path, capsys):
+    out = tmp_path / "two"
+    run("--kernel", "tests.bugged_kernels:exact", "--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*uniform*", "--out", str(out))
+    import gzip
+
+    a = out / "tests.bugged_kernels.exact" / "report.json"
+    b = out / "tests.bugged_kernels.wrong_lse" / "report.json.gz"  # committed reports are compressed
+    b.write_bytes(gzip.compress((out / "tests.bugged_kernels.wrong_lse" / "report.json").read_bytes()))
+    assert cli.main(["summary", str(a), str(b), "--by", "dtype,mask,heads", "--out", str(tmp_path)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| fp16 no mask MQA")]
+    assert len(lines) == 2 and "pass 1" in lines[0] and "fail 1" in lines[1]
+    assert (tmp_path / "summary.svg").read_text().lstrip().startswith("<?xml")
+    assert cli.main(["summary", str(a), "--by", "colour"]) == 2

@@ -1,0 +1,101 @@
+"""Several kernels' reports on one suite, side by side: per configuration group, the worst
+errors against FP64, the bound tightness and the verdicts (``fa4-audit summary``), and a plot of
+the worst output error against sequence length per kernel (SVG)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["group_key", "summary_rows", "summary_markdown", "plot_errors"]
+
+_DT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+
+
+def group_key(config: dict, by: tuple[str, ...]) -> str:
+    """A case's configuration group: ``by`` names Case fields, or ``mask`` (none / causal /
+    local), ``heads`` (MHA / GQA / MQA)."""
+    parts = []
+    for b in by:
+        if b == "mask":
+            parts.append("causal" if config["causal"] else ("local" if any(w is not None for w in config["window"]) else "no mask"))
+        elif b == "heads":
+            hq, hk = config["heads_q"], config["heads_kv"]
+            parts.append("MHA" if hq == hk else ("MQA" if hk == 1 else "GQA"))
+        elif b == "dtype":
+            parts.append(_DT.get(config["dtype"], config["dtype"]))
+        else:
+            parts.append(f"{b}={config[b]}")
+    return " ".join(parts)
+
+
+def _max(xs):
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
+def summary_rows(reports: list[dict], by: tuple[str, ...]) -> list[dict]:
+    """One row per (group, kernel), groups in first-seen order, kernels in the given order."""
+    groups: dict[str, dict[str, list]] = {}
+    for rep in reports:
+        for c in rep["cases"]:
+            groups.setdefault(group_key(c["config"], by), {}).setdefault(rep["kernel"], []).append(c)
+    rows = []
+    for g, per in groups.items():
+        for rep in reports:
+            cs = per.get(rep["kernel"], [])
+            ran = [c for c in cs if c.get("status") == "ran" and not c.get("out_of_domain")]
+            verdicts = {}
+            for c in cs:
+                verdicts[c["verdict"]] = verdicts.get(c["verdict"], 0) + 1
+            rows.append({
+                "group": g, "kernel": rep["kernel"], "cases": len(cs), "judged": len(ran),
+                "out_max_abs": _max((c.get("out") or {}).get("max_abs") for c in ran),
+                "rel_l2": _max((c.get("out") or {}).get("rel_l2") for c in ran),
+                "lse_max_abs": _max((c.get("lse") or {}).get("max_abs") for c in ran),
+                "tightness": _max((c.get("bound") or {}).get("tightness") for c in ran),
+                "vs_lowprec": _max((c["fa_criterion"]["max_abs"] / c["fa_criterion"]["lowprec_max_abs"]) if c.get("fa_criterion", {}).get("lowprec_max_abs") else None for c in ran),
+                "verdicts": verdicts,
+            })
+    return rows
+
+
+def summary_markdown(reports: list[dict], by: tuple[str, ...]) -> str:
+    f = lambda x: "—" if x is None else f"{x:.3g}"  # noqa: E731
+    L = [f"| {' / '.join(by)} | kernel | cases | judged | worst \\|out-ref\\| | worst rel L2 | worst \\|LSE-ref\\| | max err/bound | max err / PyTorch low-prec err | verdicts |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary_rows(reports, by):
+        v = ", ".join(f"{k} {n}" for k, n in sorted(r["verdicts"].items()))
+        L.append(f"| {r['group']} | {r['kernel']} | {r['cases']} | {r['judged']} | {f(r['out_max_abs'])} | {f(r['rel_l2'])} | {f(r['lse_max_abs'])} | {f(r['tightness'])} | {f(r['vs_lowprec'])} | {v} |")
+    return "\n".join(L) + "\n"
+
+
+def plot_errors(reports: list[dict], path: str | Path, *, dtype: str = "bfloat16") -> None:
+    """Worst max |out - ref| per seqlen_k for each kernel, on ``dtype`` cases with finite
+    inputs in the kernel's domain (SVG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for rep in reports:
+        worst: dict[int, float] = {}
+        for c in rep["cases"]:
+            if c["config"]["dtype"] != dtype or c.get("status") != "ran" or c.get("out_of_domain") or c["family"].startswith("nan_inf"):
+                continue
+            e = (c.get("out") or {}).get("max_abs")
+            if e is not None and e == e and e != float("inf"):
+                sk = c["config"]["seqlen_k"]
+                worst[sk] = max(worst.get(sk, 0.0), e)
+        if worst:
+            xs = sorted(worst)
+            ax.plot(xs, [max(worst[x], 1e-12) for x in xs], marker="o", ms=3, lw=1, label=rep["kernel"])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("seqlen_k")
+    ax.set_ylabel(f"worst max |out - FP64| ({_DT.get(dtype, dtype)})")
+    ax.grid(True, which="both", lw=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
