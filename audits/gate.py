@@ -16,7 +16,7 @@ __all__ = ["DEFAULT_THRESHOLDS", "load_thresholds", "judge", "judge_against_base
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
 _KEYS = {
     "policy": {"nan_swallowed": str, "bound": bool, "peer_bound": bool, "claim_float32_overflow": bool, "fa_criterion": bool, "fa_multiplier": float, "fa_criterion_dtypes": list},
-    "lse": {"max_abs": float},
+    "lse": {"max_abs": float, "rel": float},
     "reference": {"mpmath_max_abs": float},
     "baseline": {"max_ratio": float},
 }
@@ -96,8 +96,9 @@ def judge(m: dict, th: dict) -> tuple[str, list[str]]:
         if lse["mismatched_nonfinite"]:
             reasons.append(f"{lse['mismatched_nonfinite']} rows with no visible key have an LSE other than -inf")
             verdict = "fail"
-        if lse["max_abs"] > th["lse"]["max_abs"]:
-            reasons.append(f"LSE max |err| {lse['max_abs']:.3g} > {th['lse']['max_abs']:.3g}")
+        allowed = th["lse"]["max_abs"] + th["lse"]["rel"] * lse.get("ref_max_abs", 0.0)
+        if lse["max_abs"] > allowed:
+            reasons.append(f"LSE max |err| {lse['max_abs']:.3g} > allowed {allowed:.3g} (max_abs {th['lse']['max_abs']:g} + rel {th['lse']['rel']:g} * max|lse| {lse.get('ref_max_abs', 0.0):.3g})")
             verdict = "fail"
     cert = m.get("mpmath_max_abs")
     if cert is not None and cert > th["reference"]["mpmath_max_abs"]:

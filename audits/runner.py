@@ -77,7 +77,7 @@ def _certify(x: dict, ref: torch.Tensor, rl: torch.Tensor, case: Case) -> float 
     return max(diffs)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4)  # consecutive kernels on one case share it; GPU memory is better spent elsewhere
 def _reference(case: Case, device: str) -> tuple:
     """FP64 reference, its LSE, the low-precision PyTorch result and the exact-row certification
     of one case: they depend on the inputs only, so a process auditing several kernels on the
@@ -113,6 +113,41 @@ def _peer_numerics(q: torch.Tensor):
     return FA4Numerics(arch="sm90", tile_m=128, tile_n=128, exp2="hardware", rescale_threshold=0.0, max_offset=0, p_dtype=q.dtype)
 
 
+def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device) -> None:
+    """Reference, metrics, bound and criteria of a kernel result, into ``rec``."""
+    q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
+    ref, rl, low, cert = _reference(case, str(device))
+    rec["out"] = output_errors(out, ref)
+    if lse is not None:
+        rec["lse"] = lse_errors(lse, rl)
+    nmf = fa4_numerics(kernel)
+    nm = nmf(q, k, v, case.causal, tuple(case.window)) if nmf is not None else _peer_numerics(q)
+    if nm is not None:
+        ob, lb = forward_error_bound(q, k, v, nm, **kw)
+        err = (out.double() - ref).abs()
+        fin = torch.isfinite(ref) & torch.isfinite(out.double())
+        lerr = (lse.double() - rl).abs() if lse is not None else torch.zeros_like(lb)
+        lfin = torch.isfinite(rl) & torch.isfinite(lerr)
+        rec["bound"] = {
+            "kind": "fa4" if nmf is not None else "peer",
+            "violations": int(((err > ob) & fin).sum()),
+            "lse_violations": int(((lerr > lb) & lfin).sum()),
+            "tightness": float(torch.where(fin, err / ob.clamp(min=1e-300), 0.0).max()),
+            "max_bound": float(torch.where(torch.isfinite(ob), ob, 0.0).max()),
+        }
+    rec["out_of_domain"] = _domain(q, k, v, case, nm)
+    if rec["out_of_domain"] is None and not claims_nonfinite_inputs(kernel) and not all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v)):
+        rec["out_of_domain"] = f"inputs contain NaN/inf and {kernel} claims no semantics for them"
+    fin = torch.isfinite(ref)
+    r = torch.where(fin, ref, 0.0)
+    rec["fa_criterion"] = {
+        "max_abs": float(torch.where(fin, (out.double() - ref).abs(), 0.0).nan_to_num(float("inf")).max()),
+        "lowprec_max_abs": float(torch.where(fin, (low.double() - ref).abs(), 0.0).nan_to_num(0.0).max()),
+        "rounding": format_of(out.dtype).unit_roundoff * float(r.abs().max()),
+    }
+    rec["mpmath_max_abs"] = cert
+
+
 def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, thresholds: dict) -> dict:
     """Measurements and verdict of one case (a JSON-able dict)."""
     rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
@@ -136,36 +171,15 @@ def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, t
             rec.update(status="error", reason=f"kernel returned {got}; expected shape {want} and dtype {want_dt}")
         else:
             rec["status"] = "ran"
-            ref, rl, low, cert = _reference(case, str(device))
-            rec["out"] = output_errors(out, ref)
-            if lse is not None:
-                rec["lse"] = lse_errors(lse, rl)
-            nmf = fa4_numerics(kernel)
-            nm = nmf(q, k, v, case.causal, tuple(case.window)) if nmf is not None else _peer_numerics(q)
-            if nm is not None:
-                ob, lb = forward_error_bound(q, k, v, nm, **kw)
-                err = (out.double() - ref).abs()
-                fin = torch.isfinite(ref) & torch.isfinite(out.double())
-                lerr = (lse.double() - rl).abs() if lse is not None else torch.zeros_like(lb)
-                lfin = torch.isfinite(rl) & torch.isfinite(lerr)
-                rec["bound"] = {
-                    "kind": "fa4" if nmf is not None else "peer",
-                    "violations": int(((err > ob) & fin).sum()),
-                    "lse_violations": int(((lerr > lb) & lfin).sum()),
-                    "tightness": float(torch.where(fin, err / ob.clamp(min=1e-300), 0.0).max()),
-                    "max_bound": float(torch.where(torch.isfinite(ob), ob, 0.0).max()),
-                }
-            rec["out_of_domain"] = _domain(q, k, v, case, nm)
-            if rec["out_of_domain"] is None and not claims_nonfinite_inputs(kernel) and not all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v)):
-                rec["out_of_domain"] = f"inputs contain NaN/inf and {kernel} claims no semantics for them"
-            fin = torch.isfinite(ref)
-            r = torch.where(fin, ref, 0.0)
-            rec["fa_criterion"] = {
-                "max_abs": float(torch.where(fin, (out.double() - ref).abs(), 0.0).nan_to_num(float("inf")).max()),
-                "lowprec_max_abs": float(torch.where(fin, (low.double() - ref).abs(), 0.0).nan_to_num(0.0).max()),
-                "rounding": format_of(want_dt).unit_roundoff * float(r.abs().max()),
-            }
-            rec["mpmath_max_abs"] = cert
+            try:
+                _analyse(rec, kernel, case, x, out, lse, device)
+            except torch.OutOfMemoryError:  # the audit's own FP64 work, not the kernel: free the cache, retry once
+                _reference.cache_clear()
+                torch.cuda.empty_cache()
+                try:
+                    _analyse(rec, kernel, case, x, out, lse, device)
+                except torch.OutOfMemoryError as exc:
+                    rec.update(status="error", reason=f"the audit's FP64 reference or bound ran out of GPU memory on this case: {str(exc).splitlines()[0]}")
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
     rec["seconds"] = time.perf_counter() - t0
     return rec
@@ -332,6 +346,8 @@ def _loop(order, cases, state, device, thresholds, repro_cmd, progress, exitfirs
                     rec["repro_inputs"] = f"repro/{c.name}.pt"
                 _journal_append(st["journal"], rec)
             st["records"][i] = rec
+            if device.type == "cuda" and c.cost > 1 << 32:
+                torch.cuda.empty_cache()  # give the FP64 intermediates back: parallel jobs share the GPU
             if progress is not None:
                 progress(kern, rec)
             stop |= exitfirst and rec["verdict"] in ("fail", "error", "crash")

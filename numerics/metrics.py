@@ -70,7 +70,8 @@ def lse_errors(lse: torch.Tensor, ref: torch.Tensor) -> dict:
     rows NaN/inf where the reference is finite (``nonfinite_where_ref_finite``); rows that
     differ where the reference is NaN or +inf, which only non-finite inputs cause
     (``nan_swallowed``, a semantics deviation: FA4 reports -inf for a NaN row sum); and rows
-    with no visible key (reference -inf) where the kernel is not -inf (``mismatched_nonfinite``)."""
+    with no visible key (reference -inf) where the kernel is not -inf (``mismatched_nonfinite``);
+    ``ref_max_abs``: the largest finite |reference lse| (the scale of float32 LSE rounding)."""
     a, r = lse.double(), ref.double()
     both = torch.isfinite(a) & torch.isfinite(r)
     err = torch.where(both, (a - r).abs(), torch.zeros_like(a))
@@ -80,6 +81,7 @@ def lse_errors(lse: torch.Tensor, ref: torch.Tensor) -> dict:
     other = (r == -math.inf) & ~same
     return {
         "max_abs": float(err.max()) if err.numel() else 0.0,
+        "ref_max_abs": float(torch.where(torch.isfinite(r), r.abs(), torch.zeros_like(r)).max()) if r.numel() else 0.0,
         "nonfinite_where_ref_finite": int(bad_where_finite.sum()),
         "nan_swallowed": int(nan_swallowed.sum()),
         "mismatched_nonfinite": int(other.sum()),

@@ -72,7 +72,7 @@ def test_output_errors_and_lse_errors():
     assert e["nan_swallowed"] == 1 and e["nonfinite_where_ref_finite"] == 1
     le = lse_errors(torch.tensor([1.0, -math.inf, 2.0, -math.inf, math.nan]), torch.tensor([1.5, -math.inf, -math.inf, math.nan, 3.0], dtype=torch.float64))
     # 2.0 vs -inf: an empty row made finite (fails); -inf vs NaN: deviation; NaN vs 3.0: fails
-    assert le == {"max_abs": 0.5, "mismatched_nonfinite": 1, "nan_swallowed": 1, "nonfinite_where_ref_finite": 1}
+    assert le == {"max_abs": 0.5, "ref_max_abs": 3.0, "mismatched_nonfinite": 1, "nan_swallowed": 1, "nonfinite_where_ref_finite": 1}
 
 
 def test_ulp_histograms():

@@ -266,3 +266,18 @@ def test_summary_groups_reports_side_by_side(tmp_path, capsys):
     assert len(lines) == 2 and "pass 1" in lines[0] and "fail 1" in lines[1]
     assert (tmp_path / "summary.svg").read_text().lstrip().startswith("<?xml")
     assert cli.main(["summary", str(a), "--by", "colour"]) == 2
+
+
+def test_lse_allowance_grows_with_the_lse_magnitude(tmp_path):
+    """float32 LSE rounding scales with |lse| ([lse] rel): 2e-3 is fine at |lse| ~ 4e3 (the
+    outliers family), not at |lse| ~ 10."""
+    from audits.gate import judge
+
+    run("--kernel", "tests.bugged_kernels:exact", "--case", "*uniform*", "--out", str(tmp_path))
+    rec = report(tmp_path)["cases"][0]
+    th = load_thresholds()
+    rec["lse"].update(max_abs=2e-3, ref_max_abs=4000.0)
+    assert judge(rec, th)[0] == "pass"
+    rec["lse"].update(ref_max_abs=10.0)
+    verdict, reasons = judge(rec, th)
+    assert verdict == "fail" and any("LSE max |err| 0.002 > allowed" in r for r in reasons)
