@@ -20,6 +20,7 @@ if [ "${MODE:-speed}" = speed ]; then
   python benchmarks/reference_flops.py --out $OUT/reference_flops.json 2>&1 | tail -8
   python benchmarks/audit_speed.py --kernel fa4 --suite release --jobs 8 --cold-limit ${COLD:-400} --warm-limit ${WARM:-80} --out /tmp/speed
   cp /tmp/speed/speed.json $OUT/
+  (cd /tmp/speed && tar czf $OUT/logs.tgz cold/jobs/*/log.txt warm/jobs/*/log.txt cold/report.md 2>/dev/null)
   # the cold run is the fa4 audit: its per-job journals become $R/jobs/I/fa4/ (the layout of a
   # several-kernel run, which resumes from them)
   for d in /tmp/speed/cold/jobs/*; do mkdir -p $R/jobs/$(basename $d)/fa4 && cp $d/journal.jsonl $R/jobs/$(basename $d)/fa4/ 2>/dev/null; done
