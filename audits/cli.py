@@ -469,6 +469,10 @@ def _load_report(path: str) -> dict:
             import gzip
 
             raw = gzip.decompress(raw)
+        elif path.endswith(".xz"):
+            import lzma
+
+            raw = lzma.decompress(raw)
         rep = json.loads(raw)
     except FileNotFoundError as exc:
         raise UsageError(f"{path}: no such report") from exc

@@ -11,6 +11,7 @@ __all__ = ["SCHEMA", "build_report", "write_report", "exit_code"]
 
 SCHEMA = "fa4-audit/report/1"
 VERDICTS = ("pass", "warn", "fail", "error", "crash", "skipped", "out-of-domain")
+MD_ALL_CASES = 200  # report.md lists every case up to this many
 
 
 def _worst(records: list[dict], path: tuple[str, str]) -> dict | None:
@@ -79,8 +80,15 @@ def _markdown(rep: dict) -> str:
     for k, w in s["worst"].items():
         if w:
             L.append(f"- worst {k}: {w['value']:.3g} ({w['case']})")
+    rows = rep["cases"]
+    if len(rows) > MD_ALL_CASES:  # a table of thousands of rows is read by no one: what needs attention
+        tight = sorted((r for r in rows if (r.get("bound") or {}).get("tightness") is not None), key=lambda r: -r["bound"]["tightness"])[:20]
+        keep = {r["case"] for r in rows if r["verdict"] not in ("pass", "skipped", "out-of-domain")} | {r["case"] for r in tight}
+        rows = [r for r in rows if r["case"] in keep]
+        L += ["", f"{s['cases']} cases: below, every case not passing and the 20 closest to their bound; "
+              "all of them in report.json (`fa4-audit show`)."]
     L += ["", "| case | verdict | max abs err | rel L2 | LSE err | err/bound | seconds | reasons |", "|---|---|---|---|---|---|---|---|"]
-    for r in rep["cases"]:
+    for r in rows:
         c = case_cells(r)
         L.append(f"| {r['case']} | {r['verdict']} | {c['max_abs']} | {c['rel_l2']} | {c['lse']} | {c['tightness']} | {r['seconds']:.2f} | {c['reasons']} |")
     fails = [r for r in rep["cases"] if r["verdict"] in ("fail", "error", "crash")]

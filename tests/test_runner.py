@@ -258,7 +258,10 @@ def test_summary_groups_reports_side_by_side(tmp_path, capsys):
     run("--kernel", "tests.bugged_kernels:exact", "--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*uniform*", "--out", str(out))
     import gzip
 
-    a = out / "tests.bugged_kernels.exact" / "report.json"
+    import lzma
+
+    a = out / "tests.bugged_kernels.exact" / "report.json.xz"
+    a.write_bytes(lzma.compress((out / "tests.bugged_kernels.exact" / "report.json").read_bytes()))
     b = out / "tests.bugged_kernels.wrong_lse" / "report.json.gz"  # committed reports are compressed
     b.write_bytes(gzip.compress((out / "tests.bugged_kernels.wrong_lse" / "report.json").read_bytes()))
     assert cli.main(["summary", str(a), str(b), "--by", "dtype,mask,heads", "--out", str(tmp_path)]) == 0
@@ -281,3 +284,13 @@ def test_lse_allowance_grows_with_the_lse_magnitude(tmp_path):
     rec["lse"].update(ref_max_abs=10.0)
     verdict, reasons = judge(rec, th)
     assert verdict == "fail" and any("LSE max |err| 0.002 > allowed" in r for r in reasons)
+
+
+def test_markdown_of_a_large_suite_lists_what_needs_attention(tmp_path, monkeypatch):
+    from audits import report as report_mod
+
+    monkeypatch.setattr(report_mod, "MD_ALL_CASES", 2)
+    run("--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*tile_step*", "--out", str(tmp_path))
+    md = (tmp_path / "report.md").read_text()
+    assert "8 cases: below, every case not passing and the 20 closest to their bound" in md
+    assert md.count("| fail |") == 8
