@@ -27,7 +27,12 @@ if [ "${MODE:-speed}" = speed ]; then
   grep -h "Error\|error" /tmp/speed/cold/jobs/*/log.txt | sort | uniq -c | sort -rn | head -5
 else
   [ -f .release-state/state.tgz ] && tar xzf .release-state/state.tgz -C $R
-  timeout ${LIMIT:-520} python -m audits run $KERNELS --suite release --device cuda --jobs 8 --resume --out $R --quiet 2>&1 | grep -v "Warning\|LayoutEnum" | tail -12
+  # the static audit's CUDA path (the CPU path is what reports/static used): two compile groups
+  python -m audits static --compile-on cuda --out $OUT/static-h200 --quiet \
+    --config '{"dtype": "bfloat16", "d": 128, "dv": 128, "heads_q": 16, "heads_kv": 16, "seqlen_q": 1024, "seqlen_k": 1024}' \
+    --config '{"dtype": "float8_e4m3fn", "d": 128, "dv": 128, "heads_q": 16, "heads_kv": 16, "seqlen_q": 1024, "seqlen_k": 1024, "causal": true}' 2>&1 | grep -v Warn | tail -3
+  rm -rf $OUT/static-h200/ptx
+  timeout ${LIMIT:-480} python -m audits run $KERNELS --suite release --device cuda --jobs 8 --resume --out $R --quiet 2>&1 | grep -v "Warning\|LayoutEnum" | tail -12
   echo "audit exit $?"
   (cd $R && tar czf $OUT/reports.tgz --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' .)
 fi
