@@ -256,8 +256,14 @@ class _Isolated:
 
 
 def _journal_append(path: Path, rec: dict) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    line = json.dumps(rec, separators=(",", ":")) + "\n"
+    if path.exists() and path.stat().st_size:  # a kill mid-write can leave a torn last line: never glue onto it
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                line = "\n" + line
+    with open(path, "ab") as fh:
+        fh.write(line.encode())
         fh.flush()
         os.fsync(fh.fileno())
 

@@ -294,3 +294,20 @@ def test_markdown_of_a_large_suite_lists_what_needs_attention(tmp_path, monkeypa
     md = (tmp_path / "report.md").read_text()
     assert "8 cases: below, every case not passing and the 20 closest to their bound" in md
     assert md.count("| fail |") == 8
+
+
+def test_jobs_resume_after_a_job_died(tmp_path):
+    """A device call cut short: the jobs' journals keep what finished and --resume completes the
+    rest without redoing it (the release audit on the H200 spans calls this way)."""
+    out = tmp_path / "j"
+    argv = ("--kernel", "fa4-model", "--case", "bf16-d64-b1h2k2-s64x*", "--jobs", "2", "--out", str(out))
+    assert run(*argv) == 0
+    j = next(p for p in (out / "jobs").glob("*/journal.jsonl") if len(p.read_text().splitlines()) > 1)
+    kept = j.read_text().splitlines()[:1]
+    j.write_text("\n".join(kept) + '\n{"case": "torn')  # the job was killed mid-write
+    assert run(*argv, "--resume") == 0
+    rep = report(out)
+    assert rep["summary"]["cases"] == 4
+    first = json.loads(kept[0])
+    again = next(c for c in rep["cases"] if c["case"] == first["case"])
+    assert again["seconds"] == first["seconds"]  # not redone
