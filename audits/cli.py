@@ -508,6 +508,11 @@ def cmd_gate(args: argparse.Namespace) -> int:
             print(f"{c['verdict'].upper():6s} {c['case']}: {'; '.join(c['reasons'])}")
     v = new["summary"]["verdicts"]
     print(", ".join(f"{k} {n}" for k, n in v.items() if n) + f" of {new['summary']['cases']} cases under {th['path']}" + (f" against {args.baseline}" if base else ""))
+    if args.out:
+        from audits.report import write_report
+
+        new["command"] = f"{new['command']}; re-judged: fa4-audit " + " ".join(args.argv)
+        print(f"re-judged report: {write_report(new, args.out)['md']}")
     return exit_code(new)
 
 
@@ -799,6 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("report")
     g.add_argument("--thresholds", default=None)
     g.add_argument("--baseline", default=None, help="BASE.json: fail cases worse than the baseline by more than [baseline] max_ratio")
+    g.add_argument("--out", default=None, help="also write the re-judged report (json, md, html, junit) into this directory")
     g.set_defaults(func=cmd_gate)
     sh = sub.add_parser("show", help="print a report as a table")
     sh.add_argument("report")

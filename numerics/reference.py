@@ -106,25 +106,15 @@ def attention_reference(
     sk = k.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     q64, k64, v64 = q.to(dtype), _expand_kv(k, hq).to(dtype), _expand_kv(v, hq).to(dtype)
-    # In-place or fused from here on: at seqlen 8k the (b, h, i, j) score tensor is GiBs, and
-    # its elementwise passes, not the two matmuls, set the time (benchmarks/reference_flops.py).
+    # In place from here on: at seqlen 8k the (b, h, i, j) score tensor is GiBs, and its
+    # elementwise passes, not the two matmuls, set the time (benchmarks/reference_flops.py; on
+    # the H200 torch's fused logsumexp + softmax measured 10% slower than these passes).
     s = torch.einsum("bihd,bjhd->bhij", q64 * scale, k64)  # scale folded into q: b*i*h*d products, not b*h*i*j
     if softcap and softcap > 0:
         s.div_(softcap).tanh_().mul_(softcap)
     vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=q.device)
     if not bool(vis.all()):
         s.masked_fill_(~vis, -math.inf)
-    if learnable_sink is None and dtype == torch.float64:
-        # fused: one pass for the LSE, one for P (both NaN-propagating; a row of -inf gives
-        # lse -inf and P NaN, replaced by the empty-row convention below)
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.softmax(s, dim=-1)
-        del s
-        out = _masked_matmul(p, vis, v64)
-        empty = ~vis.any(dim=-1)
-        out = out.masked_fill(empty.view(1, sq, 1, 1), 0.0)
-        lse = lse.masked_fill(empty.view(1, 1, sq), -math.inf)
-        return (out, lse) if return_lse else out
     m = s.amax(dim=-1, keepdim=True)  # NaN-propagating, like the math
     if learnable_sink is not None:
         sink = learnable_sink.to(dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)

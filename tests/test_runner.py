@@ -153,8 +153,9 @@ def test_gate_show_diff_merge(tmp_path, capsys):
     # a stricter policy file fails it
     strict = tmp_path / "strict.toml"
     strict.write_text(Path(load_thresholds()["path"]).read_text().replace("max_abs = 1e-3", "max_abs = 1e-9"))
-    assert cli.main(["gate", str(a / "report.json"), "--thresholds", str(strict)]) == 1
+    assert cli.main(["gate", str(a / "report.json"), "--thresholds", str(strict), "--out", str(tmp_path / "strict")]) == 1
     assert "LSE max |err|" in capsys.readouterr().out
+    assert report(tmp_path / "strict")["summary"]["verdicts"]["fail"] == 1  # the re-judged report, written
     # a candidate worse than its baseline fails the baseline gate
     assert run("--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*uniform*", "--out", str(b)) == 1
     rep = json.loads((a / "report.json").read_text())
