@@ -685,6 +685,22 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_list(args: argparse.Namespace) -> int:
+    from audits.configs import SUITES
+    from audits.inputs import FAMILIES
+    from audits.kernels import KERNELS
+
+    print("kernels: " + ", ".join(KERNELS) + ", or module:attr")
+    print("suites:")
+    for name, make in SUITES.items():
+        cases = make()
+        print(f"  {name:8s} {len(cases):5d} cases, {len({c.compile_key for c in cases}):3d} compile keys")
+    print("input families:")
+    for name, fam in FAMILIES.items():
+        print(f"  {name:18s} {fam.hunts}")
+    return 0
+
+
 def cmd_fuzz(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -827,6 +843,8 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--seed", type=int, default=None, help="a fixed search (Hypothesis then neither reads nor writes the database)")
     fz.add_argument("--out", default="reports/fuzz-latest")
     fz.set_defaults(func=cmd_fuzz)
+    ls = sub.add_parser("list", help="kernels, suites (case and compile-key counts) and input families")
+    ls.set_defaults(func=cmd_list)
     sm = sub.add_parser("summary", help="several kernels' reports side by side, per configuration group")
     sm.add_argument("reports", nargs="+", help="report.json (or .json.gz) files, one per kernel")
     sm.add_argument("--by", default="dtype,mask", help="grouping: comma-separated Case fields, mask or heads (default dtype,mask)")

@@ -109,3 +109,9 @@ def test_fidelity_usage_errors(argv, message, capsys):
 def test_fidelity_without_production_exits_2(capsys):
     assert run("fidelity", "--device", "cpu") == 2
     assert "fidelity compares with the production kernel, which is unavailable" in capsys.readouterr().err
+
+
+def test_list_names_kernels_suites_and_families(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "fa4-model-sm90" in out and "release   2419 cases, 142 compile keys" in out and "nan_inf_masked" in out
