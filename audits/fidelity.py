@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from audits.kernels import production_arch
 from fa4.model import FA4Numerics, attention
 from numerics.forward_bound import forward_error_bound
 from numerics.metrics import lse_errors, output_errors, row_scaled_ulp_diff, ulp_diff_histogram
@@ -84,12 +85,14 @@ def make_inputs(c: FidelityCase, device) -> dict:
 
 
 def run_case(c: FidelityCase, production, device) -> dict:
-    """Production vs model (SM90 configuration) vs FP64 on one case."""
+    """Production vs model vs FP64 on one case; the model in the configuration of this GPU's
+    production path (``audits.kernels.production_arch``: SM90 on an H200, SM100 on Blackwell;
+    SM90 for CPU stand-ins)."""
     x = make_inputs(c, device)
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
     t0 = time.perf_counter()
     po, pl = production(q, k, v, return_lse=True, **kw)
-    nm = FA4Numerics.for_inputs("sm90", q, k, v, c.causal, c.window)
+    nm = FA4Numerics.for_inputs(production_arch() if torch.device(device).type == "cuda" else "sm90", q, k, v, c.causal, c.window)
     mo, ml = attention(q, k, v, return_lse=True, numerics=nm, **kw)
     ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
     hist = ulp_diff_histogram(mo, po)

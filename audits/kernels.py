@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["KERNELS", "get_kernel", "fa4_numerics", "claims_nonfinite_inputs"]
+__all__ = ["KERNELS", "get_kernel", "fa4_numerics", "production_arch", "claims_nonfinite_inputs"]
 
 
 def _model(q, k, v, *, return_lse=False, **kw):
@@ -103,13 +103,26 @@ def claims_nonfinite_inputs(name: str) -> bool:
     return not name.startswith("sdpa-")
 
 
+def production_arch() -> str:
+    """The FA4Numerics family of the production kernel on this machine's GPU: ``sm90`` on
+    Hopper (compute capability 9.x), ``sm100`` on Blackwell datacenter parts (10.x) and, with
+    no GPU, the SM100 path the model describes.  Other generations (SM120's own kernel) have no
+    model: ValueError."""
+    if not torch.cuda.is_available():
+        return "sm100"
+    major, minor = torch.cuda.get_device_capability()
+    if major in (9, 10):
+        return {9: "sm90", 10: "sm100"}[major]
+    raise ValueError(f"no numerics model for compute capability {major}.{minor}: FA4Numerics covers sm90 and sm100")
+
+
 def fa4_numerics(name: str):
     """Callable (q, k, v, causal, window) -> FA4Numerics for kernels that implement FA4's
     numerics (held to the forward-pass bound); None for the others."""
     from fa4.model import FA4Numerics
 
     if name == "fa4":  # on this machine's GPU generation
-        arch = "sm90" if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 else "sm100"
+        arch = production_arch()
     else:
         arch = {"fa4-model": "sm100", "fa4-model-sm90": "sm90"}.get(name)
     if arch is None:
