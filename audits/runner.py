@@ -1,5 +1,6 @@
-"""Run a suite of cases for one kernel: inputs, the kernel, the FP64 reference (certified on
-one row by an exact computation, ``numerics.reference.exact_attention_rows``), metrics, the per-element bound, a verdict per case.
+"""Run a suite of cases for one or several kernels: inputs, the kernel, the FP64 reference
+(certified on one row by an exact computation, ``numerics.reference.exact_attention_rows``),
+metrics, the per-element bound, a verdict per case.
 
 Every finished case is appended to ``OUT/journal.jsonl`` (flushed and fsynced) so that
 ``resume=True`` continues after a crash, a kill or Ctrl-C without redoing finished cases.
@@ -93,7 +94,7 @@ def _bound(case: Case, device: str, nm) -> tuple:
     """Per-element forward bound of a case under numerics ``nm``: kernels sharing numerics
     (the three SDPA backends; production SM90 and its model) share it."""
     x = make_inputs(case, device=device)
-    return forward_error_bound(x["q"], x["k"], x["v"], nm, **x["kw"])
+    return forward_error_bound(x["q"], x["k"], x["v"], nm, reference=_reference(case, device)[:2], **x["kw"])
 
 
 def _domain(q, k, v, case: Case, nm) -> str | None:

@@ -90,9 +90,12 @@ def forward_error_bound(
     window_size: tuple = (None, None),
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_bound, lse_bound): float64 tensors shaped like the output (b, sq, hq, dv) and the
-    LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc)."""
+    LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc).
+    ``reference``: the FP64 ``(out, lse)`` of ``numerics.reference.attention_reference`` for
+    these inputs, when the caller has it (computed here otherwise)."""
     from fa4.ex2 import emulated_columns
     from fa4.model import FA4Numerics
     from numerics.bounds import ex2_error_bound
@@ -175,7 +178,9 @@ def forward_error_bound(
         e_s = sink.abs() * abs(_f32(l2e) - l2e) + m_nat_safe.abs() * l2e * 2 * _U + 3 * _U * ((sink.abs() + m_nat_safe.abs()) * l2e + thr + off + 1)
         eta_s = torch.exp2(e_s) * (1 + MUFU["ex2_rel"]) - 1
 
-    ref, ref_lse = attention_reference(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink, return_lse=True)
+    if reference is None:
+        reference = attention_reference(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink, return_lse=True)
+    ref, ref_lse = reference
     o = ref.permute(0, 2, 1, 3)  # (b, h, i, c)
     av = v64.abs()
     ao = o.abs()

@@ -88,3 +88,17 @@ def test_empty_rows_are_exact_and_nonfinite_inputs_unbounded():
     k[0, 0, 0, 0] = float("nan")
     ob, _ = forward_error_bound(q, k, v)
     assert torch.isinf(ob).all()
+
+
+def test_a_given_reference_is_used_as_is():
+    """The runner passes its cached FP64 reference: the bound is the same as when computed here,
+    and it really uses what it is given (a wrong reference changes the bound)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 40, 2, 32, generator=g).bfloat16() for _ in range(3))
+    nm = FA4Numerics.sm100(torch.bfloat16, 32)
+    ref = attention_reference(q, k, v, causal=True, return_lse=True)
+    a = forward_error_bound(q, k, v, nm, causal=True)
+    b = forward_error_bound(q, k, v, nm, causal=True, reference=ref)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    c = forward_error_bound(q, k, v, nm, causal=True, reference=(ref[0] * 3, ref[1]))
+    assert not torch.equal(a[0], c[0])
