@@ -857,12 +857,12 @@ def build_parser() -> argparse.ArgumentParser:
         "diverged, 2 when facts could not be produced (no production package, no CUDA without --compile-on cpu, a failed "
         "compile, PTX the extractor does not understand).",
     )
-    st.add_argument("--arch", default="sm_100a")
-    st.add_argument("--suite", default="smoke")
+    st.add_argument("--arch", default="sm_100a", help="compile target (only sm_100a, the kernel FA4Numerics.sm100 models)")
+    st.add_argument("--suite", default="smoke", help="suite whose compile groups are audited (default smoke; release: 142 groups)")
     st.add_argument("--config", action="append", default=None, help="a Case as JSON, e.g. '{\"dtype\": \"bfloat16\", \"d\": 128, \"causal\": true}'; repeatable")
     st.add_argument("--compile-on", default="cuda", choices=["cuda", "cpu"], help="cpu: cross-compile without any GPU (opt-in; see README)")
     st.add_argument("--ptx-dir", default=None, help="where compressed PTX is kept and reused (default OUT/ptx)")
-    st.add_argument("--out", default="reports/static-latest")
+    st.add_argument("--out", default="reports/static-latest", help="writes OUT/static.json (schema fa4-audit/static/1) and OUT/static.md")
     st.add_argument("--quiet", action="store_true")
     st.set_defaults(func=cmd_static)
     return p
