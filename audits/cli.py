@@ -574,6 +574,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_static(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
     from pathlib import Path
 
@@ -590,9 +591,13 @@ def cmd_static(args: argparse.Namespace) -> int:
         cases = []
         for text in args.config:
             try:
-                cases.append(Case(**{**json.loads(text), "family": "normal"}))
+                c = Case(**{**json.loads(text), "family": "normal"})
             except (json.JSONDecodeError, TypeError) as exc:
                 raise UsageError(f"--config {text!r}: expected a JSON object of audits.configs.Case fields ({exc})") from exc
+            dtypes = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+            if c.dtype not in dtypes or not all(isinstance(n, int) and n > 0 for n in (c.d, c.dv, c.heads_q, c.heads_kv, c.seqlen_q, c.seqlen_k)) or c.heads_q % c.heads_kv:
+                raise UsageError(f"--config {text!r}: dtype must be one of {', '.join(dtypes)}; d, dv, heads and seqlens positive integers; heads_q a multiple of heads_kv")
+            cases.append(dataclasses.replace(c, window=tuple(c.window)))
     else:
         try:
             cases = suite(args.suite)

@@ -125,6 +125,8 @@ def test_static_groups_cover_the_suite_once():
 def test_static_bad_input_exits_2(tmp_path, capsys, monkeypatch):
     assert cli.main(["static", "--config", "{nope", "--out", str(tmp_path)]) == 2
     assert "expected a JSON object" in capsys.readouterr().err
+    assert cli.main(["static", "--config", '{"dtype": "float99"}', "--out", str(tmp_path)]) == 2
+    assert "dtype must be one of bfloat16" in capsys.readouterr().err
     assert cli.main(["static", "--arch", "sm_90a", "--out", str(tmp_path)]) == 2
     if not torch.cuda.is_available():  # the default compiles on CUDA; without it: say how to opt in
         assert cli.main(["static", "--suite", "smoke", "--out", str(tmp_path)]) == 2
