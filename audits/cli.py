@@ -618,17 +618,25 @@ def cmd_static(args: argparse.Namespace) -> int:
         print("fa4-audit static: no CUDA device to compile on; pass --compile-on cpu to cross-compile without a GPU "
               "(it stands in for the driver's SM-count query, which sizes only the launch grid)", file=sys.stderr)
         return EXIT_USAGE
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: expected a positive number of parallel compiles")
     groups = static_groups(cases)
     out = Path(args.out)
     ptx_dir = Path(args.ptx_dir) if args.ptx_dir else out / "ptx"
-    records = []
     console = Console(stderr=True)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, disable=args.quiet) as bar:
             task = bar.add_task(f"static sm_100a / {len(groups)} compile groups", total=len(groups))
-            for rep, names in groups:
-                records.append(audit_group(rep, names, ptx_dir=ptx_dir, no_driver=no_driver))
+            # each compile is its own process: threads are enough to run --jobs of them at once
+            from concurrent.futures import ThreadPoolExecutor
+
+            def one(group):
+                rec = audit_group(group[0], group[1], ptx_dir=ptx_dir, no_driver=no_driver)
                 bar.advance(task)
+                return rec
+
+            with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                records = list(pool.map(one, groups))  # suite order; the first StaticError propagates
     except StaticError as exc:
         print(f"fa4-audit static: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -866,6 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--suite", default="smoke", help="suite whose compile groups are audited (default smoke; release: 142 groups)")
     st.add_argument("--config", action="append", default=None, help="a Case as JSON, e.g. '{\"dtype\": \"bfloat16\", \"d\": 128, \"causal\": true}'; repeatable")
     st.add_argument("--compile-on", default="cuda", choices=["cuda", "cpu"], help="cpu: cross-compile without any GPU (opt-in; see README)")
+    st.add_argument("--jobs", type=int, default=1, help="compiles at once (each is a single-threaded process; default 1)")
     st.add_argument("--ptx-dir", default=None, help="where compressed PTX is kept and reused (default OUT/ptx)")
     st.add_argument("--out", default="reports/static-latest", help="writes OUT/static.json (schema fa4-audit/static/1) and OUT/static.md")
     st.add_argument("--quiet", action="store_true")
