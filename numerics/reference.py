@@ -108,7 +108,8 @@ def attention_reference(
     q64, k64, v64 = q.to(dtype), _expand_kv(k, hq).to(dtype), _expand_kv(v, hq).to(dtype)
     # In place from here on: at seqlen 8k the (b, h, i, j) score tensor is GiBs, and its
     # elementwise passes, not the two matmuls, set the time (benchmarks/reference_flops.py; on
-    # the H200 torch's fused logsumexp + softmax measured 10% slower than these passes).
+    # the H200 torch's fused logsumexp + softmax took 4.44 ms against 3.46 ms for these passes
+    # at b1 h8 4096^2 d128).
     s = torch.einsum("bihd,bjhd->bhij", q64 * scale, k64)  # scale folded into q: b*i*h*d products, not b*h*i*j
     if softcap and softcap > 0:
         s.div_(softcap).tanh_().mul_(softcap)
