@@ -40,13 +40,10 @@ import re
 import struct
 from collections import Counter
 
+from audits.ex2_ptx import PtxFormatError  # one error type for every PTX reader
 from fa4.ex2 import POLY_EX2
 
 __all__ = ["PtxFormatError", "kernel_facts", "f32_hex"]
-
-
-class PtxFormatError(ValueError):
-    """The PTX is not what the extractor understands; the message says what is missing."""
 
 
 def f32_hex(v: float) -> str:

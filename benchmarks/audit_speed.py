@@ -24,12 +24,17 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 FA_TESTS_CASES_PER_S = 37 / 170  # FA's test_flash_attn_output, cold cache, H200 (FA4_NUMERICS.md)
 
 
 def finished(out: Path) -> int:
-    """Cases journaled under ``out`` (with --jobs, the jobs' journals; the parent keeps none)."""
-    return sum(sum(1 for _ in open(j)) for j in out.rglob("journal.jsonl"))
+    """Cases journaled under ``out`` (with --jobs, the jobs' journals; the parent keeps none),
+    read as ``--resume`` reads them (a torn last line does not count)."""
+    from audits.runner import read_journal
+
+    return sum(len(read_journal(j)) for j in out.rglob("journal.jsonl"))
 
 
 def phase(name: str, argv: list[str], out: Path, limit: float, env: dict) -> dict:

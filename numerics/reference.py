@@ -145,6 +145,18 @@ def attention_lowprec(q, k, v, **kw) -> torch.Tensor:
     return attention_reference(q, k, v, dtype=dt, **kw)
 
 
+def _mp_softmax(logits: list, sink) -> tuple | None:
+    """(m, [exp(s_j - m)], normaliser) of one row in mpmath: m the max over the visible logits
+    and the sink (natural-log units), the normaliser including the sink's exp(sink - m); None
+    for a row with neither a visible key nor a sink (out 0, lse -inf by convention)."""
+    every = logits + ([sink] if sink is not None else [])
+    if not every:
+        return None
+    m = max(every)
+    e = [mpmath.exp(s - m) for s in logits]
+    return m, e, mpmath.fsum(e + ([mpmath.exp(sink - m)] if sink is not None else []))
+
+
 def mp_attention_rows(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -181,19 +193,13 @@ def mp_attention_rows(
                 if softcap and softcap > 0:
                     s = softcap * mpmath.tanh(s / softcap)
                 logits.append((j, s))
-            all_l = [s for _, s in logits]
-            if learnable_sink is not None:
-                all_l.append(mpmath.mpf(float(learnable_sink[h])))
             dv = v.shape[-1]
-            if not all_l:
+            w = _mp_softmax([s for _, s in logits], None if learnable_sink is None else mpmath.mpf(float(learnable_sink[h])))
+            if w is None:
                 res.append(([mpmath.mpf(0)] * dv, mpmath.mpf("-inf")))
                 continue
-            m = max(all_l)
-            den = mpmath.fsum(mpmath.exp(s - m) for s in all_l)
-            out = [
-                mpmath.fsum(mpmath.exp(s - m) * mpmath.mpf(float(vd[bi, j, kh, c])) for j, s in logits) / den
-                for c in range(dv)
-            ]
+            m, e, den = w
+            out = [mpmath.fsum(ej * mpmath.mpf(float(vd[bi, j, kh, c])) for ej, (j, _) in zip(e, logits)) / den for c in range(dv)]
             res.append((out, m + mpmath.log(den)))
         return res
     finally:
@@ -281,14 +287,12 @@ def exact_attention_rows(
             for row in (kj * qi).tolist():  # exact products (step 1)
                 s = _fsum2(row) * scale
                 logits.append(softcap * mpmath.tanh(s / softcap) if softcap and softcap > 0 else s)
-            every = logits + ([mpmath.mpf(sink)] if sink is not None else [])
             dv = v.shape[-1]
-            if not every:
+            w = _mp_softmax(logits, None if sink is None else mpmath.mpf(sink))
+            if w is None:
                 res.append(([mpmath.mpf(0)] * dv, mpmath.mpf("-inf")))
                 continue
-            m = max(every)
-            e = [mpmath.exp(s - m) for s in logits]
-            den = mpmath.fsum(e) + (mpmath.exp(mpmath.mpf(sink) - m) if sink is not None else 0)
+            m, e, den = w
             if not logits:
                 res.append(([mpmath.mpf(0)] * dv, m + mpmath.log(den)))
                 continue
