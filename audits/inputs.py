@@ -1,7 +1,7 @@
 """Input families for the audit: each deterministic from a seed, each hunting one failure.
 
 ``make_inputs(case, device=...)`` builds q, k, v (and the learnable sink) for a
-``audits.configs.Case``: values drawn in float64 by the case's family, rounded to the case's
+``audits.cases.Case``: values drawn in float64 by the case's family, rounded to the case's
 dtype (so the reference sees exactly what the kernel sees), laid out as the case says
 (contiguous, or non-contiguous views).  ``FAMILIES`` maps a family name to its one-line purpose.
 
@@ -13,8 +13,8 @@ small noise of the remaining channels and the dtype's rounding.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -33,7 +33,11 @@ class Family:
 
 
 def _normal(sq, sk, sv, case, g):
-    return torch.randn(sq, generator=g, dtype=torch.float64), torch.randn(sk, generator=g, dtype=torch.float64), torch.randn(sv, generator=g, dtype=torch.float64)
+    return (
+        torch.randn(sq, generator=g, dtype=torch.float64),
+        torch.randn(sk, generator=g, dtype=torch.float64),
+        torch.randn(sv, generator=g, dtype=torch.float64),
+    )
 
 
 def _uniform(sq, sk, sv, case, g):
@@ -60,7 +64,11 @@ def _outliers(sq, sk, sv, case, g):
     k[..., ch] *= gain
     # ... plus FA3's N(0,1) + N(0,100) * Bernoulli(0.001)
     for t in (q, k, v):
-        t += torch.randn(t.shape, generator=g, dtype=torch.float64) * 10 * (torch.rand(t.shape, generator=g, dtype=torch.float64) < 1e-3)
+        t += (
+            torch.randn(t.shape, generator=g, dtype=torch.float64)
+            * 10
+            * (torch.rand(t.shape, generator=g, dtype=torch.float64) < 1e-3)
+        )
     return q, k, v
 
 
@@ -153,7 +161,9 @@ def _nan_inf(where: str):
                 raise ValueError(f"family nan_inf_masked needs a case with a left window, got {case.window}")
             js = list(range(0, max(0, n - sq[1] - left)))[:2]
             if not js:
-                raise ValueError(f"case has no key masked for every query (seqlen_q {sq[1]}, seqlen_k {n}, left {left})")
+                raise ValueError(
+                    f"case has no key masked for every query (seqlen_q {sq[1]}, seqlen_k {n}, left {left})"
+                )
         k[:, js[0], :, 0] = math.nan
         v[:, js[-1], :, 1] = math.inf
         k[:, js[-1], :, 2] = -math.inf
@@ -166,18 +176,39 @@ _FAMS = [
     Family("normal", "baseline: FA's own test distribution", _normal),
     Family("uniform", "bounded inputs: flat logit distribution, accumulation of many similar terms", _uniform),
     Family("student_t", "heavy tails (df 3): rare huge products inside the QK^T dot", _student_t),
-    Family("outliers", "outlier feature channels (10-100x; FA3's N(0,1)+N(0,100)Bernoulli(0.001)): large logits from few channels", _outliers),
-    Family("offset", "shared offset (mean >> spread): cancellation in the scale-and-subtract, V far from zero", _offset),
+    Family(
+        "outliers",
+        "outlier feature channels (10-100x; FA3's N(0,1)+N(0,100)Bernoulli(0.001)): large logits from few channels",
+        _outliers,
+    ),
+    Family(
+        "offset", "shared offset (mean >> spread): cancellation in the scale-and-subtract, V far from zero", _offset
+    ),
     Family("peaked", "one dominant key per row: P = 1 at the max, its rounding and saturation", _peaked),
     Family("flat", "identical logits: the denominator sums seqlen_k equal terms", _flat),
     Family("long_tail", "mass in many small entries: underflow/flush of small P (fp8), sum accuracy", _long_tail),
     Family("drift", "logits rising along the keys: the running max moves at every tile", _drift),
-    *[Family(f"tile_step_{s:g}", f"logit step of {s:g} log2 units between KV tiles: lazy rescaling around its threshold", _tile_steps(s)) for s in TILE_STEPS_LOG2],
+    *[
+        Family(
+            f"tile_step_{s:g}",
+            f"logit step of {s:g} log2 units between KV tiles: lazy rescaling around its threshold",
+            _tile_steps(s),
+        )
+        for s in TILE_STEPS_LOG2
+    ],
     Family("huge_logits", "|s| > 100: exponent range, fma error growing with |logit|", _huge),
     Family("near_max", "V near the dtype's largest value: overflow in P.V and the output cast", _near_max),
     Family("subnormal", "subnormal K and V: flush-to-zero of inputs", _subnormal),
-    Family("nan_inf_visible", "NaN/inf at visible positions: NaN propagation (emulated exp2 swallows NaN scores)", _nan_inf("visible")),
-    Family("nan_inf_masked", "NaN/inf at keys no query sees: must not leak (0 * NaN in a processed tile)", _nan_inf("masked")),
+    Family(
+        "nan_inf_visible",
+        "NaN/inf at visible positions: NaN propagation (emulated exp2 swallows NaN scores)",
+        _nan_inf("visible"),
+    ),
+    Family(
+        "nan_inf_masked",
+        "NaN/inf at keys no query sees: must not leak (0 * NaN in a processed tile)",
+        _nan_inf("masked"),
+    ),
 ]
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMS}
 
@@ -194,7 +225,7 @@ def _layout(t: torch.Tensor, layout: str, g: torch.Generator) -> torch.Tensor:
 
 def make_inputs(case, *, device: str | torch.device = "cpu") -> dict:
     """q, k, v (case.dtype, on ``device``, laid out per ``case.layout``) and the keyword
-    arguments of the audited call for ``case`` (an ``audits.configs.Case``)."""
+    arguments of the audited call for ``case`` (an ``audits.cases.Case``)."""
     if case.family not in FAMILIES:
         raise ValueError(f"unknown input family {case.family!r}; accepted: {', '.join(FAMILIES)}")
     g = torch.Generator().manual_seed(case.seed)
@@ -203,7 +234,12 @@ def make_inputs(case, *, device: str | torch.device = "cpu") -> dict:
     sk = (case.batch, case.seqlen_k, case.heads_kv, case.d)
     sv = (case.batch, case.seqlen_k, case.heads_kv, case.dv)
     q, k, v = FAMILIES[case.family].build(sq, sk, sv, case, g)
-    if case.layout == "packed_qkv" and case.heads_q == case.heads_kv and case.d == case.dv and case.seqlen_q == case.seqlen_k:
+    if (
+        case.layout == "packed_qkv"
+        and case.heads_q == case.heads_kv
+        and case.d == case.dv
+        and case.seqlen_q == case.seqlen_k
+    ):
         qkv = torch.stack([q, k, v], dim=3).to(dt).to(device)  # (b, s, h, 3, d): slices are non-contiguous
         q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -46,7 +46,18 @@ def _production(q, k, v, **kw):
 
 
 def _sdpa(backend: str) -> Callable:
-    def run(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None, return_lse=False):
+    def run(
+        q,
+        k,
+        v,
+        *,
+        softmax_scale=None,
+        causal=False,
+        window_size=(None, None),
+        softcap=0.0,
+        learnable_sink=None,
+        return_lse=False,
+    ):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         from numerics.reference import visible_mask
@@ -67,12 +78,23 @@ def _sdpa(backend: str) -> Callable:
             if backend in ("flash", "cudnn"):
                 raise NotImplementedError(f"sdpa-{backend} takes no arbitrary mask (bottom-right causal, windows)")
             mask = vis
-        be = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+        be = {
+            "math": SDPBackend.MATH,
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+        }[backend]
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         try:
             with sdpa_kernel(be):
                 o = torch.nn.functional.scaled_dot_product_attention(
-                    qt, kt, vt, attn_mask=mask, is_causal=is_causal, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2]
+                    qt,
+                    kt,
+                    vt,
+                    attn_mask=mask,
+                    is_causal=is_causal,
+                    scale=softmax_scale,
+                    enable_gqa=q.shape[2] != k.shape[2],
                 )
         except RuntimeError as exc:  # "No available kernel": the backend refuses this configuration
             if "No available kernel" in str(exc) or "not supported" in str(exc).lower():
@@ -143,4 +165,3 @@ def get_kernel(spec: str) -> Callable:
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot load {spec!r}: {exc}") from exc
     raise ValueError(f"unknown kernel {spec!r}; accepted: {', '.join(KERNELS)}, or module:attr")
-

@@ -32,7 +32,7 @@ FA_TESTS_CASES_PER_S = 37 / 170  # FA's test_flash_attn_output, cold cache, H200
 def finished(out: Path) -> int:
     """Cases journaled under ``out`` (with --jobs, the jobs' journals; the parent keeps none),
     read as ``--resume`` reads them (a torn last line does not count)."""
-    from audits.runner import read_journal
+    from audits.runner.engine import read_journal
 
     return sum(len(read_journal(j)) for j in out.rglob("journal.jsonl"))
 
@@ -50,7 +50,11 @@ def phase(name: str, argv: list[str], out: Path, limit: float, env: dict) -> dic
     dt = time.perf_counter() - t0
     n = finished(out)
     res = {"phase": name, "seconds": dt, "cases": n, "cases_per_s": n / dt, "exit_code": rc, "complete": rc is not None}
-    print(f"{name}: {n} cases in {dt:.0f} s = {n / dt:.2f} cases/s" + ("" if rc is not None else f" (stopped at the {limit:.0f} s limit)"), flush=True)
+    print(
+        f"{name}: {n} cases in {dt:.0f} s = {n / dt:.2f} cases/s"
+        + ("" if rc is not None else f" (stopped at the {limit:.0f} s limit)"),
+        flush=True,
+    )
     return res
 
 
@@ -67,9 +71,18 @@ def main() -> int:
     out = Path(args.out)
     cache = out / "compile-cache"
     cache.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache)}
+    env = {
+        **os.environ,
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache),
+    }
     argv = ["--kernel", args.kernel, "--suite", args.suite, "--device", args.device, "--jobs", str(args.jobs)]
-    res = {"kernel": args.kernel, "suite": args.suite, "jobs": args.jobs, "baseline_fa_tests_cases_per_s": FA_TESTS_CASES_PER_S}
+    res = {
+        "kernel": args.kernel,
+        "suite": args.suite,
+        "jobs": args.jobs,
+        "baseline_fa_tests_cases_per_s": FA_TESTS_CASES_PER_S,
+    }
     res["cold"] = phase("cold", argv, out / "cold", args.cold_limit, env)
     res["warm"] = phase("warm", argv, out / "warm", args.warm_limit, env)
     for k in ("cold", "warm"):

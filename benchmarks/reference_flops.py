@@ -55,14 +55,29 @@ def main() -> int:
         v = torch.randn(b, sk, h, d, device=dev, generator=g).bfloat16()
         t = bench(lambda: attention_reference(q, k, v))
         flops = 2 * b * h * sq * sk * (d + d)
-        rows.append({"shape": dict(b=b, h=h, sq=sq, sk=sk, d=d), "seconds": t, "tflops": flops / t / 1e12,
-                     "of_peak": flops / t / H200_FP64_TENSOR_PEAK, "of_dgemm": flops / t / dgemm})
-        print(f"b{b} h{h} {sq}x{sk} d{d}: {t * 1e3:.2f} ms, {flops / t / 1e12:.1f} TFLOP/s = "
-              f"{rows[-1]['of_peak']:.0%} of the 67 TFLOP/s peak, {rows[-1]['of_dgemm']:.0%} of measured DGEMM")
+        rows.append(
+            {
+                "shape": dict(b=b, h=h, sq=sq, sk=sk, d=d),
+                "seconds": t,
+                "tflops": flops / t / 1e12,
+                "of_peak": flops / t / H200_FP64_TENSOR_PEAK,
+                "of_dgemm": flops / t / dgemm,
+            }
+        )
+        print(
+            f"b{b} h{h} {sq}x{sk} d{d}: {t * 1e3:.2f} ms, {flops / t / 1e12:.1f} TFLOP/s = "
+            f"{rows[-1]['of_peak']:.0%} of the 67 TFLOP/s peak, {rows[-1]['of_dgemm']:.0%} of measured DGEMM"
+        )
         q = k = v = None
         torch.cuda.empty_cache()
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dgemm_tflops": dgemm / 1e12,
-           "dgemm_of_peak": dgemm / H200_FP64_TENSOR_PEAK, "peak_tflops": H200_FP64_TENSOR_PEAK / 1e12, "shapes": rows}
+    res = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dgemm_tflops": dgemm / 1e12,
+        "dgemm_of_peak": dgemm / H200_FP64_TENSOR_PEAK,
+        "peak_tflops": H200_FP64_TENSOR_PEAK / 1e12,
+        "shapes": rows,
+    }
     print(f"DGEMM n={n}: {dgemm / 1e12:.1f} TFLOP/s = {dgemm / H200_FP64_TENSOR_PEAK:.0%} of peak")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -49,20 +49,24 @@ if numba is not None:
     @intrinsic
     def _bits64(typingctx, x):  # pragma: no cover - compiled
         """Reinterpret a float64 as int64 (an LLVM bitcast: no memory round trip)."""
+
         def codegen(context, builder, signature, args):
             return builder.bitcast(args[0], context.get_value_type(types.int64))
+
         return types.int64(types.float64), codegen
 
     @intrinsic
     def _bits32(typingctx, x):  # pragma: no cover - compiled
         def codegen(context, builder, signature, args):
             return builder.bitcast(args[0], context.get_value_type(types.int32))
+
         return types.int32(types.float32), codegen
 
     @intrinsic
     def _float32(typingctx, x):  # pragma: no cover - compiled
         def codegen(context, builder, signature, args):
             return builder.bitcast(args[0], context.get_value_type(types.float32))
+
         return types.float32(types.int32), codegen
 
     @numba.njit(parallel=True, fastmath=False, cache=True, nogil=True)

@@ -76,14 +76,24 @@ POLY_EX2: dict[int, tuple[float, ...]] = {
 DEGREES = tuple(sorted(POLY_EX2))
 
 #: The PTX this model assumes, per call of each production function (checked against compiled
-#: production code by ``audits.ex2_ptx``): f32 instructions as (op, rounding, ftz, width) ->
+#: production code by ``audits.ex2.ptx``): f32 instructions as (op, rounding, ftz, width) ->
 #: count, where a subtraction counts as an addition (negation is exact) and ``fma`` counts are
 #: per polynomial degree.  Seen in the sm_100a (and sm_90a, scalar) PTX of flash-attn-4 4.0.0b36:
 #:   scalar: max.f32; add.rm.ftz.f32; add.f32 (x_rounded + -1.5*2**23); sub.f32; fma.rn.f32 x deg
 #:   packed: max.f32 x 2; add.rm.f32x2; sub.rn.f32x2 x 2; fma.rn.f32x2 x deg
 PTX_MODEL: dict[str, dict[tuple, int]] = {
-    "scalar": {("max", None, False, 1): 1, ("add", "rm", True, 1): 1, ("add", "rn", False, 1): 2, ("fma", "rn", False, 1): 1},
-    "packed": {("max", None, False, 1): 2, ("add", "rm", False, 2): 1, ("add", "rn", False, 2): 2, ("fma", "rn", False, 2): 1},
+    "scalar": {
+        ("max", None, False, 1): 1,
+        ("add", "rm", True, 1): 1,
+        ("add", "rn", False, 1): 2,
+        ("fma", "rn", False, 1): 1,
+    },
+    "packed": {
+        ("max", None, False, 1): 2,
+        ("add", "rm", False, 2): 1,
+        ("add", "rn", False, 2): 2,
+        ("fma", "rn", False, 2): 1,
+    },
 }
 
 _ROUND_INT = 1.5 * 2.0**23  # 0x4B400000: ulp 1 in [2**23, 2**24) puts floor(x) in the low bits
@@ -99,8 +109,7 @@ def _check(x: torch.Tensor, degree: int) -> None:
         raise TypeError(f"x must be a torch.Tensor of float32, got {type(x).__name__}")
     if x.dtype != torch.float32:
         raise TypeError(
-            f"x must be float32 (the kernel applies exp2 to float32 scores), got {x.dtype}; "
-            "convert with x.float()"
+            f"x must be float32 (the kernel applies exp2 to float32 scores), got {x.dtype}; convert with x.float()"
         )
     if degree not in POLY_EX2:
         raise ValueError(f"degree must be one of {list(DEGREES)} (production POLY_EX2), got {degree!r}")
@@ -133,7 +142,9 @@ def _horner(f: torch.Tensor, coeffs: tuple[float, ...]) -> torch.Tensor:
         idx = suspect.nonzero(as_tuple=True)
         acc[idx] = _horner_exact(f[idx], coeffs)
     # A NaN fraction (only from +inf input) gives the canonical NaN, as fma.rn.f32 does.
-    return torch.where(torch.isnan(acc), f32_from_bits(torch.tensor(CANONICAL_NAN_BITS, dtype=torch.int32, device=f.device)), acc)
+    return torch.where(
+        torch.isnan(acc), f32_from_bits(torch.tensor(CANONICAL_NAN_BITS, dtype=torch.int32, device=f.device)), acc
+    )
 
 
 def _splice(r_bits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,9 @@ from typing import Literal
 
 import torch
 
-from fa4.ex2 import DEGREES, emulated_columns, ex2_emulation_2
-from numerics.fp import CANONICAL_NAN_BITS, fma_f32, round_to, to_f32 as _f32
+from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
+from numerics.fp import CANONICAL_NAN_BITS, fma_f32, round_to
+from numerics.fp import to_f32 as _f32
 
 __all__ = ["FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES"]
 
@@ -110,11 +111,31 @@ class FA4Numerics:
         if self.poly_degree not in DEGREES:
             raise ValueError(f"poly_degree must be one of {list(DEGREES)}, got {self.poly_degree!r}")
         if self.tile_n <= 0 or self.tile_n % 8 or self.tile_m <= 0:
-            raise ValueError(f"tile_n must be a positive multiple of 8 and tile_m positive, got {self.tile_m}x{self.tile_n}")
+            raise ValueError(
+                f"tile_n must be a positive multiple of 8 and tile_m positive, got {self.tile_m}x{self.tile_n}"
+            )
         if self.rescale_threshold < 0:
             raise ValueError(f"rescale_threshold must be >= 0 (log2 units), got {self.rescale_threshold}")
         if self.p_dtype is not None and self.p_dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"p_dtype must be one of {SUPPORTED_DTYPES} or None, got {self.p_dtype}")
+
+    @property
+    def poly_coefficients(self) -> tuple[float, ...]:
+        """The float32 coefficients of the polynomial exp2 (``fa4.ex2.POLY_EX2[poly_degree]``):
+        what ``numerics.bounds.ex2_error_bound`` bounds."""
+        return POLY_EX2[self.poly_degree]
+
+    def emulated_mask(self) -> torch.Tensor:
+        """Bool (tile_n,): the key columns of a tile whose exp2 takes the polynomial (``mixed``:
+        production's interleave, ``fa4.ex2.emulated_columns``; tiles not a multiple of 32 have
+        no fragments to interleave and use the hardware)."""
+        if self.exp2 == "hardware" or (self.exp2 == "mixed" and self.tile_n % 32):
+            return torch.zeros(self.tile_n, dtype=torch.bool)
+        if self.exp2 == "emulated":
+            return torch.ones(self.tile_n, dtype=torch.bool)
+        return emulated_columns(
+            self.tile_n, ex2_emu_freq=self.emu_freq, ex2_emu_res=self.emu_res, ex2_emu_start_frg=self.emu_start_frg
+        )
 
     @staticmethod
     def sm100(
@@ -127,7 +148,7 @@ class FA4Numerics:
         qhead_per_kvhead: int = 1,
         head_dim_v: int | None = None,
         use_2cta: bool | None = None,
-    ) -> "FA4Numerics":
+    ) -> FA4Numerics:
         """Production SM100 defaults, as ``interface._flash_attn_fwd`` and
         ``FlashAttentionForwardSm100.__init__``/``__call__`` choose them for these inputs:
         threshold 8 / max_offset 0 for 16-bit inputs, 0 / 8 for fp8; the exp2 interleave from
@@ -157,7 +178,11 @@ class FA4Numerics:
         tune = dict(zip(("freq", "start"), _SM100_TUNING[key])) if key in _SM100_TUNING else {}
         if fp8 and hdp >= 96 and key in _SM100_FP8_TUNING:
             tune = dict(zip(("freq", "start"), _SM100_FP8_TUNING[key]))
-        enable = tune["freq"] > 0 if "freq" in tune else (hdp <= 128 or (hdp == 192 and use_2cta and not causal and not local))
+        enable = (
+            tune["freq"] > 0
+            if "freq" in tune
+            else (hdp <= 128 or (hdp == 192 and use_2cta and not causal and not local))
+        )
         freq = tune.get("freq", 16) if enable else 0
         if enable and pack_gqa and hdp > 64 and not causal and not local:
             freq = tune.get("freq", 10)
@@ -175,7 +200,13 @@ class FA4Numerics:
         )
 
     @staticmethod
-    def sm90(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, causal: bool = False, local: bool = False, head_dim_v: int | None = None) -> "FA4Numerics":
+    def sm90(
+        dtype: torch.dtype = torch.bfloat16,
+        head_dim: int = 128,
+        causal: bool = False,
+        local: bool = False,
+        head_dim_v: int | None = None,
+    ) -> FA4Numerics:
         """The Hopper path (``flash_fwd_sm90.py``): hardware exp2, the max moves at every block,
         no threshold, no max_offset; tiles from ``interface._tile_size_fwd_sm90``."""
         if dtype in _FP8:
@@ -194,14 +225,28 @@ class FA4Numerics:
             tm, tn = 128, 64 if local else 80
         return FA4Numerics(arch="sm90", tile_m=tm, tile_n=tn, exp2="hardware", rescale_threshold=0.0, max_offset=0)
 
-
     @staticmethod
-    def for_inputs(arch: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, window_size: tuple = (None, None)) -> "FA4Numerics":
+    def for_inputs(
+        arch: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = False,
+        window_size: tuple = (None, None),
+    ) -> FA4Numerics:
         """Production's numerics of ``arch`` (``"sm100"`` or ``"sm90"``) for a call on these
         inputs: head dims, seqlen_q and GQA grouping from the shapes, local from the window."""
         local = not causal and any(w is not None for w in window_size)
         if arch == "sm100":
-            return FA4Numerics.sm100(q.dtype, q.shape[-1], causal, local, seqlen_q=q.shape[1], qhead_per_kvhead=q.shape[2] // k.shape[2], head_dim_v=v.shape[-1])
+            return FA4Numerics.sm100(
+                q.dtype,
+                q.shape[-1],
+                causal,
+                local,
+                seqlen_q=q.shape[1],
+                qhead_per_kvhead=q.shape[2] // k.shape[2],
+                head_dim_v=v.shape[-1],
+            )
         if arch == "sm90":
             return FA4Numerics.sm90(q.dtype, q.shape[-1], causal=causal, local=local, head_dim_v=v.shape[-1])
         raise ValueError(f"arch must be 'sm100' or 'sm90', got {arch!r}")
@@ -223,7 +268,9 @@ def hardware_exp2(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), nan, y)
 
 
-def _block_ranges(sq: int, sk: int, nm: FA4Numerics, causal: bool, window: tuple, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _block_ranges(
+    sq: int, sk: int, nm: FA4Numerics, causal: bool, window: tuple, device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per query row: [n_min, n_max) of the KV blocks its query tile visits
     (``block_info.BlockInfo.get_n_block_min_max``), and the number of blocks."""
     tm, tn = nm.tile_m, nm.tile_n
@@ -269,7 +316,13 @@ def _exp2_mixed(t: torch.Tensor, nm: FA4Numerics) -> torch.Tensor:
     emu = ex2_emulation_2(t.contiguous(), nm.poly_degree)
     if nm.exp2 == "emulated":
         return emu
-    cols = emulated_columns(nm.tile_n, ex2_emu_freq=nm.emu_freq, ex2_emu_res=nm.emu_res, ex2_emu_start_frg=nm.emu_start_frg) if nm.tile_n % 32 == 0 else torch.zeros(nm.tile_n, dtype=torch.bool)
+    cols = (
+        emulated_columns(
+            nm.tile_n, ex2_emu_freq=nm.emu_freq, ex2_emu_res=nm.emu_res, ex2_emu_start_frg=nm.emu_start_frg
+        )
+        if nm.tile_n % 32 == 0
+        else torch.zeros(nm.tile_n, dtype=torch.bool)
+    )
     return torch.where(cols.to(t.device), emu, hardware_exp2(t))
 
 
@@ -388,11 +441,15 @@ def attention(
             blk_sum = torch.where(first, _row_sum_sm100(p, None), blk_sum)
             new_partial = partial
         else:
-            new_partial = torch.where(first.unsqueeze(-1), _row_sum_sm90(p, None, None), _row_sum_sm90(p, partial, acc_scale))
+            new_partial = torch.where(
+                first.unsqueeze(-1), _row_sum_sm90(p, None, None), _row_sum_sm90(p, partial, acc_scale)
+            )
             blk_sum = row_sum
         p_lp = round_to(p, p_dtype, saturate=p_dtype in _FP8)  # step 8
         pv = torch.einsum("bhij,bjhd->bhid", p_lp.double()[..., : j1 - j0], v64[:, j0:j1])
-        o_new = torch.where(first.unsqueeze(-1), pv.float(), (acc_o * acc_scale.unsqueeze(-1)).double().add(pv).float())  # step 9
+        o_new = torch.where(
+            first.unsqueeze(-1), pv.float(), (acc_o * acc_scale.unsqueeze(-1)).double().add(pv).float()
+        )  # step 9
         a3 = active
         row_max = torch.where(a3, new_max, row_max)
         row_sum = torch.where(a3, blk_sum, row_sum)
@@ -408,7 +465,11 @@ def attention(
 
 def _fma(a: torch.Tensor, b, c) -> torch.Tensor:
     """fma.rn.f32 with broadcasting (``numerics.fp.fma_f32`` wants equal shapes)."""
-    a, b, c = torch.broadcast_tensors(a, torch.as_tensor(b, dtype=torch.float32, device=a.device), torch.as_tensor(c, dtype=torch.float32, device=a.device))
+    a, b, c = torch.broadcast_tensors(
+        a,
+        torch.as_tensor(b, dtype=torch.float32, device=a.device),
+        torch.as_tensor(c, dtype=torch.float32, device=a.device),
+    )
     return fma_f32(a.contiguous(), b.contiguous(), c.contiguous())
 
 
@@ -434,7 +495,7 @@ def _finalize(nm, row_max, row_sum, acc_o, sl2, off, sink, out_dtype):
     out = (acc_o * rcp.unsqueeze(-1)).to(out_dtype)
     lg2 = torch.log2(row_sum.double()).float()  # lg2.approx.ftz
     if nm.arch == "sm90" and sink is not None:
-        lse = ((rms + lg2) * ln2)
+        lse = (rms + lg2) * ln2
     else:  # FFMA(row_max, scale_log2, lg2 - max_offset) * LN2
         lse = _fma(row_max, sl2, lg2 - off) * ln2
     lse = torch.where(bad, torch.full_like(lse, -math.inf), lse)
@@ -444,7 +505,9 @@ def _finalize(nm, row_max, row_sum, acc_o, sl2, off, sink, out_dtype):
 def _validate(q, k, v, sink):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-d tensor (batch, seqlen, heads, dim), got {getattr(t, 'shape', type(t))}")
+            raise ValueError(
+                f"{name} must be a 4-d tensor (batch, seqlen, heads, dim), got {getattr(t, 'shape', type(t))}"
+            )
         _check_dtype(t.dtype)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -20,7 +20,7 @@ Each thread handles two consecutive elements (the pair for ``packed``).
 # annotations (cute.Tensor, cutlass.Constexpr) at compile time, in the defining scope.
 import functools
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -113,7 +113,7 @@ def _ex2_launcher(variant: str, degree: int):
     return _launch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ex2_kernel(variant: str, degree: int = 3) -> Callable[[torch.Tensor], torch.Tensor]:
     """A callable float32 CUDA tensor -> float32 CUDA tensor applying the production device
     function ``variant`` (see module doc) elementwise.  Compiled once per (variant, degree) and
@@ -174,7 +174,9 @@ def compile_ex2_ptx(variant: str, degree: int, dump_dir: str) -> str:
     y = torch.zeros_like(x)
     cute.compile(_ex2_launcher(variant, degree), from_dlpack(x, assumed_align=16), from_dlpack(y, assumed_align=16), 1)
     # the dump's file name does not encode the kernel body: a later compile overwrites it
-    new = sorted((p for p in glob.glob(pattern, recursive=True) if before.get(p) != os.path.getmtime(p)), key=os.path.getmtime)
+    new = sorted(
+        (p for p in glob.glob(pattern, recursive=True) if before.get(p) != os.path.getmtime(p)), key=os.path.getmtime
+    )
     if not new:
         raise RuntimeError(f"the compiler wrote no PTX into {dump_dir}")
     with open(new[-1]) as fh:
@@ -201,8 +203,15 @@ def flash_attn(
 
     try:
         out, lse = flash_attn_func(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-            softcap=softcap, learnable_sink=learnable_sink, return_lse=return_lse,
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=tuple(window_size),
+            softcap=softcap,
+            learnable_sink=learnable_sink,
+            return_lse=return_lse,
         )
     except (AssertionError, NotImplementedError, TypeError) as exc:
         raise NotImplementedError(f"flash_attn_func refused the configuration: {type(exc).__name__}: {exc}") from exc

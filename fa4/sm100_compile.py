@@ -21,7 +21,7 @@ does not encode the whole configuration.  Run as::
 
 CONFIG_JSON: {"dtype": "bfloat16", "d": 128, "dv": 128, "batch": 1, "heads_q": 2, "heads_kv":
 2, "seqlen_q": 128, "seqlen_k": 128, "causal": false, "window": [null, null], "softcap": 0.0,
-"sink": false} (an ``audits.configs.Case`` as a dict).  Writes OUT.ptx and OUT.ptx.json (what
+"sink": false} (an ``audits.cases.Case`` as a dict).  Writes OUT.ptx and OUT.ptx.json (what
 production chose: kernel class and its attributes).  Exit 3 when production refuses the
 configuration (message on stderr), 1 on any other failure.
 """
@@ -70,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg, out, no_driver = json.loads(argv[0]), argv[1], "--no-driver" in argv[2:]
     dump = tempfile.mkdtemp(prefix="fa4-sm100-ptx-")
     os.environ.update(
-        CUTE_DSL_ARCH="sm_100a", FLASH_ATTENTION_ARCH="sm_100", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=dump,
-        CUTE_DSL_DISABLE_FILE_CACHING="1", FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0",
+        CUTE_DSL_ARCH="sm_100a",
+        FLASH_ATTENTION_ARCH="sm_100",
+        CUTE_DSL_KEEP_PTX="1",
+        CUTE_DSL_DUMP_DIR=dump,
+        CUTE_DSL_DISABLE_FILE_CACHING="1",
+        FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0",
     )
     os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "148")
     import torch
@@ -88,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     def record(*args, **kw):  # passes through unchanged; records what production built
         obj = args[0]
         chosen["kernel_class"] = type(obj).__name__
-        chosen["attributes"] = {k: v for k, v in vars(obj).items() if isinstance(v, (bool, int, float, str, type(None)))}
+        chosen["attributes"] = {
+            k: v for k, v in vars(obj).items() if isinstance(v, (bool, int, float, str, type(None)))
+        }
         return compile_og(*args, **kw)
 
     interface.cute.compile = record
@@ -105,12 +111,20 @@ def main(argv: list[str] | None = None) -> int:
             fa.flash_attn_func(q, k, v, **kw)
         except Exception as exc:  # launch failures are expected on a non-Blackwell GPU
             err = exc
-    ptx = [p for p in glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True) if "FlashAttention" in os.path.basename(p)]
+    ptx = [
+        p
+        for p in glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)
+        if "FlashAttention" in os.path.basename(p)
+    ]
     if not ptx:
         shutil.rmtree(dump, ignore_errors=True)
         msg = f"{type(err).__name__}: {err}" if err is not None else "no forward kernel PTX was written"
         refused = isinstance(err, (AssertionError, NotImplementedError, ValueError, TypeError))
-        print(("production refuses this configuration: " if refused else "compile failed: ") + msg.strip().splitlines()[-1][:500], file=sys.stderr)
+        print(
+            ("production refuses this configuration: " if refused else "compile failed: ")
+            + msg.strip().splitlines()[-1][:500],
+            file=sys.stderr,
+        )
         return REFUSED if refused else 1
     ptx.sort(key=os.path.getmtime)
     shutil.copyfile(ptx[-1], out)

@@ -1,7 +1,7 @@
 r"""Proven error bounds: the polynomial exp2 (below) and the range analysis of lazy rescaling
 (``rescaling_analysis``, derivation beside it).
 
-``ex2_error_bound(degree)`` — an upper bound, proven with interval arithmetic, on
+``ex2_error_bound(coefficients)`` — an upper bound, proven with interval arithmetic, on
 
     |ex2_emulation(x) / 2**x - 1|   over every float32 x in [-126, 127],
 
@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 import mpmath
 from mpmath import iv
 
-__all__ = ["ex2_error_bound", "ex2_bound_details", "RescalingAnalysis", "rescaling_analysis", "PRODUCTION_RESCALING", "forward_error_bound"]
+__all__ = ["ex2_error_bound", "ex2_bound_details", "RescalingAnalysis", "rescaling_analysis", "PRODUCTION_RESCALING"]
 
 _U_EXP = -24  # float32: |RN(v) - v| <= 2**(floor(log2|v|) - 24)
 
@@ -127,22 +127,23 @@ class _Ex2Model:
         return self.bound_on(iv.mpf([t, t]))
 
 
-@functools.lru_cache(maxsize=None)
-def ex2_bound_details(degree: int, rel_tol: float = 1e-3, prec: int = 96) -> dict:
+@functools.cache
+def ex2_bound_details(coefficients: tuple[float, ...], rel_tol: float = 1e-3, prec: int = 96) -> dict:
     """The bound of :func:`ex2_error_bound` with how it was obtained.
 
     Returns a dict: ``bound`` (float, rounded up), ``argmax`` (midpoint of the worst interval of
     the fraction t), ``approx_error`` (enclosure of sup |eps| over the worst interval),
     ``intervals`` (subdivision size), ``rel_tol``, ``prec`` (mpmath bits).
     """
-    from fa4.ex2 import POLY_EX2  # the thing bounded: numerics reads fa4's constants, nothing else
-
-    if degree not in POLY_EX2:
-        raise ValueError(f"degree must be one of {sorted(POLY_EX2)}, got {degree!r}")
+    coefficients = tuple(coefficients)
+    if not 2 <= len(coefficients) <= 6 or not all(isinstance(c, float) and math.isfinite(c) for c in coefficients):
+        raise ValueError(
+            f"coefficients must be 2 to 6 finite floats (degree 1-5, constant term first), got {coefficients!r}"
+        )
     old_prec, old_iv_prec = mpmath.mp.prec, iv.prec
     try:
         mpmath.mp.prec = iv.prec = prec
-        model = _Ex2Model(POLY_EX2[degree])
+        model = _Ex2Model(coefficients)
         heap: list = []
         n0 = 64
         for i in range(n0):
@@ -177,12 +178,11 @@ def ex2_bound_details(degree: int, rel_tol: float = 1e-3, prec: int = 96) -> dic
         mpmath.mp.prec, iv.prec = old_prec, old_iv_prec
 
 
-def ex2_error_bound(degree: int) -> float:
-    """Proven upper bound on |ex2_emulation(x)/2**x - 1| over every float32 x in [-126, 127].
-
-    Degrees 1-5 (``fa4.ex2.POLY_EX2``).  See the module docstring for the derivation.
-    """
-    return ex2_bound_details(degree)["bound"]
+def ex2_error_bound(coefficients: tuple[float, ...]) -> float:
+    """Proven upper bound on |ex2_emulation(x)/2**x - 1| over every float32 x in [-126, 127]
+    for the polynomial with these float32 coefficients (production's: ``fa4.ex2.POLY_EX2[degree]``).
+    See the module docstring for the derivation."""
+    return ex2_bound_details(tuple(coefficients))["bound"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,12 +298,6 @@ def rescaling_analysis(dtype, rescale_threshold: float, max_offset: int) -> Resc
             f"full, so the output shrinks silently and the LSE stays exact (flash-attention #2716); production "
             f"asserts max_offset + threshold < log2(dtype max) = {log2_max:.3f}."
         )
-    return RescalingAnalysis(fmt.name, float(rescale_threshold), max_offset, safe, 2.0**expo, fmt.max, headroom, p_min, why)
-
-
-def forward_error_bound(q, k, v, numerics=None, **kw):
-    """Per-element bound on |out - exact| and |lse - exact| of the forward pass:
-    ``numerics.forward_bound.forward_error_bound`` (derivation there)."""
-    from numerics.forward_bound import forward_error_bound as bound
-
-    return bound(q, k, v, numerics, **kw)
+    return RescalingAnalysis(
+        fmt.name, float(rescale_threshold), max_offset, safe, 2.0**expo, fmt.max, headroom, p_min, why
+    )

@@ -83,7 +83,7 @@ def forward_error_bound(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    numerics=None,
+    numerics,
     *,
     softmax_scale: float | None = None,
     causal: bool = False,
@@ -96,15 +96,13 @@ def forward_error_bound(
     LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc).
     ``reference``: the FP64 ``(out, lse)`` of ``numerics.reference.attention_reference`` for
     these inputs, when the caller has it (computed here otherwise)."""
-    from fa4.ex2 import emulated_columns
-    from fa4.model import FA4Numerics
     from numerics.bounds import ex2_error_bound
     from numerics.fp import format_of
     from numerics.reference import attention_reference, visible_mask
 
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    nm = numerics if numerics is not None else FA4Numerics.for_inputs("sm100", q, k, v, causal, window_size)
+    nm = numerics
     fmt_p = format_of(nm.p_dtype or q.dtype)
     fmt_o = format_of(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
     thr, off = float(nm.rescale_threshold), float(nm.max_offset)
@@ -148,14 +146,13 @@ def forward_error_bound(
     e_j = e_score + (base - m_safe).abs() * d_sl2 + _U * t_abs  # step 2 (j-dependent part)
 
     cols = torch.arange(sk, device=dev) % nm.tile_n
-    if nm.exp2 == "hardware":
-        emu = torch.zeros(sk, dtype=torch.bool, device=dev)
-    elif nm.exp2 == "emulated":
-        emu = torch.ones(sk, dtype=torch.bool, device=dev)
-    else:
-        mask = emulated_columns(nm.tile_n, ex2_emu_freq=nm.emu_freq, ex2_emu_res=nm.emu_res, ex2_emu_start_frg=nm.emu_start_frg) if nm.tile_n % 32 == 0 else torch.zeros(nm.tile_n, dtype=torch.bool)
-        emu = mask.to(dev)[cols]
-    eps = torch.where(emu, torch.tensor(ex2_error_bound(nm.poly_degree), device=dev, dtype=torch.float64), torch.tensor(MUFU["ex2_rel"], device=dev, dtype=torch.float64))
+    emu = nm.emulated_mask().to(dev)[cols]  # which key columns of a tile take the polynomial
+    poly = ex2_error_bound(nm.poly_coefficients)
+    eps = torch.where(
+        emu,
+        torch.tensor(poly, device=dev, dtype=torch.float64),
+        torch.tensor(MUFU["ex2_rel"], device=dev, dtype=torch.float64),
+    )
 
     p = torch.where(vis, torch.exp2(rel_exp + off), torch.zeros_like(rel_exp))
     eta = torch.where(vis, torch.exp2(e_j) * (1 + eps) - 1, torch.zeros_like(e_j))  # step 3
@@ -175,18 +172,33 @@ def forward_error_bound(
         m_nat = m_base * (1.0 if softcap > 0 else scale)
         m_nat_safe = torch.where(torch.isfinite(m_nat), m_nat, torch.zeros_like(m_nat))
         p_s = torch.where(torch.isfinite(m_nat), torch.exp2((sink - m_nat_safe) * l2e + off), torch.zeros_like(p_s))
-        e_s = sink.abs() * abs(_f32(l2e) - l2e) + m_nat_safe.abs() * l2e * 2 * _U + 3 * _U * ((sink.abs() + m_nat_safe.abs()) * l2e + thr + off + 1)
+        e_s = (
+            sink.abs() * abs(_f32(l2e) - l2e)
+            + m_nat_safe.abs() * l2e * 2 * _U
+            + 3 * _U * ((sink.abs() + m_nat_safe.abs()) * l2e + thr + off + 1)
+        )
         eta_s = torch.exp2(e_s) * (1 + MUFU["ex2_rel"]) - 1
 
     if reference is None:
-        reference = attention_reference(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink, return_lse=True)
+        reference = attention_reference(
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            learnable_sink=learnable_sink,
+            return_lse=True,
+        )
     ref, ref_lse = reference
     o = ref.permute(0, 2, 1, 3)  # (b, h, i, c)
     av = v64.abs()
     ao = o.abs()
     w1 = p * eta.abs() + alpha
     a_num = (
-        torch.einsum("bhij,bjhc->bhic", w1, av) + w1.sum(-1, keepdim=True) * ao
+        torch.einsum("bhij,bjhc->bhic", w1, av)
+        + w1.sum(-1, keepdim=True) * ao
         + torch.einsum("bhij,bjhc->bhic", (p * (1 + eta.abs()) + alpha) * rho + sigma, av)
         + ao * p_s * eta_s.abs()
     )  # step 5
@@ -218,11 +230,18 @@ def forward_error_bound(
     l2_total = -torch.log2((1 - rel_d).clamp(min=1e-300))  # max |log2(1 +- r)| = -log2(1 - r)
     lse_abs = ref_lse.unsqueeze(-1).abs()
     x_log2 = lse_abs / math.log(2) + off + 1.0
-    lse_b = math.log(2) * (l2_total + lg2_err + 2 * _U * x_log2) + abs(_f32(math.log(2)) - math.log(2)) * x_log2 + _U * lse_abs
+    lse_b = (
+        math.log(2) * (l2_total + lg2_err + 2 * _U * x_log2)
+        + abs(_f32(math.log(2)) - math.log(2)) * x_log2
+        + _U * lse_abs
+    )
     lse_b = lse_b.squeeze(-1)
     if learnable_sink is not None:
-        only_sink = (n_vis.squeeze(-1) == 0)
-        sink_b = (learnable_sink.double().abs().view(1, hq, 1) * (8 * _U + abs(_f32(l2e) * _f32(math.log(2)) - 1)) + MUFU["lg2_abs"] * math.log(2)).expand_as(lse_b)
+        only_sink = n_vis.squeeze(-1) == 0
+        sink_b = (
+            learnable_sink.double().abs().view(1, hq, 1) * (8 * _U + abs(_f32(l2e) * _f32(math.log(2)) - 1))
+            + MUFU["lg2_abs"] * math.log(2)
+        ).expand_as(lse_b)
         lse_b = torch.where(only_sink, sink_b, lse_b)
     else:
         lse_b = torch.where(n_vis.squeeze(-1) == 0, torch.zeros_like(lse_b), lse_b)

@@ -65,7 +65,7 @@ class FloatFormat:
     @property
     def unit_roundoff(self) -> float:
         """u = 2**-p: the relative error bound of round-to-nearest for normal results."""
-        return 2.0 ** -self.p
+        return 2.0**-self.p
 
     @property
     def smallest_subnormal(self) -> float:
@@ -93,9 +93,7 @@ def format_of(dtype: torch.dtype | str) -> FloatFormat:
             return FORMATS[key]
     elif dtype in _BY_DTYPE:
         return _BY_DTYPE[dtype]
-    raise ValueError(
-        f"unsupported float format {dtype!r}; accepted: {', '.join(FORMATS)}"
-    )
+    raise ValueError(f"unsupported float format {dtype!r}; accepted: {', '.join(FORMATS)}")
 
 
 def _check_f32(x: torch.Tensor, name: str) -> None:

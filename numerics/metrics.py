@@ -131,8 +131,11 @@ def row_scaled_ulp_diff(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> 
     d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
     n = d.numel()
     return {
-        "le_1": int((d <= 1).sum()), "le_2": int((d <= 2).sum()), "gt_2": int((d > 2).sum()),
-        "max": float(d.max()) if n else 0.0, "total": n,
+        "le_1": int((d <= 1).sum()),
+        "le_2": int((d <= 2).sum()),
+        "gt_2": int((d > 2).sum()),
+        "max": float(d.max()) if n else 0.0,
+        "total": n,
     }
 
 
@@ -146,4 +149,9 @@ def fa_criterion(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor
     base = float((out_lowprec.double() - r).abs().max())
     rounding = fmt.unit_roundoff * float(r.abs().max()) if r.numel() else 0.0
     allowed = 2 * base + 2 * rounding
-    return {"max_abs": err, "lowprec_max_abs": base, "allowed": allowed, "passed": err <= allowed and math.isfinite(err)}
+    return {
+        "max_abs": err,
+        "lowprec_max_abs": base,
+        "allowed": allowed,
+        "passed": err <= allowed and math.isfinite(err),
+    }

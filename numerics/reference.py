@@ -29,7 +29,7 @@ row's output NaN; entries at masked positions never enter.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import mpmath
 import torch
@@ -194,12 +194,17 @@ def mp_attention_rows(
                     s = softcap * mpmath.tanh(s / softcap)
                 logits.append((j, s))
             dv = v.shape[-1]
-            w = _mp_softmax([s for _, s in logits], None if learnable_sink is None else mpmath.mpf(float(learnable_sink[h])))
+            w = _mp_softmax(
+                [s for _, s in logits], None if learnable_sink is None else mpmath.mpf(float(learnable_sink[h]))
+            )
             if w is None:
                 res.append(([mpmath.mpf(0)] * dv, mpmath.mpf("-inf")))
                 continue
             m, e, den = w
-            out = [mpmath.fsum(ej * mpmath.mpf(float(vd[bi, j, kh, c])) for ej, (j, _) in zip(e, logits)) / den for c in range(dv)]
+            out = [
+                mpmath.fsum(ej * mpmath.mpf(float(vd[bi, j, kh, c])) for ej, (j, _) in zip(e, logits)) / den
+                for c in range(dv)
+            ]
             res.append((out, m + mpmath.log(den)))
         return res
     finally:
@@ -210,7 +215,7 @@ def mp_attention_rows(
 _PIECES, _PIECE_BITS = 3, 26
 
 
-def _fsum2(terms: list[float]) -> "mpmath.mpf":
+def _fsum2(terms: list[float]) -> mpmath.mpf:
     """The exact sum of float64 ``terms`` to 2**-106 relative: ``math.fsum`` is correctly rounded
     (Shewchuk), so hi = fsum(t) and lo = fsum(t + [-hi]) = round(S - hi) give S = hi + lo +
     delta with |delta| <= 2**-53 |S - hi| <= 2**-106 |S|."""
@@ -218,7 +223,7 @@ def _fsum2(terms: list[float]) -> "mpmath.mpf":
     return mpmath.mpf(hi) + mpmath.mpf(math.fsum(terms + [-hi]))
 
 
-def _split(e: "mpmath.mpf") -> list[float]:
+def _split(e: mpmath.mpf) -> list[float]:
     """e (>= 0) as _PIECES float64 numbers of <= 26 significant bits each, summing to e up to a
     relative 2**-(26 * _PIECES): each piece times a <= 26-bit input value is exact in float64."""
     man, exp = int(e.man), int(e.exp)  # e = man * 2**exp exactly
@@ -228,7 +233,10 @@ def _split(e: "mpmath.mpf") -> list[float]:
     man = man >> shift if shift > 0 else man << -shift
     exp += shift
     mask = (1 << _PIECE_BITS) - 1
-    return [math.ldexp(float((man >> (_PIECE_BITS * (_PIECES - 1 - i))) & mask), exp + _PIECE_BITS * (_PIECES - 1 - i)) for i in range(_PIECES)]
+    return [
+        math.ldexp(float((man >> (_PIECE_BITS * (_PIECES - 1 - i))) & mask), exp + _PIECE_BITS * (_PIECES - 1 - i))
+        for i in range(_PIECES)
+    ]
 
 
 def exact_attention_rows(
@@ -264,7 +272,9 @@ def exact_attention_rows(
     against :func:`mp_attention_rows` at 50 digits.
     """
     if q.dtype == torch.float64 or k.dtype == torch.float64 or v.dtype == torch.float64:
-        raise ValueError("exact_attention_rows needs inputs of <= 26 significant bits (fp8/fp16/bf16/float32), got float64; use mp_attention_rows")
+        raise ValueError(
+            "exact_attention_rows needs inputs of <= 26 significant bits (fp8/fp16/bf16/float32), got float64; use mp_attention_rows"
+        )
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     vis = visible_mask(sq, sk, causal=causal, window_size=window_size)
@@ -280,7 +290,9 @@ def exact_attention_rows(
             kj = k[bi, js, kh].double().cpu()
             vj = v[bi, js, kh].double().cpu()
             sink = None if learnable_sink is None else float(learnable_sink[h])
-            if not (torch.isfinite(qi).all() and torch.isfinite(kj).all() and torch.isfinite(vj).all()) or (sink is not None and not math.isfinite(sink)):
+            if not (torch.isfinite(qi).all() and torch.isfinite(kj).all() and torch.isfinite(vj).all()) or (
+                sink is not None and not math.isfinite(sink)
+            ):
                 res.append(None)
                 continue
             logits = []

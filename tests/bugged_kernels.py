@@ -58,11 +58,26 @@ BUGS = {
 }
 
 
-def _online(q, k, v, *, bug=None, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None, return_lse=False):
+def _online(
+    q,
+    k,
+    v,
+    *,
+    bug=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(None, None),
+    softcap=0.0,
+    learnable_sink=None,
+    return_lse=False,
+):
     from numerics.reference import visible_mask
 
     if bug == "layout":
-        q, k, v = (torch.as_strided(t, t.shape, torch.empty(t.shape).stride()) if not t.is_contiguous() else t for t in (q, k, v))
+        q, k, v = (
+            torch.as_strided(t, t.shape, torch.empty(t.shape).stride()) if not t.is_contiguous() else t
+            for t in (q, k, v)
+        )
     b, sq, hq, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
     scale = 1 / math.sqrt(d) if softmax_scale is None else softmax_scale

@@ -29,7 +29,11 @@ def sign(b: int) -> int:
 def value(b: int) -> Fraction:
     """Exact value of a finite float32 bit pattern."""
     e, m = (b >> 23) & 0xFF, b & 0x7FFFFF
-    v = Fraction(m, 1 << 23) * Fraction(2) ** -126 if e == 0 else Fraction((1 << 23) | m, 1 << 23) * Fraction(2) ** (e - 127)
+    v = (
+        Fraction(m, 1 << 23) * Fraction(2) ** -126
+        if e == 0
+        else Fraction((1 << 23) | m, 1 << 23) * Fraction(2) ** (e - 127)
+    )
     return -v if b & 0x80000000 else v
 
 

@@ -68,7 +68,9 @@ def test_ptx_without_production_package_exits_2(capsys, tmp_path, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("cutlass", "flash_attn") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("cutlass", "flash_attn") else real(name, *a)
+    )
     assert run("ex2", "--ptx", "--sample", "100", "--out", str(tmp_path), "--quiet") == 2
     err = capsys.readouterr().err
     assert "--ptx needs the production package" in err and "pip install 'fa4-audit[gpu]'" in err
@@ -83,11 +85,33 @@ def test_python_dash_m_audits_is_the_same_cli(tmp_path):
 
 def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(__import__("pathlib").Path(__file__).parents[1])
-    rc = run("fidelity", "--device", "cpu", "--production", "fa4-model-sm90", "--cases", "d64_sq*", "--out", str(tmp_path), "--quiet")
+    rc = run(
+        "fidelity",
+        "--device",
+        "cpu",
+        "--production",
+        "fa4-model-sm90",
+        "--cases",
+        "d64_sq*",
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    )
     assert rc == 0
     rep = json.loads((tmp_path / "fidelity.json").read_text())
     assert rep["summary"]["fraction_identical"] == 1.0 and rep["summary"]["cases_ok"] == 1
-    rc = run("fidelity", "--device", "cpu", "--production", "tests.fake_kernels:sm90_model_poly_exp2", "--cases", "d64_sq*", "--out", str(tmp_path), "--quiet")
+    rc = run(
+        "fidelity",
+        "--device",
+        "cpu",
+        "--production",
+        "tests.fake_kernels:sm90_model_poly_exp2",
+        "--cases",
+        "d64_sq*",
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    )
     assert rc == 1  # a kernel whose exp2 differs fails the fidelity threshold
     assert "0/1 cases ok" in capsys.readouterr().err
 
@@ -95,7 +119,10 @@ def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["fidelity", "--device", "cpu", "--production", "nocolon"], "unknown kernel 'nocolon'; accepted: fa4, fa4-model"),
+        (
+            ["fidelity", "--device", "cpu", "--production", "nocolon"],
+            "unknown kernel 'nocolon'; accepted: fa4, fa4-model",
+        ),
         (["fidelity", "--device", "cpu", "--production", "no.such.module:f"], "cannot load 'no.such.module:f'"),
         (["fidelity", "--device", "cpu", "--production", "fa4-model-sm90", "--cases", "zzz"], "matches none of"),
     ],

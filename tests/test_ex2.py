@@ -28,7 +28,9 @@ def test_bit_exact_against_production_outputs(production_sample, degree):
     for impl in (ex2_emulation, lambda x, deg: ex2._ex2_torch(x, POLY_EX2[deg], True)):
         got = bits(impl(x, degree))
         bad = np.nonzero(got != want)[0]
-        assert bad.size == 0, f"{bad.size} mismatches, first x=0x{d['x_bits'][bad[0]]:08X}: 0x{got[bad[0]]:08X} != 0x{want[bad[0]]:08X}"
+        assert bad.size == 0, (
+            f"{bad.size} mismatches, first x=0x{d['x_bits'][bad[0]]:08X}: 0x{got[bad[0]]:08X} != 0x{want[bad[0]]:08X}"
+        )
 
 
 def _random_and_edge_bits(n: int, seed: int) -> list[int]:
@@ -36,8 +38,36 @@ def _random_and_edge_bits(n: int, seed: int) -> list[int]:
     anyb = g.integers(0, 2**32, n, dtype=np.uint64).tolist()
     dense = [exact.bits_of(float(v)) for v in g.uniform(-130, 130, n)]
     near0 = [exact.bits_of(float(v)) for v in g.uniform(-1, 1, n // 4) * 2.0 ** g.integers(-149, 0, n // 4)]
-    edges = [0, 0x80000000, 1, 0x80000001, 0x007FFFFF, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFA09B7D,
-             0x7F7FFFFF, 0xFF7FFFFF] + [exact.bits_of(v) for v in (-126.0, -126.5, -127.0, -127.5, 127.0, 128.0, 2.0**22, 2.0**23 + 1, 2.0**24, -(2.0**-24), -0.5, 0.999999940)]
+    edges = [
+        0,
+        0x80000000,
+        1,
+        0x80000001,
+        0x007FFFFF,
+        0x807FFFFF,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFA09B7D,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+    ] + [
+        exact.bits_of(v)
+        for v in (
+            -126.0,
+            -126.5,
+            -127.0,
+            -127.5,
+            127.0,
+            128.0,
+            2.0**22,
+            2.0**23 + 1,
+            2.0**24,
+            -(2.0**-24),
+            -0.5,
+            0.999999940,
+        )
+    ]
     return [int(b) for b in anyb + dense + near0 + edges]
 
 
@@ -57,11 +87,15 @@ def test_numba_and_torch_paths_agree():
     if not ex2._ex2_cpu.available():
         pytest.skip("numba not installed")
     g = torch.Generator().manual_seed(11)
-    x = torch.cat([
-        torch.randint(-(2**31), 2**31, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32),
-        torch.rand(1 << 18, generator=g) * 300 - 150,
-        torch.arange(0x4A7FF000, 0x4A801000, dtype=torch.int32).view(torch.float32),  # around 2**22
-    ])
+    x = torch.cat(
+        [
+            torch.randint(-(2**31), 2**31, (1 << 18,), generator=g, dtype=torch.int64)
+            .to(torch.int32)
+            .view(torch.float32),
+            torch.rand(1 << 18, generator=g) * 300 - 150,
+            torch.arange(0x4A7FF000, 0x4A801000, dtype=torch.int32).view(torch.float32),  # around 2**22
+        ]
+    )
     for degree in DEGREES:
         for flush in (True, False):
             a = ex2._ex2_numba(x, POLY_EX2[degree], flush)

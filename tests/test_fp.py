@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from numerics import fp
 from tests import exact
@@ -23,7 +24,19 @@ def u(x):
 
 
 def _edge_bits():
-    vals = [0.0, -0.0, 1.0, -1.0, 2.0**-149, -(2.0**-149), 2.0**-126, 1.5 * 2**23, -1.5 * 2**23, 3.4028234663852886e38, -127.0]
+    vals = [
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        2.0**-149,
+        -(2.0**-149),
+        2.0**-126,
+        1.5 * 2**23,
+        -1.5 * 2**23,
+        3.4028234663852886e38,
+        -127.0,
+    ]
     return [exact.bits_of(v) for v in vals] + [0x7F800000, 0xFF800000, 0x7FC00000, 0x007FFFFF, 0x807FFFFF]
 
 
@@ -39,7 +52,11 @@ def test_add_rm_edges():
     for a in E:
         for b in E:
             for flush in (False, True):
-                assert u(fp.add_rm(t([a]), t([b]), ftz=flush))[0] == exact.add(a, b, "rm", flush=flush), (hex(a), hex(b), flush)
+                assert u(fp.add_rm(t([a]), t([b]), ftz=flush))[0] == exact.add(a, b, "rm", flush=flush), (
+                    hex(a),
+                    hex(b),
+                    flush,
+                )
 
 
 @given(a=finite_bits, b=finite_bits, c=finite_bits)
@@ -75,12 +92,19 @@ def test_round_to_is_nearest_even_and_saturates(name):
     got = fp.round_to(x, name, saturate=True).float().double()
     # reference: nearest representable value (ties to even) found exactly from the sorted table
     table = torch.arange(256 if fmt.p <= 4 else 65536, dtype=torch.int32)
-    vals = (table.to(torch.uint8 if fmt.p <= 4 else torch.int16) if fmt.p <= 4 else table.to(torch.int16)).view(fmt.dtype).double()
+    vals = (
+        (table.to(torch.uint8 if fmt.p <= 4 else torch.int16) if fmt.p <= 4 else table.to(torch.int16))
+        .view(fmt.dtype)
+        .double()
+    )
     vals = vals[torch.isfinite(vals)].unique()
     xd = x.double().clamp(-fmt.max, fmt.max)
     idx = torch.searchsorted(vals, xd).clamp(1, len(vals) - 1)
     lo, hi = vals[idx - 1], vals[idx]
-    pick_hi = (xd - lo > hi - xd) | ((xd - lo == hi - xd) & (fp.round_to(hi.float(), name).view(torch.uint8 if fmt.p <= 4 else torch.int16).to(torch.int32) % 2 == 0))
+    pick_hi = (xd - lo > hi - xd) | (
+        (xd - lo == hi - xd)
+        & (fp.round_to(hi.float(), name).view(torch.uint8 if fmt.p <= 4 else torch.int16).to(torch.int32) % 2 == 0)
+    )
     want = torch.where(pick_hi, hi, lo)
     assert torch.equal(got, want)
     big = fp.round_to(torch.tensor([fmt.max * 4, -fmt.max * 4]), name, saturate=True).float()

@@ -54,4 +54,6 @@ def test_hardware_exp2_reproduces_recorded_h200_outputs():
 def test_model_on_cuda_equals_model_on_cpu():
     x = _inputs()
     for degree in (1, 3, 5):
-        assert torch.equal(ex2_emulation(x, degree).cpu().view(torch.int32), ex2_emulation(x.cpu(), degree).view(torch.int32))
+        assert torch.equal(
+            ex2_emulation(x, degree).cpu().view(torch.int32), ex2_emulation(x.cpu(), degree).view(torch.int32)
+        )

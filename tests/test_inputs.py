@@ -1,4 +1,4 @@
-"""audits.inputs and audits.configs: families are deterministic and produce what they claim;
+"""audits.inputs and audits.cases: families are deterministic and produce what they claim;
 the smoke suite covers every axis and family."""
 
 import math
@@ -6,19 +6,23 @@ import math
 import pytest
 import torch
 
-from audits.configs import Case, smoke_suite, suite
+from audits.cases import Case, smoke_suite, suite
 from audits.inputs import FAMILIES, TILE_STEPS_LOG2, make_inputs
 from numerics.reference import attention_reference
 
 
 def logits(x):
     q, k = x["q"].double(), x["k"].double()
-    return torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)) / math.sqrt(q.shape[-1])
+    return torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)) / math.sqrt(
+        q.shape[-1]
+    )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_is_deterministic_and_well_formed(family):
-    c = Case(family=family, seqlen_q=64, seqlen_k=384, window=(16, 0) if family == "nan_inf_masked" else (None, None), seed=5)
+    c = Case(
+        family=family, seqlen_q=64, seqlen_k=384, window=(16, 0) if family == "nan_inf_masked" else (None, None), seed=5
+    )
     a, b = make_inputs(c), make_inputs(c)
     for t in "qkv":
         assert a[t].dtype == torch.bfloat16
@@ -74,8 +78,15 @@ def test_smoke_suite_covers_every_axis_and_family():
     assert {c.family for c in cases} == set(FAMILIES)
     assert {"bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"} <= {c.dtype for c in cases}
     assert {64, 128, 256} <= {c.d for c in cases} and any(c.d & (c.d - 1) for c in cases)
-    assert any(c.causal for c in cases) and any(c.local for c in cases) and any(c.softcap for c in cases) and any(c.sink for c in cases)
-    assert any(c.heads_kv >= 2 and c.heads_q > c.heads_kv for c in cases) and any(c.heads_kv == 1 and c.heads_q > 1 for c in cases)
+    assert (
+        any(c.causal for c in cases)
+        and any(c.local for c in cases)
+        and any(c.softcap for c in cases)
+        and any(c.sink for c in cases)
+    )
+    assert any(c.heads_kv >= 2 and c.heads_q > c.heads_kv for c in cases) and any(
+        c.heads_kv == 1 and c.heads_q > 1 for c in cases
+    )
     assert any(c.causal and c.seqlen_q > c.seqlen_k for c in cases)  # rows with no visible key
     assert any(c.seqlen_q % 128 or c.seqlen_k % 128 for c in cases) and any(c.batch >= 2 for c in cases)
     assert {"strided", "packed_qkv"} <= {c.layout for c in cases}
@@ -95,7 +106,7 @@ def test_unknown_suite_and_family():
 def test_pairwise_covers_every_pair():
     import itertools
 
-    from audits.configs import RELEASE_AXES, pairwise
+    from audits.cases import RELEASE_AXES, pairwise
 
     axes = {"a": [0, 1, 2], "b": ["x", "y"], "c": [True, False], "d": [1, 2, 3, 4]}
     rows = pairwise(axes)
@@ -109,7 +120,7 @@ def test_pairwise_covers_every_pair():
 
 
 def test_release_and_nightly_suites():
-    from audits.configs import nightly_suite, release_suite
+    from audits.cases import nightly_suite, release_suite
 
     rel = release_suite()
     assert len(rel) >= 1000 and {c.family for c in rel} == set(FAMILIES)
@@ -118,7 +129,7 @@ def test_release_and_nightly_suites():
     for c in rel:
         if c.family == "nan_inf_masked":
             assert c.seqlen_k - c.seqlen_q - c.window[0] > 0
-    small = [c for c in rel if c.seqlen_q * c.seqlen_k <= 1 << 16][:: 25]
+    small = [c for c in rel if c.seqlen_q * c.seqlen_k <= 1 << 16][::25]
     for c in small:
         make_inputs(c)
     night = nightly_suite()

@@ -19,4 +19,6 @@ def test_fixture_passes_a_correct_kernel_and_fails_a_bugged_one(pytester, monkey
     )
     result = pytester.runpytest()  # the plugin is loaded by its pytest11 entry point
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*fa4-audit: tests.bugged_kernels:bug_lse_log2 fails 1 case(s) of suite smoke*", "*LSE*"])
+    result.stdout.fnmatch_lines(
+        ["*fa4-audit: tests.bugged_kernels:bug_lse_log2 fails 1 case(s) of suite smoke*", "*LSE*"]
+    )

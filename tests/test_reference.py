@@ -20,7 +20,15 @@ def _inputs(seed=0, b=2, sq=7, sk=11, hq=4, hk=2, d=16):
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"causal": True}, {"window_size": (3, 1)}, {"window_size": (None, 0)}, {"softcap": 4.0}, {"softmax_scale": 0.7}, {"sink": True, "causal": True}],
+    [
+        {},
+        {"causal": True},
+        {"window_size": (3, 1)},
+        {"window_size": (None, 0)},
+        {"softcap": 4.0},
+        {"softmax_scale": 0.7},
+        {"sink": True, "causal": True},
+    ],
 )
 def test_fp64_reference_certified_by_mpmath(kw):
     q, k, v, sink = _inputs()
@@ -70,9 +78,18 @@ def test_output_errors_and_lse_errors():
     e = output_errors(out, ref)
     assert e["max_abs"] == 0.5 and e["argmax"] == (0, 1)
     assert e["nan_swallowed"] == 1 and e["nonfinite_where_ref_finite"] == 1
-    le = lse_errors(torch.tensor([1.0, -math.inf, 2.0, -math.inf, math.nan]), torch.tensor([1.5, -math.inf, -math.inf, math.nan, 3.0], dtype=torch.float64))
+    le = lse_errors(
+        torch.tensor([1.0, -math.inf, 2.0, -math.inf, math.nan]),
+        torch.tensor([1.5, -math.inf, -math.inf, math.nan, 3.0], dtype=torch.float64),
+    )
     # 2.0 vs -inf: an empty row made finite (fails); -inf vs NaN: deviation; NaN vs 3.0: fails
-    assert le == {"max_abs": 0.5, "ref_max_abs": 3.0, "mismatched_nonfinite": 1, "nan_swallowed": 1, "nonfinite_where_ref_finite": 1}
+    assert le == {
+        "max_abs": 0.5,
+        "ref_max_abs": 3.0,
+        "mismatched_nonfinite": 1,
+        "nan_swallowed": 1,
+        "nonfinite_where_ref_finite": 1,
+    }
 
 
 def test_ulp_histograms():
@@ -93,7 +110,9 @@ def test_fa_criterion():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32])
-@pytest.mark.parametrize("kw", [{"causal": True, "softcap": 5.0, "sink": True}, {"window_size": (2, 1)}, {"softmax_scale": 3.0}])
+@pytest.mark.parametrize(
+    "kw", [{"causal": True, "softcap": 5.0, "sink": True}, {"window_size": (2, 1)}, {"softmax_scale": 3.0}]
+)
 def test_exact_rows_agree_with_50_digit_mpmath(dtype, kw):
     """The fast certifier is within its documented 2**-78 (3.3e-24) of the pure-mpmath rows, on
     logits up to ~1e2 (wide exponent spread among the softmax weights)."""

@@ -18,7 +18,11 @@ def test_production_settings_are_safe(dtype):
 
 @pytest.mark.parametrize(
     "dtype,thr,off",
-    [("float8_e4m3fn", 4.0, 8), ("float8_e4m3fn", 1.0, 8), ("float16", 16.0, 0)],  # #2716; 8+1 > log2 448; 16 > log2 65504
+    [
+        ("float8_e4m3fn", 4.0, 8),
+        ("float8_e4m3fn", 1.0, 8),
+        ("float16", 16.0, 0),
+    ],  # #2716; 8+1 > log2 448; 16 > log2 65504
 )
 def test_unsafe_settings_are_flagged(dtype, thr, off):
     r = rescaling_analysis(dtype, thr, off)
@@ -34,7 +38,16 @@ def test_numbers():
     assert r.o_accumulator_headroom_log2(1 << 15, 4.0) == pytest.approx(r.row_sum_headroom_log2(1 << 15) - 2)
 
 
-@pytest.mark.parametrize("bad", [("bfloat16", -1.0, 0), ("float8_e4m3fn", 0.0, 9), ("float16", 0.0, 16), ("int8", 0.0, 0), ("float16", math.nan, 0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ("bfloat16", -1.0, 0),
+        ("float8_e4m3fn", 0.0, 9),
+        ("float16", 0.0, 16),
+        ("int8", 0.0, 0),
+        ("float16", math.nan, 0),
+    ],
+)
 def test_bad_settings(bad):
     with pytest.raises(ValueError):
         rescaling_analysis(*bad)

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from audits import cli
-from audits.configs import smoke_suite
-from audits.gate import ThresholdsError, load_thresholds
-from audits.runner import read_journal, shard_cases
+from audits.cases import smoke_suite
+from audits.runner.engine import read_journal, shard_cases
+from audits.runner.gate import ThresholdsError, load_thresholds
 
 ROOT = Path(__file__).parents[1]
 
@@ -50,7 +50,9 @@ def test_verdicts(tmp_path, kernel, pattern, expect):
     rep = report(tmp_path)
     if expect:
         bad = [c for c in rep["cases"] if c["verdict"] in ("fail", "error")]
-        assert bad and all(c["reasons"] for c in bad) and all(c["repro"].startswith("fa4-audit run --kernel") for c in bad)
+        assert (
+            bad and all(c["reasons"] for c in bad) and all(c["repro"].startswith("fa4-audit run --kernel") for c in bad)
+        )
         assert all((tmp_path / c["repro_inputs"]).exists() for c in bad)
 
 
@@ -71,13 +73,22 @@ def test_journal_resume_and_exitfirst(tmp_path):
 def test_several_kernels_share_inputs_and_references(tmp_path, monkeypatch):
     """Repeated --kernel: one report per kernel under OUT/<kernel>/, the FP64 reference computed
     once per case for all of them, and the exit code of the worst kernel."""
-    from audits import runner
+    from audits.runner import engine as runner
 
     calls = []
     real = runner.attention_reference
     monkeypatch.setattr(runner, "attention_reference", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     runner._reference.cache_clear()
-    rc = run("--kernel", "tests.bugged_kernels:exact", "--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*uniform*", "--out", str(tmp_path))
+    rc = run(
+        "--kernel",
+        "tests.bugged_kernels:exact",
+        "--kernel",
+        "tests.bugged_kernels:wrong_lse",
+        "--case",
+        "*uniform*",
+        "--out",
+        str(tmp_path),
+    )
     assert rc == 1
     good, bad = report(tmp_path / "tests.bugged_kernels.exact"), report(tmp_path / "tests.bugged_kernels.wrong_lse")
     assert good["kernel"] == "tests.bugged_kernels:exact" and good["summary"]["verdicts"]["pass"] == 1
@@ -96,7 +107,7 @@ def test_shards_partition_the_suite_and_balance_cost():
 
 
 def test_key_shards_keep_compile_keys_whole():
-    from audits.configs import release_suite
+    from audits.cases import release_suite
 
     cases = release_suite()
     shards = [shard_cases(cases, i, 8, by="key") for i in range(8)]
@@ -153,7 +164,9 @@ def test_gate_show_diff_merge(tmp_path, capsys):
     # a stricter policy file fails it
     strict = tmp_path / "strict.toml"
     strict.write_text(Path(load_thresholds()["path"]).read_text().replace("max_abs = 1e-3", "max_abs = 1e-9"))
-    assert cli.main(["gate", str(a / "report.json"), "--thresholds", str(strict), "--out", str(tmp_path / "strict")]) == 1
+    assert (
+        cli.main(["gate", str(a / "report.json"), "--thresholds", str(strict), "--out", str(tmp_path / "strict")]) == 1
+    )
     assert "LSE max |err|" in capsys.readouterr().out
     assert report(tmp_path / "strict")["summary"]["verdicts"]["fail"] == 1  # the re-judged report, written
     # a candidate worse than its baseline fails the baseline gate
@@ -187,7 +200,9 @@ def test_correct_blockwise_kernel_passes_smoke(tmp_path):
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_smoke_suite_catches_every_catalogued_bug(tmp_path, bug):
     """The catalogue of seeded bugs (tests/bugged_kernels.BUGS): the smoke suite fails each."""
-    assert run("--kernel", f"tests.bugged_kernels:bug_{bug}", "--suite", "smoke", "--out", str(tmp_path)) == 1, BUGS[bug]
+    assert run("--kernel", f"tests.bugged_kernels:bug_{bug}", "--suite", "smoke", "--out", str(tmp_path)) == 1, BUGS[
+        bug
+    ]
     rep = report(tmp_path)
     assert rep["summary"]["verdicts"]["fail"] + rep["summary"]["verdicts"]["error"] >= 1
 
@@ -205,7 +220,18 @@ def test_a_crashing_kernel_is_isolated(tmp_path):
 def test_junit_xml(tmp_path):
     import xml.etree.ElementTree as ET
 
-    assert run("--kernel", "tests.bugged_kernels:bug_lse_log2", "--case", "*uniform*", "--no-isolate", "--out", str(tmp_path)) == 1
+    assert (
+        run(
+            "--kernel",
+            "tests.bugged_kernels:bug_lse_log2",
+            "--case",
+            "*uniform*",
+            "--no-isolate",
+            "--out",
+            str(tmp_path),
+        )
+        == 1
+    )
     root = ET.parse(tmp_path / "report.junit.xml").getroot()
     assert root.tag == "testsuite" and root.get("failures") == "1"
     (tc,) = root.findall("testcase")
@@ -214,20 +240,55 @@ def test_junit_xml(tmp_path):
 
 def test_fuzz_finds_and_shrinks_a_bug_and_passes_an_exact_kernel(tmp_path, capsys):
     db = tmp_path / "db"
-    rc = cli.main(["fuzz", "--kernel", "tests.bugged_kernels:bug_lse_log2", "--budget", "10", "--max-seqlen", "64", "--database", str(db), "--seed", "1", "--out", str(tmp_path / "a")])
+    rc = cli.main(
+        [
+            "fuzz",
+            "--kernel",
+            "tests.bugged_kernels:bug_lse_log2",
+            "--budget",
+            "10",
+            "--max-seqlen",
+            "64",
+            "--database",
+            str(db),
+            "--seed",
+            "1",
+            "--out",
+            str(tmp_path / "a"),
+        ]
+    )
     assert rc == 1
     res = json.loads((tmp_path / "a" / "fuzz.json").read_text())
     f = res["failure"]
     assert "LSE" in " ".join(f["reasons"]) and f["case"]["seqlen_q"] <= 64
-    assert f["case"]["family"] == "normal" and f["case"]["window"] == [None, None]  # shrunk to the simplest family and mask
-    rc = cli.main(["fuzz", "--kernel", "tests.bugged_kernels:exact", "--budget", "8", "--max-seqlen", "48", "--database", str(db / "x"), "--seed", "1", "--out", str(tmp_path / "b")])
+    assert f["case"]["family"] == "normal" and f["case"]["window"] == [
+        None,
+        None,
+    ]  # shrunk to the simplest family and mask
+    rc = cli.main(
+        [
+            "fuzz",
+            "--kernel",
+            "tests.bugged_kernels:exact",
+            "--budget",
+            "8",
+            "--max-seqlen",
+            "48",
+            "--database",
+            str(db / "x"),
+            "--seed",
+            "1",
+            "--out",
+            str(tmp_path / "b"),
+        ]
+    )
     assert rc == 0
     assert json.loads((tmp_path / "b" / "fuzz.json").read_text())["failure"] is None
 
 
 def test_out_of_domain_inputs_are_reported_not_failed(tmp_path, monkeypatch):
-    import audits.configs as cfg
-    from audits.configs import Case
+    import audits.cases as cfg
+    from audits.cases import Case
 
     big = Case("bfloat16", 64, 64, 1, 1, 1, 16, 300, family="near_max")  # V ~ 3.4e38: P.V overflows float32
     monkeypatch.setitem(cfg.SUITES, "tiny", lambda: [big])
@@ -243,7 +304,12 @@ def test_html_report_is_self_contained(tmp_path):
 
     assert run("--kernel", "fa4-model", "--case", "*uniform*", "--out", str(tmp_path)) == 0
     page = (tmp_path / "report.html").read_text()
-    assert page.startswith("<!doctype html>") and "<svg" in page and "Worst cases" in page and "float16, head dim 128" in page
+    assert (
+        page.startswith("<!doctype html>")
+        and "<svg" in page
+        and "Worst cases" in page
+        and "float16, head dim 128" in page
+    )
     assert "<script" not in page and not re.search(r"(src|href)=['\"]https?:", page)  # opens offline
 
 
@@ -256,9 +322,17 @@ def test_sdpa_math_and_an_exact_kernel_pass_smoke(tmp_path):
 
 def test_summary_groups_reports_side_by_side(tmp_path, capsys):
     out = tmp_path / "two"
-    run("--kernel", "tests.bugged_kernels:exact", "--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*uniform*", "--out", str(out))
+    run(
+        "--kernel",
+        "tests.bugged_kernels:exact",
+        "--kernel",
+        "tests.bugged_kernels:wrong_lse",
+        "--case",
+        "*uniform*",
+        "--out",
+        str(out),
+    )
     import gzip
-
     import lzma
 
     a = out / "tests.bugged_kernels.exact" / "report.json.xz"
@@ -275,7 +349,7 @@ def test_summary_groups_reports_side_by_side(tmp_path, capsys):
 def test_lse_allowance_grows_with_the_lse_magnitude(tmp_path):
     """float32 LSE rounding scales with |lse| ([lse] rel): 2e-3 is fine at |lse| ~ 4e3 (the
     outliers family), not at |lse| ~ 10."""
-    from audits.gate import judge
+    from audits.runner.gate import judge
 
     run("--kernel", "tests.bugged_kernels:exact", "--case", "*uniform*", "--out", str(tmp_path))
     rec = report(tmp_path)["cases"][0]
@@ -288,7 +362,7 @@ def test_lse_allowance_grows_with_the_lse_magnitude(tmp_path):
 
 
 def test_markdown_of_a_large_suite_lists_what_needs_attention(tmp_path, monkeypatch):
-    from audits import report as report_mod
+    from audits.runner import report as report_mod
 
     monkeypatch.setattr(report_mod, "MD_ALL_CASES", 2)
     run("--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*tile_step*", "--out", str(tmp_path))

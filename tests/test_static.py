@@ -10,16 +10,28 @@ import pytest
 import torch
 
 from audits import cli
-from audits.configs import Case
-from audits.ptx_facts import PtxFormatError, f32_hex, kernel_facts
-from audits.static import audit_group, compare_facts, expected_facts, static_groups
+from audits.cases import Case
+from audits.static.core import audit_group, compare_facts, expected_facts, static_groups
+from audits.static.facts import PtxFormatError, f32_hex, kernel_facts
 from fa4.ex2 import POLY_EX2
 
 DATA = Path(__file__).parent / "data" / "ptx"
 
 
-def excerpt(*, steps=2, emu_per_step=24, degree=3, threshold=8.0, max_offset=0.0, ex2="ex2.approx.ftz.f32", cvt="cvt.rn.bf16x2.f32",
-            rcp="rcp.approx.ftz.f32", extra="", tanh=0, tile_n=128) -> str:
+def excerpt(
+    *,
+    steps=2,
+    emu_per_step=24,
+    degree=3,
+    threshold=8.0,
+    max_offset=0.0,
+    ex2="ex2.approx.ftz.f32",
+    cvt="cvt.rn.bf16x2.f32",
+    rcp="rcp.approx.ftz.f32",
+    extra="",
+    tanh=0,
+    tile_n=128,
+) -> str:
     """A PTX module with the instruction mix of the SM100 forward kernel's softmax: ``steps``
     inlined softmax steps of ``tile_n`` exp2 each (``emu_per_step`` of them emulated in packed
     pairs), one rescale ex2 with its threshold compare, the bias, P conversion and rcp."""
@@ -28,12 +40,19 @@ def excerpt(*, steps=2, emu_per_step=24, degree=3, threshold=8.0, max_offset=0.0
         L += ["\tfma.rn.f32x2 \t%rd1, %rd2, %rd3, %rd4;"] * (tile_n // 2)  # s * scale_log2 - bias, per pair
         L += [f"\t{ex2} \t%r1, %r2;"] * (tile_n - emu_per_step)
         for _ in range(emu_per_step // 2):
-            L += ["\tmax.f32 \t%r3, %r4, 0fC2FE0000;", "\tmov.b32 \t%r5, 0f4B400000;", "\tadd.rm.f32x2 \t%rd5, %rd6, %rd7;", "\tsub.rn.f32x2 \t%rd8, %rd5, %rd7;"]
+            L += [
+                "\tmax.f32 \t%r3, %r4, 0fC2FE0000;",
+                "\tmov.b32 \t%r5, 0f4B400000;",
+                "\tadd.rm.f32x2 \t%rd5, %rd6, %rd7;",
+                "\tsub.rn.f32x2 \t%rd8, %rd5, %rd7;",
+            ]
             L += [f"\tmov.b32 \t%r6, {f32_hex(c)};" for c in POLY_EX2[degree]]
             L += ["\tfma.rn.f32x2 \t%rd9, %rd10, %rd11, %rd12;"] * degree
             L += ["\tshl.b32 \t%r7, %r8, 23;", "\tadd.s32 \t%r9, %r7, %r10;"]
         L += [f"\t{cvt} \t%r11, %r12, %r13;"] * (tile_n // 2)
-        L += ["\tmul.f32 \t%r20, %r21, %r22;"] + ([f"\tmov.b32 \t%r23, {f32_hex(max_offset)};", "\tsub.f32 \t%r24, %r23, %r20;"] if max_offset else [])
+        L += ["\tmul.f32 \t%r20, %r21, %r22;"] + (
+            [f"\tmov.b32 \t%r23, {f32_hex(max_offset)};", "\tsub.f32 \t%r24, %r23, %r20;"] if max_offset else []
+        )
         L += ["\ttanh.approx.f32 \t%r30, %r31;"] * (tanh // steps)
     L += ["\tsub.f32 \t%r40, %r41, %r42;", "\tmul.f32 \t%r43, %r44, %r40;", f"\t{ex2} \t%r45, %r43;"]
     if threshold:
@@ -48,7 +67,12 @@ E4M3 = Case("float8_e4m3fn", 128, 128, 1, 16, 16, 1024, 1024)
 
 def test_excerpt_matches_the_model():
     f = kernel_facts(excerpt(), tile_n=128)
-    assert f["softmax.steps"] == 2 and f["exp2.emulated_per_step"] == 24 and f["exp2.poly_degree"] == 3 and f["exp2.fma_per_pair"] == 3
+    assert (
+        f["softmax.steps"] == 2
+        and f["exp2.emulated_per_step"] == 24
+        and f["exp2.poly_degree"] == 3
+        and f["exp2.fma_per_pair"] == 3
+    )
     assert f["rescale.threshold"] == 8.0 and f["max_offset"] == 0.0 and f["arith.nonstandard"] == {}
     assert compare_facts(f, expected_facts(BF16)) == []
 
@@ -87,7 +111,10 @@ def test_fp8_expectations_and_saturating_conversion():
         (".target sm_100a\nadd.f32 %r1, %r2, %r3;\n", "no .entry"),
         (".target sm_100a\n.entry k()\n{\nadd.f32 %r1, %r2, %r3;\n}\n", "no ex2"),
         (excerpt(cvt="mov.b32"), "P conversion was not found"),
-        (excerpt(emu_per_step=24).replace("\tex2.approx.ftz.f32 \t%r1, %r2;\n", "", 40), "do not split into softmax steps"),
+        (
+            excerpt(emu_per_step=24).replace("\tex2.approx.ftz.f32 \t%r1, %r2;\n", "", 40),
+            "do not split into softmax steps",
+        ),
     ],
 )
 def test_unrecognised_ptx_is_an_error_never_a_match(ptx, message):
@@ -102,7 +129,11 @@ def test_production_ptx_matches_the_model(name, case, tmp_path):
     ptx = gzip.decompress((DATA / f"{name}.sm_100a.ptx.gz").read_bytes()).decode()
     rep = case.name
     (tmp_path / f"{rep}.ptx.gz").write_bytes(gzip.compress(ptx.encode()))
-    (tmp_path / f"{rep}.ptx.json").write_text(json.dumps({"kernel_class": "FlashAttentionForwardSm100", "attributes": {"n_block_size": 128, "use_2cta_instrs": True}}))
+    (tmp_path / f"{rep}.ptx.json").write_text(
+        json.dumps(
+            {"kernel_class": "FlashAttentionForwardSm100", "attributes": {"n_block_size": 128, "use_2cta_instrs": True}}
+        )
+    )
     rec = audit_group(case, [case.name], ptx_dir=tmp_path, no_driver=True)
     assert rec["verdict"] == "match" and rec["compiled"] == "cached", rec.get("differences")
     assert rec["facts"]["exp2.hardware"] == {"ex2.approx.ftz.f32": 209} and rec["facts"]["exp2.emulated_pairs"] == 24
@@ -114,7 +145,7 @@ def test_production_ptx_matches_the_model(name, case, tmp_path):
 
 
 def test_static_groups_cover_the_suite_once():
-    from audits.configs import smoke_suite
+    from audits.cases import smoke_suite
 
     cases = smoke_suite()
     groups = static_groups(cases)
@@ -141,12 +172,16 @@ def _production_importable() -> bool:
     import importlib.util
 
     try:
-        return importlib.util.find_spec("flash_attn.cute") is not None and importlib.util.find_spec("cutlass") is not None
+        return (
+            importlib.util.find_spec("flash_attn.cute") is not None and importlib.util.find_spec("cutlass") is not None
+        )
     except (ImportError, ValueError):
         return False
 
 
-@pytest.mark.skipif(not _production_importable(), reason="needs the gpu extra (flash-attn-4, nvidia-cutlass-dsl); no GPU needed")
+@pytest.mark.skipif(
+    not _production_importable(), reason="needs the gpu extra (flash-attn-4, nvidia-cutlass-dsl); no GPU needed"
+)
 def test_cpu_cross_compile_of_production_matches_the_model(tmp_path, capsys):
     """The opt-in CPU path end to end: production compiles its SM100 kernel here, without a GPU
     (about 8 s), and every fact matches FA4Numerics.sm100."""
@@ -154,5 +189,9 @@ def test_cpu_cross_compile_of_production_matches_the_model(tmp_path, capsys):
     assert cli.main(["static", "--compile-on", "cpu", "--config", cfg, "--out", str(tmp_path), "--quiet"]) == 0
     rep = json.loads((tmp_path / "static.json").read_text())
     (g,) = rep["groups"]
-    assert g["verdict"] == "match" and g["kernel_class"] == "FlashAttentionForwardSm100" and g["facts"]["target"] == "sm_100a"
+    assert (
+        g["verdict"] == "match"
+        and g["kernel_class"] == "FlashAttentionForwardSm100"
+        and g["facts"]["target"] == "sm_100a"
+    )
     assert (tmp_path / "ptx" / f"{g['group']}.ptx.gz").exists()

@@ -1,10 +1,11 @@
-"""audits.ex2_sweep: input classes, and the numba and torch statistics backends agree."""
+"""audits.ex2.sweep: input classes, and the numba and torch statistics backends agree."""
 
 import pytest
 import torch
 
-from audits import _ex2_stats_cpu, ex2_sweep
-from audits.ex2_sweep import ULP_BIN_EDGES, class_ranges, sweep_ex2
+from audits.ex2 import _stats_cpu as _ex2_stats_cpu
+from audits.ex2 import sweep as ex2_sweep
+from audits.ex2.sweep import ULP_BIN_EDGES, class_ranges, sweep_ex2
 
 
 def test_classes_partition_all_bit_patterns():
@@ -27,7 +28,9 @@ def test_numba_and_torch_statistics_agree():
     x = torch.rand(1 << 16, generator=g) * 250 - 125
     y = torch.exp2(x) * (1 + (torch.rand(1 << 16, generator=g) - 0.5) * 1e-4)
     a = ex2_sweep._chunk_stats_torch(x, y, envelope=True)
-    b = _ex2_stats_cpu.chunk_stats(x.numpy(), y.numpy(), envelope=True, frac_bins=ex2_sweep.FRAC_BINS, n_hist=len(ULP_BIN_EDGES) - 1)
+    b = _ex2_stats_cpu.chunk_stats(
+        x.numpy(), y.numpy(), envelope=True, frac_bins=ex2_sweep.FRAC_BINS, n_hist=len(ULP_BIN_EDGES) - 1
+    )
     assert a["argmax"] == b["argmax"] and a["hist"] == b["hist"]
     # the two exp2 references (SLEEF in torch, glibc in numba) may differ by a float64 ulp
     for k in ("max_rel", "sum_rel", "max_ulp"):

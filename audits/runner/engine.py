@@ -17,15 +17,15 @@ import math
 import os
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from audits.configs import Case
-from audits.gate import judge
+from audits.cases import Case
 from audits.inputs import make_inputs
 from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel
+from audits.runner.gate import judge
 from numerics.forward_bound import forward_error_bound
 from numerics.fp import format_of
 from numerics.metrics import lse_errors, output_errors
@@ -50,7 +50,10 @@ def shard_cases(cases: list[Case], index: int, count: int, *, by: str = "cost") 
         for i, c in enumerate(cases):
             units.setdefault(c.compile_key, []).append(i)
     total = sum(c.cost for c in cases) or 1
-    weight = {u: sum(cases[i].cost for i in m) / total + (len(m) / len(cases) if by == "key" else 0.0) for u, m in units.items()}
+    weight = {
+        u: sum(cases[i].cost for i in m) / total + (len(m) / len(cases) if by == "key" else 0.0)
+        for u, m in units.items()
+    }
     loads = [0.0] * count
     owner = {}
     for u in sorted(units, key=lambda u: (-weight[u], repr(u))):
@@ -119,7 +122,9 @@ def _peer_numerics(q: torch.Tensor):
     ``peer_bound``): float32 softmax, hardware-class exp2, P rounded to the input dtype."""
     from fa4.model import FA4Numerics
 
-    return FA4Numerics(arch="sm90", tile_m=128, tile_n=128, exp2="hardware", rescale_threshold=0.0, max_offset=0, p_dtype=q.dtype)
+    return FA4Numerics(
+        arch="sm90", tile_m=128, tile_n=128, exp2="hardware", rescale_threshold=0.0, max_offset=0, p_dtype=q.dtype
+    )
 
 
 def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device) -> None:
@@ -145,7 +150,11 @@ def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse
             "max_bound": float(torch.where(torch.isfinite(ob), ob, 0.0).max()),
         }
     rec["out_of_domain"] = _domain(q, k, v, case, nm)
-    if rec["out_of_domain"] is None and not claims_nonfinite_inputs(kernel) and not all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v)):
+    if (
+        rec["out_of_domain"] is None
+        and not claims_nonfinite_inputs(kernel)
+        and not all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v))
+    ):
         rec["out_of_domain"] = f"inputs contain NaN/inf and {kernel} claims no semantics for them"
     fin = torch.isfinite(ref)
     r = torch.where(fin, ref, 0.0)
@@ -170,7 +179,9 @@ def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, t
     except NotImplementedError as exc:
         rec.update(status="skipped", reason=f"kernel does not support this configuration: {exc}")
     except Exception as exc:  # any other exception is the case's verdict, never a pass
-        rec.update(status="error", reason=f"kernel raised {type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
+        rec.update(
+            status="error", reason=f"kernel raised {type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3)
+        )
     else:
         out, lse = res if isinstance(res, tuple) else (res, None)
         want = (case.batch, case.seqlen_q, case.heads_q, case.dv)
@@ -189,7 +200,10 @@ def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, t
                 try:
                     _analyse(rec, kernel, case, x, out, lse, device)
                 except torch.OutOfMemoryError as exc:
-                    rec.update(status="error", reason=f"the audit's FP64 reference or bound ran out of GPU memory on this case: {str(exc).splitlines()[0]}")
+                    rec.update(
+                        status="error",
+                        reason=f"the audit's FP64 reference or bound ran out of GPU memory on this case: {str(exc).splitlines()[0]}",
+                    )
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
     rec["seconds"] = time.perf_counter() - t0
     return rec
@@ -212,7 +226,11 @@ def _worker(conn, kernel: str) -> None:  # pragma: no cover - runs in the child 
         kw = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
         try:
             res = fn(q.to(dev), k.to(dev), v.to(dev), return_lse=True, **kw)
-            res = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in res) if isinstance(res, tuple) else (res.cpu() if isinstance(res, torch.Tensor) else res)
+            res = (
+                tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in res)
+                if isinstance(res, tuple)
+                else (res.cpu() if isinstance(res, torch.Tensor) else res)
+            )
             conn.send(("ok", res))
         except Exception as exc:  # sent back and re-raised in the parent
             conn.send(("raise", exc))
@@ -252,7 +270,11 @@ class _Isolated:
         if status == "raise":
             raise payload
         dev = q.device
-        return tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in payload) if isinstance(payload, tuple) else payload.to(dev)
+        return (
+            tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in payload)
+            if isinstance(payload, tuple)
+            else payload.to(dev)
+        )
 
     def close(self):
         if self.proc is not None and self.proc.is_alive():
@@ -332,7 +354,14 @@ def run_suites(
         done = read_journal(journal) if resume else {}
         if not resume and journal.exists():
             journal.unlink()
-        state[kern] = {"fn": iso if iso is not None else fn, "iso": iso, "out": out, "journal": journal, "done": done, "records": {}}
+        state[kern] = {
+            "fn": iso if iso is not None else fn,
+            "iso": iso,
+            "out": out,
+            "journal": journal,
+            "done": done,
+            "records": {},
+        }
     order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
     try:
         _loop(order, cases, state, device, thresholds, repro_cmd, progress, exitfirst)
@@ -358,7 +387,16 @@ def _loop(order, cases, state, device, thresholds, repro_cmd, progress, exitfirs
                     rdir = st["out"] / "repro"
                     rdir.mkdir(exist_ok=True)
                     x = make_inputs(c, device="cpu")
-                    torch.save({"q": x["q"].contiguous(), "k": x["k"].contiguous(), "v": x["v"].contiguous(), "kw": x["kw"], "case": c.as_dict()}, rdir / f"{c.name}.pt")
+                    torch.save(
+                        {
+                            "q": x["q"].contiguous(),
+                            "k": x["k"].contiguous(),
+                            "v": x["v"].contiguous(),
+                            "kw": x["kw"],
+                            "case": c.as_dict(),
+                        },
+                        rdir / f"{c.name}.pt",
+                    )
                     rec["repro_inputs"] = f"repro/{c.name}.pt"
                 _journal_append(st["journal"], rec)
             st["records"][i] = rec

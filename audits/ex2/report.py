@@ -1,36 +1,21 @@
 """Write the exp2 audit's report: JSON (``fa4-audit/ex2/1``), Markdown, an SVG plot, and a
-console table.  Input: the dict assembled by ``audits.cli`` from ``audits.ex2_sweep`` results.
+console table.  Input: the dict assembled by ``audits.cli`` from ``audits.ex2.sweep`` results.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["SCHEMA", "write_report", "print_summary", "atomic_write"]
+from audits.common import atomic_write
+
+__all__ = ["SCHEMA", "write_report", "print_summary"]
 
 SCHEMA = "fa4-audit/ex2/1"
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: a crash leaves either the
-    old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _fmt(v, spec=".3e") -> str:
@@ -74,10 +59,17 @@ def _markdown(report: dict) -> str:
             f"mean {_fmt(n.get('mean_rel_error'))}, max {_fmt(n.get('max_ulp_error'), '.2f')} ULP.",
         ]
     if report.get("ptx"):
-        L += ["", f"PTX of production's exp2 compiled for {report['ptx']['arch']} vs the model's instructions "
-              "(`audits.ex2_ptx`: every f32 instruction's opcode, rounding, .ftz, packing; the constants):", ""]
+        L += [
+            "",
+            f"PTX of production's exp2 compiled for {report['ptx']['arch']} vs the model's instructions "
+            "(`audits.ex2.ptx`: every f32 instruction's opcode, rounding, .ftz, packing; the constants):",
+            "",
+        ]
         for row in report["ptx"]["checks"]:
-            L.append(f"- degree {row['degree']} {row['variant']}: " + ("identical" if not row["differences"] else "; ".join(row["differences"])))
+            L.append(
+                f"- degree {row['degree']} {row['variant']}: "
+                + ("identical" if not row["differences"] else "; ".join(row["differences"]))
+            )
     L += ["", "## Verdict", ""]
     for v in report["verdicts"]:
         L.append(f"- {v}")
@@ -101,7 +93,9 @@ def _markdown(report: dict) -> str:
     L += ["", "## Time", ""]
     for r, _, prod in _degree_rows(report):
         s = r["sweep"]
-        line = f"- degree {r['degree']}: {s['inputs']:,} inputs in {s['seconds']:.1f} s (model {s['model_seconds']:.1f} s)"
+        line = (
+            f"- degree {r['degree']}: {s['inputs']:,} inputs in {s['seconds']:.1f} s (model {s['model_seconds']:.1f} s)"
+        )
         sc = prod.get("scalar") or {}
         if "production_seconds" in sc:
             line += f"; production scalar kernel {sc['production_seconds']:.2f} s"
@@ -162,7 +156,14 @@ def _compact(report: dict) -> dict:
 
     def fix(sweep: dict) -> dict:
         env = sweep["envelope"]
-        return {**sweep, "envelope": {**env, "min_rel": [rnd(v) for v in env["min_rel"]], "max_rel": [rnd(v) for v in env["max_rel"]]}}
+        return {
+            **sweep,
+            "envelope": {
+                **env,
+                "min_rel": [rnd(v) for v in env["min_rel"]],
+                "max_rel": [rnd(v) for v in env["max_rel"]],
+            },
+        }
 
     out = {**report, "degrees": [{**r, "sweep": fix(r["sweep"])} for r in report["degrees"]]}
     if "hardware" in report:

@@ -18,16 +18,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from audits.common import PtxFormatError
 from fa4.ex2 import POLY_EX2, PTX_MODEL
 
 __all__ = ["float_instructions", "check_ptx", "compile_ptx", "PtxFormatError"]
 
 _FLOAT_OP = re.compile(r"^\s*(max|min|add|sub|mul|fma)((?:\.[a-z0-9]+)*)\s+(.*?);", re.M)
 _F32_CONST = re.compile(r"0f([0-9A-Fa-f]{8})")
-
-
-class PtxFormatError(ValueError):
-    """The PTX is not what the extractor understands (no kernel, no float instruction)."""
 
 
 def float_instructions(ptx: str) -> Counter:
@@ -89,7 +86,9 @@ def check_ptx(ptx: str, *, variant: str, degree: int, elements: int = 2) -> list
     need = {_f32_bits(c) for c in POLY_EX2[degree]} - {_f32_bits(1.0)} | {_f32_bits(-127.0)}
     missing = need - consts
     if missing:
-        diffs.append("float constants the model uses but the PTX lacks: " + ", ".join(f"0f{m:08X}" for m in sorted(missing)))
+        diffs.append(
+            "float constants the model uses but the PTX lacks: " + ", ".join(f"0f{m:08X}" for m in sorted(missing))
+        )
     if not ({_f32_bits(1.5 * 2**23), _f32_bits(-1.5 * 2**23)} & consts):
         diffs.append("the rounding constant 1.5*2^23 (0f4B400000) is absent")
     if "shl.b32" not in ptx or "add.s32" not in ptx:

@@ -4,7 +4,7 @@ model, without running it.
 For each compile group of a suite (the cases that give one kernel variant *and* one model
 configuration), production's ``FlashAttentionForwardSm100`` is compiled to sm_100a PTX
 (``fa4.sm100_compile``, a fresh process per compile), its numerics facts are read
-(``audits.ptx_facts``) and each is compared with what ``FA4Numerics.sm100`` assumes for those
+(``audits.static.facts``) and each is compared with what ``FA4Numerics.sm100`` assumes for those
 inputs (:func:`expected_facts`).  A difference means production and the model have diverged —
 a new tuning table, a new polynomial, a new threshold — and is reported with the fact, both
 values and the compile group; it fails the audit (exit 1).  PTX the extractor does not
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from audits.configs import Case
-from audits.ptx_facts import PtxFormatError, kernel_facts
+from audits.cases import Case
+from audits.static.facts import PtxFormatError, kernel_facts
 from fa4.ex2 import POLY_EX2, emulated_columns
 from fa4.model import FA4Numerics
 
@@ -46,7 +46,15 @@ class StaticError(RuntimeError):
 
 
 def _numerics(c: Case) -> FA4Numerics:
-    return FA4Numerics.sm100(getattr(torch, c.dtype), c.d, c.causal, c.local, seqlen_q=c.seqlen_q, qhead_per_kvhead=c.heads_q // c.heads_kv, head_dim_v=c.dv)
+    return FA4Numerics.sm100(
+        getattr(torch, c.dtype),
+        c.d,
+        c.causal,
+        c.local,
+        seqlen_q=c.seqlen_q,
+        qhead_per_kvhead=c.heads_q // c.heads_kv,
+        head_dim_v=c.dv,
+    )
 
 
 def static_groups(cases: list[Case]) -> list[tuple[Case, list[str]]]:
@@ -62,10 +70,18 @@ def static_groups(cases: list[Case]) -> list[tuple[Case, list[str]]]:
 
 def expected_facts(c: Case) -> dict:
     """What the model (``FA4Numerics.sm100`` for this case, and its fixed instruction-level
-    assumptions, ``fa4.model`` module doc) implies for each fact of ``audits.ptx_facts``."""
+    assumptions, ``fa4.model`` module doc) implies for each fact of ``audits.static.facts``."""
     nm = _numerics(c)
     dt = getattr(torch, c.dtype)
-    emu = int(emulated_columns(nm.tile_n, ex2_emu_freq=nm.emu_freq, ex2_emu_res=nm.emu_res, ex2_emu_start_frg=nm.emu_start_frg).sum()) if nm.exp2 == "mixed" else (nm.tile_n if nm.exp2 == "emulated" else 0)
+    emu = (
+        int(
+            emulated_columns(
+                nm.tile_n, ex2_emu_freq=nm.emu_freq, ex2_emu_res=nm.emu_res, ex2_emu_start_frg=nm.emu_start_frg
+            ).sum()
+        )
+        if nm.exp2 == "mixed"
+        else (nm.tile_n if nm.exp2 == "emulated" else 0)
+    )
     return {
         "exp2.hardware": ["ex2.approx.ftz.f32"],  # MUFU.EX2 with flush-to-zero (hardware_exp2)
         "exp2.emulated_scalar": 0,  # SM100 uses the packed ex2_emulation_2 only
@@ -92,7 +108,16 @@ def compare_facts(facts: dict, want: dict, *, tile_n: int = 128) -> list[dict]:
 
     if sorted(facts["exp2.hardware"]) != want["exp2.hardware"]:
         differ("exp2.hardware", facts["exp2.hardware"], want["exp2.hardware"])
-    for name in ("exp2.emulated_scalar", "exp2.emulated_per_step", "exp2.poly_degree", "exp2.poly_coefficients", "exp2.fma_per_pair", "rescale.threshold", "max_offset", "arith.nonstandard"):
+    for name in (
+        "exp2.emulated_scalar",
+        "exp2.emulated_per_step",
+        "exp2.poly_degree",
+        "exp2.poly_coefficients",
+        "exp2.fma_per_pair",
+        "rescale.threshold",
+        "max_offset",
+        "arith.nonstandard",
+    ):
         if facts[name] != want[name]:
             differ(name, facts[name], want[name])
     pc, steps = facts["p_convert"], facts["softmax.steps"]
@@ -112,7 +137,9 @@ def _compile(c: Case, ptx_path: Path, *, no_driver: bool) -> tuple[str, dict] | 
     """Compile in a fresh process; the PTX text and production's recorded choices, or the
     refusal message (str) when production does not support the configuration."""
     cfg = {k: v for k, v in c.as_dict().items() if k not in ("layout", "family", "seed")}
-    cmd = [sys.executable, "-m", "fa4.sm100_compile", json.dumps(cfg), str(ptx_path)] + (["--no-driver"] if no_driver else [])
+    cmd = [sys.executable, "-m", "fa4.sm100_compile", json.dumps(cfg), str(ptx_path)] + (
+        ["--no-driver"] if no_driver else []
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode == 3:
         return proc.stderr.strip().splitlines()[-1]
@@ -145,7 +172,19 @@ def audit_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver: bool) ->
         rec["compiled"] = f"{time.perf_counter() - t0:.1f} s"
     attrs = chosen.get("attributes", {})
     tile_n = int(attrs.get("n_block_size", 128))
-    rec["production"] = {k: attrs.get(k) for k in ("use_2cta_instrs", "pack_gqa", "q_stage", "m_block_size", "n_block_size", "enable_ex2_emu", "is_persistent") if k in attrs}
+    rec["production"] = {
+        k: attrs.get(k)
+        for k in (
+            "use_2cta_instrs",
+            "pack_gqa",
+            "q_stage",
+            "m_block_size",
+            "n_block_size",
+            "enable_ex2_emu",
+            "is_persistent",
+        )
+        if k in attrs
+    }
     rec["kernel_class"] = chosen.get("kernel_class")
     try:
         facts = kernel_facts(ptx, tile_n=tile_n)

@@ -40,7 +40,7 @@ import re
 import struct
 from collections import Counter
 
-from audits.ex2_ptx import PtxFormatError  # one error type for every PTX reader
+from audits.common import PtxFormatError  # one error type for every PTX reader
 from fa4.ex2 import POLY_EX2
 
 __all__ = ["PtxFormatError", "kernel_facts", "f32_hex"]
@@ -73,7 +73,9 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
     ops = Counter(op for op, _ in ins)
     ex2 = {op: n for op, n in ops.items() if op.startswith("ex2.")}
     if not ex2:
-        raise PtxFormatError("no ex2 instruction: not an attention forward kernel, or a form the extractor does not know")
+        raise PtxFormatError(
+            "no ex2 instruction: not an attention forward kernel, or a form the extractor does not know"
+        )
     pairs = ops.get("add.rm.f32x2", 0)
     scalar = sum(n for op, n in ops.items() if re.fullmatch(r"(add|sub)\.rm(\.ftz)?\.f32", op))
     e, h = 2 * pairs + scalar, sum(ex2.values())
@@ -88,9 +90,23 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
     degrees = [d for d, cs in POLY_EX2.items() if all(f32_hex(c) in imm for c in cs if c != 1.0)]
     degree = max(degrees) if degrees else None
     fma2 = ops.get("fma.rn.f32x2", 0)
-    thresholds = sorted({-_hex_f32(a.split(",")[-1].strip()) for op, a in ins if op == "setp.ge.f32" and _IMM.fullmatch(a.split(",")[-1].strip()) and _hex_f32(a.split(",")[-1].strip()) < 0})
+    thresholds = sorted(
+        {
+            -_hex_f32(a.split(",")[-1].strip())
+            for op, a in ins
+            if op == "setp.ge.f32"
+            and _IMM.fullmatch(a.split(",")[-1].strip())
+            and _hex_f32(a.split(",")[-1].strip()) < 0
+        }
+    )
     movs = {m.group(1): m.group(2) for m in re.finditer(r"mov\.b32\s+(%r\d+),\s*(0f[0-9A-Fa-f]{8});", ptx)}
-    offsets = sorted({_hex_f32(movs[m.group(1)]) for m in re.finditer(r"sub\.f32\s+%r\d+,\s*(%r\d+),\s*%r\d+;", ptx) if m.group(1) in movs})
+    offsets = sorted(
+        {
+            _hex_f32(movs[m.group(1)])
+            for m in re.finditer(r"sub\.f32\s+%r\d+,\s*(%r\d+),\s*%r\d+;", ptx)
+            if m.group(1) in movs
+        }
+    )
     nonstd = Counter()
     for op, n in ops.items():
         parts = op.split(".")
@@ -100,7 +116,9 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
             rnd = next((p for p in parts if p in ("rn", "rz", "rm", "rp")), "rn")
             if rnd != "rn" or "ftz" in parts or "sat" in parts:
                 nonstd[op] += n
-    cvt = {op: n for op, n in ops.items() if op.startswith("cvt.") and re.search(r"\.(bf16|f16|e4m3|e5m2)(x2)?\.f32$", op)}
+    cvt = {
+        op: n for op, n in ops.items() if op.startswith("cvt.") and re.search(r"\.(bf16|f16|e4m3|e5m2)(x2)?\.f32$", op)
+    }
     if not cvt:
         raise PtxFormatError("no float32 -> 16/8-bit conversion (cvt...f32): the P conversion was not found")
     return {

@@ -40,8 +40,12 @@ class Case:
 
     @property
     def name(self) -> str:
-        parts = [self.dtype.replace("float", "f").replace("bf16", "bf16"), f"d{self.d}" + (f"v{self.dv}" if self.dv != self.d else ""),
-                 f"b{self.batch}h{self.heads_q}k{self.heads_kv}", f"s{self.seqlen_q}x{self.seqlen_k}"]
+        parts = [
+            self.dtype.replace("float", "f").replace("bf16", "bf16"),
+            f"d{self.d}" + (f"v{self.dv}" if self.dv != self.d else ""),
+            f"b{self.batch}h{self.heads_q}k{self.heads_kv}",
+            f"s{self.seqlen_q}x{self.seqlen_k}",
+        ]
         if self.causal:
             parts.append("causal")
         if self.local:
@@ -58,7 +62,16 @@ class Case:
     @property
     def compile_key(self) -> tuple:
         """What a JIT kernel specialises on: cases sharing it reuse one compiled variant."""
-        return (self.dtype, self.d, self.dv, self.causal, self.local, self.softcap > 0, self.sink, self.heads_q // self.heads_kv)
+        return (
+            self.dtype,
+            self.d,
+            self.dv,
+            self.causal,
+            self.local,
+            self.softcap > 0,
+            self.sink,
+            self.heads_q // self.heads_kv,
+        )
 
     @property
     def cost(self) -> int:
@@ -97,9 +110,28 @@ def smoke_suite() -> list[Case]:
 
 #: (seqlen_q, seqlen_k) pairs of FA's own tests (tests/cute/test_flash_attn.py) and more
 SEQLEN_PAIRS = [
-    (1, 239), (3, 799), (127, 512), (127, 513), (113, 203), (128, 217), (113, 211), (108, 256),
-    (256, 512), (384, 256), (640, 128), (512, 256), (1024, 1024), (1023, 1024), (1024, 1023),
-    (200, 2048), (2048, 2048), (4096, 4096), (8192, 8192), (1, 8192), (4224, 4224), (1000, 3000),
+    (1, 239),
+    (3, 799),
+    (127, 512),
+    (127, 513),
+    (113, 203),
+    (128, 217),
+    (113, 211),
+    (108, 256),
+    (256, 512),
+    (384, 256),
+    (640, 128),
+    (512, 256),
+    (1024, 1024),
+    (1023, 1024),
+    (1024, 1023),
+    (200, 2048),
+    (2048, 2048),
+    (4096, 4096),
+    (8192, 8192),
+    (1, 8192),
+    (4224, 4224),
+    (1000, 3000),
 ]
 RELEASE_AXES = {
     "dtype": ["bfloat16", "float16", "float8_e4m3fn"],
@@ -154,9 +186,21 @@ def _release_case(row: dict, family: str, seed: int) -> Case:
             sk = sq + 80
     d = row["d"]
     return Case(
-        row["dtype"], d, d, 1 if sq * sk > 4096 * 4096 else 2, hq, hk, sq, sk,
-        causal=row["mask"] == "causal" and family != "nan_inf_masked", window=window,
-        softcap=row["softcap"], sink=row["sink"], layout=row["layout"], family=family, seed=seed,
+        row["dtype"],
+        d,
+        d,
+        1 if sq * sk > 4096 * 4096 else 2,
+        hq,
+        hk,
+        sq,
+        sk,
+        causal=row["mask"] == "causal" and family != "nan_inf_masked",
+        window=window,
+        softcap=row["softcap"],
+        sink=row["sink"],
+        layout=row["layout"],
+        family=family,
+        seed=seed,
     )
 
 

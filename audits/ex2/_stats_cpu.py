@@ -1,4 +1,4 @@
-"""Fused CPU loop (numba) for the per-chunk statistics of ``audits.ex2_sweep``.
+"""Fused CPU loop (numba) for the per-chunk statistics of ``audits.ex2.sweep``.
 
 Computes exactly what ``ex2_sweep._chunk_stats_torch`` computes — |relative error| against
 ``exp2`` in float64, its maximum, argmax and sum, the ULP error in float32 units at the exact
@@ -30,7 +30,9 @@ def available() -> bool:
 if numba is not None:
 
     @numba.njit(parallel=True, fastmath=False, cache=True, nogil=True)
-    def _kernel(x, y, nblk, envelope, frac_bins, n_hist, bmax, barg, bsum, bulp, bhist, benv_lo, benv_hi):  # pragma: no cover
+    def _kernel(
+        x, y, nblk, envelope, frac_bins, n_hist, bmax, barg, bsum, bulp, bhist, benv_lo, benv_hi
+    ):  # pragma: no cover
         n = x.shape[0]
         bs = (n + nblk - 1) // nblk
         for b in numba.prange(nblk):

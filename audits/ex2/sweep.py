@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
-from audits import _ex2_stats_cpu
+from audits.ex2 import _stats_cpu as _ex2_stats_cpu
 from fa4.ex2 import ex2_emulation, ex2_emulation_2
 from numerics.fp import f32_bits, f32_from_bits, ulp_error
 
@@ -179,7 +179,7 @@ def _special_table(fn: Callable[[torch.Tensor], torch.Tensor], device) -> list[d
         rows.append(
             {
                 "input": name,
-                "x_bits": f"0x{int(f32_bits(x[i:i+1].cpu()).item()) & 0xFFFFFFFF:08X}",
+                "x_bits": f"0x{int(f32_bits(x[i : i + 1].cpu()).item()) & 0xFFFFFFFF:08X}",
                 "result": repr(float(y[i])),
                 "result_bits": f"0x{yb:08X}",
                 "exact": repr(float(exact[i])),
@@ -217,7 +217,9 @@ def _chunk_stats_torch(x: torch.Tensor, y: torch.Tensor, *, envelope: bool) -> d
 def _chunk_stats(x: torch.Tensor, y: torch.Tensor, *, envelope: bool) -> dict:
     """Same as :func:`_chunk_stats_torch`; on CPU through the fused numba loop when available."""
     if x.device.type == "cpu" and _ex2_stats_cpu.available():
-        return _ex2_stats_cpu.chunk_stats(x.numpy(), y.numpy(), envelope=envelope, frac_bins=FRAC_BINS, n_hist=len(ULP_BIN_EDGES) - 1)
+        return _ex2_stats_cpu.chunk_stats(
+            x.numpy(), y.numpy(), envelope=envelope, frac_bins=FRAC_BINS, n_hist=len(ULP_BIN_EDGES) - 1
+        )
     return _chunk_stats_torch(x, y, envelope=envelope)
 
 
@@ -242,7 +244,7 @@ def sweep_ex2(
     ``function``: measure this exp2 implementation instead of the model (e.g. the hardware
     MUFU.EX2 kernel); ``degree`` is then only a label.
     ``progress(n)`` is called with the number of inputs done after each chunk.
-    Returns a JSON-able dict (see ``audits.ex2_report``).
+    Returns a JSON-able dict (see ``audits.ex2.report``).
     """
     device = torch.device(device)
     model = ex2_emulation_2 if packed else ex2_emulation
@@ -278,8 +280,8 @@ def sweep_ex2(
                             mism["examples"].append(
                                 {
                                     "x_bits": f"0x{int(bits[i]) & 0xFFFFFFFF:08X}",
-                                    "model_bits": f"0x{int(f32_bits(y[i:i+1]).item()) & 0xFFFFFFFF:08X}",
-                                    "production_bits": f"0x{int(f32_bits(yp[i:i+1]).item()) & 0xFFFFFFFF:08X}",
+                                    "model_bits": f"0x{int(f32_bits(y[i : i + 1]).item()) & 0xFFFFFFFF:08X}",
+                                    "production_bits": f"0x{int(f32_bits(yp[i : i + 1]).item()) & 0xFFFFFFFF:08X}",
                                 }
                             )
             st.count += x.numel()
@@ -316,5 +318,10 @@ def sweep_ex2(
         "special": _special_table(fn, device),
     }
     if production is not None:
-        out["production"] = {"compared": out["inputs"], "mismatches": mism["count"], "examples": mism["examples"], "production_seconds": t_prod}
+        out["production"] = {
+            "compared": out["inputs"],
+            "mismatches": mism["count"],
+            "examples": mism["examples"],
+            "production_seconds": t_prod,
+        }
     return out

@@ -1,6 +1,6 @@
 """Hypothesis strategies over audit cases, and the search behind ``fa4-audit fuzz``.
 
-``cases()`` draws a whole :class:`audits.configs.Case` (dtype, head dims, GQA grouping,
+``cases()`` draws a whole :class:`audits.cases.Case` (dtype, head dims, GQA grouping,
 sequence lengths, mask, softcap, sink, layout, input family, seed); shrinking moves toward
 small shapes, no mask and the ``normal`` family, so a failure shrinks to a minimal reproducer.
 ``fuzz`` climbs toward the largest error relative to the per-element bound with
@@ -18,14 +18,16 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from audits.configs import Case
+from audits.cases import Case
 from audits.inputs import FAMILIES
 
 __all__ = ["cases", "fuzz"]
 
 
 @st.composite
-def cases(draw, *, max_seqlen: int = 512, dtypes: tuple[str, ...] = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")) -> Case:
+def cases(
+    draw, *, max_seqlen: int = 512, dtypes: tuple[str, ...] = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+) -> Case:
     """Any audit case with sequence lengths up to ``max_seqlen``."""
     dtype = draw(st.sampled_from(dtypes))
     d = draw(st.sampled_from([64, 128, 96, 256]))
@@ -38,29 +40,55 @@ def cases(draw, *, max_seqlen: int = 512, dtypes: tuple[str, ...] = ("bfloat16",
     family = draw(st.sampled_from(fams + ["nan_inf_masked"]))
     window = (None, None)
     if mask == "local":
-        window = (draw(st.one_of(st.none(), st.integers(0, max_seqlen))), draw(st.one_of(st.none(), st.integers(0, max_seqlen))))
+        window = (
+            draw(st.one_of(st.none(), st.integers(0, max_seqlen))),
+            draw(st.one_of(st.none(), st.integers(0, max_seqlen))),
+        )
     if family == "nan_inf_masked":  # needs keys that no query sees
         mask, window = "local", (draw(st.integers(0, 32)), 0)
         sk = max(sk, sq + window[0] + 2)
     layout = draw(st.sampled_from(["contiguous", "strided"]))
     return Case(
-        dtype, d, d, draw(st.integers(1, 2)), hq, hk, sq, sk, causal=mask == "causal", window=window,
-        softcap=draw(st.sampled_from([0.0, 30.0, 5.0])), sink=draw(st.booleans()), layout=layout, family=family,
+        dtype,
+        d,
+        d,
+        draw(st.integers(1, 2)),
+        hq,
+        hk,
+        sq,
+        sk,
+        causal=mask == "causal",
+        window=window,
+        softcap=draw(st.sampled_from([0.0, 30.0, 5.0])),
+        sink=draw(st.booleans()),
+        layout=layout,
+        family=family,
         seed=draw(st.integers(0, 2**16)),
     )
 
 
-def fuzz(kernel: str, *, budget: int, device: torch.device, thresholds: dict, database: str | Path, max_seqlen: int = 512, seed: int | None = None) -> dict:
+def fuzz(
+    kernel: str,
+    *,
+    budget: int,
+    device: torch.device,
+    thresholds: dict,
+    database: str | Path,
+    max_seqlen: int = 512,
+    seed: int | None = None,
+) -> dict:
     """Search for a failing case; returns {examples, best_tightness, best_case, failure}.  A
     failure is the minimal case Hypothesis shrank to, with its verdict's reasons."""
     from audits.kernels import get_kernel
-    from audits.runner import evaluate_case
+    from audits.runner.engine import evaluate_case
 
     fn = get_kernel(kernel)
     state = {"examples": 0, "best": (-1.0, None), "fail": None}
 
     @settings(
-        max_examples=budget, database=DirectoryBasedExampleDatabase(str(database)), deadline=None,
+        max_examples=budget,
+        database=DirectoryBasedExampleDatabase(str(database)),
+        deadline=None,
         suppress_health_check=list(HealthCheck),
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     )
@@ -84,10 +112,20 @@ def fuzz(kernel: str, *, budget: int, device: torch.device, thresholds: dict, da
         prop()
     except AssertionError:
         case, rec = state["fail"]
-        failure = {"case": case.as_dict(), "name": case.name, "verdict": rec["verdict"], "reasons": rec["reasons"],
-                   "repro": f"python -c \"from audits.configs import Case; from audits.runner import evaluate_case; from audits.kernels import get_kernel; "
-                            f"from audits.gate import load_thresholds; import torch; c = Case(**{json.dumps(case.as_dict())}); "
-                            f"print(evaluate_case('{kernel}', get_kernel('{kernel}'), c, torch.device('{device}'), load_thresholds())['reasons'])\""}
+        failure = {
+            "case": case.as_dict(),
+            "name": case.name,
+            "verdict": rec["verdict"],
+            "reasons": rec["reasons"],
+            "repro": f'python -c "from audits.cases import Case; from audits.runner.engine import evaluate_case; from audits.kernels import get_kernel; '
+            f"from audits.runner.gate import load_thresholds; import torch; c = Case(**{json.dumps(case.as_dict())}); "
+            f"print(evaluate_case('{kernel}', get_kernel('{kernel}'), c, torch.device('{device}'), load_thresholds())['reasons'])\"",
+        }
     best_t, best_c = state["best"]
-    return {"kernel": kernel, "examples": state["examples"], "best_tightness": best_t if best_c else None,
-            "best_case": best_c.name if best_c else None, "failure": failure}
+    return {
+        "kernel": kernel,
+        "examples": state["examples"],
+        "best_tightness": best_t if best_c else None,
+        "best_case": best_c.name if best_c else None,
+        "failure": failure,
+    }

@@ -15,7 +15,15 @@ __all__ = ["DEFAULT_THRESHOLDS", "load_thresholds", "judge", "judge_against_base
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
 _KEYS = {
-    "policy": {"nan_swallowed": str, "bound": bool, "peer_bound": bool, "claim_float32_overflow": bool, "fa_criterion": bool, "fa_multiplier": float, "fa_criterion_dtypes": list},
+    "policy": {
+        "nan_swallowed": str,
+        "bound": bool,
+        "peer_bound": bool,
+        "claim_float32_overflow": bool,
+        "fa_criterion": bool,
+        "fa_multiplier": float,
+        "fa_criterion_dtypes": list,
+    },
     "lse": {"max_abs": float, "rel": float},
     "reference": {"mpmath_max_abs": float},
     "baseline": {"max_ratio": float},
@@ -49,22 +57,30 @@ def load_thresholds(path: str | Path | None = None) -> dict:
                 raise ThresholdsError(f"{p}: [{section}] {key} = {val!r} must be a {typ.__name__}")
         unknown = set(data[section]) - set(keys)
         if unknown:
-            raise ThresholdsError(f"{p}: [{section}] has unknown key(s) {', '.join(sorted(unknown))}; accepted: {', '.join(keys)}")
+            raise ThresholdsError(
+                f"{p}: [{section}] has unknown key(s) {', '.join(sorted(unknown))}; accepted: {', '.join(keys)}"
+            )
     if data["policy"]["nan_swallowed"] not in ("warn", "fail"):
-        raise ThresholdsError(f"{p}: [policy] nan_swallowed must be 'warn' or 'fail', got {data['policy']['nan_swallowed']!r}")
+        raise ThresholdsError(
+            f"{p}: [policy] nan_swallowed must be 'warn' or 'fail', got {data['policy']['nan_swallowed']!r}"
+        )
     data["path"] = str(p)
     return data
 
 
 def judge(m: dict, th: dict) -> tuple[str, list[str]]:
-    """(verdict, reasons) for one case's measurements ``m`` (see ``audits.runner``)."""
+    """(verdict, reasons) for one case's measurements ``m`` (see ``audits.runner.engine``)."""
     if m.get("status") in ("error", "skipped", "crash"):
         return m["status"], [m.get("reason", "")]
     reasons, verdict = [], "pass"
     out, lse = m["out"], m.get("lse")
     ood = m.get("out_of_domain")
     nonfinite_claim = ood and "claims no semantics" in ood  # the kernel's own domain (audits.kernels)
-    if ood and (nonfinite_claim or not th["policy"]["claim_float32_overflow"]) and (out["nonfinite_where_ref_finite"] or (lse or {}).get("nonfinite_where_ref_finite")):
+    if (
+        ood
+        and (nonfinite_claim or not th["policy"]["claim_float32_overflow"])
+        and (out["nonfinite_where_ref_finite"] or (lse or {}).get("nonfinite_where_ref_finite"))
+    ):
         return "out-of-domain", [f"inputs outside the kernel design's float32 range: {ood}"]
     for what, r in (("outputs", out), ("LSE values", lse)):
         if r is None:
@@ -73,7 +89,9 @@ def judge(m: dict, th: dict) -> tuple[str, list[str]]:
             reasons.append(f"{r['nonfinite_where_ref_finite']} {what} are NaN/inf where the FP64 reference is finite")
             verdict = "fail"
         if r["nan_swallowed"]:
-            reasons.append(f"semantics deviation: {r['nan_swallowed']} {what} differ where non-finite inputs make the reference NaN/inf")
+            reasons.append(
+                f"semantics deviation: {r['nan_swallowed']} {what} differ where non-finite inputs make the reference NaN/inf"
+            )
             if th["policy"]["nan_swallowed"] == "fail":
                 verdict = "fail"
             elif verdict == "pass":
@@ -98,11 +116,15 @@ def judge(m: dict, th: dict) -> tuple[str, list[str]]:
             verdict = "fail"
         allowed = th["lse"]["max_abs"] + th["lse"]["rel"] * lse.get("ref_max_abs", 0.0)
         if lse["max_abs"] > allowed:
-            reasons.append(f"LSE max |err| {lse['max_abs']:.3g} > allowed {allowed:.3g} (max_abs {th['lse']['max_abs']:g} + rel {th['lse']['rel']:g} * max|lse| {lse.get('ref_max_abs', 0.0):.3g})")
+            reasons.append(
+                f"LSE max |err| {lse['max_abs']:.3g} > allowed {allowed:.3g} (max_abs {th['lse']['max_abs']:g} + rel {th['lse']['rel']:g} * max|lse| {lse.get('ref_max_abs', 0.0):.3g})"
+            )
             verdict = "fail"
     cert = m.get("mpmath_max_abs")
     if cert is not None and cert > th["reference"]["mpmath_max_abs"]:
-        reasons.append(f"FP64 reference not certified: differs from the exact row by {cert:.3g} (allowed {th['reference']['mpmath_max_abs']:g})")
+        reasons.append(
+            f"FP64 reference not certified: differs from the exact row by {cert:.3g} (allowed {th['reference']['mpmath_max_abs']:g})"
+        )
         verdict = "fail"
     return verdict, reasons
 

@@ -23,25 +23,45 @@ def fa4_audit(tmp_path):
     isolate=False) -> report dict``; fails the calling test when any case fails."""
     import torch
 
-    from audits.configs import suite as get_suite
-    from audits.gate import load_thresholds
-    from audits.report import build_report, exit_code, write_report
-    from audits.runner import run_suite
+    from audits.cases import suite as get_suite
+    from audits.runner.engine import run_suite
+    from audits.runner.gate import load_thresholds
+    from audits.runner.report import build_report, exit_code, write_report
 
-    def audit(kernel: str, *, suite: str = "smoke", case: str = "*", device: str = "cpu", thresholds=None, isolate: bool = False) -> dict:
+    def audit(
+        kernel: str,
+        *,
+        suite: str = "smoke",
+        case: str = "*",
+        device: str = "cpu",
+        thresholds=None,
+        isolate: bool = False,
+    ) -> dict:
         cases = [c for c in get_suite(suite) if fnmatch.fnmatch(c.name, case)]
         th = load_thresholds(thresholds)
         out = tmp_path / f"fa4-audit-{suite}"
         records = run_suite(kernel, cases, device=torch.device(device), out_dir=out, thresholds=th, isolate=isolate)
         rep = build_report(
-            kernel=kernel, suite=suite, seed=0, device=device, environment={}, thresholds=th, records=records,
-            command=f"fa4_audit({kernel!r}, suite={suite!r}, case={case!r})", created="", shard=None,
+            kernel=kernel,
+            suite=suite,
+            seed=0,
+            device=device,
+            environment={},
+            thresholds=th,
+            records=records,
+            command=f"fa4_audit({kernel!r}, suite={suite!r}, case={case!r})",
+            created="",
+            shard=None,
         )
         paths = write_report(rep, out)
         if exit_code(rep):
             bad = [r for r in records if r["verdict"] in ("fail", "error", "crash")] or records
             lines = [f"  {r['verdict']}: {r['case']}: {'; '.join(x for x in r['reasons'] if x)}" for r in bad[:10]]
-            pytest.fail(f"fa4-audit: {kernel} fails {len(bad)} case(s) of suite {suite} (report {paths['md']}):\n" + "\n".join(lines), pytrace=False)
+            pytest.fail(
+                f"fa4-audit: {kernel} fails {len(bad)} case(s) of suite {suite} (report {paths['md']}):\n"
+                + "\n".join(lines),
+                pytrace=False,
+            )
         return rep
 
     return audit

@@ -50,7 +50,17 @@ def _cases() -> list[FidelityCase]:
     for d in (64, 96, 128, 192, 256):
         for causal in (False, True):
             for hk in (4, 1):
-                out.append(FidelityCase(f"d{d}{'_causal' if causal else ''}{'_mqa' if hk == 1 else ''}", d, 384, 640, hk=hk, causal=causal, seed=d + causal))
+                out.append(
+                    FidelityCase(
+                        f"d{d}{'_causal' if causal else ''}{'_mqa' if hk == 1 else ''}",
+                        d,
+                        384,
+                        640,
+                        hk=hk,
+                        causal=causal,
+                        seed=d + causal,
+                    )
+                )
         out.append(FidelityCase(f"d{d}_sq_gt_sk_causal", d, 600, 333, causal=True, seed=d + 7))
     out += [
         FidelityCase("d128_window", 128, 512, 512, window=(100, 20), seed=11),
@@ -92,7 +102,9 @@ def run_case(c: FidelityCase, production, device) -> dict:
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
     t0 = time.perf_counter()
     po, pl = production(q, k, v, return_lse=True, **kw)
-    nm = FA4Numerics.for_inputs(production_arch() if torch.device(device).type == "cuda" else "sm90", q, k, v, c.causal, c.window)
+    nm = FA4Numerics.for_inputs(
+        production_arch() if torch.device(device).type == "cuda" else "sm90", q, k, v, c.causal, c.window
+    )
     mo, ml = attention(q, k, v, return_lse=True, numerics=nm, **kw)
     ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
     hist = ulp_diff_histogram(mo, po)
@@ -108,7 +120,7 @@ def run_case(c: FidelityCase, production, device) -> dict:
             "lse_tightness": float((lerr / lb.clamp(min=1e-300)).nan_to_num(0.0).max()),
         }
 
-    dl = (ml.double() - pl.double())
+    dl = ml.double() - pl.double()
     fin = torch.isfinite(pl) & torch.isfinite(ml)
     res = {
         "case": asdict(c),
@@ -126,7 +138,9 @@ def run_case(c: FidelityCase, production, device) -> dict:
         "model_vs_bound": against_bound(mo, ml),
         "seconds": time.perf_counter() - t0,
     }
-    no_violation = all(res[k]["violations"] == 0 and res[k]["lse_violations"] == 0 for k in ("production_vs_bound", "model_vs_bound"))
+    no_violation = all(
+        res[k]["violations"] == 0 and res[k]["lse_violations"] == 0 for k in ("production_vs_bound", "model_vs_bound")
+    )
     res["ok"] = hist["fraction_within_1"] >= MIN_WITHIN_1 and res["lse_nonfinite_agree"] and no_violation
     return res
 
@@ -143,8 +157,14 @@ def summarize(results: list[dict]) -> dict:
         "row_scaled": {k: sum(r["row_scaled_ulp_diff"][k] for r in results) for k in ("le_1", "le_2", "gt_2", "total")},
         "row_scaled_max": max(r["row_scaled_ulp_diff"]["max"] for r in results),
         "lse_max_abs_diff": max(r["lse_max_abs_diff"] for r in results),
-        "bound_violations": sum(r[k]["violations"] + r[k]["lse_violations"] for r in results for k in ("production_vs_bound", "model_vs_bound")),
-        "production_tightness_median": sorted(r["production_vs_bound"]["tightness"] for r in results)[len(results) // 2],
+        "bound_violations": sum(
+            r[k]["violations"] + r[k]["lse_violations"]
+            for r in results
+            for k in ("production_vs_bound", "model_vs_bound")
+        ),
+        "production_tightness_median": sorted(r["production_vs_bound"]["tightness"] for r in results)[
+            len(results) // 2
+        ],
     }
 
 
@@ -185,7 +205,9 @@ def markdown(report: dict) -> str:
         a = report["mufu_accuracy"]
         L[6:6] = [
             "MUFU accuracy over all 2^32 inputs against float64: "
-            + "; ".join(f"{k}: " + ", ".join(f"{m} {v:.4g}" for m, v in a[k].items()) for k in ("ex2", "lg2", "rcp", "tanh"))
+            + "; ".join(
+                f"{k}: " + ", ".join(f"{m} {v:.4g}" for m, v in a[k].items()) for k in ("ex2", "lg2", "rcp", "tanh")
+            )
             + " (domains in the JSON).",
             "",
         ]

@@ -25,7 +25,9 @@ def _stats(name: str, x: torch.Tensor, y: torch.Tensor, acc: dict) -> None:
         aerr = torch.where(dom, (yd - exact).abs(), 0)
         acc["max_abs"] = max(acc.get("max_abs", 0.0), float(aerr.max()))
         big = dom & (exact.abs() >= 1)
-        acc["max_rel_where_abs_log2_ge_1"] = max(acc.get("max_rel_where_abs_log2_ge_1", 0.0), float(torch.where(big, aerr / exact.abs(), 0).max()))
+        acc["max_rel_where_abs_log2_ge_1"] = max(
+            acc.get("max_rel_where_abs_log2_ge_1", 0.0), float(torch.where(big, aerr / exact.abs(), 0).max())
+        )
     elif name == "rcp":
         dom = (xd.abs() >= 2.0**-126) & (xd.abs() < 2.0**126)
         exact = 1.0 / torch.where(dom, xd, 1.0)
@@ -36,7 +38,9 @@ def _stats(name: str, x: torch.Tensor, y: torch.Tensor, acc: dict) -> None:
         aerr = torch.where(dom, (yd - exact).abs(), 0)
         acc["max_abs"] = max(acc.get("max_abs", 0.0), float(aerr.max()))
         nz = dom & (exact.abs() >= 2.0**-126)
-        acc["max_rel"] = max(acc.get("max_rel", 0.0), float(torch.where(nz, aerr / exact.abs().clamp(min=2.0**-126), 0).max()))
+        acc["max_rel"] = max(
+            acc.get("max_rel", 0.0), float(torch.where(nz, aerr / exact.abs().clamp(min=2.0**-126), 0).max())
+        )
 
 
 def measure_mufu(device, *, chunk_log2: int = 27) -> dict:

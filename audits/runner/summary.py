@@ -18,7 +18,11 @@ def group_key(config: dict, by: tuple[str, ...]) -> str:
     parts = []
     for b in by:
         if b == "mask":
-            parts.append("causal" if config["causal"] else ("local" if any(w is not None for w in config["window"]) else "no mask"))
+            parts.append(
+                "causal"
+                if config["causal"]
+                else ("local" if any(w is not None for w in config["window"]) else "no mask")
+            )
         elif b == "heads":
             hq, hk = config["heads_q"], config["heads_kv"]
             parts.append("MHA" if hq == hk else ("MQA" if hk == 1 else "GQA"))
@@ -46,29 +50,47 @@ def summary_rows(reports: list[dict], by: tuple[str, ...]) -> list[dict]:
             cs = per.get(rep["kernel"], [])
             # error figures over finite inputs in the kernel's domain; the NaN/inf families are
             # judged by the semantics rules, and their verdicts are in the last column
-            ran = [c for c in cs if c.get("status") == "ran" and not c.get("out_of_domain") and not c["family"].startswith("nan_inf")]
+            ran = [
+                c
+                for c in cs
+                if c.get("status") == "ran" and not c.get("out_of_domain") and not c["family"].startswith("nan_inf")
+            ]
             verdicts = {}
             for c in cs:
                 verdicts[c["verdict"]] = verdicts.get(c["verdict"], 0) + 1
-            rows.append({
-                "group": g, "kernel": rep["kernel"], "cases": len(cs), "judged": len(ran),
-                "out_max_abs": _max((c.get("out") or {}).get("max_abs") for c in ran),
-                "rel_l2": _max((c.get("out") or {}).get("rel_l2") for c in ran),
-                "lse_max_abs": _max((c.get("lse") or {}).get("max_abs") for c in ran),
-                "tightness": _max((c.get("bound") or {}).get("tightness") for c in ran),
-                "vs_lowprec": _max((c["fa_criterion"]["max_abs"] / c["fa_criterion"]["lowprec_max_abs"]) if c.get("fa_criterion", {}).get("lowprec_max_abs") else None for c in ran),
-                "verdicts": verdicts,
-            })
+            rows.append(
+                {
+                    "group": g,
+                    "kernel": rep["kernel"],
+                    "cases": len(cs),
+                    "judged": len(ran),
+                    "out_max_abs": _max((c.get("out") or {}).get("max_abs") for c in ran),
+                    "rel_l2": _max((c.get("out") or {}).get("rel_l2") for c in ran),
+                    "lse_max_abs": _max((c.get("lse") or {}).get("max_abs") for c in ran),
+                    "tightness": _max((c.get("bound") or {}).get("tightness") for c in ran),
+                    "vs_lowprec": _max(
+                        (c["fa_criterion"]["max_abs"] / c["fa_criterion"]["lowprec_max_abs"])
+                        if c.get("fa_criterion", {}).get("lowprec_max_abs")
+                        else None
+                        for c in ran
+                    ),
+                    "verdicts": verdicts,
+                }
+            )
     return rows
 
 
 def summary_markdown(reports: list[dict], by: tuple[str, ...]) -> str:
     f = lambda x: "—" if x is None else f"{x:.3g}"  # noqa: E731
-    L = [f"| {' / '.join(by)} | kernel | cases | finite, in domain | worst \\|out-ref\\| | worst rel L2 | worst \\|LSE-ref\\| | max err/bound | max err / PyTorch low-prec err | verdicts |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        f"| {' / '.join(by)} | kernel | cases | finite, in domain | worst \\|out-ref\\| | worst rel L2 | worst \\|LSE-ref\\| | max err/bound | max err / PyTorch low-prec err | verdicts |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in summary_rows(reports, by):
         v = ", ".join(f"{k} {n}" for k, n in sorted(r["verdicts"].items()))
-        L.append(f"| {r['group']} | {r['kernel']} | {r['cases']} | {r['judged']} | {f(r['out_max_abs'])} | {f(r['rel_l2'])} | {f(r['lse_max_abs'])} | {f(r['tightness'])} | {f(r['vs_lowprec'])} | {v} |")
+        L.append(
+            f"| {r['group']} | {r['kernel']} | {r['cases']} | {r['judged']} | {f(r['out_max_abs'])} | {f(r['rel_l2'])} | {f(r['lse_max_abs'])} | {f(r['tightness'])} | {f(r['vs_lowprec'])} | {v} |"
+        )
     return "\n".join(L) + "\n"
 
 
@@ -84,7 +106,12 @@ def plot_errors(reports: list[dict], path: str | Path, *, dtype: str = "bfloat16
     for rep in reports:
         worst: dict[int, float] = {}
         for c in rep["cases"]:
-            if c["config"]["dtype"] != dtype or c.get("status") != "ran" or c.get("out_of_domain") or c["family"].startswith("nan_inf"):
+            if (
+                c["config"]["dtype"] != dtype
+                or c.get("status") != "ran"
+                or c.get("out_of_domain")
+                or c["family"].startswith("nan_inf")
+            ):
                 continue
             e = (c.get("out") or {}).get("max_abs")
             if e is not None and e == e and e != float("inf"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from audits.ex2_report import atomic_write
+from audits.common import atomic_write
+from audits.runner.report_html import case_cells, render_html
 
 __all__ = ["SCHEMA", "build_report", "write_report", "exit_code"]
 
@@ -24,7 +25,19 @@ def _worst(records: list[dict], path: tuple[str, str]) -> dict | None:
     return None if best is None else {"value": best[0], "case": best[1]}
 
 
-def build_report(*, kernel: str, suite: str, seed: int, device: str, environment: dict, thresholds: dict, records: list[dict], command: str, created: str, shard: str | None) -> dict:
+def build_report(
+    *,
+    kernel: str,
+    suite: str,
+    seed: int,
+    device: str,
+    environment: dict,
+    thresholds: dict,
+    records: list[dict],
+    command: str,
+    created: str,
+    shard: str | None,
+) -> dict:
     counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
     return {
         "schema": SCHEMA,
@@ -50,16 +63,6 @@ def build_report(*, kernel: str, suite: str, seed: int, device: str, environment
     }
 
 
-def case_cells(r: dict) -> dict[str, str]:
-    """The per-case figures every view shows (Markdown, HTML, ``fa4-audit show``), formatted."""
-    o, l, b = r.get("out") or {}, r.get("lse") or {}, r.get("bound") or {}
-    f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"  # noqa: E731
-    return {
-        "max_abs": f(o, "max_abs"), "rel_l2": f(o, "rel_l2"), "lse": f(l, "max_abs"), "tightness": f(b, "tightness"),
-        "reasons": "; ".join(x for x in r["reasons"] if x),
-    }
-
-
 def exit_code(report: dict) -> int:
     """0 when every case passed (warnings included) and at least one ran; 1 otherwise."""
     c = report["summary"]["verdicts"]
@@ -82,19 +85,36 @@ def _markdown(rep: dict) -> str:
             L.append(f"- worst {k}: {w['value']:.3g} ({w['case']})")
     rows = rep["cases"]
     if len(rows) > MD_ALL_CASES:  # a table of thousands of rows is read by no one: what needs attention
-        tight = sorted((r for r in rows if (r.get("bound") or {}).get("tightness") is not None), key=lambda r: -r["bound"]["tightness"])[:20]
-        keep = {r["case"] for r in rows if r["verdict"] not in ("pass", "skipped", "out-of-domain")} | {r["case"] for r in tight}
+        tight = sorted(
+            (r for r in rows if (r.get("bound") or {}).get("tightness") is not None),
+            key=lambda r: -r["bound"]["tightness"],
+        )[:20]
+        keep = {r["case"] for r in rows if r["verdict"] not in ("pass", "skipped", "out-of-domain")} | {
+            r["case"] for r in tight
+        }
         rows = [r for r in rows if r["case"] in keep]
-        L += ["", f"{s['cases']} cases: below, every case not passing and the 20 closest to their bound; "
-              "all of them in report.json (`fa4-audit show`)."]
-    L += ["", "| case | verdict | max abs err | rel L2 | LSE err | err/bound | seconds | reasons |", "|---|---|---|---|---|---|---|---|"]
+        L += [
+            "",
+            f"{s['cases']} cases: below, every case not passing and the 20 closest to their bound; "
+            "all of them in report.json (`fa4-audit show`).",
+        ]
+    L += [
+        "",
+        "| case | verdict | max abs err | rel L2 | LSE err | err/bound | seconds | reasons |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         c = case_cells(r)
-        L.append(f"| {r['case']} | {r['verdict']} | {c['max_abs']} | {c['rel_l2']} | {c['lse']} | {c['tightness']} | {r['seconds']:.2f} | {c['reasons']} |")
+        L.append(
+            f"| {r['case']} | {r['verdict']} | {c['max_abs']} | {c['rel_l2']} | {c['lse']} | {c['tightness']} | {r['seconds']:.2f} | {c['reasons']} |"
+        )
     fails = [r for r in rep["cases"] if r["verdict"] in ("fail", "error", "crash")]
     if fails:
         L += ["", "## Reproduce", ""]
-        L += [f"- `{r.get('repro', '')}`" + (f" (inputs: `{r['repro_inputs']}`)" if r.get("repro_inputs") else "") for r in fails]
+        L += [
+            f"- `{r.get('repro', '')}`" + (f" (inputs: `{r['repro_inputs']}`)" if r.get("repro_inputs") else "")
+            for r in fails
+        ]
     return "\n".join(L) + "\n"
 
 
@@ -105,12 +125,22 @@ def _junit(rep: dict) -> str:
 
     c = rep["summary"]["verdicts"]
     suite = ET.Element(
-        "testsuite", name=f"fa4-audit {rep['kernel']} {rep['suite']}", tests=str(rep["summary"]["cases"]),
-        failures=str(c["fail"]), errors=str(c["error"] + c["crash"]), skipped=str(c["skipped"]),
+        "testsuite",
+        name=f"fa4-audit {rep['kernel']} {rep['suite']}",
+        tests=str(rep["summary"]["cases"]),
+        failures=str(c["fail"]),
+        errors=str(c["error"] + c["crash"]),
+        skipped=str(c["skipped"]),
         time=f"{sum(r.get('seconds', 0.0) for r in rep['cases']):.3f}",
     )
     for r in rep["cases"]:
-        tc = ET.SubElement(suite, "testcase", classname=f"{rep['kernel']}.{rep['suite']}", name=r["case"], time=f"{r.get('seconds', 0.0):.3f}")
+        tc = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"{rep['kernel']}.{rep['suite']}",
+            name=r["case"],
+            time=f"{r.get('seconds', 0.0):.3f}",
+        )
         msg = "; ".join(x for x in r["reasons"] if x)
         if r["verdict"] == "fail":
             ET.SubElement(tc, "failure", message=msg).text = r.get("repro", "")
@@ -125,10 +155,13 @@ def _junit(rep: dict) -> str:
 
 def write_report(rep: dict, out_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.md, report.html and report.junit.xml into ``out_dir``."""
-    from audits.report_html import render_html
-
     out = Path(out_dir)
-    paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html", "junit": out / "report.junit.xml"}
+    paths = {
+        "json": out / "report.json",
+        "md": out / "report.md",
+        "html": out / "report.html",
+        "junit": out / "report.junit.xml",
+    }
     atomic_write(paths["html"], render_html(rep))
     atomic_write(paths["json"], json.dumps(rep, separators=(",", ":"), default=str) + "\n")
     atomic_write(paths["md"], _markdown(rep))

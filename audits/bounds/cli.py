@@ -1,0 +1,103 @@
+"""``fa4-audit bounds``: the range analysis of lazy rescaling."""
+
+from __future__ import annotations
+
+import argparse
+
+from audits.common import EXIT_FAIL, EXIT_OK, UsageError
+
+
+def cmd_bounds(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from numerics.bounds import PRODUCTION_RESCALING, rescaling_analysis
+
+    variant = any(v is not None for v in (args.dtype, args.threshold, args.max_offset))
+    if variant:
+        if args.dtype is None:
+            raise UsageError(
+                "--threshold/--max-offset need --dtype NAME (one of: " + ", ".join(PRODUCTION_RESCALING) + ")"
+            )
+        if args.dtype not in PRODUCTION_RESCALING:
+            raise UsageError(
+                f"--dtype {args.dtype!r} is not a P dtype FA4 uses; accepted: {', '.join(PRODUCTION_RESCALING)}"
+            )
+        thr, off = PRODUCTION_RESCALING[args.dtype]
+        settings = [
+            (
+                args.dtype,
+                thr if args.threshold is None else args.threshold,
+                off if args.max_offset is None else args.max_offset,
+            )
+        ]
+    else:
+        settings = [(d, *PRODUCTION_RESCALING[d]) for d in PRODUCTION_RESCALING]
+    if args.seqlen_k <= 0 or not args.max_v > 0:
+        raise UsageError(
+            f"--seqlen-k must be a positive integer and --max-v a positive number, got {args.seqlen_k}, {args.max_v}"
+        )
+    rows = []
+    for dt, thr, off in settings:
+        try:
+            rows.append(rescaling_analysis(dt, thr, off))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    console = Console()
+    t = Table(title=f"lazy rescaling range analysis (seqlen_k {args.seqlen_k:,}, max|V| {args.max_v:g})")
+    for col in (
+        "dtype",
+        "threshold",
+        "max_offset",
+        "max P",
+        "dtype max",
+        "headroom (log2)",
+        "min P after cast",
+        "mass lost to flush <=",
+        "row sum headroom",
+        "O headroom",
+        "safe",
+    ):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            r.dtype,
+            f"{r.rescale_threshold:g}",
+            str(r.max_offset),
+            f"{r.p_max:g}",
+            f"{r.dtype_max:g}",
+            f"{r.headroom_log2:.3f}",
+            f"{r.p_min_after_cast:.3g}",
+            f"{r.flush_mass_bound(args.seqlen_k):.3g}",
+            f"{r.row_sum_headroom_log2(args.seqlen_k):.1f}",
+            f"{r.o_accumulator_headroom_log2(args.seqlen_k, args.max_v):.1f}",
+            "yes" if r.safe else "NO",
+        )
+    console.print(t)
+    for r in rows:
+        console.print(f"- {r.dtype}: {r.explanation}")
+    if args.json:
+        print(json.dumps([r.as_dict(args.seqlen_k, args.max_v) for r in rows], indent=1))
+    return EXIT_OK if all(r.safe for r in rows) else EXIT_FAIL
+
+
+def register(sub) -> None:
+    """Add this audit's subcommands to the ``fa4-audit`` parser."""
+    b = sub.add_parser(
+        "bounds",
+        help="range analysis of lazy rescaling: does P fit its dtype, what underflows, float32 headroom",
+        description="Without options: the analysis for every P dtype with production's settings (16-bit: "
+        "threshold 8, max_offset 0; fp8: 0 and 8).  With --dtype and --threshold/--max-offset: a variant.  "
+        "Exit 1 when a setting lets P saturate its dtype, 2 for bad settings.",
+    )
+    b.add_argument("--dtype", default=None, help="bfloat16, float16, float8_e4m3fn or float8_e5m2")
+    b.add_argument("--threshold", type=float, default=None, help="rescale threshold, log2 units (default production's)")
+    b.add_argument("--max-offset", type=int, default=None, help="max_offset, log2 units (default production's)")
+    b.add_argument(
+        "--seqlen-k", type=int, default=32768, help="keys per row for the mass and headroom columns (default 32768)"
+    )
+    b.add_argument("--max-v", type=float, default=1.0, help="max |V| for the O headroom column (default 1)")
+    b.add_argument("--json", action="store_true", help="also print the records as JSON")
+    b.set_defaults(func=cmd_bounds)

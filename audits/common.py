@@ -1,0 +1,130 @@
+"""Plumbing every audit shares: exit codes, the usage error, the run environment, the device,
+atomic file writes, reading (compressed) JSON and the progress bar.  Nothing here knows an audit.
+
+Exit codes (the CLI contract): 0 every check passed; 1 a check failed (a bound violated, a bit
+mismatch with production, nothing evaluated); 2 a usage or environment error (bad arguments,
+CUDA or the production package missing where required, a malformed input file), with a message
+naming what was wrong and what is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_FAIL",
+    "EXIT_USAGE",
+    "UsageError",
+    "PtxFormatError",
+    "environment",
+    "device",
+    "atomic_write",
+    "read_json",
+    "progress",
+]
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class PtxFormatError(ValueError):
+    """A PTX text is not what an extractor understands (no kernel, no float instruction): the
+    extractor must be updated, never trusted (exit 2)."""
+
+
+class UsageError(Exception):
+    """A problem with the command line, an input file or the environment: exit 2 with this message."""
+
+
+def environment(device: torch.device) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import numba
+
+        env["numba"] = numba.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["compute_capability"] = "sm_%d%d" % torch.cuda.get_device_capability(device)
+        try:
+            from importlib.metadata import version
+
+            env["flash-attn-4"] = version("flash-attn-4")
+            env["nvidia-cutlass-dsl"] = version("nvidia-cutlass-dsl")
+        except Exception:  # metadata absent when staged without dist-info
+            pass
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+        env["threads"] = torch.get_num_threads()
+    return env
+
+
+def device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UsageError(
+            "--device cuda was requested but torch sees no CUDA device "
+            f"(torch {torch.__version__}); run on a GPU machine or use --device cpu"
+        )
+    return torch.device("cuda")
+
+
+def atomic_write(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a crash leaves either the
+    old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: str | Path, *, what: str = "file"):
+    """A JSON document from ``path`` (``.gz`` and ``.xz`` decompressed: committed reports are kept
+    compressed); :class:`UsageError` naming the file when it is missing or not JSON."""
+    path = str(path)
+    try:
+        raw = Path(path).read_bytes()
+        if path.endswith(".gz"):
+            import gzip
+
+            raw = gzip.decompress(raw)
+        elif path.endswith(".xz"):
+            import lzma
+
+            raw = lzma.decompress(raw)
+        return json.loads(raw)
+    except FileNotFoundError as exc:
+        raise UsageError(f"{path}: no such {what}") from exc
+    except (OSError, EOFError, ValueError) as exc:  # JSONDecodeError, gzip/lzma errors, undecodable bytes
+        raise UsageError(f"{path}: not a readable JSON {what} ({type(exc).__name__}: {exc})") from exc
+
+
+def progress(console, *, quiet: bool):
+    """The progress bar every audit shows on stderr (description, bar, done/total, elapsed);
+    disabled with ``--quiet`` and when stderr is not a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet or not console.is_terminal,
+    )

@@ -1,0 +1,101 @@
+"""``fa4-audit fidelity``: the model against production on identical inputs."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import shlex
+
+from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write
+from audits.common import device as _device
+from audits.common import environment as _environment
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    import fnmatch
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from audits.fidelity import core as fidelity
+
+    device = _device(args.device)
+    if args.production == "fa4":
+        from fa4.production import ProductionUnavailable, flash_attn, require_production
+
+        try:
+            require_production()
+        except ProductionUnavailable as exc:
+            raise UsageError(f"fidelity compares with the production kernel, which is unavailable: {exc}") from exc
+        production = flash_attn
+    else:
+        from audits.kernels import get_kernel
+
+        try:
+            production = get_kernel(args.production)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    cases = [c for c in fidelity.CASES if fnmatch.fnmatch(c.name, args.cases)]
+    if not cases:
+        raise UsageError(f"--cases {args.cases!r} matches none of: {', '.join(c.name for c in fidelity.CASES)}")
+    console = Console(stderr=True)
+    results = []
+    with Progress(console=console, disable=args.quiet) as bar:
+        task = bar.add_task("fidelity", total=len(cases))
+        for c in cases:
+            results.append(fidelity.run_case(c, production, device))
+            bar.advance(task)
+    report = {
+        "schema": "fa4-audit/fidelity/1",
+        "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "environment": ", ".join(f"{k} {v}" for k, v in _environment(device).items()),
+        "production": args.production,
+        "summary": fidelity.summarize(results),
+        "results": results,
+    }
+    if args.mufu:
+        if device.type != "cuda":
+            raise UsageError("--mufu measures the GPU's MUFU.EX2: it needs --device cuda and the production package")
+        from audits.fidelity.mufu import measure_mufu
+
+        report["mufu_ex2_vs_model"] = fidelity.mufu_vs_model(device)
+        report["mufu_accuracy"] = measure_mufu(device)
+    out = Path(args.out)
+    atomic_write(out / "fidelity.json", json.dumps(report, separators=(",", ":")) + "\n")
+    atomic_write(out / "fidelity.md", fidelity.markdown(report))
+    s = report["summary"]
+    console.print(
+        f"{s['cases_ok']}/{s['cases']} cases ok; {100 * s['fraction_within_1']:.3f}% of outputs identical or 1 ULP apart, "
+        f"{s['outputs']['>2']} beyond 2 ULP; report: {out / 'fidelity.md'}"
+    )
+    return EXIT_OK if s["cases_ok"] == s["cases"] else EXIT_FAIL
+
+
+def register(sub) -> None:
+    """Add this audit's subcommands to the ``fa4-audit`` parser."""
+    f = sub.add_parser(
+        "fidelity",
+        help="compare the SM90 numerics model with the production kernel on identical inputs",
+        description="Run production flash_attn_func (its SM90 path on Hopper) and fa4.model with "
+        "FA4Numerics.sm90 on the same inputs; report the output differences in ULPs, the LSE "
+        "difference and both errors against FP64.  Exit 1 when a case has fewer than 99%% of its "
+        "outputs identical or 1 ULP apart.",
+    )
+    f.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="default cuda")
+    f.add_argument(
+        "--production",
+        default="fa4",
+        help="the kernel to compare: fa4 (production), another kernel name, or module:attr",
+    )
+    f.add_argument("--cases", default="*", help="glob over case names (default all)")
+    f.add_argument("--out", default="reports/fidelity-latest", help="report directory")
+    f.add_argument(
+        "--mufu",
+        action="store_true",
+        help="also compare MUFU.EX2 with the model's hardware exp2 over all 2^32 inputs (cuda)",
+    )
+    f.add_argument("--quiet", action="store_true")
+    f.set_defaults(func=cmd_fidelity)

@@ -1,0 +1,204 @@
+"""``fa4-audit static``: production's SM100 PTX against the model."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+
+import torch
+
+from audits.common import EXIT_USAGE, UsageError, atomic_write
+
+
+def cmd_static(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from audits.cases import Case, suite
+    from audits.static.core import StaticError, audit_group, static_groups
+
+    if args.arch != "sm_100a":
+        raise UsageError(
+            f"--arch {args.arch!r}: only sm_100a (the Blackwell forward kernel FA4Numerics.sm100 models) is audited"
+        )
+    if args.config:
+        cases = []
+        for text in args.config:
+            try:
+                c = Case(**{**json.loads(text), "family": "normal"})
+            except (json.JSONDecodeError, TypeError) as exc:
+                raise UsageError(
+                    f"--config {text!r}: expected a JSON object of audits.cases.Case fields ({exc})"
+                ) from exc
+            dtypes = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+            if (
+                c.dtype not in dtypes
+                or not all(
+                    isinstance(n, int) and n > 0 for n in (c.d, c.dv, c.heads_q, c.heads_kv, c.seqlen_q, c.seqlen_k)
+                )
+                or c.heads_q % c.heads_kv
+            ):
+                raise UsageError(
+                    f"--config {text!r}: dtype must be one of {', '.join(dtypes)}; d, dv, heads and seqlens positive integers; heads_q a multiple of heads_kv"
+                )
+            cases.append(dataclasses.replace(c, window=tuple(c.window)))
+    else:
+        try:
+            cases = suite(args.suite)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    try:
+        import importlib
+        from importlib.metadata import version
+
+        versions = {"flash-attn-4": version("flash-attn-4"), "nvidia-cutlass-dsl": version("nvidia-cutlass-dsl")}
+        importlib.import_module("flash_attn.cute")  # importable, not just installed
+    except Exception as exc:
+        print(
+            f"fa4-audit static: the production package is not importable ({type(exc).__name__}: {exc}); "
+            "install the gpu extra: pip install -e '.[gpu]'",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    no_driver = args.compile_on == "cpu"
+    if not no_driver and not torch.cuda.is_available():
+        print(
+            "fa4-audit static: no CUDA device to compile on; pass --compile-on cpu to cross-compile without a GPU "
+            "(it stands in for the driver's SM-count query, which sizes only the launch grid)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: expected a positive number of parallel compiles")
+    groups = static_groups(cases)
+    out = Path(args.out)
+    ptx_dir = Path(args.ptx_dir) if args.ptx_dir else out / "ptx"
+    console = Console(stderr=True)
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            disable=args.quiet,
+        ) as bar:
+            task = bar.add_task(f"static sm_100a / {len(groups)} compile groups", total=len(groups))
+            # each compile is its own process: threads are enough to run --jobs of them at once
+            from concurrent.futures import ThreadPoolExecutor
+
+            def one(group):
+                rec = audit_group(group[0], group[1], ptx_dir=ptx_dir, no_driver=no_driver)
+                bar.advance(task)
+                return rec
+
+            with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                records = list(pool.map(one, groups))  # suite order; the first StaticError propagates
+    except StaticError as exc:
+        print(f"fa4-audit static: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    counts = {v: sum(r["verdict"] == v for r in records) for v in ("match", "diverged", "skipped")}
+    report = {
+        "schema": "fa4-audit/static/1",
+        "arch": args.arch,
+        "suite": None if args.config else args.suite,
+        "versions": versions,
+        "compile_on": args.compile_on,
+        "command": "fa4-audit " + " ".join(args.argv),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "summary": counts,
+        "groups": records,
+    }
+    atomic_write(out / "static.json", json.dumps(report, separators=(",", ":")) + "\n")
+    atomic_write(out / "static.md", _static_markdown(report))
+    console.print(
+        f"{counts['match']} match, {counts['diverged']} diverged, {counts['skipped']} skipped of {len(records)} compile groups; report: {out / 'static.md'}"
+    )
+    for r in records:
+        for d in r.get("differences", []):
+            console.print(f"DIVERGED {r['group']}: {d['fact']}: production {d['production']}, model {d['model']}")
+    return 1 if counts["diverged"] else 0
+
+
+def _static_markdown(rep: dict) -> str:
+    s = rep["summary"]
+    L = [
+        "# fa4-audit static: production SM100 forward PTX against FA4Numerics.sm100",
+        "",
+        f"`{rep['command']}` on {rep['created']}; flash-attn-4 {rep['versions']['flash-attn-4']}, nvidia-cutlass-dsl "
+        f"{rep['versions']['nvidia-cutlass-dsl']}; compiled on {rep['compile_on']}.",
+        "",
+        f"{s['match']} compile groups match, {s['diverged']} diverged, {s['skipped']} skipped (production refuses the configuration).",
+        "",
+    ]
+    bad = [r for r in rep["groups"] if r["verdict"] == "diverged"]
+    if bad:
+        L += ["## Divergences", "", "| group | fact | production | model |", "|---|---|---|---|"]
+        L += [
+            f"| {r['group']} | {d['fact']} | `{d['production']}` | `{d['model']}` |"
+            for r in bad
+            for d in r["differences"]
+        ]
+        L.append("")
+    L += [
+        "## Compile groups",
+        "",
+        "| group | cases | verdict | 2-CTA | emulated/step | degree | threshold | max_offset | P convert | ex2 hw | steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rep["groups"]:
+        if r["verdict"] == "skipped":
+            L.append(f"| {r['group']} | {r['cases']} | skipped: {r['reason'][:80]} | | | | | | | | |")
+            continue
+        f = r["facts"]
+        L.append(
+            f"| {r['group']} | {r['cases']} | {r['verdict']} | {r['production'].get('use_2cta_instrs')} | {f['exp2.emulated_per_step']:g}/{r['production'].get('n_block_size')} "
+            f"| {f['exp2.poly_degree']} | {f['rescale.threshold']} | {f['max_offset']} | {', '.join(f['p_convert'])} | {sum(f['exp2.hardware'].values())} | {f['softmax.steps']} |"
+        )
+    return "\n".join(L) + "\n"
+
+
+def register(sub) -> None:
+    """Add this audit's subcommands to the ``fa4-audit`` parser."""
+    st = sub.add_parser(
+        "static",
+        help="compile production's SM100 forward kernel per compile group and check its PTX against the model",
+        description="Cross-compile FlashAttentionForwardSm100 to sm_100a PTX for each compile group of a suite (or --config), "
+        "extract its numerics facts and compare them with FA4Numerics.sm100.  Exit 0 when every fact matches, 1 when any "
+        "diverged, 2 when facts could not be produced (no production package, no CUDA without --compile-on cpu, a failed "
+        "compile, PTX the extractor does not understand).",
+    )
+    st.add_argument(
+        "--arch", default="sm_100a", help="compile target (only sm_100a, the kernel FA4Numerics.sm100 models)"
+    )
+    st.add_argument(
+        "--suite", default="smoke", help="suite whose compile groups are audited (default smoke; release: 142 groups)"
+    )
+    st.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help='a Case as JSON, e.g. \'{"dtype": "bfloat16", "d": 128, "causal": true}\'; repeatable',
+    )
+    st.add_argument(
+        "--compile-on",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: cross-compile without any GPU (opt-in; see README)",
+    )
+    st.add_argument(
+        "--jobs", type=int, default=1, help="compiles at once (each is a single-threaded process; default 1)"
+    )
+    st.add_argument("--ptx-dir", default=None, help="where compressed PTX is kept and reused (default OUT/ptx)")
+    st.add_argument(
+        "--out",
+        default="reports/static-latest",
+        help="writes OUT/static.json (schema fa4-audit/static/1) and OUT/static.md",
+    )
+    st.add_argument("--quiet", action="store_true")
+    st.set_defaults(func=cmd_static)

@@ -1,0 +1,109 @@
+"""The direction of imports: ``numerics`` <- ``fa4`` <- ``audits``, each audit in its own
+subpackage over the shared modules, and no import circle anywhere (lazy imports inside
+functions count: a circle through them is still a circle)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = ("numerics", "fa4", "audits")
+#: what each top-level package may import from the project
+ALLOWED = {"numerics": {"numerics"}, "fa4": {"numerics", "fa4"}, "audits": {"numerics", "fa4", "audits"}}
+#: modules of ``audits`` every audit subpackage may use; the rest of ``audits`` is one folder per audit
+SHARED = {"audits.common", "audits.cases", "audits.inputs", "audits.kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = p
+    return mods
+
+
+def _imports(path: Path, mods: dict) -> set[str]:
+    """Project modules imported anywhere in the file (``from a.b import c`` counts as ``a.b.c``
+    when that is a module, else ``a.b``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module for a in node.names
+            ]
+        else:
+            continue
+        found |= {n for n in names if n.split(".")[0] in PACKAGES}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: {i for i in _imports(p, mods) if i != m} for m, p in mods.items()}
+
+
+def _violations(g: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for m, deps in g.items():
+        top = m.split(".")[0]
+        for d in deps:
+            if d.split(".")[0] not in ALLOWED[top]:
+                bad.append(f"{m} imports {d}: against numerics <- fa4 <- audits")
+            sub = m.split(".")[1] if m.count(".") >= 2 else None
+            if sub and d.startswith("audits.") and d not in SHARED and not d.startswith(f"audits.{sub}"):
+                bad.append(f"{m} imports {d}: an audit uses only its own subpackage and {sorted(SHARED)}")
+    return bad
+
+
+def _cycle(g: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d) :] + [d]
+            if d not in state and (c := visit(d)):
+                return c
+        state[m] = 2
+        stack.pop()
+        return None
+
+    for m in sorted(g):
+        if m not in state and (c := visit(m)):
+            return c
+    return None
+
+
+def test_imports_run_one_way_and_audits_keep_to_their_folders():
+    assert _violations(graph()) == []
+
+
+def test_no_import_circle():
+    assert _cycle(graph()) is None
+
+
+@pytest.mark.parametrize(
+    "edge,expect",
+    [
+        (("numerics.bounds", "fa4.ex2"), "against numerics <- fa4 <- audits"),
+        (("audits.static.facts", "audits.ex2.ptx"), "uses only its own subpackage"),
+    ],
+)
+def test_the_walker_sees_a_wrong_edge(edge, expect):
+    g = graph()
+    g[edge[0]] = g[edge[0]] | {edge[1]}
+    assert any(expect in v for v in _violations(g))
+
+
+def test_the_walker_sees_a_circle():
+    g = graph()
+    g["audits.runner.report_html"] = g["audits.runner.report_html"] | {"audits.runner.report"}
+    assert _cycle(g) == ["audits.runner.report", "audits.runner.report_html", "audits.runner.report"]
