@@ -83,7 +83,8 @@ class Case:
 
 
 def smoke_suite() -> list[Case]:
-    """Every feature axis and input family at least once (see tests/test_configs.py)."""
+    """Every feature axis and input family at least once, and the range-stressing families per
+    dtype (tests/test_inputs.py and the seeded-bug catalogue, tests/test_catalogue.py, keep it so)."""
     from audits.inputs import FAMILIES
 
     base = [
@@ -103,6 +104,23 @@ def smoke_suite() -> list[Case]:
         Case("bfloat16", 64, 64, 1, 2, 2, 64, 200, causal=True, family="nan_inf_visible"),
         Case("bfloat16", 64, 64, 1, 2, 2, 64, 400, window=(32, 0), family="nan_inf_masked"),
         Case("bfloat16", 128, 128, 1, 16, 4, 160, 256, family="normal"),  # 2560 query rows x heads
+        # the learnable sink on 3 heads (above, near and below the head's max logit: see
+        # audits.inputs.SINK_PLACES), MQA, and rows with no visible key (out 0, lse = sink)
+        Case("float16", 64, 64, 1, 3, 1, 96, 64, causal=True, sink=True, family="normal"),
+        # softcap where tanh does not saturate: logits 0..40 against a cap of 15
+        Case("bfloat16", 64, 64, 1, 2, 2, 96, 256, softcap=15.0, family="drift"),
+        # range stress per dtype: drifting maxima (19 log2 units per 128-key tile; causal rows end
+        # at every key of the last tile, so the max's lag at the last rescale takes every value),
+        # V near the dtype's largest value, outlier channels.  bf16 near_max is absent: V ~ 3.4e38
+        # makes P.V overflow float32 in any float32-accumulating kernel (out of every domain).
+        Case("float16", 64, 64, 1, 2, 2, 128, 384, causal=True, family="drift"),
+        Case("float16", 128, 128, 1, 2, 2, 64, 256, family="outliers"),
+        Case("bfloat16", 128, 128, 1, 2, 2, 64, 256, family="outliers"),
+        Case("float8_e4m3fn", 64, 64, 1, 2, 2, 128, 384, causal=True, family="drift"),
+        Case("float8_e4m3fn", 64, 64, 1, 2, 2, 64, 200, family="near_max"),
+        Case("float8_e4m3fn", 128, 128, 1, 2, 2, 64, 256, family="outliers"),
+        Case("float8_e5m2", 64, 64, 1, 2, 2, 128, 384, causal=True, family="drift"),
+        Case("float8_e5m2", 64, 64, 1, 2, 2, 64, 200, family="near_max"),
     ]
     steps = [Case("bfloat16", 64, 64, 1, 1, 1, 32, 1024, family=f) for f in FAMILIES if f.startswith("tile_step_")]
     return base + steps
@@ -233,3 +251,76 @@ def suite(name: str) -> list[Case]:
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}")
     return SUITES[name]()
+
+
+DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+LAYOUTS = ("contiguous", "strided", "packed_qkv")
+
+
+def case_from_dict(d: dict, *, where: str = "case") -> Case:
+    """A :class:`Case` from its JSON form (``Case.as_dict()``, as reports and reproducers carry
+    it; absent keys take the defaults).  ``ValueError`` naming ``where``, the bad key or value
+    and what is accepted."""
+    from dataclasses import fields
+
+    from audits.inputs import FAMILIES
+
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a JSON object of Case fields, got {type(d).__name__}")
+    known = {f.name: f for f in fields(Case)}
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; accepted: {', '.join(known)}")
+    kw = dict(d)
+    if "window" in kw:
+        w = kw["window"]
+        ok = isinstance(w, (list, tuple)) and len(w) == 2
+        if not ok or not all(x is None or (isinstance(x, int) and not isinstance(x, bool) and x >= 0) for x in w):
+            raise ValueError(f"{where}: window {w!r} must be [left, right], each a non-negative integer or null")
+        kw["window"] = tuple(w)
+    for key in ("d", "dv", "batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "seed"):
+        least = 0 if key == "seed" else 1
+        if key in kw and (not isinstance(kw[key], int) or isinstance(kw[key], bool) or kw[key] < least):
+            raise ValueError(f"{where}: {key} = {kw[key]!r} must be an integer >= {least}")
+    for key in ("causal", "sink"):
+        if key in kw and not isinstance(kw[key], bool):
+            raise ValueError(f"{where}: {key} = {kw[key]!r} must be true or false")
+    cap = kw.get("softcap", 0.0)
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
+        raise ValueError(f"{where}: softcap = {kw['softcap']!r} must be a number >= 0 (0: off)")
+    for key, accepted in (("dtype", DTYPES), ("layout", LAYOUTS), ("family", tuple(FAMILIES))):
+        if key in kw and kw[key] not in accepted:
+            raise ValueError(f"{where}: {key} = {kw[key]!r} is not accepted; accepted: {', '.join(accepted)}")
+    c = Case(**kw)
+    if c.heads_q % c.heads_kv:
+        raise ValueError(f"{where}: heads_q {c.heads_q} must be a multiple of heads_kv {c.heads_kv}")
+    return c
+
+
+def cases_from_file(path) -> list[Case]:
+    """The cases of a case file: a JSON list of Case objects, JSON lines (one object per line), or
+    an audit report (``report.json``, ``.gz``/``.xz``: its cases' configurations)."""
+    import gzip
+    import json
+    import lzma
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"case file {p}: cannot be read ({exc.strerror or exc})") from exc
+    try:
+        raw = gzip.decompress(raw) if p.suffix == ".gz" else lzma.decompress(raw) if p.suffix == ".xz" else raw
+        text = raw.decode()
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError:
+            doc = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, EOFError, UnicodeDecodeError, lzma.LZMAError, json.JSONDecodeError) as exc:
+        raise ValueError(f"case file {p}: not JSON, JSON lines or a report ({type(exc).__name__}: {exc})") from exc
+    if isinstance(doc, dict) and isinstance(doc.get("cases"), list):  # a report
+        doc = [c.get("config") if isinstance(c, dict) else c for c in doc["cases"]]
+    if not isinstance(doc, list) or not doc:
+        raise ValueError(f"case file {p}: expected a non-empty list of Case objects (or a report)")
+    return [case_from_dict(d, where=f"case file {p}, entry {i + 1}") for i, d in enumerate(doc)]

@@ -52,7 +52,7 @@ def environment(device: torch.device) -> dict:
         pass
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-        env["compute_capability"] = "sm_%d%d" % torch.cuda.get_device_capability(device)
+        env["compute_capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
         try:
             from importlib.metadata import version
 

@@ -4,6 +4,8 @@
 ``audits.cases.Case``: values drawn in float64 by the case's family, rounded to the case's
 dtype (so the reference sees exactly what the kernel sees), laid out as the case says
 (contiguous, or non-contiguous views).  ``FAMILIES`` maps a family name to its one-line purpose.
+The learnable sink is placed against each head's largest logit (``SINK_PLACES``: above it,
+near it, below it) so that it always carries weight.
 
 Logit-shaping families work through one feature channel: ``q[..., 0] = c`` and
 ``k[j, 0] = target_j / (scale * c)``, so the logit ``scale * q.k_j`` is ``target_j`` up to the
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Family", "FAMILIES", "TILE_STEPS_LOG2", "make_inputs"]
+__all__ = ["Family", "FAMILIES", "SINK_PLACES", "TILE_STEPS_LOG2", "make_inputs"]
 
 #: logit steps between consecutive 128-key tiles, in log2 units: around the 16-bit rescale
 #: threshold (8), and far above it
@@ -248,5 +250,51 @@ def make_inputs(case, *, device: str | torch.device = "cpu") -> dict:
         q, k, v = (_layout(t.to(dt).to(device), case.layout, g) for t in (q, k, v))
     kw = {"causal": case.causal, "window_size": tuple(case.window), "softcap": case.softcap}
     if case.sink:
-        kw["learnable_sink"] = torch.randn(case.heads_q, generator=g, dtype=torch.float64).float().to(device)
+        kw["learnable_sink"] = _sink(q, k, case, g).to(device)
     return {"q": q, "k": k, "v": v, "kw": kw}
+
+
+#: the learnable sink's place against its head's largest logit, head h taking SINK_PLACES[h % 3]:
+#: (low, high) of a uniform draw, natural-log units above the max
+SINK_PLACES = ((2.0, 4.0), (-0.5, 0.5), (-4.0, -3.0))
+
+
+def _head_max_logits(q: torch.Tensor, k: torch.Tensor, case) -> torch.Tensor:
+    """Per query head: the largest finite visible logit over the batch and every query row, in
+    float64 from the rounded inputs, with the audited call's scale (1/sqrt(d)) and softcap;
+    -inf for a head with no finite visible logit.  Chunked over queries so that the score
+    tensor stays small at 32k keys."""
+    from numerics.reference import visible_mask
+
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    kd = k.double().repeat_interleave(hq // k.shape[2], dim=2)
+    vis = visible_mask(sq, sk, causal=case.causal, window_size=tuple(case.window), device=q.device)
+    best = torch.full((hq,), -math.inf, dtype=torch.float64, device=q.device)
+    rows = max(1, (1 << 24) // max(1, b * hq * sk))
+    for i0 in range(0, sq, rows):
+        s = torch.einsum("bihd,bjhd->bhij", q[:, i0 : i0 + rows].double() / math.sqrt(d), kd)
+        if case.softcap and case.softcap > 0:
+            s = case.softcap * torch.tanh(s / case.softcap)
+        s = s.masked_fill(~(vis[i0 : i0 + rows] & torch.isfinite(s)), -math.inf)
+        best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
+    return best.cpu()
+
+
+def _sink(q: torch.Tensor, k: torch.Tensor, case, g: torch.Generator) -> torch.Tensor:
+    """The learnable sink (heads_q,), float32: per head, placed against the head's largest
+    visible logit (``SINK_PLACES``: 2-4 nats above it, so the sink dominates; within +-0.5 of it;
+    3-4 nats below it, e**-3..e**-4 of the top key's weight).
+
+    Why relative: a sink drawn independently of the logits (e.g. N(0,1) beside logits reaching
+    40) carries a weight of e**-40 — a kernel that ignores the sink entirely then meets every
+    tolerance (LSE error 5e-6 on the smoke suite's drift case) and the feature goes untested.
+    The head's max is rounded to a 2**-8 grid before the offset is added, so a last-bit
+    difference between the CPU's and a GPU's float64 dot products cannot move the sink (a
+    reproducer saved from CPU inputs rebuilds the sink the kernel saw)."""
+    top = _head_max_logits(q, k, case)
+    top = torch.where(torch.isfinite(top), torch.round(top * 256) / 256, torch.zeros_like(top))
+    u = torch.rand(case.heads_q, generator=g, dtype=torch.float64)
+    lo = torch.tensor([SINK_PLACES[h % len(SINK_PLACES)][0] for h in range(case.heads_q)], dtype=torch.float64)
+    hi = torch.tensor([SINK_PLACES[h % len(SINK_PLACES)][1] for h in range(case.heads_q)], dtype=torch.float64)
+    return (top + lo + (hi - lo) * u).float()

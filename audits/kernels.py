@@ -1,4 +1,4 @@
-"""Kernels by name (DESIGN.md contract 2), each an audited callable
+"""Kernels by name (docs/design.md, the kernel contract), each an audited callable
 ``fn(q, k, v, *, softmax_scale, causal, window_size, softcap, learnable_sink, return_lse)``.
 
 * ``fa4``: production ``flash_attn.cute.flash_attn_func`` (CUDA + the ``gpu`` extra).
@@ -8,7 +8,7 @@
   as peers.  SDPA has no softcap, sink or LSE output and aligns causal masks top-left, so those
   configurations raise ``NotImplementedError`` (rows with no visible key too: SDPA gives NaN
   there where FA's convention is 0), and ``return_lse`` yields ``None``.
-* ``module:attr``: any callable with that signature.
+* ``module:attr`` or ``path/to/file.py:fn``: any callable with that signature.
 
 ``fa4_numerics(name)`` says which ``FA4Numerics`` family a kernel implements, so the runner
 can hold it to ``numerics.forward_bound``; None for the peers.
@@ -20,10 +20,11 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-__all__ = ["KERNELS", "get_kernel", "fa4_numerics", "production_arch", "claims_nonfinite_inputs"]
+__all__ = ["KERNELS", "get_kernel", "portable_spec", "fa4_numerics", "production_arch", "claims_nonfinite_inputs"]
 
 
 def _model(q, k, v, *, return_lse=False, **kw):
@@ -152,16 +153,58 @@ def fa4_numerics(name: str):
     return lambda q, k, v, causal, window: FA4Numerics.for_inputs(arch, q, k, v, causal, window)
 
 
+def _package_root(path: Path) -> tuple[Path, str]:
+    """(the directory to put on sys.path, the dotted module name) of a Python file: walk up
+    while the directory is a package (has ``__init__.py``), so relative imports keep working."""
+    path = path.resolve()
+    parts = [path.stem]
+    d = path.parent
+    while (d / "__init__.py").exists():
+        parts.insert(0, d.name)
+        d = d.parent
+    return d, ".".join(parts)
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    mod, sep, attr = spec.rpartition(":")
+    if not sep or not mod or not attr:
+        raise ValueError(f"unknown kernel {spec!r}; accepted: {', '.join(KERNELS)}, module:attr or path/to/file.py:fn")
+    return mod, attr
+
+
 def get_kernel(spec: str) -> Callable:
-    """A kernel by name or ``module:attr``; ``ValueError`` naming the valid ones."""
+    """A kernel by name, ``module:attr`` (importable from the current directory or sys.path) or
+    ``path/to/file.py:fn`` (any directory); ``ValueError`` naming what was wrong and what is
+    accepted."""
     if spec in KERNELS:
         return KERNELS[spec]
-    if ":" in spec:
-        mod, _, attr = spec.partition(":")
-        if os.getcwd() not in sys.path:
+    mod, attr = _split_spec(spec)
+    try:
+        if mod.endswith(".py"):
+            path = Path(mod)
+            if not path.is_file():
+                raise ValueError(f"kernel {spec!r}: no such file {path}")
+            root, mod = _package_root(path)
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+        elif os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
-        try:
-            return getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load {spec!r}: {exc}") from exc
-    raise ValueError(f"unknown kernel {spec!r}; accepted: {', '.join(KERNELS)}, or module:attr")
+        fn = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load kernel {spec!r}: {exc}") from exc
+    if not callable(fn):
+        raise ValueError(f"kernel {spec!r}: {attr} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def portable_spec(spec: str) -> str:
+    """``spec`` in a form that loads from any working directory: built-in names as they are,
+    ``module:attr`` and relative file paths as the absolute path of the module's file."""
+    if spec in KERNELS:
+        return spec
+    get_kernel(spec)  # loads it, or says why not
+    mod, attr = _split_spec(spec)
+    if mod.endswith(".py"):
+        return f"{Path(mod).resolve()}:{attr}"
+    f = getattr(sys.modules[mod], "__file__", None)
+    return f"{Path(f).resolve()}:{attr}" if f else spec

@@ -9,7 +9,7 @@ and fresh processes, so every compile key compiles.  Warm: the same command agai
 output directory with the cache the cold run filled.  Each phase runs under a wall-clock limit;
 the rate is (cases finished) / (seconds), both read from the journals, so a phase cut short still
 gives an honest rate of what it did.  Baseline cited for comparison: FA's own test suite on the
-same H200, 37 cases in 170 s from a cold cache (../shared/FA4_NUMERICS.md).  Writes
+same H200, 37 cases in 170 s from a cold cache (as FA's own test file runs them; docs/h200-results.md).  Writes
 DIR/speed.json; the cold run's directory holds a complete, resumable audit (DIR/cold).
 """
 
@@ -32,7 +32,7 @@ FA_TESTS_CASES_PER_S = 37 / 170  # FA's test_flash_attn_output, cold cache, H200
 def finished(out: Path) -> int:
     """Cases journaled under ``out`` (with --jobs, the jobs' journals; the parent keeps none),
     read as ``--resume`` reads them (a torn last line does not count)."""
-    from audits.runner.engine import read_journal
+    from audits.runner.journal import read_records as read_journal
 
     return sum(len(read_journal(j)) for j in out.rglob("journal.jsonl"))
 

@@ -59,7 +59,8 @@ def main() -> int:
             times[k] += _median_time(fn, 1)
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads",
         "inputs": x.numel(),
         "median_seconds": med,
         "ratio_to_torch_exp2": {k: v / med["torch.exp2"] for k, v in med.items() if k != "torch.exp2"},

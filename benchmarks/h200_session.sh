@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: everything the exp2 issue needs from the H200 (see ../shared/device/README.md).
+# One device call: everything the exp2 issue needs from the H200 (the device tool stages the production package first: benchmarks/h200_env.sh).
 # Usage (device tool, carry [".fa4dev"]):  bash benchmarks/h200_session.sh
 set -uo pipefail
 . benchmarks/h200_env.sh

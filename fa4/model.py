@@ -2,7 +2,7 @@
 polynomial exp2 and lazy rescaling, and the Hopper (SM90) path, knob by knob.
 
 ``attention(q, k, v, *, ..., numerics=None)`` has the audited-callable signature of
-``flash_attn.cute.flash_attn_func`` (DESIGN.md) plus ``numerics``, an :class:`FA4Numerics`.
+``flash_attn.cute.flash_attn_func`` (docs/design.md) plus ``numerics``, an :class:`FA4Numerics`.
 Each step follows production's order and precision; the production function it models is named
 where it happens (flash-attn-4 4.0.0b36, ``flash_attn/cute``):
 
@@ -360,6 +360,103 @@ def _row_sum_sm90(p: torch.Tensor, partial: torch.Tensor | None, scale: torch.Te
     return acc
 
 
+@dataclass
+class _RowState:
+    """Per (batch, head, query row) running state of the softmax loop, all float32 but ``started``."""
+
+    row_max: torch.Tensor  # (b, hq, sq)
+    started: torch.Tensor  # (b, hq, sq) bool: a block of the row has been processed
+    row_sum: torch.Tensor  # (b, hq, sq), SM100
+    partial: torch.Tensor  # (b, hq, sq, 4): SM90's thread-partial row sums
+    acc_o: torch.Tensor  # (b, hq, sq, dv)
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int, int], dv: int, dev) -> _RowState:
+        return cls(
+            row_max=torch.full(shape, -math.inf, dtype=torch.float32, device=dev),
+            started=torch.zeros(shape, dtype=torch.bool, device=dev),
+            row_sum=torch.zeros(shape, dtype=torch.float32, device=dev),
+            partial=torch.zeros(shape + (4,), dtype=torch.float32, device=dev),
+            acc_o=torch.zeros(shape + (dv,), dtype=torch.float32, device=dev),
+        )
+
+
+def _scales(d: int, softmax_scale: float | None, softcap: float) -> tuple[float, float, float]:
+    """(scale, softcap, scale_log2) as float32 values (step 2 of the module doc)."""
+    scale = _f32(1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale))
+    softcap = float(softcap or 0.0)
+    if softcap > 0:
+        sl2 = _f32(_LOG2_E)
+    else:
+        sl2 = _f32(scale * _f32(_LOG2_E))
+    return scale, softcap, sl2
+
+
+def _block_scores(q64, k64, vis, j0: int, j1: int, tn: int, scale: float, softcap: float) -> torch.Tensor:
+    """Steps 1-3 for KV columns [j0, j1): the float32 scores, softcapped, padded to ``tn`` columns
+    and masked with -inf."""
+    s = torch.einsum("bihd,bjhd->bhij", q64, k64[:, j0:j1]).float()  # step 1
+    if softcap > 0:  # step 2
+        s = (s * scale) / softcap
+        s = torch.tanh(s.double()).float() * _f32(softcap)
+    s = torch.nn.functional.pad(s, (0, tn - (j1 - j0)), value=-math.inf)
+    mask = torch.nn.functional.pad(vis[:, j0:j1], (0, tn - (j1 - j0)), value=False)
+    return s.masked_fill(~mask, -math.inf)  # step 3
+
+
+def _update_row_max(s, row_max, first, sl2_t, nm: FA4Numerics):
+    """Step 4: the block's new row max, the max subtracted (-inf -> 0) and the accumulator
+    scale ``exp2((old - new) * scale_log2)``, with SM100's lazy rescaling."""
+    blk_max = torch.where(torch.isnan(s), torch.full_like(s, -math.inf), s).amax(-1)  # step 4
+    new_max = torch.where(first, blk_max, torch.fmax(row_max, blk_max))
+    safe = torch.where(new_max == -math.inf, torch.zeros_like(new_max), new_max)
+    scale_arg = (row_max - safe) * sl2_t
+    acc_scale = torch.where(first, torch.zeros_like(safe), hardware_exp2(scale_arg))
+    if nm.rescale_threshold > 0:  # SoftmaxSm100.update_row_max: lazy rescaling
+        keep = ~first & (scale_arg >= -nm.rescale_threshold)
+        new_max = torch.where(keep, row_max, new_max)
+        safe = torch.where(keep, row_max, safe)
+        acc_scale = torch.where(keep, torch.ones_like(acc_scale), acc_scale)
+    return new_max, safe, acc_scale
+
+
+def _block_row_sum(p, first, row_sum, partial, acc_scale, nm: FA4Numerics):
+    """Step 7: (row sum, SM90 partials) after this block, in production's order."""
+    if nm.arch == "sm100":  # step 7
+        init = torch.where(first, torch.zeros_like(row_sum), row_sum * acc_scale)
+        blk_sum = _row_sum_sm100(p, init)
+        blk_sum = torch.where(first, _row_sum_sm100(p, None), blk_sum)
+        new_partial = partial
+    else:
+        new_partial = torch.where(
+            first.unsqueeze(-1), _row_sum_sm90(p, None, None), _row_sum_sm90(p, partial, acc_scale)
+        )
+        blk_sum = row_sum
+    return blk_sum, new_partial
+
+
+def _softmax_block(st: _RowState, s, active, v_blk, nm: FA4Numerics, p_dtype, sl2_t, off) -> None:
+    """Steps 4-9 for one KV block of scores ``s`` (values ``v_blk``); updates ``st`` on the
+    ``active`` rows (those whose query tile visits the block)."""
+    first = ~st.started
+    new_max, safe, acc_scale = _update_row_max(s, st.row_max, first, sl2_t, nm)  # step 4
+    bias = _fma(-safe, sl2_t, off)  # step 5: ptxas fuses max_offset - max*scale_log2 (one rounding)
+    t = _fma(s, sl2_t, bias.unsqueeze(-1))
+    p = _exp2_mixed(t, nm)  # step 6
+    blk_sum, new_partial = _block_row_sum(p, first, st.row_sum, st.partial, acc_scale, nm)  # step 7
+    p_lp = round_to(p, p_dtype, saturate=p_dtype in _FP8)  # step 8
+    pv = torch.einsum("bhij,bjhd->bhid", p_lp.double()[..., : v_blk.shape[1]], v_blk)  # the block's real columns
+    o_new = torch.where(
+        first.unsqueeze(-1), pv.float(), (st.acc_o * acc_scale.unsqueeze(-1)).double().add(pv).float()
+    )  # step 9
+    a3 = active
+    st.row_max = torch.where(a3, new_max, st.row_max)
+    st.row_sum = torch.where(a3, blk_sum, st.row_sum)
+    st.partial = torch.where(a3.unsqueeze(-1), new_partial, st.partial)
+    st.acc_o = torch.where(a3.unsqueeze(-1), o_new, st.acc_o)
+    st.started = st.started | a3
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -388,12 +485,7 @@ def attention(
     dev = q.device
     out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
     p_dtype = nm.p_dtype or q.dtype
-    scale = _f32(1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale))
-    softcap = float(softcap or 0.0)
-    if softcap > 0:
-        sl2 = _f32(_LOG2_E)
-    else:
-        sl2 = _f32(scale * _f32(_LOG2_E))
+    scale, softcap, sl2 = _scales(d, softmax_scale, softcap)
     tn = nm.tile_n
     n_min, n_max, nblk = _block_ranges(sq, sk, nm, causal, (left, right), dev)
     rep = hq // hk
@@ -402,11 +494,7 @@ def attention(
     v64 = v.to(torch.float64).repeat_interleave(rep, dim=2)
     vis = _visible(sq, sk, causal, (left, right), dev)
     shape = (b, hq, sq)
-    row_max = torch.full(shape, -math.inf, dtype=torch.float32, device=dev)
-    started = torch.zeros(shape, dtype=torch.bool, device=dev)
-    row_sum = torch.zeros(shape, dtype=torch.float32, device=dev)
-    partial = torch.zeros(shape + (4,), dtype=torch.float32, device=dev)
-    acc_o = torch.zeros(shape + (dv,), dtype=torch.float32, device=dev)
+    st = _RowState.empty(shape, dv, dev)
     sl2_t = torch.tensor(sl2, dtype=torch.float32, device=dev)
     off = torch.tensor(float(nm.max_offset), dtype=torch.float32, device=dev)
     for n in range(nblk - 1, -1, -1):
@@ -414,51 +502,12 @@ def attention(
         if not bool(active.any()):
             continue
         j0, j1 = n * tn, min((n + 1) * tn, sk)
-        s = torch.einsum("bihd,bjhd->bhij", q64, k64[:, j0:j1]).float()  # step 1
-        if softcap > 0:  # step 2
-            s = (s * scale) / softcap
-            s = torch.tanh(s.double()).float() * _f32(softcap)
-        s = torch.nn.functional.pad(s, (0, tn - (j1 - j0)), value=-math.inf)
-        mask = torch.nn.functional.pad(vis[:, j0:j1], (0, tn - (j1 - j0)), value=False)
-        s = s.masked_fill(~mask, -math.inf)  # step 3
-        first = ~started
-        blk_max = torch.where(torch.isnan(s), torch.full_like(s, -math.inf), s).amax(-1)  # step 4
-        new_max = torch.where(first, blk_max, torch.fmax(row_max, blk_max))
-        safe = torch.where(new_max == -math.inf, torch.zeros_like(new_max), new_max)
-        scale_arg = (row_max - safe) * sl2_t
-        acc_scale = torch.where(first, torch.zeros_like(safe), hardware_exp2(scale_arg))
-        if nm.rescale_threshold > 0:  # SoftmaxSm100.update_row_max: lazy rescaling
-            keep = ~first & (scale_arg >= -nm.rescale_threshold)
-            new_max = torch.where(keep, row_max, new_max)
-            safe = torch.where(keep, row_max, safe)
-            acc_scale = torch.where(keep, torch.ones_like(acc_scale), acc_scale)
-        bias = _fma(-safe, sl2_t, off)  # step 5: ptxas fuses max_offset - max*scale_log2 (one rounding)
-        t = _fma(s, sl2_t, bias.unsqueeze(-1))
-        p = _exp2_mixed(t, nm)  # step 6
-        if nm.arch == "sm100":  # step 7
-            init = torch.where(first, torch.zeros_like(row_sum), row_sum * acc_scale)
-            blk_sum = _row_sum_sm100(p, init)
-            blk_sum = torch.where(first, _row_sum_sm100(p, None), blk_sum)
-            new_partial = partial
-        else:
-            new_partial = torch.where(
-                first.unsqueeze(-1), _row_sum_sm90(p, None, None), _row_sum_sm90(p, partial, acc_scale)
-            )
-            blk_sum = row_sum
-        p_lp = round_to(p, p_dtype, saturate=p_dtype in _FP8)  # step 8
-        pv = torch.einsum("bhij,bjhd->bhid", p_lp.double()[..., : j1 - j0], v64[:, j0:j1])
-        o_new = torch.where(
-            first.unsqueeze(-1), pv.float(), (acc_o * acc_scale.unsqueeze(-1)).double().add(pv).float()
-        )  # step 9
-        a3 = active
-        row_max = torch.where(a3, new_max, row_max)
-        row_sum = torch.where(a3, blk_sum, row_sum)
-        partial = torch.where(a3.unsqueeze(-1), new_partial, partial)
-        acc_o = torch.where(a3.unsqueeze(-1), o_new, acc_o)
-        started = started | a3
+        s = _block_scores(q64, k64, vis, j0, j1, tn, scale, softcap)  # steps 1-3
+        _softmax_block(st, s, active, v64[:, j0:j1], nm, p_dtype, sl2_t, off)  # steps 4-9
+    row_sum = st.row_sum
     if nm.arch == "sm90":
-        row_sum = (partial[..., 0] + partial[..., 1]) + (partial[..., 2] + partial[..., 3])
-    out, lse = _finalize(nm, row_max, row_sum, acc_o, sl2_t, off, learnable_sink, out_dtype)
+        row_sum = (st.partial[..., 0] + st.partial[..., 1]) + (st.partial[..., 2] + st.partial[..., 3])
+    out, lse = _finalize(nm, st.row_max, row_sum, st.acc_o, sl2_t, off, learnable_sink, out_dtype)
     out = out.permute(0, 2, 1, 3).contiguous()
     return (out, lse) if return_lse else out
 

@@ -20,11 +20,16 @@ Each thread handles two consecutive elements (the pair for ``packed``).
 # annotations (cute.Tensor, cutlass.Constexpr) at compile time, in the defining scope.
 import functools
 import os
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ProductionUnavailable", "INSTALL_HINT", "require_production", "ex2_kernel", "EX2_VARIANTS"]
+__all__ = [
+    "REFUSALS", "Refusal", "refusal_of", "ProductionError", "ProductionUnavailable", "INSTALL_HINT",
+    "require_production", "ex2_kernel", "EX2_VARIANTS",
+]  # fmt: skip
 
 INSTALL_HINT = (
     "install the production kernel with: pip install 'fa4-audit[gpu]' "
@@ -35,6 +40,55 @@ EX2_VARIANTS = ("scalar", "packed", "hardware")
 #: normalisation), tanh.approx (softcap).
 MUFU_VARIANTS = ("lg2", "rcp", "tanh")
 _THREADS = 256
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One documented refusal of production: the exception type, a regex its message matches,
+    and the production source that raises it (flash-attn-4 4.0.0b36)."""
+
+    exc_type: type
+    pattern: str
+    source: str
+
+
+#: Production's documented refusals: the only exceptions that make a case ``skipped``.  Each
+#: rule cites the line that raises it; anything not matched here is an ``error`` verdict.
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        AssertionError,
+        r"FP8 is only supported on SM100",
+        "flash_attn/cute/interface.py, _flash_attn_fwd: assert arch // 10 == 10 for fp8 inputs",
+    ),
+    Refusal(
+        AssertionError,
+        r"\(head_dim, head_dim_v\)=\(\d+, \d+\) is not supported on SM(90|100/SM110)",
+        "flash_attn/cute/interface.py, _validate_head_dims: SM90 takes 8..256; SM100 takes 8..128, (192, 128), "
+        "(256, 256) and dv 512 (so (192, 192) is refused)",
+    ),
+    Refusal(
+        AssertionError,
+        r"Unsupported compute capability",
+        "flash_attn/cute/interface.py, _flash_attn_fwd: assert arch // 10 in [8, 9, 10, 11, 12]",
+    ),
+    Refusal(
+        NotImplementedError,
+        r"FA4 CuTe FP8 backward is not supported",
+        "flash_attn/cute/interface.py, _flash_attn_fwd: fp8 with requires_grad (forward-only)",
+    ),
+)
+
+
+def refusal_of(exc: BaseException) -> Refusal | None:
+    """The rule of :data:`REFUSALS` that ``exc`` matches, or None (then it is an error)."""
+    for rule in REFUSALS:
+        if type(exc) is rule.exc_type and re.search(rule.pattern, str(exc)):
+            return rule
+    return None
+
+
+class ProductionError(RuntimeError):
+    """Production raised something that is not a documented refusal: an ``error`` verdict."""
 
 
 class ProductionUnavailable(RuntimeError):
@@ -144,7 +198,8 @@ def ex2_kernel(variant: str, degree: int = 3) -> Callable[[torch.Tensor], torch.
                 compiled[nb] = cute.compile(launch, mx, my, nb)
             except Exception as exc:  # the DSL raises its own error types
                 if variant == "packed":
-                    cc = "sm_%d%d" % torch.cuda.get_device_capability()
+                    major, minor = torch.cuda.get_device_capability()
+                    cc = f"sm_{major:d}{minor:d}"
                     raise NotImplementedError(
                         f"production ex2_emulation_2 does not compile for this GPU ({cc}): its f32x2 "
                         f"instructions need sm_100+ (compiler: {_first_line(exc)})"
@@ -196,23 +251,20 @@ def flash_attn(
     return_lse: bool = False,
 ):
     """The audited-callable adapter of production ``flash_attn.cute.flash_attn_func`` (kernel
-    ``fa4``).  FA4's own refusals of a configuration (its asserts and type checks on head dims,
-    dtypes, architectures) become ``NotImplementedError``; anything else propagates as an error."""
+    ``fa4``).  A refusal matched by a rule of :data:`REFUSALS` becomes ``NotImplementedError``
+    (verdict ``skipped``); every other exception, ``NotImplementedError`` included, propagates as
+    :class:`ProductionError` (verdict ``error``): an unknown failure is never a skip."""
     require_production()
     from flash_attn.cute import flash_attn_func
 
     try:
         out, lse = flash_attn_func(
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=tuple(window_size),
-            softcap=softcap,
-            learnable_sink=learnable_sink,
-            return_lse=return_lse,
-        )
-    except (AssertionError, NotImplementedError, TypeError) as exc:
-        raise NotImplementedError(f"flash_attn_func refused the configuration: {type(exc).__name__}: {exc}") from exc
+            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
+            softcap=softcap, learnable_sink=learnable_sink, return_lse=return_lse,
+        )  # fmt: skip
+    except Exception as exc:
+        rule = refusal_of(exc)
+        if rule is None:
+            raise ProductionError(f"flash_attn_func raised {type(exc).__name__}: {exc}") from exc
+        raise NotImplementedError(f"production refuses this configuration ({rule.source}): {exc}") from exc
     return (out, lse) if return_lse else out

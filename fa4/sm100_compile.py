@@ -33,6 +33,8 @@ import shutil
 import sys
 import tempfile
 
+from fa4.production import refusal_of
+
 __all__ = ["main"]
 
 REFUSED = 3
@@ -62,13 +64,8 @@ def _stub_hardware_info() -> None:
     tile_scheduler.HardwareInfo = HostGridHardwareInfo
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 2:
-        print(__doc__, file=sys.stderr)
-        return 1
-    cfg, out, no_driver = json.loads(argv[0]), argv[1], "--no-driver" in argv[2:]
-    dump = tempfile.mkdtemp(prefix="fa4-sm100-ptx-")
+def _configure_environment(dump: str) -> None:
+    """Target sm_100a / the SM100 code path and keep the PTX in ``dump`` (before the DSL is imported)."""
     os.environ.update(
         CUTE_DSL_ARCH="sm_100a",
         FLASH_ATTENTION_ARCH="sm_100",
@@ -78,15 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0",
     )
     os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "148")
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if no_driver:
-        _stub_hardware_info()
-    import flash_attn.cute as fa
-    from flash_attn.cute import interface
 
-    chosen = {}
+def _record_choices(interface, chosen: dict) -> None:
+    """Wrap ``interface.cute.compile`` to record the kernel production builds into ``chosen``."""
     compile_og = interface.cute.compile
 
     def record(*args, **kw):  # passes through unchanged; records what production built
@@ -98,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         return compile_og(*args, **kw)
 
     interface.cute.compile = record
+
+
+def _call_on_fake_tensors(fa, cfg: dict) -> Exception | None:
+    """``flash_attn_func`` on FakeTensors shaped by ``cfg``; the exception it raised, if any."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     dt = getattr(torch, cfg["dtype"])
     kw = dict(causal=cfg["causal"], window_size=tuple(cfg["window"]), softcap=cfg["softcap"], return_lse=True)
     err = None
@@ -111,21 +110,46 @@ def main(argv: list[str] | None = None) -> int:
             fa.flash_attn_func(q, k, v, **kw)
         except Exception as exc:  # launch failures are expected on a non-Blackwell GPU
             err = exc
+    return err
+
+
+def _no_ptx(err: Exception | None, dump: str) -> int:
+    """No forward kernel PTX was written: say why on stderr; REFUSED or 1."""
+    shutil.rmtree(dump, ignore_errors=True)
+    msg = f"{type(err).__name__}: {err}" if err is not None else "no forward kernel PTX was written"
+    rule = refusal_of(err) if err is not None else None  # fa4.production.REFUSALS: documented refusals only
+    refused = rule is not None
+    print(
+        (f"production refuses this configuration ({rule.source}): " if refused else "compile failed: ")
+        + msg.strip().splitlines()[-1][:500],
+        file=sys.stderr,
+    )
+    return REFUSED if refused else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 1
+    cfg, out, no_driver = json.loads(argv[0]), argv[1], "--no-driver" in argv[2:]
+    dump = tempfile.mkdtemp(prefix="fa4-sm100-ptx-")
+    _configure_environment(dump)
+    if no_driver:
+        _stub_hardware_info()
+    import flash_attn.cute as fa
+    from flash_attn.cute import interface
+
+    chosen = {}
+    _record_choices(interface, chosen)
+    err = _call_on_fake_tensors(fa, cfg)
     ptx = [
         p
         for p in glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)
         if "FlashAttention" in os.path.basename(p)
     ]
     if not ptx:
-        shutil.rmtree(dump, ignore_errors=True)
-        msg = f"{type(err).__name__}: {err}" if err is not None else "no forward kernel PTX was written"
-        refused = isinstance(err, (AssertionError, NotImplementedError, ValueError, TypeError))
-        print(
-            ("production refuses this configuration: " if refused else "compile failed: ")
-            + msg.strip().splitlines()[-1][:500],
-            file=sys.stderr,
-        )
-        return REFUSED if refused else 1
+        return _no_ptx(err, dump)
     ptx.sort(key=os.path.getmtime)
     shutil.copyfile(ptx[-1], out)
     chosen["launch_error"] = None if err is None else f"{type(err).__name__}: {str(err)[:300]}"

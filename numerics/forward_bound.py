@@ -79,48 +79,23 @@ def _gamma(m: torch.Tensor | float):
     return m * _U / (1 - m * _U)
 
 
-def forward_error_bound(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    numerics,
-    *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out_bound, lse_bound): float64 tensors shaped like the output (b, sq, hq, dv) and the
-    LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc).
-    ``reference``: the FP64 ``(out, lse)`` of ``numerics.reference.attention_reference`` for
-    these inputs, when the caller has it (computed here otherwise)."""
-    from numerics.bounds import ex2_error_bound
-    from numerics.fp import format_of
-    from numerics.reference import attention_reference, visible_mask
-
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    nm = numerics
-    fmt_p = format_of(nm.p_dtype or q.dtype)
-    fmt_o = format_of(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
-    thr, off = float(nm.rescale_threshold), float(nm.max_offset)
-    l2e = math.log2(math.e)
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    scale32 = _f32(scale)
-    softcap = float(softcap or 0.0)
-    dev = q.device
-
+def _dot_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(dot, e_dot, v64): q.k_j in float64, step 1's ``E_dot = gamma(d) sum_k |q_k k_jk|``, and
+    v in float64 with the kv heads repeated to the query heads."""
+    d, hq, hk = q.shape[3], q.shape[2], k.shape[2]
     rep = hq // hk
     q64 = q.double()
     k64 = k.double().repeat_interleave(rep, dim=2)
     v64 = v.double().repeat_interleave(rep, dim=2)
     dot = torch.einsum("bihd,bjhd->bhij", q64, k64)
     e_dot = _gamma(d) * torch.einsum("bihd,bjhd->bhij", q64.abs(), k64.abs())
-    vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev).view(1, 1, sq, sk)
-    ninf = torch.tensor(-math.inf, dtype=torch.float64, device=dev)
+    return dot, e_dot, v64
 
+
+def _step1_score(dot, e_dot, scale: float, scale32: float, softcap: float, l2e: float):
+    """Step 1 (score error, with softcap's roundings and MUFU.TANH) and the exponent's scale:
+    (sl2, |sl2 - ideal|, base, e_score) where the ideal exponent is ``base * ideal`` (log2 units)
+    and ``e_score`` the score's error in log2 units."""
     if softcap > 0:  # step 1, softcap branch; exponent in natural units s, sl2 = fl32(log2 e)
         sl2 = _f32(l2e)
         x = dot * scale / softcap
@@ -137,13 +112,25 @@ def forward_error_bound(
         base = dot  # exponent = dot * scale * log2e (ideal)
         s_nat = dot * scale
         e_score = e_dot * sl2
-    ideal = l2e if softcap > 0 else scale * l2e  # log2 units per unit of `base`
+    return sl2, d_sl2, base, e_score
+
+
+def _step2_exponent(base, vis, e_score, d_sl2: float, ideal: float, thr: float, off: float, ninf):
+    """Step 2: (m_base, m_safe, rel_exp, t_abs, e_j): the row max of ``base`` over visible keys
+    (-inf -> 0 in m_safe), the exact exponent relative to it, the bound on |t_j| and E_j."""
     base_m = torch.where(vis, base, ninf)
     m_base = base_m.amax(-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m_base), m_base, torch.zeros_like(m_base))
     rel_exp = (base - m_safe) * ideal  # <= 0 on visible keys
     t_abs = rel_exp.abs() + thr + off + 1.0
     e_j = e_score + (base - m_safe).abs() * d_sl2 + _U * t_abs  # step 2 (j-dependent part)
+    return m_base, m_safe, rel_exp, t_abs, e_j
+
+
+def _step3_exp2(nm, sk: int, dev, vis, rel_exp, e_j, off: float):
+    """Step 3: (eps, p, eta, low, alpha): exp2's relative error per key column, p_j in P units,
+    |eta_j|'s bound, the keys whose result may be flushed or wrongly scaled and their alpha_j."""
+    from numerics.bounds import ex2_error_bound
 
     cols = torch.arange(sk, device=dev) % nm.tile_n
     emu = nm.emulated_mask().to(dev)[cols]  # which key columns of a tile take the polynomial
@@ -159,16 +146,25 @@ def forward_error_bound(
     low = vis & (torch.log2(p.clamp(min=1e-300)) + e_j < -125)  # may be flushed or wrongly scaled
     eta = torch.where(low, torch.ones_like(eta).clamp(min=eta), eta)
     alpha = torch.where(low, torch.full_like(p, 2.0**-126), torch.zeros_like(p))
+    return eps, p, eta, low, alpha
 
+
+def _step4_cast(p, eta, vis, fmt_p, thr: float):
+    """Step 4: (rho, sigma) of the cast of P to p_dtype, saturation included."""
     rho = torch.full_like(p, fmt_p.unit_roundoff)  # step 4
     p_hi = p * 2.0**thr * (1 + eta)
     rho = torch.where(p_hi > fmt_p.max, torch.maximum(rho, 1 - fmt_p.max / p_hi), rho)
     sigma = torch.where(vis, torch.full_like(p, fmt_p.smallest_subnormal / 2), torch.zeros_like(p))
+    return rho, sigma
 
-    p_s = torch.zeros(b, hq, sq, 1, dtype=torch.float64, device=dev)
+
+def _sink_terms(learnable_sink, m_base, shape, dev, *, softcap: float, scale: float, l2e: float, thr, off):
+    """The sink's term of step 5: (p_s, eta_s), p_s in P units and the bound on |eta_s| (zeros
+    without a sink)."""
+    p_s = torch.zeros(shape, dtype=torch.float64, device=dev)
     eta_s = torch.zeros_like(p_s)
     if learnable_sink is not None:
-        sink = learnable_sink.double().view(1, hq, 1, 1)
+        sink = learnable_sink.double().view(1, shape[1], 1, 1)
         m_nat = m_base * (1.0 if softcap > 0 else scale)
         m_nat_safe = torch.where(torch.isfinite(m_nat), m_nat, torch.zeros_like(m_nat))
         p_s = torch.where(torch.isfinite(m_nat), torch.exp2((sink - m_nat_safe) * l2e + off), torch.zeros_like(p_s))
@@ -178,23 +174,12 @@ def forward_error_bound(
             + 3 * _U * ((sink.abs() + m_nat_safe.abs()) * l2e + thr + off + 1)
         )
         eta_s = torch.exp2(e_s) * (1 + MUFU["ex2_rel"]) - 1
+    return p_s, eta_s
 
-    if reference is None:
-        reference = attention_reference(
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            learnable_sink=learnable_sink,
-            return_lse=True,
-        )
-    ref, ref_lse = reference
-    o = ref.permute(0, 2, 1, 3)  # (b, h, i, c)
-    av = v64.abs()
-    ao = o.abs()
+
+def _step5_num_den(p, eta, alpha, rho, sigma, av, ao, p_s, eta_s):
+    """Step 5: (b1, d_low): the bound B1 on |N/D~ - o| and the lower bound D_low of D~ (NaN
+    where it is not positive)."""
     w1 = p * eta.abs() + alpha
     a_num = (
         torch.einsum("bhij,bjhc->bhic", w1, av)
@@ -205,26 +190,43 @@ def forward_error_bound(
     d_low = (p * (1 - eta.abs())).sum(-1, keepdim=True) - alpha.sum(-1, keepdim=True) + p_s * (1 - eta_s.abs())
     d_low = torch.where(d_low > 0, d_low, torch.full_like(d_low, math.nan))
     b1 = a_num / d_low
-    n_vis = vis.sum(-1, keepdim=True).to(torch.float64)
-    nblk = -(-sk // nm.tile_n)
+    return b1, d_low
+
+
+def _step6_accumulation(p, eta, alpha, rho, sigma, av, ao, b1, d_low, n_vis, nblk: int):
+    """Step 6: (gam, b2): gamma of the float32 sums and the bound B2 they and the reciprocal add."""
     gam = _gamma(n_vis + nblk + 2)  # step 6
     s_abs = torch.einsum("bhij,bjhc->bhic", (p * (1 + eta.abs()) + alpha) * (1 + rho) + sigma, av)
     kappa = (1 + MUFU["rcp_rel"]) * (1 + _U) / (1 - gam) - 1
     b2 = (ao + b1) * kappa + gam * s_abs / d_low * (1 + kappa)
+    return gam, b2
+
+
+def _step7_output_cast(b1, b2, ao, fmt_o, n_vis):
+    """Step 7: the output bound after the cast (0 for rows without a visible key, NaN -> inf)."""
     pre = b1 + b2
     out_b = pre + fmt_o.unit_roundoff * (ao + pre) + fmt_o.smallest_subnormal / 2  # step 7
     empty = (n_vis == 0).expand_as(out_b)
     out_b = torch.where(empty, torch.zeros_like(out_b), out_b)
     out_b = torch.where(torch.isnan(out_b), torch.full_like(out_b, math.inf), out_b)
+    return out_b
 
-    # LSE
-    e_full = e_score + base.abs() * d_sl2 + _U * t_abs + _U * (m_safe.abs() * sl2 + thr + off + 1.0)
+
+def _lse_rel_d(e_full, vis, eps, low, p, alpha, p_s, eta_s, gam):
+    """LSE: (w, rel_d): the exact denominator in P units (1 where it is 0) and the relative
+    error of the kernel's D, with the full exponent errors ``E'_j``."""
     eta_l = torch.where(vis, torch.exp2(e_full) * (1 + eps) - 1, torch.zeros_like(e_full))
     eta_l = torch.where(low, torch.ones_like(eta_l).clamp(min=eta_l), eta_l)
     dd = p.sum(-1, keepdim=True) + p_s
     w = torch.where(dd > 0, dd, torch.ones_like(dd))
     rel_d = ((p * eta_l).sum(-1, keepdim=True) + alpha.sum(-1, keepdim=True) + p_s * eta_s.abs()) / w
     rel_d = rel_d + gam + rel_d * gam
+    return w, rel_d
+
+
+def _lse_bound(w, rel_d, ref_lse, n_vis, learnable_sink, *, hq: int, off: float, l2e: float):
+    """LSE: the bound from D's relative error, lg2.approx, the roundings and ln2_f32; rows with
+    no visible key: the sink's few roundings, or 0 (LSE -inf exactly); NaN -> inf."""
     log2_d = torch.log2(w)
     lg2_err = torch.where(log2_d.abs() >= 1, MUFU["lg2_rel"] * log2_d.abs(), torch.full_like(log2_d, MUFU["lg2_abs"]))
     l2_total = -torch.log2((1 - rel_d).clamp(min=1e-300))  # max |log2(1 +- r)| = -log2(1 - r)
@@ -246,4 +248,78 @@ def forward_error_bound(
     else:
         lse_b = torch.where(n_vis.squeeze(-1) == 0, torch.zeros_like(lse_b), lse_b)
     lse_b = torch.where(torch.isnan(lse_b), torch.full_like(lse_b, math.inf), lse_b)
+    return lse_b
+
+
+def forward_error_bound(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    numerics,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out_bound, lse_bound): float64 tensors shaped like the output (b, sq, hq, dv) and the
+    LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc).
+    ``reference``: the FP64 ``(out, lse)`` of ``numerics.reference.attention_reference`` for
+    these inputs, when the caller has it (computed here otherwise)."""
+    from numerics.fp import format_of
+    from numerics.reference import attention_reference, visible_mask
+
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    nm = numerics
+    fmt_p = format_of(nm.p_dtype or q.dtype)
+    fmt_o = format_of(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
+    thr, off = float(nm.rescale_threshold), float(nm.max_offset)
+    l2e = math.log2(math.e)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale32 = _f32(scale)
+    softcap = float(softcap or 0.0)
+    dev = q.device
+
+    dot, e_dot, v64 = _dot_products(q, k, v)
+    vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev).view(1, 1, sq, sk)
+    ninf = torch.tensor(-math.inf, dtype=torch.float64, device=dev)
+
+    sl2, d_sl2, base, e_score = _step1_score(dot, e_dot, scale, scale32, softcap, l2e)
+    ideal = l2e if softcap > 0 else scale * l2e  # log2 units per unit of `base`
+    m_base, m_safe, rel_exp, t_abs, e_j = _step2_exponent(base, vis, e_score, d_sl2, ideal, thr, off, ninf)
+    eps, p, eta, low, alpha = _step3_exp2(nm, sk, dev, vis, rel_exp, e_j, off)
+    rho, sigma = _step4_cast(p, eta, vis, fmt_p, thr)
+    p_s, eta_s = _sink_terms(
+        learnable_sink, m_base, (b, hq, sq, 1), dev, softcap=softcap, scale=scale, l2e=l2e, thr=thr, off=off
+    )
+
+    if reference is None:
+        reference = attention_reference(
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            learnable_sink=learnable_sink,
+            return_lse=True,
+        )
+    ref, ref_lse = reference
+    o = ref.permute(0, 2, 1, 3)  # (b, h, i, c)
+    av = v64.abs()
+    ao = o.abs()
+    b1, d_low = _step5_num_den(p, eta, alpha, rho, sigma, av, ao, p_s, eta_s)
+    n_vis = vis.sum(-1, keepdim=True).to(torch.float64)
+    nblk = -(-sk // nm.tile_n)
+    gam, b2 = _step6_accumulation(p, eta, alpha, rho, sigma, av, ao, b1, d_low, n_vis, nblk)
+    out_b = _step7_output_cast(b1, b2, ao, fmt_o, n_vis)
+
+    # LSE
+    e_full = e_score + base.abs() * d_sl2 + _U * t_abs + _U * (m_safe.abs() * sl2 + thr + off + 1.0)
+    w, rel_d = _lse_rel_d(e_full, vis, eps, low, p, alpha, p_s, eta_s, gam)
+    lse_b = _lse_bound(w, rel_d, ref_lse, n_vis, learnable_sink, hq=hq, off=off, l2e=l2e)
     return out_b.permute(0, 2, 1, 3).contiguous(), lse_b

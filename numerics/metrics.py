@@ -21,7 +21,7 @@ import torch
 
 from numerics.fp import format_of, ulp_error
 
-__all__ = ["output_errors", "lse_errors", "ulp_diff_histogram", "row_scaled_ulp_diff", "fa_criterion"]
+__all__ = ["output_errors", "lse_errors", "ulp_diff_histogram", "row_scaled_ulp_diff", "fa_criterion", "bound_check"]
 
 
 def _index(flat_idx: int, shape) -> tuple[int, ...]:
@@ -155,3 +155,31 @@ def fa_criterion(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor
         "allowed": allowed,
         "passed": err <= allowed and math.isfinite(err),
     }
+
+
+def _against(err: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[int, float]:
+    """(violations, tightness) of absolute errors ``err`` against a per-element ``bound``.
+    Checked where the reference and the bound are finite (a non-finite bound means the inputs
+    leave the analysis' domain); there a NaN or inf error is a violation.  Tightness: the largest
+    err / bound over finite errors (0 / 0 counts as 0)."""
+    checked = torch.isfinite(ref) & torch.isfinite(bound)
+    violations = int((checked & ~(err <= bound)).sum())
+    fin = checked & torch.isfinite(err)
+    ratio = torch.where(fin & (err > 0), err / bound.clamp(min=1e-300), torch.zeros_like(err))
+    return violations, float(ratio.max()) if ratio.numel() else 0.0
+
+
+def bound_check(out, ref, out_bound, lse=None, ref_lse=None, lse_bound=None) -> dict:
+    """The one per-element bound check (the runner and fidelity use it): violations and
+    tightness of the output against ``out_bound`` and, when given, of the LSE against
+    ``lse_bound``; ``max_bound`` is the largest finite output bound."""
+    err = (out.double() - ref.double()).abs()
+    v, t = _against(err, ref, out_bound)
+    res = {"violations": v, "tightness": t, "lse_violations": 0, "lse_tightness": 0.0}
+    fb = out_bound[torch.isfinite(out_bound)]
+    res["max_bound"] = float(fb.max()) if fb.numel() else 0.0
+    if lse is not None:
+        lerr = (lse.double() - ref_lse.double()).abs()
+        lerr = torch.where(torch.isinf(ref_lse) & (lse.double() == ref_lse), torch.zeros_like(lerr), lerr)
+        res["lse_violations"], res["lse_tightness"] = _against(lerr, ref_lse, lse_bound)
+    return res

@@ -1,6 +1,6 @@
 """High-precision attention references: FP64 on the inputs' device, mpmath on sampled rows.
 
-Conventions (DESIGN.md; the audited-callable signature of ``flash_attn.cute.flash_attn_func``):
+Conventions (docs/design.md; the audited-callable signature of ``flash_attn.cute.flash_attn_func``):
 
 * q: (batch, seqlen_q, heads_q, d); k: (batch, seqlen_k, heads_kv, d); v: (batch, seqlen_k,
   heads_kv, dv); heads_q a multiple of heads_kv (GQA/MQA: query head h reads kv head
@@ -239,6 +239,47 @@ def _split(e: mpmath.mpf) -> list[float]:
     ]
 
 
+def _exact_logits(qi: torch.Tensor, kj: torch.Tensor, scale, softcap: float) -> list:
+    """Steps 1-2 of :func:`exact_attention_rows`: the row's logits in mpmath (scaled, softcapped)."""
+    logits = []
+    for row in (kj * qi).tolist():  # exact products (step 1)
+        s = _fsum2(row) * scale
+        logits.append(softcap * mpmath.tanh(s / softcap) if softcap and softcap > 0 else s)
+    return logits
+
+
+def _exact_weighted_sum(e: list, vj: torch.Tensor, den, dv: int) -> list:
+    """Step 3 of :func:`exact_attention_rows`: ``sum_j e_j v_jc / den`` for every column c."""
+    pieces = torch.tensor([_split(x) for x in e], dtype=torch.float64)  # (j, 3)
+    terms = (pieces[:, :, None] * vj[:, None, :]).reshape(-1, dv).T.tolist()  # (c, 3j), exact
+    return [_fsum2(t) / den for t in terms]
+
+
+def _exact_row(q, k, v, vis, row: tuple[int, int, int], scale, softcap: float, learnable_sink):
+    """One (batch, head_q, query) row of :func:`exact_attention_rows` (current mpmath precision)."""
+    bi, h, i = row
+    hq, hk = q.shape[2], k.shape[2]
+    kh = h // (hq // hk)
+    js = torch.nonzero(vis[i]).flatten().to(k.device)
+    qi = q[bi, i, h].double().cpu()
+    kj = k[bi, js, kh].double().cpu()
+    vj = v[bi, js, kh].double().cpu()
+    sink = None if learnable_sink is None else float(learnable_sink[h])
+    if not (torch.isfinite(qi).all() and torch.isfinite(kj).all() and torch.isfinite(vj).all()) or (
+        sink is not None and not math.isfinite(sink)
+    ):
+        return None
+    logits = _exact_logits(qi, kj, scale, softcap)
+    dv = v.shape[-1]
+    w = _mp_softmax(logits, None if sink is None else mpmath.mpf(sink))
+    if w is None:
+        return [mpmath.mpf(0)] * dv, mpmath.mpf("-inf")
+    m, e, den = w
+    if not logits:
+        return [mpmath.mpf(0)] * dv, m + mpmath.log(den)
+    return _exact_weighted_sum(e, vj, den, dv), m + mpmath.log(den)
+
+
 def exact_attention_rows(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -273,44 +314,16 @@ def exact_attention_rows(
     """
     if q.dtype == torch.float64 or k.dtype == torch.float64 or v.dtype == torch.float64:
         raise ValueError(
-            "exact_attention_rows needs inputs of <= 26 significant bits (fp8/fp16/bf16/float32), got float64; use mp_attention_rows"
+            "exact_attention_rows needs inputs of <= 26 significant bits (fp8/fp16/bf16/float32), got float64; "
+            "use mp_attention_rows"
         )
     b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk = k.shape[1]
     vis = visible_mask(sq, sk, causal=causal, window_size=window_size)
     old = mpmath.mp.dps
     try:
         mpmath.mp.dps = dps
         scale = mpmath.mpf(1) / mpmath.sqrt(d) if softmax_scale is None else mpmath.mpf(float(softmax_scale))
-        res: list = []
-        for bi, h, i in rows:
-            kh = h // (hq // hk)
-            js = torch.nonzero(vis[i]).flatten().to(k.device)
-            qi = q[bi, i, h].double().cpu()
-            kj = k[bi, js, kh].double().cpu()
-            vj = v[bi, js, kh].double().cpu()
-            sink = None if learnable_sink is None else float(learnable_sink[h])
-            if not (torch.isfinite(qi).all() and torch.isfinite(kj).all() and torch.isfinite(vj).all()) or (
-                sink is not None and not math.isfinite(sink)
-            ):
-                res.append(None)
-                continue
-            logits = []
-            for row in (kj * qi).tolist():  # exact products (step 1)
-                s = _fsum2(row) * scale
-                logits.append(softcap * mpmath.tanh(s / softcap) if softcap and softcap > 0 else s)
-            dv = v.shape[-1]
-            w = _mp_softmax(logits, None if sink is None else mpmath.mpf(sink))
-            if w is None:
-                res.append(([mpmath.mpf(0)] * dv, mpmath.mpf("-inf")))
-                continue
-            m, e, den = w
-            if not logits:
-                res.append(([mpmath.mpf(0)] * dv, m + mpmath.log(den)))
-                continue
-            pieces = torch.tensor([_split(x) for x in e], dtype=torch.float64)  # (j, 3)
-            terms = (pieces[:, :, None] * vj[:, None, :]).reshape(-1, dv).T.tolist()  # (c, 3j), exact
-            res.append(([_fsum2(t) / den for t in terms], m + mpmath.log(den)))
-        return res
+        return [_exact_row(q, k, v, vis, row, scale, softcap, learnable_sink) for row in rows]
     finally:
         mpmath.mp.dps = old

@@ -1,4 +1,7 @@
-"""Kernels with seeded bugs, and helpers, for the runner tests (issue 5's catalogue starts here)."""
+"""Kernels with seeded bugs, and helpers, for the runner tests.  ``BUGS`` is the catalogue: one
+seeded bug per feature axis, each of which the smoke suite must fail (tests/test_catalogue.py)."""
+
+import math
 
 import torch
 
@@ -41,8 +44,6 @@ def raises(q, k, v, **kw):
 # A plain blockwise online-softmax kernel (float32, 128-key tiles) and the bugs seeded into it.
 # ---------------------------------------------------------------------------------------------
 
-import math
-
 BUGS = {
     "no_causal": "masking: ignores the causal mask",
     "window_off_by_one": "masking: the local window's right edge one key too far",
@@ -55,7 +56,25 @@ BUGS = {
     "lse_log2": "LSE: returned in log2 units",
     "layout": "layout: reads non-contiguous inputs as if they were contiguous",
     "bf16_accum": "accumulation precision: O accumulated in bfloat16",
+    "sink_ignored": "learnable sink: ignored (neither in the normaliser nor in the LSE)",
+    "softcap_no_div": (
+        "softcap: the logit is softcap * tanh(s) instead of softcap * tanh(s / softcap) — the same "
+        "only where tanh saturates (|s| >> softcap), so logits near the cap are wrong"
+    ),
+    "fp16_lagging_max": (
+        "range (fp16): lazy rescaling's threshold of 16 compared with the max's lag in natural-log "
+        "units (scale where scale_log2 belongs): the row max lags by up to 16 nats = 23 log2 units "
+        "and P = e**lag exceeds fp16's 65504 (e**11.09): inf in the fp16 P once the max drifts"
+    ),
+    "fp8_p_saturates": (
+        "range (fp8 e4m3): lazy rescaling with threshold 4 (log2) on top of the fp8 path's max_offset "
+        "8: P = 2**(lag + 8) reaches 2**12 and saturates at e4m3's 448 while the row sum keeps the "
+        "float32 P (flash-attention #2716)"
+    ),
 }
+
+#: lazy rescaling of the seeded range bugs: (lag threshold, in natural-log units; max_offset, log2)
+_LAZY = {"fp16_lagging_max": (16.0, 0), "fp8_p_saturates": (4.0 * math.log(2), 8)}
 
 
 def _online(
@@ -89,6 +108,11 @@ def _online(
         w = (w[0], w[1] + 1)
     vis = visible_mask(sq, sk, causal=causal and bug != "no_causal", window_size=w)
     acc_dt = torch.bfloat16 if bug == "bf16_accum" else torch.float32
+    # lazy rescaling (the seeded range bugs only): the row max may lag by `lag` before O and the
+    # sum are rescaled; P carries a factor 2**offset (O and the sum alike: it cancels in O / sum)
+    lag, offset = _LAZY.get(bug, (0.0, 0))
+    if bug == "fp8_p_saturates" and q.dtype.itemsize != 1:
+        lag, offset = 0.0, 0  # the fp8 path's bug
     m = torch.full((b, hq, sq, 1), -math.inf)
     lsum = torch.zeros(b, hq, sq, 1)
     o = torch.zeros(b, hq, sq, dv, dtype=acc_dt)
@@ -96,35 +120,40 @@ def _online(
         j1 = min(j0 + 128, sk)
         s = torch.einsum("bihd,bjhd->bhij", qf, kf[:, j0:j1]) * scale
         if softcap:
-            s = softcap * torch.tanh(s / softcap)
+            s = softcap * torch.tanh(s if bug == "softcap_no_div" else s / softcap)
         mk = vis[:, j0:j1]
         if bug != "nan_leak" and not bool(mk.any()):
             continue  # a tile no query sees is skipped, as FA's block ranges do
         s = s + torch.where(mk, 0.0, -math.inf) if bug == "nan_leak" else s.masked_fill(~mk, -math.inf)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        if lag:
+            m_new = torch.where(torch.isfinite(m) & (m_new - m <= lag), m, m_new)
         m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         alpha = torch.exp(m - m_safe)
-        p = torch.exp(s - m_safe)
+        p = torch.exp(s - m_safe) * 2.0**offset
         pn = torch.where(p < 2.0**-10, 0.0, p) if bug == "flush_p" else p
         if bug == "saturate_p":
             pn = (pn * 2.0**17).to(torch.float16).float() / 2.0**17
+        elif bug == "fp8_p_saturates" and q.dtype.itemsize == 1:
+            fmax = torch.finfo(q.dtype).max  # cvt.rn.satfinite: clamp to the largest finite value
+            pn = pn.clamp(max=fmax).to(q.dtype).float()
         else:
             pn = pn.to(q.dtype if q.dtype.itemsize == 2 else torch.bfloat16).float()
         lsum = (lsum if bug == "stale_sum" else lsum * alpha) + p.sum(-1, keepdim=True)
         pv = torch.einsum("bhij,bjhd->bhid", pn, vf[:, j0:j1])
         o = ((o.float() if bug == "no_o_rescale" else o.float() * alpha) + pv).to(acc_dt)
         m = m_new
-    if learnable_sink is not None:
+    if learnable_sink is not None and bug != "sink_ignored":
         sink = learnable_sink.float().view(1, hq, 1, 1)
         m2 = torch.maximum(m, sink)
         m2s = torch.where(torch.isfinite(m2), m2, torch.zeros_like(m2))
-        lsum = lsum * torch.exp(m - m2s) + torch.exp(sink - m2s)
+        lsum = lsum * torch.exp(m - m2s) + torch.exp(sink - m2s) * 2.0**offset
         o = (o.float() * torch.exp(m - m2s)).to(acc_dt)
         m = m2
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     bad = lsum == 0
     out = (o.float() / torch.where(bad, 1.0, lsum)).to(q.dtype if q.dtype.itemsize == 2 else torch.bfloat16)
-    lse = torch.where(bad, -math.inf, m_safe + torch.log(lsum)).squeeze(-1)
+    lse = torch.where(bad, -math.inf, m_safe + torch.log(lsum) - offset * math.log(2)).squeeze(-1)
     if bug == "lse_log2":
         lse = lse / math.log(2)
     out = out.transpose(1, 2).contiguous()

@@ -25,8 +25,8 @@ def test_ex2_sample_writes_reports(tmp_path, capsys):
     md = (tmp_path / "ex2.md").read_text()
     assert "proven bound" in md and "ex2.svg" in md
     assert (tmp_path / "ex2.svg").read_text().startswith("<?xml")
-    err = capsys.readouterr().err
-    assert "8.77" in err  # the printed table
+    cap = capsys.readouterr()
+    assert "8.77" in cap.out and "8.77" not in cap.err  # the printed table: results on stdout
 
 
 def test_bound_violation_exits_1(tmp_path, monkeypatch, capsys):
@@ -39,7 +39,7 @@ def test_bound_violation_exits_1(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(b, "ex2_bound_details", tiny)
     assert run("ex2", "--sample", "500", "--out", str(tmp_path), "--quiet") == 1
-    assert "FAIL degree 3" in capsys.readouterr().err
+    assert "FAIL degree 3" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
         "--quiet",
     )
     assert rc == 1  # a kernel whose exp2 differs fails the fidelity threshold
-    assert "0/1 cases ok" in capsys.readouterr().err
+    assert "0/1 cases ok" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -123,7 +123,7 @@ def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
             ["fidelity", "--device", "cpu", "--production", "nocolon"],
             "unknown kernel 'nocolon'; accepted: fa4, fa4-model",
         ),
-        (["fidelity", "--device", "cpu", "--production", "no.such.module:f"], "cannot load 'no.such.module:f'"),
+        (["fidelity", "--device", "cpu", "--production", "no.such.module:f"], "cannot load kernel 'no.such.module:f'"),
         (["fidelity", "--device", "cpu", "--production", "fa4-model-sm90", "--cases", "zzz"], "matches none of"),
     ],
 )

@@ -1,7 +1,7 @@
 """audits.ex2.ptx: the instruction facts of production's compiled exp2 against the model.
 
 The PTX under tests/data/ptx was compiled from flash-attn-4 4.0.0b36 for sm_100a on a CPU-only
-machine (``fa4-audit ex2 --ptx``; see README).  Variants with one fact changed must be caught.
+machine (``fa4-audit ex2 --ptx``; see docs/ex2.md).  Variants with one fact changed must be caught.
 """
 
 import pytest

@@ -38,20 +38,20 @@ def load_case(name):
 def test_sm90_model_matches_production_samples(name):
     m, q, k, v, o, lse, kw = load_case(name)
     nm = FA4Numerics.sm90(q.dtype, m["d"], causal=kw.get("causal", False), local="window_size" in kw)
-    out, l = attention(q, k, v, return_lse=True, numerics=nm, **kw)
+    out, lse_m = attention(q, k, v, return_lse=True, numerics=nm, **kw)
     h = ulp_diff_histogram(out, o)
     assert h["fraction_within_1"] >= 0.99, h
     # in ULPs at the row's largest |reference| no output is more than 1 apart (measured max 1.0)
     ref = attention_reference(q, k, v, **kw)
     assert row_scaled_ulp_diff(out, o, ref)["max"] <= 1.0
     fin = torch.isfinite(lse)
-    assert torch.equal(fin, torch.isfinite(l))
+    assert torch.equal(fin, torch.isfinite(lse_m))
     # LSE: within 4 float32 ULPs of its value plus 2**-20 absolute (lg2.approx has an absolute,
     # not relative, error of about 2**-22 in log2 units; ex2.approx is not correctly rounded
     # either); with softcap 5e-5 absolute (tanh.approx carries ~2**-11 relative error)
     ulp = 2.0 ** (torch.floor(torch.log2(lse.abs().clamp(min=1e-30))) - 23)
     tol = torch.full_like(lse, 5e-5) if kw.get("softcap") else 4 * ulp + 2.0**-20
-    assert ((l - lse).abs() <= tol)[fin].all(), (l - lse)[fin].abs().max()
+    assert ((lse_m - lse).abs() <= tol)[fin].all(), (lse_m - lse)[fin].abs().max()
     # and the model's own error against FP64 is the production kernel's, to within 2%
     e_model, e_prod = (out.double() - ref).abs().max().item(), (o.double() - ref).abs().max().item()
     assert e_model <= 1.02 * e_prod

@@ -185,7 +185,10 @@ def _production_importable() -> bool:
 def test_cpu_cross_compile_of_production_matches_the_model(tmp_path, capsys):
     """The opt-in CPU path end to end: production compiles its SM100 kernel here, without a GPU
     (about 8 s), and every fact matches FA4Numerics.sm100."""
-    cfg = '{"dtype": "float16", "d": 64, "dv": 64, "heads_q": 8, "heads_kv": 2, "seqlen_q": 512, "seqlen_k": 512, "causal": true}'
+    cfg = (
+        '{"dtype": "float16", "d": 64, "dv": 64, "heads_q": 8, "heads_kv": 2, '
+        '"seqlen_q": 512, "seqlen_k": 512, "causal": true}'
+    )
     assert cli.main(["static", "--compile-on", "cpu", "--config", cfg, "--out", str(tmp_path), "--quiet"]) == 0
     rep = json.loads((tmp_path / "static.json").read_text())
     (g,) = rep["groups"]

@@ -7,46 +7,49 @@ import argparse
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError
 
 
-def cmd_bounds(args: argparse.Namespace) -> int:
-    import json
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from numerics.bounds import PRODUCTION_RESCALING, rescaling_analysis
+def _rescaling_settings(args: argparse.Namespace) -> list[tuple]:
+    """The (dtype, threshold, max_offset) settings to analyse: production's, or the one variant asked for."""
+    from numerics.bounds import PRODUCTION_RESCALING
 
     variant = any(v is not None for v in (args.dtype, args.threshold, args.max_offset))
-    if variant:
-        if args.dtype is None:
-            raise UsageError(
-                "--threshold/--max-offset need --dtype NAME (one of: " + ", ".join(PRODUCTION_RESCALING) + ")"
-            )
-        if args.dtype not in PRODUCTION_RESCALING:
-            raise UsageError(
-                f"--dtype {args.dtype!r} is not a P dtype FA4 uses; accepted: {', '.join(PRODUCTION_RESCALING)}"
-            )
-        thr, off = PRODUCTION_RESCALING[args.dtype]
-        settings = [
-            (
-                args.dtype,
-                thr if args.threshold is None else args.threshold,
-                off if args.max_offset is None else args.max_offset,
-            )
-        ]
-    else:
-        settings = [(d, *PRODUCTION_RESCALING[d]) for d in PRODUCTION_RESCALING]
-    if args.seqlen_k <= 0 or not args.max_v > 0:
+    if not variant:
+        return [(d, *PRODUCTION_RESCALING[d]) for d in PRODUCTION_RESCALING]
+    if args.dtype is None:
+        raise UsageError("--threshold/--max-offset need --dtype NAME (one of: " + ", ".join(PRODUCTION_RESCALING) + ")")
+    if args.dtype not in PRODUCTION_RESCALING:
         raise UsageError(
-            f"--seqlen-k must be a positive integer and --max-v a positive number, got {args.seqlen_k}, {args.max_v}"
+            f"--dtype {args.dtype!r} is not a P dtype FA4 uses; accepted: {', '.join(PRODUCTION_RESCALING)}"
         )
+    thr, off = PRODUCTION_RESCALING[args.dtype]
+    return [
+        (
+            args.dtype,
+            thr if args.threshold is None else args.threshold,
+            off if args.max_offset is None else args.max_offset,
+        )
+    ]
+
+
+def _analyse(settings: list[tuple]) -> list:
+    """One ``rescaling_analysis`` record per setting; a setting it rejects is a usage error."""
+    from numerics.bounds import rescaling_analysis
+
     rows = []
     for dt, thr, off in settings:
         try:
             rows.append(rescaling_analysis(dt, thr, off))
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
+    return rows
+
+
+def _print_table(rows: list, seqlen_k: int, max_v: float) -> None:
+    """Print the analysis table, then one explanation line per dtype."""
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
-    t = Table(title=f"lazy rescaling range analysis (seqlen_k {args.seqlen_k:,}, max|V| {args.max_v:g})")
+    t = Table(title=f"lazy rescaling range analysis (seqlen_k {seqlen_k:,}, max|V| {max_v:g})")
     for col in (
         "dtype",
         "threshold",
@@ -70,14 +73,26 @@ def cmd_bounds(args: argparse.Namespace) -> int:
             f"{r.dtype_max:g}",
             f"{r.headroom_log2:.3f}",
             f"{r.p_min_after_cast:.3g}",
-            f"{r.flush_mass_bound(args.seqlen_k):.3g}",
-            f"{r.row_sum_headroom_log2(args.seqlen_k):.1f}",
-            f"{r.o_accumulator_headroom_log2(args.seqlen_k, args.max_v):.1f}",
+            f"{r.flush_mass_bound(seqlen_k):.3g}",
+            f"{r.row_sum_headroom_log2(seqlen_k):.1f}",
+            f"{r.o_accumulator_headroom_log2(seqlen_k, max_v):.1f}",
             "yes" if r.safe else "NO",
         )
     console.print(t)
     for r in rows:
         console.print(f"- {r.dtype}: {r.explanation}")
+
+
+def cmd_bounds(args: argparse.Namespace) -> int:
+    import json
+
+    settings = _rescaling_settings(args)
+    if args.seqlen_k <= 0 or not args.max_v > 0:
+        raise UsageError(
+            f"--seqlen-k must be a positive integer and --max-v a positive number, got {args.seqlen_k}, {args.max_v}"
+        )
+    rows = _analyse(settings)
+    _print_table(rows, args.seqlen_k, args.max_v)
     if args.json:
         print(json.dumps([r.as_dict(args.seqlen_k, args.max_v) for r in rows], indent=1))
     return EXIT_OK if all(r.safe for r in rows) else EXIT_FAIL

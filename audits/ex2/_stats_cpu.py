@@ -1,6 +1,6 @@
 """Fused CPU loop (numba) for the per-chunk statistics of ``audits.ex2.sweep``.
 
-Computes exactly what ``ex2_sweep._chunk_stats_torch`` computes — |relative error| against
+Computes exactly what ``audits.ex2.sweep._chunk_stats_torch`` computes — |relative error| against
 ``exp2`` in float64, its maximum, argmax and sum, the ULP error in float32 units at the exact
 value (``numerics.fp.ulp_error``'s convention: ``2**(max(floor(log2 e), -126) - 23)``), its
 histogram over ``ULP_BIN_EDGES`` and the min/max signed relative error per bin of the

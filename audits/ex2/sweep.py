@@ -223,6 +223,86 @@ def _chunk_stats(x: torch.Tensor, y: torch.Tensor, *, envelope: bool) -> dict:
     return _chunk_stats_torch(x, y, envelope=envelope)
 
 
+@dataclass
+class _Totals:
+    """What :func:`_run_chunks` accumulates over all chunks of all classes."""
+
+    stats: dict[str, ClassStats]
+    env_lo: torch.Tensor  # per fractional-part bin: min relative error (normal class)
+    env_hi: torch.Tensor  # per fractional-part bin: max relative error (normal class)
+    mism: dict = field(default_factory=lambda: {"count": 0, "examples": []})
+    t_model: float = 0.0
+    t_prod: float = 0.0
+
+
+def _timed_call(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, device: torch.device):
+    """``(f(x), seconds)``; on cuda the time includes the kernel (synchronized)."""
+    ts = time.perf_counter()
+    y = f(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return y, time.perf_counter() - ts
+
+
+def _record_mismatches(mism: dict, bits: torch.Tensor, y: torch.Tensor, yp: torch.Tensor) -> None:
+    """Count the inputs where production's bits differ from the model's; keep the first examples."""
+    bad = f32_bits(yp) != f32_bits(y)
+    nbad = int(bad.sum())
+    if nbad:
+        mism["count"] += nbad
+        for i in bad.nonzero()[:5, 0].tolist():
+            if len(mism["examples"]) < 20:
+                mism["examples"].append(
+                    {
+                        "x_bits": f"0x{int(bits[i]) & 0xFFFFFFFF:08X}",
+                        "model_bits": f"0x{int(f32_bits(y[i : i + 1]).item()) & 0xFFFFFFFF:08X}",
+                        "production_bits": f"0x{int(f32_bits(yp[i : i + 1]).item()) & 0xFFFFFFFF:08X}",
+                    }
+                )
+
+
+def _accumulate(tot: _Totals, cls: str, bits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Fold one chunk of class ``cls`` into the class's statistics (and the envelope, for normal)."""
+    st = tot.stats[cls]
+    st.count += x.numel()
+    if cls in ("normal", "subnormal"):
+        part = _chunk_stats(x, y, envelope=cls == "normal")
+        if part["max_rel"] > st.max_rel or st.argmax_bits is None:
+            st.max_rel, st.argmax_bits = part["max_rel"], int(bits[part["argmax"]]) & 0xFFFFFFFF
+        st.sum_rel += part["sum_rel"]
+        st.max_ulp = max(st.max_ulp, part["max_ulp"])
+        st.ulp_hist = [a + b for a, b in zip(st.ulp_hist, part["hist"])]
+        if cls == "normal":
+            torch.minimum(tot.env_lo, part["env_lo"].to(tot.env_lo.device), out=tot.env_lo)
+            torch.maximum(tot.env_hi, part["env_hi"].to(tot.env_hi.device), out=tot.env_hi)
+    if cls != "normal":
+        for k, v in _result_kinds(y).items():
+            st.results[k] = st.results.get(k, 0) + v
+
+
+def _run_chunks(fn, production, device: torch.device, *, exhaustive, chunk, sample, seed, progress) -> _Totals:
+    """Run ``fn`` (and ``production``, if given) over every class's chunks of inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    tot = _Totals(
+        stats={c: ClassStats() for c in CLASSES},
+        env_lo=torch.full((FRAC_BINS,), math.inf, dtype=torch.float64, device=device),
+        env_hi=torch.full((FRAC_BINS,), -math.inf, dtype=torch.float64, device=device),
+    )
+    for cls, ranges in class_ranges().items():
+        for bits in _chunks(ranges, chunk, exhaustive, sample, gen, device):
+            x = _bits_to_f32(bits)
+            y, dt = _timed_call(fn, x, device)
+            tot.t_model += dt
+            if production is not None:
+                yp, dt = _timed_call(production, x, device)
+                tot.t_prod += dt
+                _record_mismatches(tot.mism, bits, y, yp)
+            _accumulate(tot, cls, bits, x, y)
+            if progress is not None:
+                progress(x.numel())
+    return tot
+
+
 def sweep_ex2(
     *,
     degree: int,
@@ -239,8 +319,9 @@ def sweep_ex2(
     """Measure the model of ``ex2_emulation`` (``packed``: ``ex2_emulation_2``) of one degree.
 
     ``exhaustive``: every float32 bit pattern; else about ``sample`` random patterns per input
-    class (all of a class smaller than that), deterministic from ``seed``.  ``production``: optional callable (float32 tensor ->
-    float32 tensor, same device) compared bit for bit with the model on every input.
+    class (all of a class smaller than that), deterministic from ``seed``.  ``production``:
+    optional callable (float32 tensor -> float32 tensor, same device) compared bit for bit with
+    the model on every input.
     ``function``: measure this exp2 implementation instead of the model (e.g. the hardware
     MUFU.EX2 kernel); ``degree`` is then only a label.
     ``progress(n)`` is called with the number of inputs done after each chunk.
@@ -249,79 +330,32 @@ def sweep_ex2(
     device = torch.device(device)
     model = ex2_emulation_2 if packed else ex2_emulation
     fn = function if function is not None else (lambda x: model(x, degree))
-    gen = torch.Generator().manual_seed(seed)
-    stats = {c: ClassStats() for c in CLASSES}
-    env_lo = torch.full((FRAC_BINS,), math.inf, dtype=torch.float64, device=device)
-    env_hi = torch.full((FRAC_BINS,), -math.inf, dtype=torch.float64, device=device)
-    mism = {"count": 0, "examples": []}
-    t_model = t_prod = 0.0
     t0 = time.perf_counter()
-    for cls, ranges in class_ranges().items():
-        st = stats[cls]
-        for bits in _chunks(ranges, chunk, exhaustive, sample, gen, device):
-            x = _bits_to_f32(bits)
-            ts = time.perf_counter()
-            y = fn(x)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t_model += time.perf_counter() - ts
-            if production is not None:
-                ts = time.perf_counter()
-                yp = production(x)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t_prod += time.perf_counter() - ts
-                bad = f32_bits(yp) != f32_bits(y)
-                nbad = int(bad.sum())
-                if nbad:
-                    mism["count"] += nbad
-                    for i in bad.nonzero()[:5, 0].tolist():
-                        if len(mism["examples"]) < 20:
-                            mism["examples"].append(
-                                {
-                                    "x_bits": f"0x{int(bits[i]) & 0xFFFFFFFF:08X}",
-                                    "model_bits": f"0x{int(f32_bits(y[i : i + 1]).item()) & 0xFFFFFFFF:08X}",
-                                    "production_bits": f"0x{int(f32_bits(yp[i : i + 1]).item()) & 0xFFFFFFFF:08X}",
-                                }
-                            )
-            st.count += x.numel()
-            if cls in ("normal", "subnormal"):
-                part = _chunk_stats(x, y, envelope=cls == "normal")
-                if part["max_rel"] > st.max_rel or st.argmax_bits is None:
-                    st.max_rel, st.argmax_bits = part["max_rel"], int(bits[part["argmax"]]) & 0xFFFFFFFF
-                st.sum_rel += part["sum_rel"]
-                st.max_ulp = max(st.max_ulp, part["max_ulp"])
-                st.ulp_hist = [a + b for a, b in zip(st.ulp_hist, part["hist"])]
-                if cls == "normal":
-                    torch.minimum(env_lo, part["env_lo"].to(device), out=env_lo)
-                    torch.maximum(env_hi, part["env_hi"].to(device), out=env_hi)
-            if cls != "normal":
-                for k, v in _result_kinds(y).items():
-                    st.results[k] = st.results.get(k, 0) + v
-            if progress is not None:
-                progress(x.numel())
+    tot = _run_chunks(
+        fn, production, device, exhaustive=exhaustive, chunk=chunk, sample=sample, seed=seed, progress=progress
+    )
     elapsed = time.perf_counter() - t0
     out = {
         "degree": degree,
         "variant": "ex2_emulation_2 (packed)" if packed else "ex2_emulation (scalar)",
         "mode": "exhaustive" if exhaustive else f"sample ({sample} patterns, seed {seed})",
         "device": str(device),
-        "inputs": sum(s.count for s in stats.values()),
+        "inputs": sum(s.count for s in tot.stats.values()),
         "seconds": elapsed,
-        "model_seconds": t_model,
-        "classes": {c: s.as_dict() for c, s in stats.items()},
+        "model_seconds": tot.t_model,
+        "classes": {c: s.as_dict() for c, s in tot.stats.items()},
         "envelope": {
             "bins": FRAC_BINS,
-            "min_rel": [v if math.isfinite(v) else None for v in env_lo.cpu().tolist()],
-            "max_rel": [v if math.isfinite(v) else None for v in env_hi.cpu().tolist()],
+            "min_rel": [v if math.isfinite(v) else None for v in tot.env_lo.cpu().tolist()],
+            "max_rel": [v if math.isfinite(v) else None for v in tot.env_hi.cpu().tolist()],
         },
         "special": _special_table(fn, device),
     }
     if production is not None:
         out["production"] = {
             "compared": out["inputs"],
-            "mismatches": mism["count"],
-            "examples": mism["examples"],
-            "production_seconds": t_prod,
+            "mismatches": tot.mism["count"],
+            "examples": tot.mism["examples"],
+            "production_seconds": tot.t_prod,
         }
     return out

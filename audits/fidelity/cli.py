@@ -6,7 +6,7 @@ import argparse
 import datetime as _dt
 import shlex
 
-from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write
+from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, progress
 from audits.common import device as _device
 from audits.common import environment as _environment
 
@@ -17,7 +17,6 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from rich.console import Console
-    from rich.progress import Progress
 
     from audits.fidelity import core as fidelity
 
@@ -42,7 +41,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         raise UsageError(f"--cases {args.cases!r} matches none of: {', '.join(c.name for c in fidelity.CASES)}")
     console = Console(stderr=True)
     results = []
-    with Progress(console=console, disable=args.quiet) as bar:
+    with progress(console, quiet=args.quiet) as bar:
         task = bar.add_task("fidelity", total=len(cases))
         for c in cases:
             results.append(fidelity.run_case(c, production, device))
@@ -67,9 +66,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     atomic_write(out / "fidelity.json", json.dumps(report, separators=(",", ":")) + "\n")
     atomic_write(out / "fidelity.md", fidelity.markdown(report))
     s = report["summary"]
-    console.print(
-        f"{s['cases_ok']}/{s['cases']} cases ok; {100 * s['fraction_within_1']:.3f}% of outputs identical or 1 ULP apart, "
-        f"{s['outputs']['>2']} beyond 2 ULP; report: {out / 'fidelity.md'}"
+    print(
+        f"{s['cases_ok']}/{s['cases']} cases ok; {100 * s['fraction_within_1']:.3f}% of outputs identical "
+        f"or 1 ULP apart, {s['outputs']['>2']} beyond 2 ULP; report: {out / 'fidelity.md'}"
     )
     return EXIT_OK if s["cases_ok"] == s["cases"] else EXIT_FAIL
 

@@ -12,9 +12,7 @@ their inputs saved under ``OUT/repro/`` and a one-line command in the report.
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 import time
 import traceback
 from collections.abc import Callable
@@ -25,13 +23,18 @@ import torch
 from audits.cases import Case
 from audits.inputs import make_inputs
 from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel
+from audits.runner import journal
 from audits.runner.gate import judge
+from audits.runner.repro import reproducer
 from numerics.forward_bound import forward_error_bound
 from numerics.fp import format_of
-from numerics.metrics import lse_errors, output_errors
+from numerics.metrics import bound_check, lse_errors, output_errors
 from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
 
-__all__ = ["evaluate_case", "run_suite", "run_suites", "kernel_dir", "shard_cases"]
+__all__ = ["evaluate_case", "run_suite", "run_suites", "kernel_dir", "shard_cases", "FAILING"]
+
+#: verdicts that fail a run (and get their inputs saved for reproduction)
+FAILING = ("fail", "error", "crash")
 
 
 def shard_cases(cases: list[Case], index: int, count: int, *, by: str = "cost") -> list[Case]:
@@ -138,17 +141,7 @@ def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse
     nm = nmf(q, k, v, case.causal, tuple(case.window)) if nmf is not None else _peer_numerics(q)
     if nm is not None:
         ob, lb = _bound(case, str(device), nm)
-        err = (out.double() - ref).abs()
-        fin = torch.isfinite(ref) & torch.isfinite(out.double())
-        lerr = (lse.double() - rl).abs() if lse is not None else torch.zeros_like(lb)
-        lfin = torch.isfinite(rl) & torch.isfinite(lerr)
-        rec["bound"] = {
-            "kind": "fa4" if nmf is not None else "peer",
-            "violations": int(((err > ob) & fin).sum()),
-            "lse_violations": int(((lerr > lb) & lfin).sum()),
-            "tightness": float(torch.where(fin, err / ob.clamp(min=1e-300), 0.0).max()),
-            "max_bound": float(torch.where(torch.isfinite(ob), ob, 0.0).max()),
-        }
+        rec["bound"] = {"kind": "fa4" if nmf is not None else "peer", **bound_check(out, ref, ob, lse, rl, lb)}
     rec["out_of_domain"] = _domain(q, k, v, case, nm)
     if (
         rec["out_of_domain"] is None
@@ -166,44 +159,69 @@ def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse
     rec["mpmath_max_abs"] = cert
 
 
+def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
+    """Call the kernel: ({"status": "ran"}, (out, lse)) or the status and reason of why not.
+    Only ``NotImplementedError`` is a refusal (skipped); production's adapter raises it only
+    for its documented refusals (``fa4.production.REFUSALS``); any other exception is an error."""
+    try:
+        res = fn(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    except WorkerCrashed as exc:
+        return {"status": "crash", "reason": str(exc)}, None
+    except NotImplementedError as exc:
+        return {"status": "skipped", "reason": f"kernel does not support this configuration: {exc}"}, None
+    except Exception as exc:  # any other exception is the case's verdict, never a pass
+        tb = traceback.format_exc(limit=3)
+        return {"status": "error", "reason": f"kernel raised {type(exc).__name__}: {exc}", "traceback": tb}, None
+    return {"status": "ran"}, (res if isinstance(res, tuple) else (res, None))
+
+
+def _contract_error(case: Case, q: torch.Tensor, out, lse) -> str | None:
+    """Why the returned out/LSE break the kernel contract (shape, dtype), or None."""
+    want = (case.batch, case.seqlen_q, case.heads_q, case.dv)
+    want_dt = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype  # fp8 inputs give a bf16 output
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != want_dt:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"kernel returned {got}; expected shape {want} and dtype {want_dt}"
+    want_lse = (case.batch, case.heads_q, case.seqlen_q)
+    if lse is not None and (
+        not isinstance(lse, torch.Tensor) or tuple(lse.shape) != want_lse or lse.dtype != torch.float32
+    ):
+        got = f"{tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(lse).__name__
+        return f"kernel returned an LSE of {got}; expected shape {want_lse} and float32"
+    return None
+
+
+def _analyse_or_oom(rec: dict, kernel: str, case: Case, x: dict, out, lse, device) -> None:
+    """:func:`_analyse`; an OOM in the audit's own FP64 work (not the kernel's) frees the caches
+    and retries once, then becomes the case's error."""
+    try:
+        _analyse(rec, kernel, case, x, out, lse, device)
+    except torch.OutOfMemoryError:
+        _reference.cache_clear()
+        _bound.cache_clear()
+        torch.cuda.empty_cache()
+        try:
+            _analyse(rec, kernel, case, x, out, lse, device)
+        except torch.OutOfMemoryError as exc:
+            why = str(exc).splitlines()[0]
+            rec.update(status="error", reason=f"the audit's FP64 reference or bound ran out of GPU memory: {why}")
+
+
 def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, thresholds: dict) -> dict:
     """Measurements and verdict of one case (a JSON-able dict)."""
     rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
     t0 = time.perf_counter()
     x = make_inputs(case, device=device)
-    q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
-    try:
-        res = fn(q, k, v, return_lse=True, **kw)
-    except WorkerCrashed as exc:
-        rec.update(status="crash", reason=str(exc))
-    except NotImplementedError as exc:
-        rec.update(status="skipped", reason=f"kernel does not support this configuration: {exc}")
-    except Exception as exc:  # any other exception is the case's verdict, never a pass
-        rec.update(
-            status="error", reason=f"kernel raised {type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3)
-        )
-    else:
-        out, lse = res if isinstance(res, tuple) else (res, None)
-        want = (case.batch, case.seqlen_q, case.heads_q, case.dv)
-        want_dt = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != want_dt:
-            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-            rec.update(status="error", reason=f"kernel returned {got}; expected shape {want} and dtype {want_dt}")
+    status, res = _call(fn, x)
+    rec.update(status)
+    if res is not None:
+        out, lse = res
+        rec["lse_returned"] = lse is not None  # judged by [policy] lse_missing: never silently unchecked
+        bad = _contract_error(case, x["q"], out, lse)
+        if bad:
+            rec.update(status="error", reason=bad)
         else:
-            rec["status"] = "ran"
-            try:
-                _analyse(rec, kernel, case, x, out, lse, device)
-            except torch.OutOfMemoryError:  # the audit's own FP64 work, not the kernel: free the cache, retry once
-                _reference.cache_clear()
-                _bound.cache_clear()
-                torch.cuda.empty_cache()
-                try:
-                    _analyse(rec, kernel, case, x, out, lse, device)
-                except torch.OutOfMemoryError as exc:
-                    rec.update(
-                        status="error",
-                        reason=f"the audit's FP64 reference or bound ran out of GPU memory on this case: {str(exc).splitlines()[0]}",
-                    )
+            _analyse_or_oom(rec, kernel, case, x, out, lse, device)
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
     rec["seconds"] = time.perf_counter() - t0
     return rec
@@ -266,7 +284,7 @@ class _Isolated:
             self.proc.join(timeout=5)
             code = self.proc.exitcode
             self.proc = None
-            raise WorkerCrashed(f"the kernel's worker process died (exit code {code}) on this case")
+            raise WorkerCrashed(f"the kernel's worker process died (exit code {code}) on this case") from None
         if status == "raise":
             raise payload
         dev = q.device
@@ -287,32 +305,6 @@ class _Isolated:
                 self.proc.kill()
 
 
-def _journal_append(path: Path, rec: dict) -> None:
-    line = json.dumps(rec, separators=(",", ":")) + "\n"
-    if path.exists() and path.stat().st_size:  # a kill mid-write can leave a torn last line: never glue onto it
-        with open(path, "rb") as fh:
-            fh.seek(-1, os.SEEK_END)
-            if fh.read(1) != b"\n":
-                line = "\n" + line
-    with open(path, "ab") as fh:
-        fh.write(line.encode())
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def read_journal(path: Path) -> dict[str, dict]:
-    """Finished case records by case name (a torn last line from a kill is ignored)."""
-    done = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done[rec["case"]] = rec
-    return done
-
-
 def run_suite(kernel: str, cases: list[Case], **kw) -> list[dict]:
     """:func:`run_suites` for one kernel: its records in suite order."""
     return run_suites([kernel], cases, **kw)[kernel]
@@ -331,40 +323,29 @@ def run_suites(
     device: torch.device,
     out_dir: str | Path,
     thresholds: dict,
+    suite: str = "cases",
+    seed: int = 0,
     resume: bool = False,
     exitfirst: bool = False,
     isolate: bool | Callable[[str], bool] = False,
-    repro_cmd: Callable[[str, Case], str] | None = None,
     progress: Callable[[str, dict], None] | None = None,
 ) -> dict[str, list[dict]]:
     """Evaluate ``cases`` (grouped by compile key) for every kernel; journal each record under
     :func:`kernel_dir`; return each kernel's records in suite order.  The kernels take turns
     case by case, so a case's inputs and FP64 reference are computed once for all of them.
-    ``isolate`` (a bool or a predicate on the kernel name): evaluate in a worker process, where
-    a crash becomes the case's verdict.  KeyboardInterrupt propagates after the journals hold
-    what finished."""
-    several = len(kernels) > 1
+    ``resume``: keep the finished records of a journal written by this same run (kernel, suite,
+    seed, thresholds, cases: ``journal.JournalMismatch`` otherwise).  ``isolate`` (a bool or a
+    predicate on the kernel name): evaluate in a worker process, where a crash becomes the
+    case's verdict.  KeyboardInterrupt propagates after the journals hold what finished."""
     state = {}
     for kern in kernels:
-        fn = get_kernel(kern)
-        iso = _Isolated(kern, device) if (isolate(kern) if callable(isolate) else isolate) else None
-        out = kernel_dir(out_dir, kern, several)
-        out.mkdir(parents=True, exist_ok=True)
-        journal = out / "journal.jsonl"
-        done = read_journal(journal) if resume else {}
-        if not resume and journal.exists():
-            journal.unlink()
-        state[kern] = {
-            "fn": iso if iso is not None else fn,
-            "iso": iso,
-            "out": out,
-            "journal": journal,
-            "done": done,
-            "records": {},
-        }
+        state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, suite, seed, resume, len(kernels) > 1)
+        iso = isolate(kern) if callable(isolate) else isolate
+        state[kern]["iso"] = _Isolated(kern, device) if iso else None
+        state[kern]["fn"] = state[kern]["iso"] or get_kernel(kern)
     order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
     try:
-        _loop(order, cases, state, device, thresholds, repro_cmd, progress, exitfirst)
+        _loop(order, cases, state, device, thresholds, progress, exitfirst)
     finally:
         for st in state.values():
             if st["iso"] is not None:
@@ -372,7 +353,34 @@ def run_suites(
     return {kern: [st["records"][i] for i in sorted(st["records"])] for kern, st in state.items()}
 
 
-def _loop(order, cases, state, device, thresholds, repro_cmd, progress, exitfirst):
+def _kernel_state(kern, cases, device, out_dir, thresholds, suite, seed, resume, several) -> dict:
+    """A kernel's output directory and journal: resumed (its header checked) or started afresh."""
+    out = kernel_dir(out_dir, kern, several)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "journal.jsonl"
+    ident = journal.run_identity(kernel=kern, suite=suite, seed=seed, thresholds=thresholds, cases=cases)
+    if resume:
+        journal.check_header(path, ident)
+    elif path.exists():
+        path.unlink()
+    if not path.exists():
+        journal.append(path, ident)
+    done = journal.read_records(path) if resume else {}
+    repro = lambda c: reproducer(kern, c, device=device.type, thresholds_path=thresholds.get("path"))  # noqa: E731
+    return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro}
+
+
+def _save_inputs(st: dict, c: Case) -> str:
+    """The failing case's inputs as a torch file beside the report (``repro/<case>.pt``)."""
+    rdir = st["out"] / "repro"
+    rdir.mkdir(exist_ok=True)
+    x = make_inputs(c, device="cpu")
+    tensors = {n: x[n].contiguous() for n in ("q", "k", "v")}
+    torch.save({**tensors, "kw": x["kw"], "case": c.as_dict()}, rdir / f"{c.name}.pt")
+    return f"repro/{c.name}.pt"
+
+
+def _loop(order, cases, state, device, thresholds, progress, exitfirst):
     for i in order:
         c = cases[i]
         stop = False
@@ -381,29 +389,15 @@ def _loop(order, cases, state, device, thresholds, repro_cmd, progress, exitfirs
                 rec = {**st["done"][c.name], "resumed": True}
             else:
                 rec = evaluate_case(kern, st["fn"], c, device, thresholds)
-                if repro_cmd is not None:
-                    rec["repro"] = repro_cmd(kern, c)
-                if rec["verdict"] in ("fail", "error", "crash"):
-                    rdir = st["out"] / "repro"
-                    rdir.mkdir(exist_ok=True)
-                    x = make_inputs(c, device="cpu")
-                    torch.save(
-                        {
-                            "q": x["q"].contiguous(),
-                            "k": x["k"].contiguous(),
-                            "v": x["v"].contiguous(),
-                            "kw": x["kw"],
-                            "case": c.as_dict(),
-                        },
-                        rdir / f"{c.name}.pt",
-                    )
-                    rec["repro_inputs"] = f"repro/{c.name}.pt"
-                _journal_append(st["journal"], rec)
+                rec["repro"] = st["repro"](c)
+                if rec["verdict"] in FAILING:
+                    rec["repro_inputs"] = _save_inputs(st, c)
+                journal.append(st["journal"], rec)
             st["records"][i] = rec
             if device.type == "cuda" and c.cost > 1 << 32:
                 torch.cuda.empty_cache()  # give the FP64 intermediates back: parallel jobs share the GPU
             if progress is not None:
                 progress(kern, rec)
-            stop |= exitfirst and rec["verdict"] in ("fail", "error", "crash")
+            stop |= exitfirst and rec["verdict"] in FAILING
         if stop:
             break

@@ -9,7 +9,6 @@ small shapes, no mask and the ``normal`` family, so a failure shrinks to a minim
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from audits.cases import Case
 from audits.inputs import FAMILIES
+from audits.runner.repro import reproducer
 
 __all__ = ["cases", "fuzz"]
 
@@ -117,9 +117,7 @@ def fuzz(
             "name": case.name,
             "verdict": rec["verdict"],
             "reasons": rec["reasons"],
-            "repro": f'python -c "from audits.cases import Case; from audits.runner.engine import evaluate_case; from audits.kernels import get_kernel; '
-            f"from audits.runner.gate import load_thresholds; import torch; c = Case(**{json.dumps(case.as_dict())}); "
-            f"print(evaluate_case('{kernel}', get_kernel('{kernel}'), c, torch.device('{device}'), load_thresholds())['reasons'])\"",
+            "repro": reproducer(kernel, case, device=torch.device(device).type, thresholds_path=thresholds.get("path")),
         }
     best_t, best_c = state["best"]
     return {

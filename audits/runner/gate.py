@@ -1,6 +1,6 @@
 """Verdicts: a case's measurements judged against the thresholds (TOML).
 
-Rules (DESIGN.md, "Numerical conventions"): output and LSE are both checked, elementwise; a NaN
+Rules (docs/design.md, "Numerical conventions"): output and LSE are both checked, elementwise; a NaN
 or inf where the reference is finite fails; a finite value where the reference is NaN is a
 semantics deviation (warning or failure by policy); FA4 kernels must stay within the per-element
 forward-pass bound; FA's test criterion is a floor for every kernel.
@@ -17,6 +17,7 @@ DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
 _KEYS = {
     "policy": {
         "nan_swallowed": str,
+        "lse_missing": str,
         "bound": bool,
         "peer_bound": bool,
         "claim_float32_overflow": bool,
@@ -60,73 +61,94 @@ def load_thresholds(path: str | Path | None = None) -> dict:
             raise ThresholdsError(
                 f"{p}: [{section}] has unknown key(s) {', '.join(sorted(unknown))}; accepted: {', '.join(keys)}"
             )
-    if data["policy"]["nan_swallowed"] not in ("warn", "fail"):
-        raise ThresholdsError(
-            f"{p}: [policy] nan_swallowed must be 'warn' or 'fail', got {data['policy']['nan_swallowed']!r}"
-        )
+    for key in ("nan_swallowed", "lse_missing"):
+        if data["policy"][key] not in ("warn", "fail"):
+            raise ThresholdsError(f"{p}: [policy] {key} must be 'warn' or 'fail', got {data['policy'][key]!r}")
     data["path"] = str(p)
     return data
 
 
-def judge(m: dict, th: dict) -> tuple[str, list[str]]:
-    """(verdict, reasons) for one case's measurements ``m`` (see ``audits.runner.engine``)."""
-    if m.get("status") in ("error", "skipped", "crash"):
-        return m["status"], [m.get("reason", "")]
-    reasons, verdict = [], "pass"
-    out, lse = m["out"], m.get("lse")
-    ood = m.get("out_of_domain")
-    nonfinite_claim = ood and "claims no semantics" in ood  # the kernel's own domain (audits.kernels)
-    if (
-        ood
-        and (nonfinite_claim or not th["policy"]["claim_float32_overflow"])
-        and (out["nonfinite_where_ref_finite"] or (lse or {}).get("nonfinite_where_ref_finite"))
-    ):
-        return "out-of-domain", [f"inputs outside the kernel design's float32 range: {ood}"]
-    for what, r in (("outputs", out), ("LSE values", lse)):
+def _semantics(m: dict, th: dict) -> list[tuple[str, str]]:
+    """Non-finite values against the reference: NaN/inf where it is finite fails; a finite
+    value where non-finite inputs make it NaN/inf is a semantics deviation (policy)."""
+    found = []
+    for what, r in (("outputs", m["out"]), ("LSE values", m.get("lse"))):
         if r is None:
             continue
         if r["nonfinite_where_ref_finite"]:
-            reasons.append(f"{r['nonfinite_where_ref_finite']} {what} are NaN/inf where the FP64 reference is finite")
-            verdict = "fail"
-        if r["nan_swallowed"]:
-            reasons.append(
-                f"semantics deviation: {r['nan_swallowed']} {what} differ where non-finite inputs make the reference NaN/inf"
+            found.append(
+                ("fail", f"{r['nonfinite_where_ref_finite']} {what} are NaN/inf where the FP64 reference is finite")
             )
-            if th["policy"]["nan_swallowed"] == "fail":
-                verdict = "fail"
-            elif verdict == "pass":
-                verdict = "warn"
+        if r["nan_swallowed"]:
+            found.append((th["policy"]["nan_swallowed"], f"semantics deviation: {r['nan_swallowed']} {what} differ "
+                          "where non-finite inputs make the reference NaN/inf"))  # fmt: skip
+    return found
+
+
+def _bound(m: dict, th: dict) -> list[tuple[str, str]]:
+    """The per-element forward bound (FA4 numerics, or generic flash-attention numerics for peers)."""
     b = m.get("bound")
     applies = th["policy"]["bound"] if (b or {}).get("kind") == "fa4" else th["policy"]["peer_bound"]
-    if b is not None and applies and (b["violations"] or b["lse_violations"]):
-        reasons.append(
-            f"{b['violations']} outputs and {b['lse_violations']} LSE values exceed the forward-pass bound "
-            f"(worst error/bound {b['tightness']:.3g}) — a bug in the kernel or in the analysis"
+    if b is None or not applies or not (b["violations"] or b["lse_violations"]):
+        return []
+    return [("fail", f"{b['violations']} outputs and {b['lse_violations']} LSE values exceed the forward-pass bound "
+             f"(worst error/bound {b['tightness']:.3g}) — a bug in the kernel or in the analysis")]  # fmt: skip
+
+
+def _fa_criterion(m: dict, th: dict) -> list[tuple[str, str]]:
+    """FlashAttention's own test criterion, a floor for the dtypes PyTorch computes in."""
+    fa, pol = m.get("fa_criterion"), th["policy"]
+    if fa is None or not pol["fa_criterion"] or m["config"]["dtype"] not in pol["fa_criterion_dtypes"]:
+        return []
+    allowed = pol["fa_multiplier"] * fa["lowprec_max_abs"] + 2 * fa["rounding"]
+    if fa["max_abs"] <= allowed:
+        return []
+    return [("fail", f"FA criterion: max|out - ref| {fa['max_abs']:.3g} > allowed {allowed:.3g}")]
+
+
+def _lse(m: dict, th: dict) -> list[tuple[str, str]]:
+    """The LSE: returned at all (policy ``lse_missing``), -inf on empty rows, within the ceiling."""
+    lse = m.get("lse")
+    if lse is None:
+        return (
+            [(th["policy"]["lse_missing"], "LSE not returned: not audited")] if m.get("lse_returned") is False else []
         )
-        verdict = "fail"
-    fa = m.get("fa_criterion")
-    if fa is not None and th["policy"]["fa_criterion"] and m["config"]["dtype"] in th["policy"]["fa_criterion_dtypes"]:
-        allowed = th["policy"]["fa_multiplier"] * fa["lowprec_max_abs"] + 2 * fa["rounding"]
-        if not fa["max_abs"] <= allowed:
-            reasons.append(f"FA criterion: max|out - ref| {fa['max_abs']:.3g} > allowed {allowed:.3g}")
-            verdict = "fail"
-    if lse is not None:
-        if lse["mismatched_nonfinite"]:
-            reasons.append(f"{lse['mismatched_nonfinite']} rows with no visible key have an LSE other than -inf")
-            verdict = "fail"
-        allowed = th["lse"]["max_abs"] + th["lse"]["rel"] * lse.get("ref_max_abs", 0.0)
-        if lse["max_abs"] > allowed:
-            reasons.append(
-                f"LSE max |err| {lse['max_abs']:.3g} > allowed {allowed:.3g} (max_abs {th['lse']['max_abs']:g} + rel {th['lse']['rel']:g} * max|lse| {lse.get('ref_max_abs', 0.0):.3g})"
-            )
-            verdict = "fail"
-    cert = m.get("mpmath_max_abs")
-    if cert is not None and cert > th["reference"]["mpmath_max_abs"]:
-        reasons.append(
-            f"FP64 reference not certified: differs from the exact row by {cert:.3g} (allowed {th['reference']['mpmath_max_abs']:g})"
-        )
-        verdict = "fail"
-    return verdict, reasons
+    found = []
+    if lse["mismatched_nonfinite"]:
+        found.append(("fail", f"{lse['mismatched_nonfinite']} rows with no visible key have an LSE other than -inf"))
+    ref_max = lse.get("ref_max_abs", 0.0)
+    allowed = th["lse"]["max_abs"] + th["lse"]["rel"] * ref_max
+    if lse["max_abs"] > allowed:
+        found.append(("fail", f"LSE max |err| {lse['max_abs']:.3g} > allowed {allowed:.3g} (max_abs "
+                      f"{th['lse']['max_abs']:g} + rel {th['lse']['rel']:g} * max|lse| {ref_max:.3g})"))  # fmt: skip
+    return found
+
+
+def _certified(m: dict, th: dict) -> list[tuple[str, str]]:
+    """The FP64 reference itself, against the exact row."""
+    cert, allowed = m.get("mpmath_max_abs"), th["reference"]["mpmath_max_abs"]
+    if cert is None or cert <= allowed:
+        return []
+    return [("fail", f"FP64 reference not certified: differs from the exact row by {cert:.3g} (allowed {allowed:g})")]
+
+
+_CHECKS = (_semantics, _bound, _fa_criterion, _lse, _certified)
+_RANK = {"pass": 0, "warn": 1, "fail": 2}
+
+
+def judge(m: dict, th: dict) -> tuple[str, list[str]]:
+    """(verdict, reasons) for one case's measurements ``m`` (see ``audits.runner.engine``): the
+    worst severity any check gives, with every check's reasons."""
+    if m.get("status") in ("error", "skipped", "crash"):
+        return m["status"], [m.get("reason", "")]
+    ood, lse = m.get("out_of_domain"), m.get("lse") or {}
+    nonfinite_claim = ood and "claims no semantics" in ood  # the kernel's own domain (audits.kernels)
+    overflowed = m["out"]["nonfinite_where_ref_finite"] or lse.get("nonfinite_where_ref_finite")
+    if ood and (nonfinite_claim or not th["policy"]["claim_float32_overflow"]) and overflowed:
+        return "out-of-domain", [f"inputs outside the kernel design's float32 range: {ood}"]
+    found = [f for check in _CHECKS for f in check(m, th)]
+    verdict = max((sev for sev, _ in found), key=_RANK.__getitem__, default="pass")
+    return verdict, [why for _, why in found]
 
 
 def judge_against_baseline(m: dict, base: dict, th: dict) -> list[str]:
@@ -142,15 +164,15 @@ def judge_against_baseline(m: dict, base: dict, th: dict) -> list[str]:
     return out
 
 
-def rejudge(report: dict, th: dict, baseline: dict | None = None) -> dict:
-    """The report's cases judged again under ``th`` (and against ``baseline``'s cases by name)."""
-    base = {c["case"]: c for c in baseline["cases"]} if baseline else {}
+def rejudge(report: dict, th: dict, baseline: dict | None = None, *, key=lambda c: c["case"]) -> dict:
+    """The report's cases judged again under ``th``, and against ``baseline`` (its cases keyed
+    by ``key``, as the candidate's are matched)."""
     cases = []
     for c in report["cases"]:
         verdict, reasons = judge(c, th)
-        if c["case"] in base:
-            worse = judge_against_baseline(c, base[c["case"]], th)
-            if worse:
-                verdict, reasons = "fail", reasons + worse
+        base = (baseline or {}).get(key(c))
+        worse = judge_against_baseline(c, base, th) if base is not None else []
+        if worse:
+            verdict, reasons = "fail", reasons + worse
         cases.append({**c, "verdict": verdict, "reasons": reasons})
     return {**report, "cases": cases, "thresholds": th}

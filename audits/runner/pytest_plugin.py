@@ -24,9 +24,9 @@ def fa4_audit(tmp_path):
     import torch
 
     from audits.cases import suite as get_suite
-    from audits.runner.engine import run_suite
+    from audits.runner.engine import FAILING, run_suite
     from audits.runner.gate import load_thresholds
-    from audits.runner.report import build_report, exit_code, write_report
+    from audits.runner.report import build_report, exit_code, summary_line, write_report
 
     def audit(
         kernel: str,
@@ -40,7 +40,9 @@ def fa4_audit(tmp_path):
         cases = [c for c in get_suite(suite) if fnmatch.fnmatch(c.name, case)]
         th = load_thresholds(thresholds)
         out = tmp_path / f"fa4-audit-{suite}"
-        records = run_suite(kernel, cases, device=torch.device(device), out_dir=out, thresholds=th, isolate=isolate)
+        records = run_suite(
+            kernel, cases, device=torch.device(device), out_dir=out, thresholds=th, suite=suite, isolate=isolate
+        )
         rep = build_report(
             kernel=kernel,
             suite=suite,
@@ -55,10 +57,12 @@ def fa4_audit(tmp_path):
         )
         paths = write_report(rep, out)
         if exit_code(rep):
-            bad = [r for r in records if r["verdict"] in ("fail", "error", "crash")] or records
-            lines = [f"  {r['verdict']}: {r['case']}: {'; '.join(x for x in r['reasons'] if x)}" for r in bad[:10]]
+            bad = [r for r in records if r["verdict"] in FAILING]
+            lines = [f"  {r['verdict']}: {r['case']}: {'; '.join(x for x in r['reasons'] if x)}\n"
+                     f"    reproduce: {r['repro']}" for r in bad[:10]]  # fmt: skip
+            why = f"fails {len(bad)} case(s)" if bad else "evaluated no case (nothing was audited)"
             pytest.fail(
-                f"fa4-audit: {kernel} fails {len(bad)} case(s) of suite {suite} (report {paths['md']}):\n"
+                f"fa4-audit: {kernel} {why} of suite {suite}; {summary_line(rep)} (report {paths['md']}):\n"
                 + "\n".join(lines),
                 pytrace=False,
             )

@@ -1,4 +1,5 @@
-"""The audit report: JSON (schema ``fa4-audit/report/1``, DESIGN.md contract 6) and Markdown."""
+"""The audit report: JSON (schema ``fa4-audit/report/1``, docs/design.md), Markdown, JUnit XML
+(HTML: ``report_html``), and its validation when read back."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from audits.common import atomic_write
 from audits.runner.report_html import case_cells, render_html
 
-__all__ = ["SCHEMA", "build_report", "write_report", "exit_code"]
+__all__ = ["SCHEMA", "build_report", "write_report", "exit_code", "summary_line", "validate_report", "ReportError"]
 
 SCHEMA = "fa4-audit/report/1"
 VERDICTS = ("pass", "warn", "fail", "error", "crash", "skipped", "out-of-domain")
@@ -53,6 +54,9 @@ def build_report(
         "summary": {
             "cases": len(records),
             "verdicts": counts,
+            # compared with the FP64 reference and judged; skipped and out-of-domain were not
+            "evaluated": counts["pass"] + counts["warn"] + counts["fail"],
+            "lse_not_audited": sum(r.get("lse_returned") is False for r in records),
             "worst": {
                 "out_max_abs": _worst(records, ("out", "max_abs")),
                 "lse_max_abs": _worst(records, ("lse", "max_abs")),
@@ -64,10 +68,50 @@ def build_report(
 
 
 def exit_code(report: dict) -> int:
-    """0 when every case passed (warnings included) and at least one ran; 1 otherwise."""
+    """0 when at least one case was evaluated and none failed, errored or crashed; 1 otherwise
+    (a run that compared nothing checked nothing: it does not pass)."""
     c = report["summary"]["verdicts"]
-    ran = c["pass"] + c["warn"] + c["fail"] + c["error"] + c["crash"]
-    return 0 if ran and c["fail"] + c["error"] + c["crash"] == 0 else 1
+    evaluated = c["pass"] + c["warn"] + c["fail"]
+    return 0 if evaluated and c["fail"] + c["error"] + c["crash"] == 0 else 1
+
+
+def summary_line(report: dict) -> str:
+    """One line of counts: evaluated, then every verdict present, LSE not audited, total."""
+    s = report["summary"]
+    v = ", ".join(f"{k} {n}" for k, n in s["verdicts"].items() if n)
+    evaluated = s["verdicts"]["pass"] + s["verdicts"]["warn"] + s["verdicts"]["fail"]
+    lse = f"; LSE not audited in {s['lse_not_audited']}" if s.get("lse_not_audited") else ""
+    return f"{evaluated} of {s['cases']} cases evaluated ({v}){lse}"
+
+
+_TOP = {
+    "schema": str, "kernel": str, "suite": str, "seed": int, "device": str, "environment": dict, "command": str,
+    "created": str, "thresholds": dict, "summary": dict, "cases": list,
+}  # fmt: skip
+_CASE = {"case": str, "config": dict, "verdict": str, "reasons": list}
+
+
+class ReportError(ValueError):
+    """A file that is not a valid fa4-audit report; the message names the field."""
+
+
+def validate_report(rep, where: str) -> dict:
+    """``rep`` if it is a report of schema ``SCHEMA``, checked field by field (top level and
+    every case), else :class:`ReportError` naming ``where``, the field and what was expected."""
+    if not isinstance(rep, dict):
+        raise ReportError(f"{where}: not a report (a JSON {type(rep).__name__}, expected an object)")
+    if rep.get("schema") != SCHEMA:
+        raise ReportError(f"{where}: schema {rep.get('schema')!r} is not {SCHEMA}")
+    for key, typ in _TOP.items():
+        if not isinstance(rep.get(key), typ):
+            raise ReportError(f"{where}: field {key!r} must be a {typ.__name__}, got {type(rep.get(key)).__name__}")
+    for i, c in enumerate(rep["cases"]):
+        bad = [k for k, t in _CASE.items() if not isinstance(c, dict) or not isinstance(c.get(k), t)]
+        if bad:
+            raise ReportError(f"{where}: case #{i + 1} lacks or mistypes {', '.join(bad)} (expected {_CASE})")
+        if c["verdict"] not in VERDICTS:
+            raise ReportError(f"{where}: case {c['case']} has verdict {c['verdict']!r}; known: {', '.join(VERDICTS)}")
+    return rep
 
 
 def _markdown(rep: dict) -> str:
@@ -75,9 +119,10 @@ def _markdown(rep: dict) -> str:
     L = [
         f"# fa4-audit: {rep['kernel']} on suite {rep['suite']}" + (f" (shard {rep['shard']})" if rep["shard"] else ""),
         "",
-        f"`{rep['command']}` on {rep['created']}; device {rep['device']}; thresholds `{rep['thresholds'].get('path', '')}`.",
+        f"`{rep['command']}` on {rep['created']}; device {rep['device']}; "
+        f"thresholds `{rep['thresholds'].get('path', '')}`.",
         "",
-        "Verdicts: " + ", ".join(f"{k} {v}" for k, v in s["verdicts"].items() if v) + f" of {s['cases']} cases.",
+        summary_line(rep) + ".",
         "",
     ]
     for k, w in s["worst"].items():
@@ -105,9 +150,8 @@ def _markdown(rep: dict) -> str:
     ]
     for r in rows:
         c = case_cells(r)
-        L.append(
-            f"| {r['case']} | {r['verdict']} | {c['max_abs']} | {c['rel_l2']} | {c['lse']} | {c['tightness']} | {r['seconds']:.2f} | {c['reasons']} |"
-        )
+        cells = (r["case"], r["verdict"], c["max_abs"], c["rel_l2"], c["lse"], c["tightness"], f"{r['seconds']:.2f}")
+        L.append("| " + " | ".join((*cells, c["reasons"])) + " |")
     fails = [r for r in rep["cases"] if r["verdict"] in ("fail", "error", "crash")]
     if fails:
         L += ["", "## Reproduce", ""]
@@ -162,7 +206,7 @@ def write_report(rep: dict, out_dir: str | Path) -> dict[str, Path]:
         "html": out / "report.html",
         "junit": out / "report.junit.xml",
     }
-    atomic_write(paths["html"], render_html(rep))
+    atomic_write(paths["html"], render_html(rep, summary_line(rep)))
     atomic_write(paths["json"], json.dumps(rep, separators=(",", ":"), default=str) + "\n")
     atomic_write(paths["md"], _markdown(rep))
     atomic_write(paths["junit"], _junit(rep))

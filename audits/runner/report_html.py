@@ -11,20 +11,22 @@ from collections import defaultdict
 
 __all__ = ["render_html", "case_cells"]
 
-_CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:.5em 0 1.5em}
+_CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}
 td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}td:first-child,th:first-child{text-align:left}
-.pass{background:#e6f4ea}.warn{background:#fff4d6}.fail,.error,.crash{background:#fde2e1}.skipped,.out-of-domain{background:#eee}
+.pass{background:#e6f4ea}.warn{background:#fff4d6}.fail,.error,.crash{background:#fde2e1}
+.skipped,.out-of-domain{background:#eee}
 h2{margin-top:1.5em}code{background:#f4f4f4;padding:0 3px}"""
 
 
 def case_cells(r: dict) -> dict[str, str]:
     """The per-case figures every view shows (Markdown, HTML, ``fa4-audit show``), formatted."""
-    o, l, b = r.get("out") or {}, r.get("lse") or {}, r.get("bound") or {}
+    o, lse, b = r.get("out") or {}, r.get("lse") or {}, r.get("bound") or {}
     f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"  # noqa: E731
     return {
         "max_abs": f(o, "max_abs"),
         "rel_l2": f(o, "rel_l2"),
-        "lse": f(l, "max_abs"),
+        "lse": f(lse, "max_abs"),
         "tightness": f(b, "tightness"),
         "reasons": "; ".join(x for x in r["reasons"] if x),
     }
@@ -77,26 +79,41 @@ def _plots(cases: list[dict]) -> str:
 
 def _row(r: dict) -> str:
     c = case_cells(r)
-    return (
-        f"<tr class='{r['verdict']}'><td>{html.escape(r['case'])}</td><td>{r['verdict']}</td><td>{c['max_abs']}</td>"
-        f"<td>{c['rel_l2']}</td><td>{c['lse']}</td><td>{c['tightness']}</td><td style='text-align:left'>{html.escape(c['reasons'])}</td></tr>"
+    cells = "".join(
+        f"<td>{x}</td>" for x in (html.escape(r["case"]), r["verdict"], c["max_abs"], c["rel_l2"], c["lse"])
     )
+    why = html.escape(c["reasons"])
+    return f"<tr class='{r['verdict']}'>{cells}<td>{c['tightness']}</td><td style='text-align:left'>{why}</td></tr>"
 
 
-_HEAD = "<tr><th>case</th><th>verdict</th><th>max abs err</th><th>rel L2</th><th>LSE err</th><th>err/bound</th><th>reasons</th></tr>"
+_COLUMNS = ("case", "verdict", "max abs err", "rel L2", "LSE err", "err/bound", "reasons")
+_HEAD = "<tr>" + "".join(f"<th>{c}</th>" for c in _COLUMNS) + "</tr>"
 
 
-def render_html(rep: dict) -> str:
-    s = rep["summary"]
+def _reproduce(cases: list[dict]) -> str:
+    """The failing cases with their reasons and the command that reproduces each."""
+    bad = [c for c in cases if c["verdict"] in ("fail", "error", "crash")]
+    if not bad:
+        return ""
+    items = "".join(
+        f"<li><b>{html.escape(c['verdict'])}</b> {html.escape(c['case'])}: "
+        f"{html.escape('; '.join(x for x in c['reasons'] if x))}<br><code>{html.escape(c.get('repro', ''))}</code></li>"
+        for c in bad
+    )
+    return f"<h2>Failing cases and how to reproduce them</h2><ul>{items}</ul>"
+
+
+def render_html(rep: dict, summary_line: str) -> str:
     cases = rep["cases"]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>fa4-audit: {html.escape(rep['kernel'])} / {html.escape(rep['suite'])}</title><style>{_CSS}</style></head><body>",
+        f"<title>fa4-audit: {html.escape(rep['kernel'])} / {html.escape(rep['suite'])}</title>",
+        f"<style>{_CSS}</style></head><body>",
         f"<h1>fa4-audit: {html.escape(rep['kernel'])} on suite {html.escape(rep['suite'])}</h1>",
-        f"<p><code>{html.escape(rep['command'])}</code> — {html.escape(rep['created'])}, device {html.escape(rep['device'])}</p>",
-        "<p>"
-        + ", ".join(f"<span class='{k}'>{k} {v}</span>" for k, v in s["verdicts"].items() if v)
-        + f" of {s['cases']} cases</p>",
+        f"<p><code>{html.escape(rep['command'])}</code> — {html.escape(rep['created'])}, "
+        f"device {html.escape(rep['device'])}</p>",
+        f"<p>{html.escape(summary_line)}</p>",
+        _reproduce(cases),
         "<h2>Worst cases</h2><table>"
         + _HEAD
         + "".join(_row(c) for c in sorted((c for c in cases if c.get("out")), key=lambda c: -c["out"]["max_abs"])[:10])

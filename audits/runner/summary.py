@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["group_key", "summary_rows", "summary_markdown", "plot_errors"]
+#: what ``--by`` accepts: Case fields, plus mask (none / causal / local) and heads (MHA / GQA / MQA)
+GROUP_FIELDS = ("mask", "heads", "dtype", "d", "dv", "softcap", "sink", "layout", "family", "seqlen_q", "seqlen_k")
+
+__all__ = ["GROUP_FIELDS", "group_key", "summary_rows", "summary_markdown", "plot_errors"]
 
 _DT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
@@ -38,16 +41,19 @@ def _max(xs):
     return max(xs) if xs else None
 
 
-def summary_rows(reports: list[dict], by: tuple[str, ...]) -> list[dict]:
-    """One row per (group, kernel), groups in first-seen order, kernels in the given order."""
-    groups: dict[str, dict[str, list]] = {}
-    for rep in reports:
+def summary_rows(reports: list[dict], by: tuple[str, ...], labels: list[str] | None = None) -> list[dict]:
+    """One row per (group, report), groups in first-seen order, reports in the given order:
+    each report keeps its own rows even when two audit the same kernel (``labels`` tell them
+    apart; default the kernel names)."""
+    labels = labels or [rep["kernel"] for rep in reports]
+    groups: dict[str, dict[int, list]] = {}
+    for i, rep in enumerate(reports):
         for c in rep["cases"]:
-            groups.setdefault(group_key(c["config"], by), {}).setdefault(rep["kernel"], []).append(c)
+            groups.setdefault(group_key(c["config"], by), {}).setdefault(i, []).append(c)
     rows = []
     for g, per in groups.items():
-        for rep in reports:
-            cs = per.get(rep["kernel"], [])
+        for i in range(len(reports)):
+            cs = per.get(i, [])
             # error figures over finite inputs in the kernel's domain; the NaN/inf families are
             # judged by the semantics rules, and their verdicts are in the last column
             ran = [
@@ -61,7 +67,7 @@ def summary_rows(reports: list[dict], by: tuple[str, ...]) -> list[dict]:
             rows.append(
                 {
                     "group": g,
-                    "kernel": rep["kernel"],
+                    "kernel": labels[i],
                     "cases": len(cs),
                     "judged": len(ran),
                     "out_max_abs": _max((c.get("out") or {}).get("max_abs") for c in ran),
@@ -80,21 +86,21 @@ def summary_rows(reports: list[dict], by: tuple[str, ...]) -> list[dict]:
     return rows
 
 
-def summary_markdown(reports: list[dict], by: tuple[str, ...]) -> str:
+def summary_markdown(reports: list[dict], by: tuple[str, ...], labels: list[str] | None = None) -> str:
     f = lambda x: "—" if x is None else f"{x:.3g}"  # noqa: E731
-    L = [
-        f"| {' / '.join(by)} | kernel | cases | finite, in domain | worst \\|out-ref\\| | worst rel L2 | worst \\|LSE-ref\\| | max err/bound | max err / PyTorch low-prec err | verdicts |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in summary_rows(reports, by):
+    head = (" / ".join(by), "kernel", "cases", "finite, in domain", "worst \\|out-ref\\|", "worst rel L2",
+            "worst \\|LSE-ref\\|", "max err/bound", "max err / PyTorch low-prec err", "verdicts")  # fmt: skip
+    L = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in summary_rows(reports, by, labels):
         v = ", ".join(f"{k} {n}" for k, n in sorted(r["verdicts"].items()))
-        L.append(
-            f"| {r['group']} | {r['kernel']} | {r['cases']} | {r['judged']} | {f(r['out_max_abs'])} | {f(r['rel_l2'])} | {f(r['lse_max_abs'])} | {f(r['tightness'])} | {f(r['vs_lowprec'])} | {v} |"
-        )
+        figures = [f(r[k]) for k in ("out_max_abs", "rel_l2", "lse_max_abs", "tightness", "vs_lowprec")]
+        L.append("| " + " | ".join([r["group"], r["kernel"], str(r["cases"]), str(r["judged"]), *figures, v]) + " |")
     return "\n".join(L) + "\n"
 
 
-def plot_errors(reports: list[dict], path: str | Path, *, dtype: str = "bfloat16") -> None:
+def plot_errors(
+    reports: list[dict], path: str | Path, *, dtype: str = "bfloat16", labels: list[str] | None = None
+) -> None:
     """Worst max |out - ref| per seqlen_k for each kernel, on ``dtype`` cases with finite
     inputs in the kernel's domain (SVG)."""
     import matplotlib
@@ -103,7 +109,7 @@ def plot_errors(reports: list[dict], path: str | Path, *, dtype: str = "bfloat16
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for rep in reports:
+    for rep, label in zip(reports, labels or [r["kernel"] for r in reports], strict=True):
         worst: dict[int, float] = {}
         for c in rep["cases"]:
             if (
@@ -119,13 +125,14 @@ def plot_errors(reports: list[dict], path: str | Path, *, dtype: str = "bfloat16
                 worst[sk] = max(worst.get(sk, 0.0), e)
         if worst:
             xs = sorted(worst)
-            ax.plot(xs, [max(worst[x], 1e-12) for x in xs], marker="o", ms=3, lw=1, label=rep["kernel"])
+            ax.plot(xs, [max(worst[x], 1e-12) for x in xs], marker="o", ms=3, lw=1, label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("seqlen_k")
     ax.set_ylabel(f"worst max |out - FP64| ({_DT.get(dtype, dtype)})")
     ax.grid(True, which="both", lw=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no finite errors of this dtype: no legend
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)

@@ -8,50 +8,50 @@ import sys
 
 import torch
 
-from audits.common import EXIT_USAGE, UsageError, atomic_write
+from audits.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, atomic_write, progress
 
 
-def cmd_static(args: argparse.Namespace) -> int:
+def _config_cases(configs: list[str]) -> list:
+    """The cases given as ``--config`` JSON objects (family normal), checked."""
     import dataclasses
     import json
-    from pathlib import Path
 
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from audits.cases import Case
 
-    from audits.cases import Case, suite
-    from audits.static.core import StaticError, audit_group, static_groups
-
-    if args.arch != "sm_100a":
-        raise UsageError(
-            f"--arch {args.arch!r}: only sm_100a (the Blackwell forward kernel FA4Numerics.sm100 models) is audited"
-        )
-    if args.config:
-        cases = []
-        for text in args.config:
-            try:
-                c = Case(**{**json.loads(text), "family": "normal"})
-            except (json.JSONDecodeError, TypeError) as exc:
-                raise UsageError(
-                    f"--config {text!r}: expected a JSON object of audits.cases.Case fields ({exc})"
-                ) from exc
-            dtypes = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-            if (
-                c.dtype not in dtypes
-                or not all(
-                    isinstance(n, int) and n > 0 for n in (c.d, c.dv, c.heads_q, c.heads_kv, c.seqlen_q, c.seqlen_k)
-                )
-                or c.heads_q % c.heads_kv
-            ):
-                raise UsageError(
-                    f"--config {text!r}: dtype must be one of {', '.join(dtypes)}; d, dv, heads and seqlens positive integers; heads_q a multiple of heads_kv"
-                )
-            cases.append(dataclasses.replace(c, window=tuple(c.window)))
-    else:
+    cases = []
+    for text in configs:
         try:
-            cases = suite(args.suite)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
+            c = Case(**{**json.loads(text), "family": "normal"})
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise UsageError(f"--config {text!r}: expected a JSON object of audits.cases.Case fields ({exc})") from exc
+        dtypes = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+        if (
+            c.dtype not in dtypes
+            or not all(isinstance(n, int) and n > 0 for n in (c.d, c.dv, c.heads_q, c.heads_kv, c.seqlen_q, c.seqlen_k))
+            or c.heads_q % c.heads_kv
+        ):
+            raise UsageError(
+                f"--config {text!r}: dtype must be one of {', '.join(dtypes)}; d, dv, heads and seqlens positive "
+                "integers; heads_q a multiple of heads_kv"
+            )
+        cases.append(dataclasses.replace(c, window=tuple(c.window)))
+    return cases
+
+
+def _cases(args: argparse.Namespace) -> list:
+    """The cases to audit: ``--config``'s, else the suite's."""
+    from audits.cases import suite
+
+    if args.config:
+        return _config_cases(args.config)
+    try:
+        return suite(args.suite)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _production_versions() -> dict | None:
+    """Versions of the production packages; None (after saying why on stderr) when not importable."""
     try:
         import importlib
         from importlib.metadata import version
@@ -64,6 +64,59 @@ def cmd_static(args: argparse.Namespace) -> int:
             "install the gpu extra: pip install -e '.[gpu]'",
             file=sys.stderr,
         )
+        return None
+    return versions
+
+
+def _audit_groups(groups: list, *, ptx_dir, no_driver: bool, jobs: int, quiet: bool) -> list[dict]:
+    """Compile and audit every group, ``jobs`` at once; records in suite order (StaticError propagates)."""
+    from rich.console import Console
+
+    from audits.static.core import audit_group
+
+    console = Console(stderr=True)
+    with progress(console, quiet=quiet) as bar:
+        task = bar.add_task(f"static sm_100a / {len(groups)} compile groups", total=len(groups))
+        # each compile is its own process: threads are enough to run --jobs of them at once
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(group):
+            rec = audit_group(group[0], group[1], ptx_dir=ptx_dir, no_driver=no_driver)
+            bar.advance(task)
+            return rec
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            return list(pool.map(one, groups))  # suite order; the first StaticError propagates
+
+
+def _print_outcome(counts: dict, records: list[dict], out) -> int:
+    """Print the summary line and every divergence; the exit code."""
+    print(
+        f"{counts['match']} match, {counts['diverged']} diverged, {counts['skipped']} skipped (production refuses) "
+        f"of {len(records)} compile groups; report: {out / 'static.md'}"
+    )
+    for r in records:
+        for d in r.get("differences", []):
+            print(f"DIVERGED {r['group']}: {d['fact']}: production {d['production']}, model {d['model']}")
+    if not counts["match"] + counts["diverged"]:
+        print("nothing was audited: production refused every compile group", file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_FAIL if counts["diverged"] else EXIT_OK
+
+
+def cmd_static(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from audits.static.core import StaticError, static_groups
+
+    if args.arch != "sm_100a":
+        raise UsageError(
+            f"--arch {args.arch!r}: only sm_100a (the Blackwell forward kernel FA4Numerics.sm100 models) is audited"
+        )
+    cases = _cases(args)
+    versions = _production_versions()
+    if versions is None:
         return EXIT_USAGE
     no_driver = args.compile_on == "cpu"
     if not no_driver and not torch.cuda.is_available():
@@ -78,27 +131,8 @@ def cmd_static(args: argparse.Namespace) -> int:
     groups = static_groups(cases)
     out = Path(args.out)
     ptx_dir = Path(args.ptx_dir) if args.ptx_dir else out / "ptx"
-    console = Console(stderr=True)
     try:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            disable=args.quiet,
-        ) as bar:
-            task = bar.add_task(f"static sm_100a / {len(groups)} compile groups", total=len(groups))
-            # each compile is its own process: threads are enough to run --jobs of them at once
-            from concurrent.futures import ThreadPoolExecutor
-
-            def one(group):
-                rec = audit_group(group[0], group[1], ptx_dir=ptx_dir, no_driver=no_driver)
-                bar.advance(task)
-                return rec
-
-            with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-                records = list(pool.map(one, groups))  # suite order; the first StaticError propagates
+        records = _audit_groups(groups, ptx_dir=ptx_dir, no_driver=no_driver, jobs=args.jobs, quiet=args.quiet)
     except StaticError as exc:
         print(f"fa4-audit static: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -116,13 +150,7 @@ def cmd_static(args: argparse.Namespace) -> int:
     }
     atomic_write(out / "static.json", json.dumps(report, separators=(",", ":")) + "\n")
     atomic_write(out / "static.md", _static_markdown(report))
-    console.print(
-        f"{counts['match']} match, {counts['diverged']} diverged, {counts['skipped']} skipped of {len(records)} compile groups; report: {out / 'static.md'}"
-    )
-    for r in records:
-        for d in r.get("differences", []):
-            console.print(f"DIVERGED {r['group']}: {d['fact']}: production {d['production']}, model {d['model']}")
-    return 1 if counts["diverged"] else 0
+    return _print_outcome(counts, records, out)
 
 
 def _static_markdown(rep: dict) -> str:
@@ -130,10 +158,11 @@ def _static_markdown(rep: dict) -> str:
     L = [
         "# fa4-audit static: production SM100 forward PTX against FA4Numerics.sm100",
         "",
-        f"`{rep['command']}` on {rep['created']}; flash-attn-4 {rep['versions']['flash-attn-4']}, nvidia-cutlass-dsl "
-        f"{rep['versions']['nvidia-cutlass-dsl']}; compiled on {rep['compile_on']}.",
+        f"`{rep['command']}` on {rep['created']}; flash-attn-4 {rep['versions']['flash-attn-4']}, "
+        f"nvidia-cutlass-dsl {rep['versions']['nvidia-cutlass-dsl']}; compiled on {rep['compile_on']}.",
         "",
-        f"{s['match']} compile groups match, {s['diverged']} diverged, {s['skipped']} skipped (production refuses the configuration).",
+        f"{s['match']} compile groups match, {s['diverged']} diverged, {s['skipped']} skipped "
+        "(production refuses the configuration).",
         "",
     ]
     bad = [r for r in rep["groups"] if r["verdict"] == "diverged"]
@@ -148,7 +177,8 @@ def _static_markdown(rep: dict) -> str:
     L += [
         "## Compile groups",
         "",
-        "| group | cases | verdict | 2-CTA | emulated/step | degree | threshold | max_offset | P convert | ex2 hw | steps |",
+        "| group | cases | verdict | 2-CTA | emulated/step | degree | threshold | max_offset | P convert "
+        "| ex2 hw | steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["groups"]:
@@ -157,8 +187,10 @@ def _static_markdown(rep: dict) -> str:
             continue
         f = r["facts"]
         L.append(
-            f"| {r['group']} | {r['cases']} | {r['verdict']} | {r['production'].get('use_2cta_instrs')} | {f['exp2.emulated_per_step']:g}/{r['production'].get('n_block_size')} "
-            f"| {f['exp2.poly_degree']} | {f['rescale.threshold']} | {f['max_offset']} | {', '.join(f['p_convert'])} | {sum(f['exp2.hardware'].values())} | {f['softmax.steps']} |"
+            f"| {r['group']} | {r['cases']} | {r['verdict']} | {r['production'].get('use_2cta_instrs')} "
+            f"| {f['exp2.emulated_per_step']:g}/{r['production'].get('n_block_size')} "
+            f"| {f['exp2.poly_degree']} | {f['rescale.threshold']} | {f['max_offset']} "
+            f"| {', '.join(f['p_convert'])} | {sum(f['exp2.hardware'].values())} | {f['softmax.steps']} |"
         )
     return "\n".join(L) + "\n"
 
@@ -168,10 +200,10 @@ def register(sub) -> None:
     st = sub.add_parser(
         "static",
         help="compile production's SM100 forward kernel per compile group and check its PTX against the model",
-        description="Cross-compile FlashAttentionForwardSm100 to sm_100a PTX for each compile group of a suite (or --config), "
-        "extract its numerics facts and compare them with FA4Numerics.sm100.  Exit 0 when every fact matches, 1 when any "
-        "diverged, 2 when facts could not be produced (no production package, no CUDA without --compile-on cpu, a failed "
-        "compile, PTX the extractor does not understand).",
+        description="Cross-compile FlashAttentionForwardSm100 to sm_100a PTX for each compile group of a suite "
+        "(or --config), extract its numerics facts and compare them with FA4Numerics.sm100.  Exit 0 when every fact "
+        "matches, 1 when any diverged, 2 when facts could not be produced (no production package, no CUDA without "
+        "--compile-on cpu, a failed compile, PTX the extractor does not understand).",
     )
     st.add_argument(
         "--arch", default="sm_100a", help="compile target (only sm_100a, the kernel FA4Numerics.sm100 models)"
@@ -189,7 +221,7 @@ def register(sub) -> None:
         "--compile-on",
         default="cuda",
         choices=["cuda", "cpu"],
-        help="cpu: cross-compile without any GPU (opt-in; see README)",
+        help="cpu: cross-compile without any GPU (opt-in; see docs/static.md)",
     )
     st.add_argument(
         "--jobs", type=int, default=1, help="compiles at once (each is a single-threaded process; default 1)"

@@ -40,6 +40,10 @@ P_CONVERT = {
 }
 
 
+#: one compile takes ~8 s on 2 CPU cores (docs/static.md); 15 minutes means it hung
+COMPILE_TIMEOUT_S = 900
+
+
 class StaticError(RuntimeError):
     """The static audit could not produce facts (exit 2): no production package, a compile
     failure, or PTX the extractor does not understand."""
@@ -140,7 +144,12 @@ def _compile(c: Case, ptx_path: Path, *, no_driver: bool) -> tuple[str, dict] | 
     cmd = [sys.executable, "-m", "fa4.sm100_compile", json.dumps(cfg), str(ptx_path)] + (
         ["--no-driver"] if no_driver else []
     )
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:  # a hung compile proves nothing: exit 2, never a pass
+        raise StaticError(
+            f"compiling the SM100 forward kernel for {c.name} did not finish in {COMPILE_TIMEOUT_S} s"
+        ) from exc
     if proc.returncode == 3:
         return proc.stderr.strip().splitlines()[-1]
     if proc.returncode != 0:

@@ -48,7 +48,7 @@ __all__ = ["PtxFormatError", "kernel_facts", "f32_hex"]
 
 def f32_hex(v: float) -> str:
     """PTX spelling of a float32 immediate: ``0f3F800000`` for 1.0."""
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
 
 
 def _hex_f32(h: str) -> float:
@@ -63,14 +63,8 @@ def _instructions(ptx: str) -> list[tuple[str, str]]:
     return [(op, args) for op, args in _INSTR.findall(ptx)]
 
 
-def kernel_facts(ptx: str, *, tile_n: int) -> dict:
-    """The facts of the module doc for the forward kernel in ``ptx`` (``tile_n`` keys per
-    softmax row tile, production's ``n_block_size``).  Values are JSON-able."""
-    if ".entry" not in ptx:
-        raise PtxFormatError("no .entry (kernel) in the PTX")
-    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
-    ins = _instructions(ptx)
-    ops = Counter(op for op, _ in ins)
+def _exp2_split(ops: Counter, tile_n: int) -> dict:
+    """``exp2.hardware``, the emulated counts and the softmax steps of the module doc (checked)."""
     ex2 = {op: n for op, n in ops.items() if op.startswith("ex2.")}
     if not ex2:
         raise PtxFormatError(
@@ -86,11 +80,19 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
             f"{e} emulated + {h} hardware exp2 do not split into softmax steps of {tile_n} elements "
             f"(remainder {extra}): the softmax loop has a structure the extractor does not know"
         )
+    return {"ex2": ex2, "pairs": pairs, "scalar": scalar, "e": e, "steps": steps, "extra": extra}
+
+
+def _poly_degree(ptx: str) -> int | None:
+    """The highest degree whose ``POLY_EX2`` coefficients (other than 1) all occur as immediates."""
     imm = {m.upper().replace("0F", "0f") for m in _IMM.findall(ptx)}
     degrees = [d for d, cs in POLY_EX2.items() if all(f32_hex(c) in imm for c in cs if c != 1.0)]
-    degree = max(degrees) if degrees else None
-    fma2 = ops.get("fma.rn.f32x2", 0)
-    thresholds = sorted(
+    return max(degrees) if degrees else None
+
+
+def _rescale_thresholds(ins: list[tuple[str, str]]) -> list[float]:
+    """Every ``threshold`` of a ``setp.ge.f32 %p, %r, 0f<-threshold>`` comparison, sorted."""
+    return sorted(
         {
             -_hex_f32(a.split(",")[-1].strip())
             for op, a in ins
@@ -99,14 +101,22 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
             and _hex_f32(a.split(",")[-1].strip()) < 0
         }
     )
+
+
+def _max_offsets(ptx: str) -> list[float]:
+    """Every ``offset`` of ``mov.b32 %r, 0f<offset>`` then ``sub.f32 %s, %r, ...``, sorted."""
     movs = {m.group(1): m.group(2) for m in re.finditer(r"mov\.b32\s+(%r\d+),\s*(0f[0-9A-Fa-f]{8});", ptx)}
-    offsets = sorted(
+    return sorted(
         {
             _hex_f32(movs[m.group(1)])
             for m in re.finditer(r"sub\.f32\s+%r\d+,\s*(%r\d+),\s*%r\d+;", ptx)
             if m.group(1) in movs
         }
     )
+
+
+def _nonstandard_arith(ops: Counter) -> Counter:
+    """f32 add/sub/mul/fma not rounding to nearest or flushing, other than the emulation's round-down adds."""
     nonstd = Counter()
     for op, n in ops.items():
         parts = op.split(".")
@@ -116,20 +126,44 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
             rnd = next((p for p in parts if p in ("rn", "rz", "rm", "rp")), "rn")
             if rnd != "rn" or "ftz" in parts or "sat" in parts:
                 nonstd[op] += n
+    return nonstd
+
+
+def _p_conversions(ops: Counter) -> dict[str, int]:
+    """The float32 -> P-dtype ``cvt`` instructions with their counts (at least one)."""
     cvt = {
         op: n for op, n in ops.items() if op.startswith("cvt.") and re.search(r"\.(bf16|f16|e4m3|e5m2)(x2)?\.f32$", op)
     }
     if not cvt:
         raise PtxFormatError("no float32 -> 16/8-bit conversion (cvt...f32): the P conversion was not found")
+    return cvt
+
+
+def kernel_facts(ptx: str, *, tile_n: int) -> dict:
+    """The facts of the module doc for the forward kernel in ``ptx`` (``tile_n`` keys per
+    softmax row tile, production's ``n_block_size``).  Values are JSON-able."""
+    if ".entry" not in ptx:
+        raise PtxFormatError("no .entry (kernel) in the PTX")
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
+    ins = _instructions(ptx)
+    ops = Counter(op for op, _ in ins)
+    exp2 = _exp2_split(ops, tile_n)
+    pairs, steps = exp2["pairs"], exp2["steps"]
+    degree = _poly_degree(ptx)
+    fma2 = ops.get("fma.rn.f32x2", 0)
+    thresholds = _rescale_thresholds(ins)
+    offsets = _max_offsets(ptx)
+    nonstd = _nonstandard_arith(ops)
+    cvt = _p_conversions(ops)
     return {
         "target": target.group(1) if target else None,
         "lines": ptx.count("\n"),
-        "exp2.hardware": dict(sorted(ex2.items())),
+        "exp2.hardware": dict(sorted(exp2["ex2"].items())),
         "exp2.emulated_pairs": pairs,
-        "exp2.emulated_scalar": scalar,
+        "exp2.emulated_scalar": exp2["scalar"],
         "softmax.steps": steps,
-        "softmax.rescale_ex2": extra,
-        "exp2.emulated_per_step": e / steps,
+        "softmax.rescale_ex2": exp2["extra"],
+        "exp2.emulated_per_step": exp2["e"] / steps,
         "exp2.poly_degree": degree,
         "exp2.poly_coefficients": [float(c) for c in POLY_EX2[degree]] if degree else [],
         "exp2.fma_per_pair": (fma2 - steps * tile_n / 2) / pairs if pairs else None,

@@ -1,0 +1,272 @@
+"""The commands that read run reports: ``gate``, ``show``, ``diff``, ``merge``, ``summary``; and
+``list`` and ``fuzz``.  A report that is missing, unreadable or not a valid report is a usage
+error (exit 2), never a failed check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, read_json
+from audits.common import device as _device
+
+
+def load_report(path: str) -> dict:
+    """A report file (``.json``, ``.json.gz``, ``.json.xz``), validated field by field."""
+    from audits.runner.report import ReportError, validate_report
+
+    try:
+        return validate_report(read_json(path, what="report"), path)
+    except ReportError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _summarize(rep: dict) -> dict:
+    """``rep`` with its summary recomputed from its cases."""
+    from audits.runner.report import build_report
+
+    keys = ("kernel", "suite", "seed", "device", "environment", "thresholds", "command", "created")
+    return build_report(**{k: rep[k] for k in keys}, records=rep["cases"], shard=rep.get("shard"))
+
+
+def case_key(case: dict, *, ignore_seed: bool) -> str:
+    """What matches a case across two reports: its name, or with ``ignore_seed`` its
+    configuration without the seed (the same case drawn from another seed)."""
+    if not ignore_seed:
+        return case["case"]
+    cfg = {k: v for k, v in case["config"].items() if k != "seed"}
+    return json.dumps(cfg, sort_keys=True)
+
+
+def _thresholds(path):
+    from audits.runner.gate import ThresholdsError, load_thresholds
+
+    try:
+        return load_thresholds(path)
+    except ThresholdsError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _baseline(args, rep: dict) -> tuple[dict | None, int, str]:
+    """The baseline's cases keyed like the candidate's, how many candidate cases it matches and
+    a line saying so; (None, 0, "") without a baseline."""
+    if not args.baseline:
+        return None, 0, ""
+    base = load_report(args.baseline)
+    keyed = {}
+    for c in base["cases"]:
+        keyed.setdefault(case_key(c, ignore_seed=args.ignore_seed), c)
+    shared = sum(case_key(c, ignore_seed=args.ignore_seed) in keyed for c in rep["cases"])
+    how = "by configuration, seeds ignored" if args.ignore_seed else "by case name"
+    return keyed, shared, f"baseline {args.baseline}: {shared} of {len(rep['cases'])} cases matched ({how})"
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from audits.runner.gate import rejudge
+    from audits.runner.report import exit_code, summary_line, write_report
+
+    rep = load_report(args.report)
+    th = _thresholds(args.thresholds)
+    base, shared, overlap = _baseline(args, rep)
+    key = lambda c: case_key(c, ignore_seed=args.ignore_seed)  # noqa: E731
+    new = _summarize(rejudge(rep, th, base, key=key))
+    for c in new["cases"]:
+        if c["verdict"] in ("fail", "error", "crash"):
+            print(f"{c['verdict'].upper():6s} {c['case']}: {'; '.join(c['reasons'])}")
+    print(f"{summary_line(new)} under {th['path']}")
+    code = exit_code(new)
+    if base is not None:
+        print(overlap)
+        if not shared:
+            print(
+                "the baseline shares no case with the report: nothing was compared (try --ignore-seed)", file=sys.stderr
+            )
+            code = EXIT_FAIL
+    if args.out:
+        new["command"] = f"{new['command']}; re-judged: fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
+        print(f"re-judged report: {write_report(new, args.out)['md']}")
+    return code
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """A report as a table on a terminal, as plain lines otherwise; case names never cut."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from audits.runner.report import case_cells, summary_line
+
+    rep = load_report(args.report)
+    console = Console()
+    head = f"{rep['kernel']} / {rep['suite']} ({rep['created']}): {summary_line(rep)}"
+    if not console.is_terminal:
+        print(head)
+        for r in rep["cases"]:
+            c = case_cells(r)
+            print(f"{r['verdict']:13s} {r['case']}")
+            print(f"{'':13s} max abs err {c['max_abs']}, LSE err {c['lse']}, err/bound {c['tightness']}")
+            if c["reasons"]:
+                print(f"{'':13s} {c['reasons']}")
+        return EXIT_OK
+    t = Table(title=head)
+    t.add_column(
+        "case", no_wrap=True, overflow="ignore", min_width=max((len(r["case"]) for r in rep["cases"]), default=4)
+    )
+    for col in ("verdict", "max abs err", "LSE err", "err/bound", "reasons"):
+        t.add_column(col, overflow="fold")
+    for r in rep["cases"]:
+        c = case_cells(r)
+        t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], c["reasons"])
+    console.print(t, crop=False)
+    return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    a, b = load_report(args.base), load_report(args.cand)
+    ca = {case_key(c, ignore_seed=args.ignore_seed): c for c in a["cases"]}
+    cb = {case_key(c, ignore_seed=args.ignore_seed): c for c in b["cases"]}
+    changed = 0
+    for key in sorted(set(ca) | set(cb), key=lambda k: (ca.get(k) or cb[k])["case"]):
+        x, y = ca.get(key), cb.get(key)
+        if x is None or y is None:
+            print(f"{'only in cand' if x is None else 'only in base'}: {(x or y)['case']}")
+            changed += 1
+            continue
+        ex, ey = (x.get("out") or {}).get("max_abs"), (y.get("out") or {}).get("max_abs")
+        moved = ex is not None and ey is not None and (ex != ey)
+        if x["verdict"] != y["verdict"] or moved:
+            changed += 1
+            err = f"max |err| {ex:.3g} -> {ey:.3g}" if moved else ""
+            print(f"{y['case']}: {x['verdict']} -> {y['verdict']} {err}")
+    shared = len(set(ca) & set(cb))
+    print(f"{changed} of {len(set(ca) | set(cb))} cases differ; {shared} matched")
+    return EXIT_OK
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from audits.runner.report import exit_code, write_report
+
+    reps = [load_report(p) for p in args.reports]
+    keys = {(r["kernel"], r["suite"], r["seed"]) for r in reps}
+    if len(keys) != 1:
+        raise UsageError(f"shard reports must share kernel, suite and seed; got {sorted(keys)}")
+    seen, cases = set(), []
+    for r in reps:
+        for c in r["cases"]:
+            if c["case"] in seen:
+                raise UsageError(f"case {c['case']} appears in two shard reports")
+            seen.add(c["case"])
+            cases.append(c)
+    command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
+    merged = _summarize({**reps[0], "cases": cases, "shard": None, "command": command})
+    paths = write_report(merged, args.out)
+    print(f"merged {len(reps)} reports, {len(cases)} cases: {paths['md']}")
+    return exit_code(merged)
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from audits.runner.summary import GROUP_FIELDS, plot_errors, summary_markdown
+
+    reps = [load_report(p) for p in args.reports]
+    by = tuple(b.strip() for b in args.by.split(",") if b.strip())
+    if not by or set(by) - set(GROUP_FIELDS):
+        raise UsageError(f"--by {args.by!r}: expected a comma-separated list of {', '.join(GROUP_FIELDS)}")
+    labels = [r["kernel"] for r in reps]
+    labels = [f"{k} ({p})" if labels.count(k) > 1 else k for k, p in zip(labels, args.reports, strict=True)]
+    text = summary_markdown(reps, by, labels=labels)
+    print(text, end="")
+    if args.out:
+        out = Path(args.out)
+        atomic_write(out / "summary.md", text)
+        plot_errors(reps, out / "summary.svg", labels=labels)
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from audits.cases import SUITES
+    from audits.inputs import FAMILIES
+    from audits.kernels import KERNELS
+
+    print("kernels: " + ", ".join(KERNELS) + ", module:attr or path/to/file.py:fn")
+    print("suites:")
+    for name, make in SUITES.items():
+        cases = make()
+        print(f"  {name:8s} {len(cases):5d} cases, {len({c.compile_key for c in cases}):3d} compile keys")
+    print("input families:")
+    for name, fam in FAMILIES.items():
+        print(f"  {name:18s} {fam.hunts}")
+    return EXIT_OK
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from audits.kernels import get_kernel
+    from audits.runner.fuzz import fuzz
+
+    try:
+        get_kernel(args.kernel)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    th = _thresholds(args.thresholds)
+    if args.budget <= 0 or args.max_seqlen <= 0:
+        raise UsageError(f"--budget and --max-seqlen must be positive, got {args.budget}, {args.max_seqlen}")
+    device = _device(args.device)
+    res = fuzz(
+        args.kernel, budget=args.budget, device=device, thresholds=th, database=args.database,
+        max_seqlen=args.max_seqlen, seed=args.seed,
+    )  # fmt: skip
+    atomic_write(Path(args.out) / "fuzz.json", json.dumps(res, indent=1) + "\n")
+    print(f"{res['examples']} examples; largest error/bound {res['best_tightness']} ({res['best_case']})")
+    if res["failure"]:
+        f = res["failure"]
+        print(f"FAILING (shrunk): {f['name']}: {f['verdict']}: {'; '.join(f['reasons'])}\nreproduce: {f['repro']}")
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def register(sub) -> None:
+    """Add the report commands, ``list`` and ``fuzz`` to the ``fa4-audit`` parser."""
+    g = sub.add_parser("gate", help="re-judge a report under thresholds (and against a baseline report)")
+    g.add_argument("report")
+    g.add_argument("--thresholds", default=None)
+    g.add_argument(
+        "--baseline", default=None,
+        help="BASE.json: fail cases worse than the baseline by more than [baseline] max_ratio; "
+        "exit 1 when no case matches",
+    )  # fmt: skip
+    g.add_argument("--ignore-seed", action="store_true", help="match baseline cases by configuration, not seed")
+    g.add_argument("--out", default=None, help="also write the re-judged report (json, md, html, junit) here")
+    g.set_defaults(func=cmd_gate)
+    sh = sub.add_parser("show", help="print a report: a table on a terminal, plain lines otherwise")
+    sh.add_argument("report")
+    sh.set_defaults(func=cmd_show)
+    df = sub.add_parser("diff", help="where two reports differ (verdicts, max errors)")
+    df.add_argument("base")
+    df.add_argument("cand")
+    df.add_argument("--ignore-seed", action="store_true", help="match cases by configuration, not seed")
+    df.set_defaults(func=cmd_diff)
+    mg = sub.add_parser("merge", help="combine shard reports (run --shard I/N) into one")
+    mg.add_argument("reports", nargs="+")
+    mg.add_argument("--out", required=True)
+    mg.set_defaults(func=cmd_merge)
+    fz = sub.add_parser("fuzz", help="Hypothesis search for a failing case, climbing toward the largest error/bound")
+    fz.add_argument("--kernel", required=True)
+    fz.add_argument("--budget", type=int, default=200, help="examples to try (default 200)")
+    fz.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    fz.add_argument("--max-seqlen", type=int, default=512)
+    fz.add_argument("--database", default=".hypothesis/fa4-audit", help="Hypothesis example database")
+    fz.add_argument("--thresholds", default=None)
+    fz.add_argument("--seed", type=int, default=None, help="a fixed search (the database is then not used)")
+    fz.add_argument("--out", default="reports/fuzz-latest")
+    fz.set_defaults(func=cmd_fuzz)
+    ls = sub.add_parser("list", help="kernels, suites (case and compile-key counts) and input families")
+    ls.set_defaults(func=cmd_list)
+    sm = sub.add_parser("summary", help="several reports side by side (one column each), per configuration group")
+    sm.add_argument("reports", nargs="+", help="report.json (or .json.gz / .json.xz) files")
+    sm.add_argument("--by", default="dtype,mask", help="grouping: comma-separated Case fields, mask or heads")
+    sm.add_argument("--out", default=None, help="also write OUT/summary.md and OUT/summary.svg")
+    sm.set_defaults(func=cmd_summary)

@@ -1,0 +1,93 @@
+"""The run journal: ``OUT/journal.jsonl``, one JSON line per finished case, flushed and fsynced,
+so that ``--resume`` continues after a crash, a kill or Ctrl-C without redoing finished cases.
+
+Its first line is a header naming what the records belong to (kernel, suite, seed, a digest of
+the thresholds and of the case list, the fa4-audit version): resuming into another run's
+journal would report one kernel's results as another's, so :func:`check_header` refuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+__all__ = ["SCHEMA", "run_identity", "append", "read_records", "read_header", "check_header", "JournalMismatch"]
+
+SCHEMA = "fa4-audit/journal/1"
+
+
+class JournalMismatch(ValueError):
+    """``--resume`` into a journal of another run; the message names every field that differs."""
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_identity(*, kernel: str, suite: str, seed: int, thresholds: dict, cases: list) -> dict:
+    """What a journal's records belong to (the header's fields)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("fa4-audit")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        ver = "unknown"
+    th = {k: v for k, v in thresholds.items() if k != "path"}  # the policy, not where it was read from
+    return {
+        "journal": SCHEMA, "kernel": kernel, "suite": suite, "seed": seed, "thresholds": _digest(th),
+        "cases": _digest([c.as_dict() for c in cases]), "n_cases": len(cases), "fa4_audit": ver,
+    }  # fmt: skip
+
+
+def append(path: Path, rec: dict) -> None:
+    """Append one record durably; a torn last line (a kill mid-write) is never glued onto."""
+    line = json.dumps(rec, separators=(",", ":")) + "\n"
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                line = "\n" + line
+    with open(path, "ab") as fh:
+        fh.write(line.encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _lines(path: Path):
+    if not path.exists():
+        return
+    for line in path.read_text().splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:  # a torn line from a kill
+            continue
+
+
+def read_records(path: Path) -> dict[str, dict]:
+    """Finished case records by case name (the header and torn lines skipped)."""
+    return {r["case"]: r for r in _lines(path) if isinstance(r, dict) and "case" in r}
+
+
+def read_header(path: Path) -> dict | None:
+    """The journal's header, or None (no journal, or one without a header)."""
+    for r in _lines(path):
+        return r if isinstance(r, dict) and r.get("journal") == SCHEMA else None
+    return None
+
+
+def check_header(path: Path, identity: dict) -> None:
+    """Raise :class:`JournalMismatch` unless the journal at ``path`` was written by the run
+    ``identity`` describes (a missing journal is fine: nothing to resume)."""
+    if not path.exists():
+        return
+    head = read_header(path)
+    if head is None:
+        raise JournalMismatch(
+            f"{path} has no header (written by an older fa4-audit, or not a journal): "
+            "cannot tell what its records belong to"
+        )
+    differ = [f"{k}: journal {head.get(k)!r}, this run {v!r}" for k, v in identity.items() if head.get(k) != v]
+    if differ:
+        raise JournalMismatch(f"{path} belongs to another run; " + "; ".join(differ))

@@ -1,0 +1,268 @@
+"""The verdict contract: nothing passes unchecked, resume never mixes runs, exit codes as
+documented (0 pass, 1 check failed, 2 usage/environment), results on stdout."""
+
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from audits import cli
+from audits.cases import Case
+from audits.runner.engine import evaluate_case
+from audits.runner.gate import load_thresholds
+
+ROOT = Path(__file__).parents[1]
+NORMAL = "bf16-d64-b2h4k2-s200x300-causal-normal-seed0"
+
+
+@pytest.fixture(autouse=True)
+def _cwd(monkeypatch):
+    monkeypatch.chdir(ROOT)  # tests.* resolve as module:attr
+
+
+def run(*argv):
+    return cli.main(["run", "--quiet", *argv])
+
+
+def report(out):
+    return json.loads((Path(out) / "report.json").read_text())
+
+
+# --- production refusals: explicit rules only -------------------------------------------------
+
+
+@pytest.fixture
+def fake_production(monkeypatch):
+    """``flash_attn.cute.flash_attn_func`` replaced by a stub that raises what the test sets."""
+    from fa4 import production
+
+    box = {}
+
+    def flash_attn_func(q, k, v, **kw):
+        raise box["exc"]
+
+    pkg = types.ModuleType("flash_attn")
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = flash_attn_func
+    pkg.cute = cute
+    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setattr(production, "require_production", lambda: None)
+    return box
+
+
+@pytest.mark.parametrize(
+    "exc,verdict,reason",
+    [
+        (AssertionError("FP8 is only supported on SM100 (compute capability 10.x) for FA4 CuTe."), "skipped",
+         r"production refuses this configuration \(flash_attn/cute/interface.py, _flash_attn_fwd"),
+        (AssertionError("(head_dim, head_dim_v)=(192, 192) is not supported on SM100/SM110. ..."), "skipped",
+         r"_validate_head_dims"),
+        (AssertionError("some internal invariant"), "error", r"flash_attn_func raised AssertionError"),
+        (TypeError("unexpected keyword"), "error", r"flash_attn_func raised TypeError"),
+        (NotImplementedError("not yet"), "error", r"flash_attn_func raised NotImplementedError: not yet"),
+    ],
+)  # fmt: skip
+def test_only_documented_production_refusals_are_skipped(fake_production, exc, verdict, reason):
+    from fa4.production import flash_attn
+
+    fake_production["exc"] = exc
+    rec = evaluate_case("fa4", flash_attn, Case(d=64, dv=64), torch.device("cpu"), load_thresholds())
+    assert rec["verdict"] == verdict
+    assert __import__("re").search(reason, rec["reasons"][0]), rec["reasons"]
+
+
+def test_static_compile_refusal_and_timeout(monkeypatch, tmp_path):
+    import subprocess
+
+    from audits.static import core
+    from fa4.production import refusal_of
+
+    assert refusal_of(AssertionError("(head_dim, head_dim_v)=(192, 192) is not supported on SM100/SM110."))
+    assert refusal_of(ValueError("(head_dim, head_dim_v)=(192, 192) is not supported on SM100/SM110.")) is None
+    assert refusal_of(TypeError("FP8 is only supported on SM100")) is None
+
+    def hang(*a, **kw):
+        raise subprocess.TimeoutExpired(a[0], core.COMPILE_TIMEOUT_S)
+
+    monkeypatch.setattr(core.subprocess, "run", hang)
+    with pytest.raises(core.StaticError, match="did not finish in 900 s"):
+        core._compile(Case(), tmp_path / "x.ptx", no_driver=True)
+
+
+# --- nothing passes unchecked --------------------------------------------------------------------
+
+
+def test_a_kernel_without_lse_warns_per_case_and_can_be_failed(tmp_path, capsys):
+    assert run("--kernel", "tests.fake_kernels:no_lse", "--case", NORMAL, "--out", str(tmp_path / "w")) == 0
+    rep = report(tmp_path / "w")
+    (c,) = rep["cases"]
+    assert c["verdict"] == "warn" and c["reasons"] == ["LSE not returned: not audited"]
+    assert rep["summary"]["lse_not_audited"] == 1
+    assert "LSE not audited in 1" in capsys.readouterr().out
+    strict = tmp_path / "strict.toml"
+    strict.write_text(load_thresholds()["path"] and Path(load_thresholds()["path"]).read_text().replace(
+        'lse_missing = "warn"', 'lse_missing = "fail"'))  # fmt: skip
+    argv = ("--kernel", "tests.fake_kernels:no_lse", "--case", NORMAL, "--thresholds", str(strict))
+    assert run(*argv, "--out", str(tmp_path / "f")) == 1
+    assert report(tmp_path / "f")["cases"][0]["verdict"] == "fail"
+
+
+def test_a_run_that_evaluated_nothing_fails(tmp_path, capsys):
+    assert run("--kernel", "tests.fake_kernels:refuses_everything", "--out", str(tmp_path)) == 1
+    cap = capsys.readouterr()
+    assert "nothing was audited" in cap.err
+    rep = report(tmp_path)
+    assert rep["summary"]["evaluated"] == 0 and rep["summary"]["verdicts"]["skipped"] == rep["summary"]["cases"]
+    assert "0 of" in (tmp_path / "report.md").read_text().splitlines()[4]
+
+
+# --- resume and fresh runs never mix -----------------------------------------------------------
+
+
+def test_resume_refuses_another_runs_journal(tmp_path, capsys):
+    a = tmp_path / "a"
+    assert run("--kernel", "fa4-model", "--case", NORMAL, "--out", str(a)) == 0
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    assert run("--kernel", "sdpa-math", "--case", NORMAL, "--out", str(b), "--resume") == 2
+    err = capsys.readouterr().err
+    assert "--resume refused" in err and "kernel: journal 'fa4-model', this run 'sdpa-math'" in err
+    assert run("--kernel", "fa4-model", "--case", NORMAL[:-1] + "*", "--seed", "3", "--out", str(b), "--resume") == 2
+    assert "seed: journal 0, this run 3" in capsys.readouterr().err
+    assert run("--kernel", "fa4-model", "--case", NORMAL, "--out", str(b), "--resume") == 0
+    assert report(b)["cases"][0].get("resumed") is True
+
+
+def test_a_fresh_run_into_a_used_directory_needs_overwrite(tmp_path, capsys):
+    assert run("--kernel", "fa4-model", "--case", NORMAL, "--out", str(tmp_path)) == 0
+    (tmp_path / "mine.txt").write_text("kept")
+    assert run("--kernel", "sdpa-math", "--case", NORMAL, "--out", str(tmp_path)) == 2
+    assert "holds another run" in capsys.readouterr().err and report(tmp_path)["kernel"] == "fa4-model"
+    assert run("--kernel", "sdpa-math", "--case", NORMAL, "--out", str(tmp_path), "--overwrite") == 0
+    assert report(tmp_path)["kernel"] == "sdpa-math" and (tmp_path / "mine.txt").read_text() == "kept"
+
+
+# --- gate, diff, summary -----------------------------------------------------------------------
+
+
+def test_gate_baseline_overlap_and_seed_matching(tmp_path, capsys):
+    assert run("--kernel", "fa4-model", "--case", NORMAL, "--out", str(tmp_path / "a")) == 0
+    assert run("--kernel", "fa4-model", "--case", NORMAL[:-1] + "1", "--seed", "1", "--out", str(tmp_path / "b")) == 0
+    a, b = str(tmp_path / "a" / "report.json"), str(tmp_path / "b" / "report.json")
+    capsys.readouterr()
+    assert cli.main(["gate", a, "--baseline", b]) == 1
+    cap = capsys.readouterr()
+    assert "0 of 1 cases matched (by case name)" in cap.out and "shares no case" in cap.err
+    assert cli.main(["gate", a, "--baseline", b, "--ignore-seed"]) == 0
+    assert "1 of 1 cases matched (by configuration, seeds ignored)" in capsys.readouterr().out
+    assert cli.main(["diff", a, b, "--ignore-seed"]) == 0
+    assert "1 matched" in capsys.readouterr().out
+
+
+def test_summary_keeps_one_column_per_report(tmp_path, capsys):
+    for d in ("x", "y"):
+        assert run("--kernel", "fa4-model", "--case", NORMAL, "--out", str(tmp_path / d)) == 0
+    capsys.readouterr()
+    paths = [str(tmp_path / d / "report.json") for d in ("x", "y")]
+    assert cli.main(["summary", *paths]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "fa4-model" in line]
+    assert len(rows) == 2 and f"fa4-model ({paths[0]})" in rows[0] and "| 1 |" in rows[0]
+
+
+# --- exit codes per subcommand -----------------------------------------------------------------
+
+
+def test_the_production_kernel_without_its_package_is_exit_2(capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine may have the production package")
+    assert run("--kernel", "fa4", "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "production kernel, which cannot run here" in err and "pip install 'fa4-audit[gpu]'" in err
+    assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{not json", "not a readable JSON report"),
+        ('{"schema": "fa4-audit/report/0"}', "schema 'fa4-audit/report/0' is not fa4-audit/report/1"),
+        ('{"schema": "fa4-audit/report/1", "kernel": "k"}', "field 'suite' must be a str"),
+        ("[1, 2]", "not a report"),
+    ],
+)
+@pytest.mark.parametrize("command", ["gate", "show", "merge", "summary", "diff"])
+def test_malformed_reports_are_usage_errors(tmp_path, capsys, content, message, command):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    argv = {"merge": [str(bad), "--out", str(tmp_path / "m")], "diff": [str(bad), str(bad)]}.get(command, [str(bad)])
+    assert cli.main([command, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_case_with_a_bad_verdict_is_named(tmp_path, capsys):
+    assert run("--kernel", "fa4-model", "--case", NORMAL, "--out", str(tmp_path)) == 0
+    rep = report(tmp_path)
+    rep["cases"][0]["verdict"] = "passed"
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    assert cli.main(["gate", str(tmp_path / "r.json")]) == 2
+    assert f"case {NORMAL} has verdict 'passed'; known: pass, warn" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--config", '{"d": 64, "colour": 1}'], "--config #1: unknown key(s) colour; accepted: dtype, d"),
+        (["--config", '{"window": [3]}'], "window [3] must be [left, right]"),
+        (["--config", '{"dtype": "float32"}'], "dtype = 'float32' is not accepted; accepted: bfloat16"),
+        (["--config", "{d: 64}"], "--config #1 '{d: 64}': not JSON"),
+        (["--config", "{}", "--suite", "smoke"], "--suite cannot be combined with --config"),
+        (["--case-file", "/nonexistent/cases.json"], "case file /nonexistent/cases.json: cannot be read"),
+        (["--resume", "--overwrite"], "pass one of them"),
+    ],
+)
+def test_given_cases_are_validated(tmp_path, capsys, argv, message):
+    assert run("--kernel", "fa4-model", *argv, "--out", str(tmp_path)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_and_case_file_run_exactly_the_given_cases(tmp_path):
+    cfg = {"dtype": "float16", "d": 64, "dv": 64, "seqlen_q": 40, "seqlen_k": 70, "window": [8, 0], "family": "uniform"}
+    assert run("--kernel", "fa4-model", "--config", json.dumps(cfg), "--out", str(tmp_path / "c")) == 0
+    rep = report(tmp_path / "c")
+    assert rep["suite"] == "config" and [c["config"] for c in rep["cases"]] == [{**Case().as_dict(), **cfg}]
+    again = tmp_path / "again"
+    assert run("--kernel", "fa4-model", "--case-file", str(tmp_path / "c" / "report.json"), "--out", str(again)) == 0
+    assert report(again)["cases"][0]["case"] == rep["cases"][0]["case"]
+
+
+# --- terminal output ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_show_never_cuts_a_case_name_at_80_columns(tmp_path, capsys, monkeypatch, terminal):
+    import rich.console
+
+    assert run("--kernel", "fa4-model", "--case", "*tile_step_1-*", "--out", str(tmp_path)) == 0
+    names = [c["case"] for c in report(tmp_path)["cases"]]
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr(rich.console.Console, "is_terminal", property(lambda self: terminal))
+    assert cli.main(["show", str(tmp_path / "report.json")]) == 0
+    out = capsys.readouterr().out
+    assert all(any(n in line for line in out.splitlines()) for n in names), out
+    assert ("┃" in out) == terminal  # a table on a terminal, plain lines otherwise
+
+
+def test_run_results_go_to_stdout_and_progress_to_stderr(tmp_path, capsys):
+    assert (
+        cli.main(["run", "--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*uniform*", "--out", str(tmp_path)])
+        == 1
+    )
+    cap = capsys.readouterr()
+    assert "1 of 1 cases evaluated (fail 1)" in cap.out and "reproduce: fa4-audit run" in cap.out
+    assert "evaluated" not in cap.err and "reproduce" not in cap.err
