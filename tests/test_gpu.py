@@ -57,3 +57,19 @@ def test_model_on_cuda_equals_model_on_cpu():
         assert torch.equal(
             ex2_emulation(x, degree).cpu().view(torch.int32), ex2_emulation(x.cpu(), degree).view(torch.int32)
         )
+
+
+def test_production_refusals_match_the_rules_and_everything_else_is_judged():
+    """On this GPU, production's own refusals are matched by ``fa4.production.REFUSALS`` (fp8
+    before SM100), and a configuration it runs is judged with its LSE audited."""
+    from audits.cases import Case
+    from audits.runner.engine import evaluate_case
+    from audits.runner.gate import load_thresholds
+    from fa4.production import flash_attn
+
+    th, dev = load_thresholds(), torch.device("cuda")
+    rec = evaluate_case("fa4", flash_attn, Case(dtype="float8_e4m3fn", d=64, dv=64), dev, th)
+    if torch.cuda.get_device_capability()[0] < 10:
+        assert rec["verdict"] == "skipped" and "production refuses this configuration" in rec["reasons"][0]
+    rec = evaluate_case("fa4", flash_attn, Case(d=64, dv=64, causal=True, sink=True), dev, th)
+    assert rec["verdict"] == "pass" and rec["lse_returned"] and rec["lse"]["max_abs"] < 1e-3, rec["reasons"]

@@ -36,15 +36,15 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             production = get_kernel(args.production)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
-    cases = [c for c in fidelity.CASES if fnmatch.fnmatch(c.name, args.cases)]
+    cases = [(n, c) for n, c in fidelity.CASES.items() if fnmatch.fnmatch(n, args.cases)]
     if not cases:
-        raise UsageError(f"--cases {args.cases!r} matches none of: {', '.join(c.name for c in fidelity.CASES)}")
+        raise UsageError(f"--cases {args.cases!r} matches none of: {', '.join(fidelity.CASES)}")
     console = Console(stderr=True)
     results = []
     with progress(console, quiet=args.quiet) as bar:
         task = bar.add_task("fidelity", total=len(cases))
-        for c in cases:
-            results.append(fidelity.run_case(c, production, device))
+        for label, c in cases:
+            results.append(fidelity.run_case(label, c, production, device))
             bar.advance(task)
     report = {
         "schema": "fa4-audit/fidelity/1",
