@@ -126,7 +126,7 @@ def smoke_suite() -> list[Case]:
     return base + steps
 
 
-#: (seqlen_q, seqlen_k) pairs of FA's own tests (tests/cute/test_flash_attn.py) and more
+#: (seqlen_q, seqlen_k) pairs of FA's own tests (flash-attention/tests/cute/test_flash_attn.py) and more
 SEQLEN_PAIRS = [
     (1, 239),
     (3, 799),

@@ -140,7 +140,7 @@ def row_scaled_ulp_diff(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> 
 
 
 def fa_criterion(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor) -> dict:
-    """FlashAttention's test criterion (tests/cute/test_flash_attn.py): pass iff
+    """FlashAttention's test criterion (flash-attention/tests/cute/test_flash_attn.py): pass iff
     max|out - ref| <= 2 * max|out_lowprec - ref| + 2 * rounding, where rounding is the output
     dtype's unit roundoff times max|ref| (its ``(ref + 0.3 - 0.3 - ref).abs().max()``)."""
     fmt = format_of(out.dtype)

@@ -107,3 +107,33 @@ def test_the_walker_sees_a_circle():
     g = graph()
     g["audits.runner.report_html"] = g["audits.runner.report_html"] | {"audits.runner.report"}
     assert _cycle(g) == ["audits.runner.report", "audits.runner.report_html", "audits.runner.report"]
+
+
+def test_requires_python_admits_no_version_the_code_cannot_run_on():
+    """``tomllib`` (used by the thresholds loader) exists from Python 3.11 on."""
+    import tomllib
+
+    uses = [m for m, p in _modules().items() if "tomllib" in p.read_text()]
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert uses and declared == ">=3.11", (uses, declared)
+
+
+def test_code_cites_only_files_that_exist():
+    """Docstrings and comments name files of this repository that exist, and no design document
+    outside it."""
+    import re
+
+    top = "audits|fa4|numerics|tests|docs|reports|benchmarks|examples"
+    cited = re.compile(rf"(?<![\w/.-])((?:{top})/[\w./-]+\.(?:py|md|toml|sh))")  # not inside another repo's path
+    own = {Path(__file__).name, "test_readme.py"}  # these two cite missing paths on purpose
+    bad = []
+    for p in sorted(ROOT.glob("[afnbte]*/**/*.py")):
+        if p.name in own:
+            continue
+        text = p.read_text()
+        bad += [f"{p.relative_to(ROOT)} cites {c}" for c in cited.findall(text) if not (ROOT / c).exists()]
+        bad += [
+            f"{p.relative_to(ROOT)} cites DESIGN.md (outside the repo: docs/design.md)"
+            for _ in re.findall(r"\bDESIGN\.md", text)
+        ]
+    assert bad == []
