@@ -112,7 +112,7 @@ def test_special_inputs():
         assert y[0] == 0x7FFFFFFF  # +inf -> canonical NaN
         assert y[1:5] == [0, 0, 0, 0]  # x <= -127 -> 0
         assert y[5] == 0x7F800000  # 2**128 overflows to inf through the splice
-    # the wrongly scaled subnormal in (-127, -126) (FA4_NUMERICS.md: -126.5 -> 0x0035015C)
+    # the wrongly scaled subnormal in (-127, -126) (measured on the H200, docs/ex2.md: -126.5 -> 0x0035015C)
     assert bits(ex2_emulation(torch.tensor([-126.5]), 3)).tolist() == [0x0035015C]
 
 

@@ -157,7 +157,7 @@ def test_static_bad_input_exits_2(tmp_path, capsys, monkeypatch):
     assert cli.main(["static", "--config", "{nope", "--out", str(tmp_path)]) == 2
     assert "expected a JSON object" in capsys.readouterr().err
     assert cli.main(["static", "--config", '{"dtype": "float99"}', "--out", str(tmp_path)]) == 2
-    assert "dtype must be one of bfloat16" in capsys.readouterr().err
+    assert "dtype = 'float99' is not accepted; accepted: bfloat16" in capsys.readouterr().err
     assert cli.main(["static", "--arch", "sm_90a", "--out", str(tmp_path)]) == 2
     if not torch.cuda.is_available():  # the default compiles on CUDA; without it: say how to opt in
         assert cli.main(["static", "--suite", "smoke", "--out", str(tmp_path)]) == 2
@@ -198,3 +198,18 @@ def test_cpu_cross_compile_of_production_matches_the_model(tmp_path, capsys):
         and g["facts"]["target"] == "sm_100a"
     )
     assert (tmp_path / "ptx" / f"{g['group']}.ptx.gz").exists()
+
+
+def test_static_that_audited_nothing_exits_1(tmp_path, capsys, monkeypatch):
+    """Every group refused by production: nothing was compared, so the audit does not pass."""
+    from audits.static import cli as static_cli
+    from audits.static import core
+
+    monkeypatch.setattr(static_cli, "_production_versions", lambda: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
+    refused = lambda c, cases, **kw: {"group": c.name, "cases": len(cases), "verdict": "skipped", "reason": "refused"}  # noqa: E731
+    monkeypatch.setattr(core, "audit_group", refused)
+    argv = ["static", "--compile-on", "cpu", "--config", '{"d": 192, "dv": 192}', "--out", str(tmp_path), "--quiet"]
+    assert cli.main(argv) == 1
+    cap = capsys.readouterr()
+    assert "nothing was audited: production refused every compile group" in cap.err
+    assert "0 match, 0 diverged, 1 skipped" in cap.out
