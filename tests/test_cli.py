@@ -142,3 +142,25 @@ def test_list_names_kernels_suites_and_families(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "fa4-model-sm90" in out and "release   2419 cases, 142 compile keys" in out and "nan_inf_masked" in out
+
+
+def test_fidelity_mufu_on_cpu_is_refused_before_any_case_runs(capsys, monkeypatch):
+    from audits.fidelity import core
+
+    monkeypatch.setattr(core, "run_case", lambda *a, **kw: pytest.fail("a case ran before the usage check"))
+    assert run("fidelity", "--device", "cpu", "--production", "fa4-model-sm90", "--mufu", "--quiet") == 2
+    assert "--mufu measures the GPU's MUFU.EX2: it needs --device cuda" in capsys.readouterr().err
+
+
+def test_fidelity_markdown_regenerates_the_committed_reports():
+    """The Markdown writer reproduces the committed H200 fidelity reports from their JSON."""
+    import lzma
+    from pathlib import Path
+
+    from audits.fidelity.core import markdown
+
+    root = Path(__file__).parents[1] / "reports" / "fidelity"
+    old = json.loads((root / "fidelity.json").read_text())
+    new = json.loads(lzma.decompress((root / "2026-12-01" / "fidelity.json.xz").read_bytes()))
+    assert markdown(old) == (root / "fidelity.md").read_text()
+    assert markdown(new) == (root / "2026-12-01" / "fidelity.md").read_text()

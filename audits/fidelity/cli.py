@@ -11,41 +11,53 @@ from audits.common import device as _device
 from audits.common import environment as _environment
 
 
-def cmd_fidelity(args: argparse.Namespace) -> int:
-    import fnmatch
-    import json
-    from pathlib import Path
-
-    from rich.console import Console
-
-    from audits.fidelity import core as fidelity
-
-    device = _device(args.device)
-    if args.production == "fa4":
+def _production(spec: str):
+    """The kernel to compare with: production (``fa4``, exit 2 where it cannot run) or any kernel."""
+    if spec == "fa4":
         from fa4.production import ProductionUnavailable, flash_attn, require_production
 
         try:
             require_production()
         except ProductionUnavailable as exc:
             raise UsageError(f"fidelity compares with the production kernel, which is unavailable: {exc}") from exc
-        production = flash_attn
-    else:
-        from audits.kernels import get_kernel
+        return flash_attn
+    from audits.kernels import get_kernel
 
-        try:
-            production = get_kernel(args.production)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
-    cases = [(n, c) for n, c in fidelity.CASES.items() if fnmatch.fnmatch(n, args.cases)]
-    if not cases:
-        raise UsageError(f"--cases {args.cases!r} matches none of: {', '.join(fidelity.CASES)}")
-    console = Console(stderr=True)
+    try:
+        return get_kernel(spec)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _run_cases(cases, production, device, quiet: bool) -> list[dict]:
+    from rich.console import Console
+
+    from audits.fidelity import core as fidelity
+
     results = []
-    with progress(console, quiet=args.quiet) as bar:
+    with progress(Console(stderr=True), quiet=quiet) as bar:
         task = bar.add_task("fidelity", total=len(cases))
         for label, c in cases:
             results.append(fidelity.run_case(label, c, production, device))
             bar.advance(task)
+    return results
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    import fnmatch
+    import json
+    from pathlib import Path
+
+    from audits.fidelity import core as fidelity
+
+    device = _device(args.device)
+    if args.mufu and device.type != "cuda":  # before any case runs
+        raise UsageError("--mufu measures the GPU's MUFU.EX2: it needs --device cuda and the production package")
+    production = _production(args.production)
+    cases = [(n, c) for n, c in fidelity.CASES.items() if fnmatch.fnmatch(n, args.cases)]
+    if not cases:
+        raise UsageError(f"--cases {args.cases!r} matches none of: {', '.join(fidelity.CASES)}")
+    results = _run_cases(cases, production, device, args.quiet)
     report = {
         "schema": "fa4-audit/fidelity/1",
         "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
@@ -56,8 +68,6 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         "results": results,
     }
     if args.mufu:
-        if device.type != "cuda":
-            raise UsageError("--mufu measures the GPU's MUFU.EX2: it needs --device cuda and the production package")
         from audits.fidelity.mufu import measure_mufu
 
         report["mufu_ex2_vs_model"] = fidelity.mufu_vs_model(device)
