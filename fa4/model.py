@@ -36,6 +36,9 @@ where it happens (flash-attn-4 4.0.0b36, ``flash_attn/cute``):
 
 NaN semantics come along: a NaN score is ignored by the row max, swallowed (P = 0) where the
 polynomial exp2 handles it and propagated by the hardware exp2.
+
+When an input requires grad, ``attention`` runs under an autograd function whose backward is
+``fa4.model_bwd.attention_backward`` (production's backward kernels, modelled the same way).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Literal
 import torch
 
 from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
+from fa4.model_bwd import attention_backward
 from numerics.fp import CANONICAL_NAN_BITS, fma_f32, round_to
 from numerics.fp import to_f32 as _f32
 
@@ -89,6 +93,14 @@ class FA4Numerics:
     rescale_threshold: log2 units the row max may lag (0: rescale whenever the max grows).
     max_offset: log2 offset added to every exponent (fp8 spends unused code points).
     p_dtype: dtype P is cast to before P V (None: the input dtype).
+
+    Backward knobs (``fa4.model_bwd``; None: production's choice for the arch and head dim,
+    ``fa4.model_bwd.bwd_plan``):
+    bwd_tile_m, bwd_tile_n: query rows / keys per backward block (dK/dV accumulate one query
+    block per step; dQ one KV block per step).
+    bwd_dq_tiles: KV blocks one dQ MMA reduces (SM100's 2-CTA pair: 2).
+    bwd_deterministic: production's ``deterministic=True`` (semaphore-ordered dQ adds).
+    ds_dtype: dtype dS is cast to before the dK / dQ MMAs (None: the input dtype).
     """
 
     arch: Literal["sm100", "sm90"] = "sm100"
@@ -102,6 +114,11 @@ class FA4Numerics:
     rescale_threshold: float = 8.0
     max_offset: int = 0
     p_dtype: torch.dtype | None = None
+    bwd_tile_m: int | None = None
+    bwd_tile_n: int | None = None
+    bwd_dq_tiles: int | None = None
+    bwd_deterministic: bool = False
+    ds_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.arch not in ("sm100", "sm90"):
@@ -118,6 +135,12 @@ class FA4Numerics:
             raise ValueError(f"rescale_threshold must be >= 0 (log2 units), got {self.rescale_threshold}")
         if self.p_dtype is not None and self.p_dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"p_dtype must be one of {SUPPORTED_DTYPES} or None, got {self.p_dtype}")
+        for name in ("bwd_tile_m", "bwd_tile_n", "bwd_dq_tiles"):
+            val = getattr(self, name)
+            if val is not None and (not isinstance(val, int) or val <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {val!r}")
+        if self.ds_dtype is not None and self.ds_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"ds_dtype must be one of {SUPPORTED_DTYPES} or None, got {self.ds_dtype}")
 
     @property
     def poly_coefficients(self) -> tuple[float, ...]:
@@ -475,9 +498,13 @@ def attention(
     q: (b, sq, hq, d); k: (b, sk, hk, d); v: (b, sk, hk, dv); hq % hk == 0; dtype bf16, fp16,
     fp8 e4m3fn / e5m2 (descale 1).  Returns out (b, sq, hq, dv) in the input dtype (bf16 for
     fp8 inputs) and, with ``return_lse``, lse (b, hq, sq) float32.  ``numerics=None``:
-    ``FA4Numerics.sm100`` for these inputs.
+    ``FA4Numerics.sm100`` for these inputs.  Differentiable when q, k, v or learnable_sink
+    requires grad (grad mode on): the backward is production's, ``fa4.model_bwd``.
     """
     _validate(q, k, v, learnable_sink)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
+        kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+        return _differentiable(q, k, v, learnable_sink, numerics, return_lse, kw)
     b, sq, hq, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
     left, right = window_size
@@ -510,6 +537,38 @@ def attention(
     out, lse = _finalize(nm, st.row_max, row_sum, st.acc_o, sl2_t, off, learnable_sink, out_dtype)
     out = out.permute(0, 2, 1, 3).contiguous()
     return (out, lse) if return_lse else out
+
+
+def _differentiable(q, k, v, sink, numerics, return_lse: bool, kw: dict):
+    """``attention`` through :class:`_AttentionFn` (numerics resolved here, as ``attention`` does,
+    so that the backward sees the same record)."""
+    nm = numerics if numerics is not None else FA4Numerics.for_inputs("sm100", q, k, v, kw["causal"], kw["window_size"])
+    out, lse = _AttentionFn.apply(q, k, v, sink, nm, kw)
+    return (out, lse) if return_lse else out
+
+
+class _AttentionFn(torch.autograd.Function):
+    """``attention`` under autograd, as ``interface.FlashAttnFunc``: the forward is the forward
+    model (bit for bit: ``attention`` itself, grad mode being off in here); the backward is
+    ``fa4.model_bwd.attention_backward`` on the saved inputs, the returned (rounded) out and the
+    float32 LSE, dO (zeros when out gets no gradient) and dLSE when the LSE output gets one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, nm, kw):
+        out, lse = attention(q, k, v, learnable_sink=sink, return_lse=True, numerics=nm, **kw)
+        ctx.save_for_backward(q, k, v, sink, out, lse)
+        ctx.nm, ctx.kw = nm, kw
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, sink, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv, dsink = attention_backward(
+            q, k, v, out, lse, dout, dlse=dlse, learnable_sink=sink, numerics=ctx.nm, **ctx.kw
+        )
+        return dq, dk, dv, dsink, None, None
 
 
 def _fma(a: torch.Tensor, b, c) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""Backward fidelity on the H200 (not a test): production's SM90 backward against the backward
+model with SM90 knobs on identical inputs and identical dO, both against the FP64 gradients;
+and production with ``deterministic=True`` run twice.
+
+    python benchmarks/h200_backward.py --out DIR [--stand-in]
+
+Per case and gradient (dq, dk, dv, dsink): the share of elements bit-identical and within 1
+integer ULP step of the gradient's dtype, the share within 1 ULP at the row's largest |FP64|
+(row-scaled, as the forward fidelity report), and both kernels' max |error| against FP64.
+``--stand-in`` runs the model in place of production (to try the script without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from audits.cases import Case  # noqa: E402
+from audits.inputs import make_inputs  # noqa: E402
+
+
+def _cases() -> dict[str, Case]:
+    c = lambda d, sq, sk, **kw: Case(
+        kw.pop("dtype", "bfloat16"), d, d, 2, kw.pop("hq", 4), kw.pop("hk", 4), sq, sk, **kw
+    )  # noqa: E731
+    return {
+        "d64": c(64, 256, 384, seed=1),
+        "d128_causal": c(128, 256, 384, causal=True, seed=2),
+        "d128_gqa": c(128, 256, 384, hq=8, hk=2, seed=3),
+        "d128_sq_gt_sk_causal": c(128, 300, 200, causal=True, seed=4),
+        "d128_window": c(128, 256, 384, window=(64, 16), seed=5),
+        "d128_softcap": c(128, 256, 384, softcap=15.0, seed=6),
+        "d128_sink": c(128, 256, 384, sink=True, seed=7),
+        "d128_fp16": c(128, 256, 384, dtype="float16", seed=8),
+        "d128_drift": c(128, 128, 1024, family="drift", seed=9),
+        "d256": c(256, 128, 256, seed=10),
+    }
+
+
+def _grads(fn, x: dict, do: torch.Tensor, **extra) -> dict:
+    q, k, v = (x[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
+    kw = dict(x["kw"])
+    sink = kw.get("learnable_sink")
+    if sink is not None:
+        kw["learnable_sink"] = sink.detach().clone().requires_grad_(True)
+    out = fn(q, k, v, **kw, **extra)
+    out = out[0] if isinstance(out, tuple) else out
+    wrt = [q, k, v] + ([kw["learnable_sink"]] if sink is not None else [])
+    g = torch.autograd.grad(out, wrt, do)
+    return dict(zip(["dq", "dk", "dv", "dsink"], g, strict=False))
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> dict:
+    from numerics.metrics import row_scaled_ulp_diff, ulp_diff_histogram
+
+    res = {"max_abs_diff": float((a.double() - b.double()).abs().max())}
+    if a.element_size() == 2 and a.dim() > 1:
+        h = ulp_diff_histogram(a, b)
+        n = a.numel()
+        res.update(identical=h["0"] / n, within_1=(h["0"] + h["1"]) / n, ulp=h)
+        rs = row_scaled_ulp_diff(a, b, ref)
+        res["row_scaled_within_1"] = rs["le_1"] / n
+    else:
+        res.update(identical=float(torch.equal(a, b)), within_1=None)
+    return res
+
+
+def run_case(name: str, case: Case, production, model, device) -> dict:
+    from numerics.grad_reference import attention_grad_reference
+
+    x = make_inputs(case, device=device)
+    g = torch.Generator().manual_seed(case.seed + 1000)
+    do = torch.randn(case.batch, case.seqlen_q, case.heads_q, case.dv, generator=g).to(x["q"].dtype).to(device)
+    t0 = time.perf_counter()
+    pg = _grads(production, x, do)
+    mg = _grads(model, x, do)
+    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, **x["kw"])
+    rec = {"case": name, "config": case.as_dict(), "seconds": None, "grads": {}}
+    for n in pg:
+
+        def err(t, n=n):
+            return float((t.double() - ref[n]).abs().nan_to_num(float("inf")).max())
+
+        rec["grads"][n] = {
+            **_compare(mg[n], pg[n], ref[n]),
+            "production_max_err": err(pg[n]),
+            "model_max_err": err(mg[n]),
+        }
+    rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+def determinism(production, device) -> dict:
+    """Production's backward with deterministic=True, twice on the same inputs: bitwise equal?"""
+    case = Case("bfloat16", 128, 128, 2, 8, 2, 512, 2048, causal=True, seed=11)
+    x = make_inputs(case, device=device)
+    do = torch.randn(2, 512, 8, 128, generator=torch.Generator().manual_seed(12)).bfloat16().to(device)
+    runs = {flag: [_grads(production, x, do, deterministic=flag) for _ in range(2)] for flag in (True, False)}
+    res = {}
+    for flag, (a, b) in runs.items():
+        res[f"deterministic={flag}"] = {n: int((a[n] != b[n]).sum()) for n in a}  # elements differing run to run
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stand-in", action="store_true", help="the SM90 model stands in for production")
+    args = ap.parse_args()
+    from audits.kernels import get_kernel
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = get_kernel("fa4-model-sm90")
+    if args.stand_in:
+        production = lambda *a, deterministic=False, **kw: model(*a, **kw)  # noqa: E731
+    else:
+        from flash_attn.cute import flash_attn_func as production
+    res = {"cases": [], "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    out = Path(args.out) / "backward.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res["determinism"] = determinism(production, device)
+    print("determinism (elements differing between two runs):", res["determinism"], flush=True)
+    for name, case in _cases().items():  # written after each case: a call cut short keeps what finished
+        rec = run_case(name, case, production, model, device)
+        res["cases"].append(rec)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+        print(
+            name,
+            json.dumps({n: {k: v for k, v in g.items() if k != "ulp"} for n, g in rec["grads"].items()}),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
