@@ -49,16 +49,20 @@ from typing import Literal
 
 import torch
 
+from fa4._primitives import LOG2_E as _LOG2_E
+from fa4._primitives import fma as _fma
+from fa4._primitives import hardware_exp2
+from fa4._primitives import scales as _scales
+from fa4._primitives import visible as _visible
 from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
 from fa4.model_bwd import attention_backward
-from numerics.fp import CANONICAL_NAN_BITS, fma_f32, round_to
+from numerics.fp import fma_f32, round_to
 from numerics.fp import to_f32 as _f32
 
 __all__ = ["FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_LOG2_E = 1.4426950408889634  # math.log2(math.e), rounded to float32 where the kernel uses it
 _LN2 = math.log(2.0)
 
 # flash_fwd_sm100.py _TUNING_CONFIG: (use_2cta_instrs, is_causal, head_dim_padded, is_sm103)
@@ -280,17 +284,6 @@ def _check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"unsupported input dtype {dtype}; accepted: bfloat16, float16, float8_e4m3fn, float8_e5m2")
 
 
-def hardware_exp2(t: torch.Tensor) -> torch.Tensor:
-    """Model of ``ex2.approx.ftz.f32`` (MUFU.EX2): 2**t correctly rounded to float32, results
-    below 2**-126 flushed to +0, NaN -> canonical NaN.  MUFU.EX2 itself is not correctly
-    rounded: measured over all 2**32 inputs on the H200 (reports/ex2) its relative error is at
-    most 1.46e-7 (2.05 float32 ULP), so it can differ from this model by about 2 ULP."""
-    y = torch.exp2(t.double()).float()
-    y = torch.where(y < 2.0**-126, torch.zeros_like(y), y)
-    nan = torch.tensor(CANONICAL_NAN_BITS, dtype=torch.int32, device=t.device).view(torch.float32)
-    return torch.where(torch.isnan(t), nan, y)
-
-
 def _block_ranges(
     sq: int, sk: int, nm: FA4Numerics, causal: bool, window: tuple, device
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -311,26 +304,6 @@ def _block_ranges(
         n_idx_left = mb * tm + sk - sq - left
         n_min = torch.clamp(torch.div(n_idx_left, tn, rounding_mode="floor"), min=0)
     return n_min, n_max, nblk
-
-
-def _visible(sq: int, sk: int, causal: bool, window: tuple, device) -> torch.Tensor:
-    """(sq, sk) bool, True where production keeps the score (``mask.py``
-    ``AttentionMask.apply_mask``, in global indices): with ``offset = sk - sq``, causal keeps
-    ``col < row + offset + 1``; a local window keeps ``row + offset - left <= col < row + offset
-    + 1 + right`` (a side given as None is unbounded).  Written from production's column limits,
-    independently of ``numerics.reference`` (which states the same rule mathematically) so
-    that the audit compares two implementations."""
-    left, right = window
-    if causal:
-        right = 0
-    row = torch.arange(sq, device=device).view(-1, 1)
-    col = torch.arange(sk, device=device).view(1, -1)
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if right is not None:
-        keep &= col < row + (sk - sq) + 1 + right
-    if left is not None:
-        keep &= col >= row + (sk - sq) - left
-    return keep
 
 
 def _exp2_mixed(t: torch.Tensor, nm: FA4Numerics) -> torch.Tensor:
@@ -402,17 +375,6 @@ class _RowState:
             partial=torch.zeros(shape + (4,), dtype=torch.float32, device=dev),
             acc_o=torch.zeros(shape + (dv,), dtype=torch.float32, device=dev),
         )
-
-
-def _scales(d: int, softmax_scale: float | None, softcap: float) -> tuple[float, float, float]:
-    """(scale, softcap, scale_log2) as float32 values (step 2 of the module doc)."""
-    scale = _f32(1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale))
-    softcap = float(softcap or 0.0)
-    if softcap > 0:
-        sl2 = _f32(_LOG2_E)
-    else:
-        sl2 = _f32(scale * _f32(_LOG2_E))
-    return scale, softcap, sl2
 
 
 def _block_scores(q64, k64, vis, j0: int, j1: int, tn: int, scale: float, softcap: float) -> torch.Tensor:
@@ -569,16 +531,6 @@ class _AttentionFn(torch.autograd.Function):
             q, k, v, out, lse, dout, dlse=dlse, learnable_sink=sink, numerics=ctx.nm, **ctx.kw
         )
         return dq, dk, dv, dsink, None, None
-
-
-def _fma(a: torch.Tensor, b, c) -> torch.Tensor:
-    """fma.rn.f32 with broadcasting (``numerics.fp.fma_f32`` wants equal shapes)."""
-    a, b, c = torch.broadcast_tensors(
-        a,
-        torch.as_tensor(b, dtype=torch.float32, device=a.device),
-        torch.as_tensor(c, dtype=torch.float32, device=a.device),
-    )
-    return fma_f32(a.contiguous(), b.contiguous(), c.contiguous())
 
 
 def _finalize(nm, row_max, row_sum, acc_o, sl2, off, sink, out_dtype):
