@@ -39,6 +39,8 @@ polynomial exp2 handles it and propagated by the hardware exp2.
 
 When an input requires grad, ``attention`` runs under an autograd function whose backward is
 ``fa4.model_bwd.attention_backward`` (production's backward kernels, modelled the same way).
+The primitives both share — :func:`hardware_exp2`, the mask rule, the float32 scales, the
+broadcasting FFMA — live in ``fa4._primitives`` (re-exported here under their old names).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ calls it from its autograd hook (``interface.FlashAttnFunc.backward``: the saved
 4. Masks (``mask.py`` ``AttentionMask.apply_mask``): -inf outside the causal / local window
    (bottom-right aligned), exactly the forward's rule.
 5. P = ex2.approx(fma(S, scale_log2, -lse_log2)) — the hardware exp2 (MUFU.EX2, modelled
-   correctly rounded with flush-to-zero, as ``fa4.model.hardware_exp2``) on both archs: the
-   backward never takes the polynomial (``flash_bwd_sm90.py`` ``mma_one_m_block`` step (3);
+   correctly rounded with flush-to-zero: ``fa4._primitives.hardware_exp2``, the forward's) on
+   both archs: the backward never takes the polynomial (``flash_bwd_sm90.py`` ``mma_one_m_block`` step (3);
    ``flash_bwd_sm100.py`` ``compute_loop``, ``fma_packed_f32x2`` then ``exp2``).
 6. dP = dO V^T in float32; dS = P * (dP - D') (FSUB then FMUL; SM100 ``sub_packed_f32x2`` /
    ``mul_packed_f32x2``, the same IEEE operations); softcap backward
@@ -48,9 +48,9 @@ summation (as in the forward model), the order ``TensorSSA.reduce`` folds a thre
 ``add`` directly, the forward model's convention).  MUFU.EX2 / MUFU.TANH are not correctly
 rounded (about 2 ULP), so the model can differ from the device by that much per element.
 
-This module does not import ``fa4.model`` (which imports it): the three primitives it shares
-with the forward — the exp2 model, the mask rule and the float32 scales — are restated here
-and pinned to the forward's bit for bit by tests/test_model_bwd.py.
+This module does not import ``fa4.model`` (which imports it): the primitives it shares with
+the forward — the exp2 model, the mask rule, the float32 scales and the broadcasting FFMA —
+come from ``fa4._primitives``, the same functions the forward calls.
 """
 
 from __future__ import annotations
@@ -60,12 +60,16 @@ from dataclasses import dataclass
 
 import torch
 
-from numerics.fp import CANONICAL_NAN_BITS, fma_f32, round_to
+from fa4._primitives import LOG2_E as _LOG2_E
+from fa4._primitives import fma as _fma
+from fa4._primitives import hardware_exp2
+from fa4._primitives import scales as _scales
+from fa4._primitives import visible as _visible
+from numerics.fp import round_to
 from numerics.fp import to_f32 as _f32
 
 __all__ = ["attention_backward", "bwd_plan", "BwdPlan"]
 
-_LOG2_E = 1.4426950408889634  # math.log2(math.e); a Float32 constant in the kernels
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -115,51 +119,6 @@ def bwd_plan(numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool
     dq_tiles = numerics.bwd_dq_tiles or (2 if cta_pair else 1)
     spt = numerics.bwd_deterministic and (causal or local)  # FlashAttentionBackwardSm90/Sm100: self.spt
     return BwdPlan(tm, tn, tn * dq_tiles, post, mult, spt)
-
-
-def _ex2_approx(t: torch.Tensor) -> torch.Tensor:
-    """``ex2.approx.ftz.f32`` (MUFU.EX2) as ``fa4.model.hardware_exp2`` models it: correctly
-    rounded, results below 2**-126 flushed to +0, NaN -> canonical NaN."""
-    y = torch.exp2(t.double()).float()
-    y = torch.where(y < 2.0**-126, torch.zeros_like(y), y)
-    nan = torch.tensor(CANONICAL_NAN_BITS, dtype=torch.int32, device=t.device).view(torch.float32)
-    return torch.where(torch.isnan(t), nan, y)
-
-
-def _visible(sq: int, sk: int, causal: bool, window: tuple, device) -> torch.Tensor:
-    """(sq, sk) bool, the forward model's mask rule (``mask.py`` ``AttentionMask.apply_mask``):
-    with ``offset = sk - sq``, ``row + offset - left <= col < row + offset + 1 + right``."""
-    left, right = window
-    if causal:
-        right = 0
-    row = torch.arange(sq, device=device).view(-1, 1)
-    col = torch.arange(sk, device=device).view(1, -1)
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if right is not None:
-        keep &= col < row + (sk - sq) + 1 + right
-    if left is not None:
-        keep &= col >= row + (sk - sq) - left
-    return keep
-
-
-def _scales(d: int, softmax_scale: float | None, softcap: float) -> tuple[float, float, float]:
-    """(scale, softcap, scale_log2) as the kernels hold them: ``softmax_scale`` a Float32
-    argument, ``scale_log2 = softmax_scale * LOG2_E`` in float32 (``log2(e)`` with softcap:
-    ``FlashAttentionBackwardSm90.__call__``, ``FlashAttentionBackwardSm100.__call__``)."""
-    scale = _f32(1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale))
-    softcap = float(softcap or 0.0)
-    sl2 = _f32(_LOG2_E) if softcap > 0 else _f32(scale * _f32(_LOG2_E))
-    return scale, softcap, sl2
-
-
-def _fma(a: torch.Tensor, b, c) -> torch.Tensor:
-    """fma.rn.f32 with broadcasting."""
-    a, b, c = torch.broadcast_tensors(
-        a,
-        torch.as_tensor(b, dtype=torch.float32, device=a.device),
-        torch.as_tensor(c, dtype=torch.float32, device=a.device),
-    )
-    return fma_f32(a.contiguous(), b.contiguous(), c.contiguous())
 
 
 def _butterfly(x: torch.Tensor) -> torch.Tensor:
@@ -213,7 +172,7 @@ def _scores(q64, k64, vis, scale: float, softcap: float):
 
 def _ds(s, t, lse_log2, d_prime, do64, v64, sl2: float):
     """Steps 5-6: P (float32) and dS (float32) of every (row, key)."""
-    p = _ex2_approx(_fma(s, sl2, -lse_log2.unsqueeze(-1)))  # exp2(S * scale_log2 - lse_log2), FFMA
+    p = hardware_exp2(_fma(s, sl2, -lse_log2.unsqueeze(-1)))  # exp2(S * scale_log2 - lse_log2), FFMA
     dp = torch.einsum("bihc,bjhc->bhij", do64, v64).float()  # dP = dO V^T (one rounding)
     ds = p * (dp - d_prime.unsqueeze(-1))  # FSUB, FMUL
     if t is not None:  # create_softcap_scoremod_bwd: grad * (1 - t*t), 1 - t*t contracted to FFMA
@@ -269,7 +228,7 @@ def _dsink(sink: torch.Tensor, lse: torch.Tensor, d_prime: torch.Tensor, threads
     0's butterfly over the warp totals (lanes past the warp count hold 0)."""
     b, h, sq = lse.shape
     s = sink.float().view(1, h, 1)
-    p = _ex2_approx((s - lse) * _f32(_LOG2_E))
+    p = hardware_exp2((s - lse) * _f32(_LOG2_E))
     p = torch.where(lse == -math.inf, torch.ones_like(p), p)
     pad = -(-sq // threads) * threads - sq
     p, dp = (torch.nn.functional.pad(x.permute(1, 0, 2), (0, pad)) for x in (p, d_prime))

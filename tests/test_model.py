@@ -140,11 +140,12 @@ def test_empty_rows_and_sink():
 
 
 def test_hardware_exp2_model():
-    t = torch.tensor([0.0, -1.0, -126.5, float("nan"), float("-inf"), 3.5])
+    t = torch.tensor([0.0, -1.0, -126.5, float("nan"), float("-inf"), 3.5, -126.0, float("inf")])
     y = hardware_exp2(t)
     assert y[0] == 1 and y[1] == 0.5 and y[2] == 0 and y[4] == 0
     assert y.view(torch.int32)[3].item() == 0x7FFFFFFF
     assert y[5].item() == pytest.approx(2**3.5, rel=2**-24)
+    assert y[6] == 2.0**-126 and y[7] == float("inf")  # ftz flushes below the smallest normal only
 
 
 def test_bad_input():

@@ -1,7 +1,8 @@
 """fa4.model_bwd: the backward model through ``fa4.model.attention``'s autograd hook, against FP64
 gradients with FlashAttention's backward criterion on every feature axis, and the properties
 that criterion cannot see (exact zeros, the hardware exp2, the deterministic order, the float32
-GQA reduction, the primitives shared with the forward model)."""
+GQA reduction).  The primitives the backward shares with the forward (exp2, mask rule, scales)
+are the same functions, ``fa4._primitives``: nothing to compare."""
 
 import dataclasses
 import math
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import fa4.model_bwd as mb
-from fa4.model import FA4Numerics, _visible, attention, hardware_exp2
+from fa4.model import FA4Numerics, attention
 from fa4.model_bwd import attention_backward, bwd_plan
 from numerics.fp import format_of, ulp_of
 from numerics.reference import visible_mask
@@ -174,7 +175,7 @@ def test_backward_recomputes_p_with_the_hardware_exp2(monkeypatch):
     assert all(torch.equal(r[i], runs[0][i]) for r in runs[1:] for i in range(3))
     from fa4.ex2 import ex2_emulation_2
 
-    monkeypatch.setattr(mb, "_ex2_approx", lambda t: ex2_emulation_2(t.contiguous(), 3))
+    monkeypatch.setattr(mb, "hardware_exp2", lambda t: ex2_emulation_2(t.contiguous(), 3))
     poly = attention_backward(q, k, v, out, lse, do, numerics=nm)
     assert all(not torch.equal(poly[i], runs[0][i]) for i in range(3))
 
@@ -225,20 +226,6 @@ def test_gqa_heads_are_summed_in_float32_before_the_cast():
     assert torch.equal(got, want)
     per_head = sum(part[:, h].mul(0.125).to(BF16).float() for h in range(3)).to(BF16).unsqueeze(2)
     assert not torch.equal(got, per_head)
-
-
-def test_backward_scales_and_masks_match_the_forward_model():
-    """The primitives the backward restates (it cannot import fa4.model, which imports it):
-    MUFU.EX2, the mask rule and the float32 scales, bit for bit the forward's."""
-    t = torch.cat([torch.linspace(-160, 130, 20001), torch.tensor([-math.inf, math.inf, math.nan, -126.0, -126.5])])
-    assert torch.equal(mb._ex2_approx(t).view(torch.int32), hardware_exp2(t).view(torch.int32))
-    for sq, sk in ((7, 13), (13, 7), (64, 64)):
-        for causal, win in ((False, (None, None)), (True, (None, None)), (False, (3, 0)), (False, (None, 2))):
-            assert torch.equal(mb._visible(sq, sk, causal, win, "cpu"), _visible(sq, sk, causal, win, "cpu"))
-    from fa4.model import _scales
-
-    for args in ((64, None, 0.0), (128, 0.1, 0.0), (96, None, 15.0)):
-        assert mb._scales(*args) == _scales(*args)
 
 
 def test_plan_follows_production_tiles_and_knobs():

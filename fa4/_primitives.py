@@ -1,0 +1,82 @@
+"""The primitives the FA4 forward model (``fa4.model``) and backward model (``fa4.model_bwd``)
+share, stated once: the hardware exp2 (MUFU.EX2), the mask rule, the float32 scales, and the
+broadcasting FFMA both build on.  ``fa4.model`` imports ``fa4.model_bwd`` (its autograd hook), so
+they live here rather than in either; this module imports only torch, math and ``numerics``.
+
+Production citations are flash-attn-4 4.0.0b36, ``flash_attn/cute``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from numerics.fp import CANONICAL_NAN_BITS, fma_f32
+from numerics.fp import to_f32 as _f32
+
+__all__ = ["LOG2_E", "fma", "hardware_exp2", "scales", "visible"]
+
+#: math.log2(math.e); a Float32 constant in the kernels, rounded to float32 where they use it
+LOG2_E = 1.4426950408889634
+
+
+def hardware_exp2(t: torch.Tensor) -> torch.Tensor:
+    """Model of ``ex2.approx.ftz.f32`` (MUFU.EX2): 2**t correctly rounded to float32, results
+    below 2**-126 flushed to +0, NaN -> canonical NaN.  MUFU.EX2 itself is not correctly
+    rounded: measured over all 2**32 inputs on the H200 (reports/ex2) its relative error is at
+    most 1.46e-7 (2.05 float32 ULP), so it can differ from this model by about 2 ULP.
+
+    The forward's hardware exp2 (``fa4.model`` step 6, the accumulator rescale, the sink) and
+    the backward's P and dsink (``flash_bwd_sm90.py`` ``mma_one_m_block``, ``flash_bwd_sm100.py``
+    ``compute_loop``, ``flash_bwd_postprocess.py``: always MUFU.EX2, never the polynomial)."""
+    y = torch.exp2(t.double()).float()
+    y = torch.where(y < 2.0**-126, torch.zeros_like(y), y)
+    nan = torch.tensor(CANONICAL_NAN_BITS, dtype=torch.int32, device=t.device).view(torch.float32)
+    return torch.where(torch.isnan(t), nan, y)
+
+
+def visible(sq: int, sk: int, causal: bool, window: tuple, device) -> torch.Tensor:
+    """(sq, sk) bool, True where production keeps the score (``mask.py``
+    ``AttentionMask.apply_mask``, in global indices; the forward and backward kernels share it):
+    with ``offset = sk - sq``, causal keeps ``col < row + offset + 1``; a local window keeps
+    ``row + offset - left <= col < row + offset + 1 + right`` (a side given as None is
+    unbounded).  Written from production's column limits, independently of
+    ``numerics.reference`` (which states the same rule mathematically) so that the audit
+    compares two implementations."""
+    left, right = window
+    if causal:
+        right = 0
+    row = torch.arange(sq, device=device).view(-1, 1)
+    col = torch.arange(sk, device=device).view(1, -1)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right is not None:
+        keep &= col < row + (sk - sq) + 1 + right
+    if left is not None:
+        keep &= col >= row + (sk - sq) - left
+    return keep
+
+
+def scales(d: int, softmax_scale: float | None, softcap: float) -> tuple[float, float, float]:
+    """(scale, softcap, scale_log2) as the kernels hold them, float32 values: ``softmax_scale``
+    a Float32 argument (default ``1 / sqrt(head_dim)``), ``scale_log2 = softmax_scale *
+    LOG2_E`` in float32, or ``LOG2_E`` with softcap (which applies the scale itself:
+    ``utils.create_softcap_scoremod``).  Forward: ``fa4.model`` step 2; backward:
+    ``FlashAttentionBackwardSm90.__call__``, ``FlashAttentionBackwardSm100.__call__``."""
+    scale = _f32(1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale))
+    softcap = float(softcap or 0.0)
+    if softcap > 0:
+        sl2 = _f32(LOG2_E)
+    else:
+        sl2 = _f32(scale * _f32(LOG2_E))
+    return scale, softcap, sl2
+
+
+def fma(a: torch.Tensor, b, c) -> torch.Tensor:
+    """fma.rn.f32 with broadcasting (``numerics.fp.fma_f32`` wants equal shapes)."""
+    a, b, c = torch.broadcast_tensors(
+        a,
+        torch.as_tensor(b, dtype=torch.float32, device=a.device),
+        torch.as_tensor(c, dtype=torch.float32, device=a.device),
+    )
+    return fma_f32(a.contiguous(), b.contiguous(), c.contiguous())
