@@ -1,0 +1,276 @@
+r"""Per-element error bound of the FA4 backward pass: ``backward_error_bound(q, k, v, do, out, lse, nm)``.
+
+Bounds |dq - exact|, |dk - exact|, |dv - exact| (and |dsink - exact|) for the computation
+``fa4.model_bwd`` describes with the numerics record ``nm`` (only ``nm.ds_dtype`` is read: the
+backward takes the hardware exp2 on both archs and its bound does not depend on the tiles or the
+summation order), evaluated from the exact inputs and FP64 intermediates.  ``out`` and ``lse``
+are what the forward returned (out in the input dtype, lse float32): the bound is *conditional*
+on them, their errors against the FP64 forward (``|out - o|``, ``|lse - lse_exact|``) enter as
+measured inputs.  Every float32 sum is bounded for *any* order and any grouping into MMA tiles,
+atomics and GQA head adds, so the bound covers nondeterministic dQ.
+
+Notation, one batch and query head (indices b, h dropped), query row i, key j, column c:
+``u = 2**-24``; ``gamma(m) = m u / (1 - m u)``; exact FP64 quantities from the exact inputs and
+the FP64 reference (``numerics.grad_reference``): logits ``s_ij``, ``lse_i``, ``P_ij =
+exp(s_ij - lse_i)``, ``o_i``, ``dP_ij = dO_i.v_j``, ``D'_i = dO_i.o_i - dlse_i``, ``x_ij = dP_ij
+- D'_i``, ``dS_ij = P_ij x_ij`` (times ``f_ij = 1 - tanh^2(r_ij / cap)`` with a softcap).  Hatted
+quantities are the kernel's.  ``dl_i = |lse^_i - lse_i|`` is measured (0 where both are -inf).
+Absolute terms ``2**-126`` per product / add cover flush-to-zero of float32 subnormals.
+
+1. Recomputed P.  ``P^ = ex2(fma(S^, sl2, -lse_log2))``, ``lse_log2 = fl(lse^ fl(log2 e))``.
+   (b) Score, as ``numerics.forward_bound`` step 1 (its ``_step1_score``): ``|S^ sl2 - s log2 e|
+   <= e_score + |base| |sl2 - ideal|`` (log2 units; softcap: its fp32 FMUL, div.rn, MUFU.TANH
+   with ``MUFU["tanh_abs"]``, FMUL).  (a) ``|lse_log2 - lse log2 e| <= dl log2 e + |lse^|
+   (|fl(log2 e) - log2 e| + u fl(log2 e))``.  Their sum is E1; (c) the FFMA rounds once:
+   ``E = E1 + u (|log2 P| + E1)``, and MUFU.EX2 has relative error ``EX2_REL``:
+   ``|P^ - P| <= eP = P (2**E (1 + EX2_REL) - 1) + alpha``, ``alpha = 2**-126`` where
+   ``log2 P + E < -125`` (flushed), else 0.  (d) The cast to the input dtype (RN, no overflow as
+   P^ <= ~1): ``|P~ - P| <= eP~ = eP + u_in (P + eP) + sub_in / 2`` (half the smallest
+   subnormal).  Masked pairs: P^ = P~ = 0 exactly (exp2(-inf)).
+2. D.  The products fp32(O^) fp32(dO) are exact (16-bit operands) up to flushing, the rowsum of dv
+   terms in any order: ``D^ - D = delta + r`` with the measured, signed ``delta = sum_c (O^ - o)
+   dO`` and ``|r| <= gamma(dv) sum_c |O^| |dO| + dv 2**-126``; ``D'^ = fl(D^ - dlse)`` adds
+   ``u (|D'| + |delta| + |r|)`` to r_D; elementwise ``eD = |delta| + r_D``.
+3. dP = dO V^T, float32 MMA of dv exact products: ``edP = gamma(dv) sum_c |dO| |v| + dv 2**-126``.
+4. dS.  ``x^ = fl(dP^ - D'^)``: ``ex = edP + eD + u (|x| + edP + eD)`` — the absolute errors
+   scale with |dP| + |D| (steps 2-3), never with the cancelling |dP - D|.  ``dS^ = fl(P^ x^)``:
+   ``edS = eP (|x| + ex) + P ex + u (P + eP)(|x| + ex) + 2**-126``.  Softcap: ``t^`` is MUFU.TANH of
+   ``x^_t = fl(fl(fl(q.k) scale32) / cap)``: ``|x^_t - r/cap| <= ex_t`` (float32 roundings as in
+   the forward), ``et = ex_t + TANH_ABS`` (tanh is 1-Lipschitz), ``f^ = fma(-t^, t^, 1)``:
+   ``ef = et (2|t| + et) + u (f + et (2|t| + et))``; then ``fl(dS^ f^)``:
+   ``edS <- edS (f + ef) + |dS| ef + u (|dS| + edS)(f + ef) + 2**-126`` with dS <- dS f.
+   Cast to ds_dtype (``nm.ds_dtype`` or the input dtype): ``edS~ = edS + u_ds (|dS| + edS) +
+   sub_ds / 2`` (inf where |dS| + edS may exceed the format's max).
+5. dV_j = sum over the query rows and GQA heads seeing j of ``P~ dO`` (exact products), float32,
+   any order and grouping: with ``n_j`` the number of (head, row) pairs that see key j (the
+   others add exact zeros, which do not round), ``e = sum |eP~| |dO| + gamma(n_j) sum (P + eP~)
+   |dO| + 2 n_j 2**-126``; output cast ``e + u_out (|dV| + e) + sub_out / 2``.
+6. dK = scale (dS~^T Q), dQ = scale (dS~ K) likewise (gamma over n_j for dK, the visible keys n_i
+   for dQ), with the scale's FMUL on the accumulator ``a^``: ``|fl(a^ scale32) - a scale| <=
+   scale32 e + |scale32 - scale| |a| + u scale32 (|a| + e)``, then the output cast.
+7. dsink_h = -sum_{b,i} P_sink D'.  ``P_sink^ = ex2(fl(fl(sink - lse^) fl(log2 e)))``, exponent
+   error ``E_s = (dl + u |y|(1+u)) fl(log2 e) + (|y| + dl) |fl(log2 e) - log2 e| + u |y| (1+u)
+   fl(log2 e)``, ``y = sink - lse^``; ``eP_s`` as in step 1.  The FFMA chain and butterflies
+   sum N = b sq exact products (any order): ``|sum P_s delta| + sum eP_s (|D'| + eD) + P_s r_D
+   + gamma(N) sum (P_s + eP_s)(|D'| + eD) + 2 N 2**-126``, then the cast to the sink's dtype.
+
+Rows with no visible key contribute exact zeros (dQ bound 0; keys no query sees: dK, dV bound 0)
+unless inputs are non-finite.  Any NaN in the bound's evaluation (non-finite inputs reaching it,
+conservatively including masked positions) is reported as inf.
+
+Rigour.  Steps 1-7 are rigorous first-order-free bounds (every product of error terms is kept),
+under the same assumptions as ``numerics.forward_bound``: the MMAs' internal sums behave as
+round-to-nearest float32 sums of exact products in some order (Higham's gamma bound; a
+truncating tensor-core adder would need 2u), the MUFU constants ``MUFU`` (H200 exhaustive
+measurement; Blackwell not re-measured), and ``softcap`` representable in float32 (as the
+forward bound assumes).  The bound is evaluated in float64, whose own roundings (relative
+~1e-16 on terms of relative size >= 2**-24) are not accounted for; ``P = exp(s - lse)`` uses the
+FP64 reference LSE (its float64 error ~|lse| 1e-16, against the u |lse^| term kept in step 1a).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from numerics.forward_bound import _U, MUFU, _dot_products, _gamma, _step1_score
+from numerics.fp import format_of
+from numerics.fp import to_f32 as _f32
+
+__all__ = ["backward_error_bound"]
+
+_TINY = 2.0**-126
+
+
+def _nan_to_inf(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(x), torch.full_like(x, math.inf), x)
+
+
+def _ex2_err(p, log2p, e, mask):
+    """|P^ - P| for P^ = ex2(t) with |t - log2 P| <= e: relative MUFU.EX2 plus flushing (steps 1c, 7)."""
+    rel = p * (torch.exp2(e) * (1 + MUFU["ex2_rel"]) - 1)
+    flush = torch.where(log2p + e < -125, torch.full_like(p, _TINY), torch.zeros_like(p))
+    return torch.where(mask, rel + flush, torch.zeros_like(p))
+
+
+def _softcap_factor(dot, e_dot, scale: float, scale32: float, cap: float):
+    """Step 4, softcap: (f, ef): the exact chain factor 1 - tanh^2(r/cap) and the error of f^."""
+    x = dot * scale / cap
+    ea0 = e_dot * scale32 + dot.abs() * abs(scale32 - scale)
+    ea = ea0 + _U * (dot.abs() * scale + ea0)
+    ex_t = ea / cap + _U * (x.abs() + ea / cap)
+    et = ex_t + MUFU["tanh_abs"]
+    t = torch.tanh(x).abs()
+    f = torch.cosh(x).pow(-2)
+    dt2 = et * (2 * t + et)
+    return f, dt2 + _U * (f + dt2)
+
+
+def _cast(e, exact_abs, fmt):
+    return e + fmt.unit_roundoff * (exact_abs + e) + fmt.smallest_subnormal / 2
+
+
+def _finish(e, n, shape_perm):
+    """NaN -> inf; zero where nothing was summed (n == 0) and the bound is finite."""
+    e = _nan_to_inf(e)
+    e = torch.where((n == 0) & torch.isfinite(e), torch.zeros_like(e), e)
+    return e.permute(*shape_perm).contiguous()
+
+
+def backward_error_bound(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    nm,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
+    reference: dict | None = None,
+) -> dict:
+    """Float64 bounds ``{"dq", "dk", "dv", "dsink"}`` on |grad - exact| elementwise (module doc),
+    shaped like the gradients (dsink None without a sink).  ``out``, ``lse``: the forward's
+    returned output and float32 LSE; ``reference``: the dict of
+    ``numerics.grad_reference.attention_grad_reference`` for these inputs (computed if None)."""
+    from numerics.grad_reference import attention_grad_reference
+    from numerics.reference import visible_mask
+
+    b, sq, hq, d = q.shape
+    sk, hk, dvd = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hk
+    dev = q.device
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale32 = _f32(scale)
+    softcap = float(softcap or 0.0)
+    l2e = math.log2(math.e)
+    l2e32 = _f32(l2e)
+    fmt_in = format_of(q.dtype)
+    fmt_ds = format_of(getattr(nm, "ds_dtype", None) or q.dtype)
+    if reference is None:
+        reference = attention_grad_reference(
+            q,
+            k,
+            v,
+            do,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            learnable_sink=learnable_sink,
+            dlse=dlse,
+        )
+
+    vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev).view(1, 1, sq, sk)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    dot, e_dot, v64 = _dot_products(q, k, v)  # (b, h, i, j); v64 (b, sk, hq, dv)
+    k64 = k.double().repeat_interleave(g, dim=2)
+    q64, do64 = q.double(), do.double()
+    _sl2, d_sl2, base, e_score = _step1_score(dot, e_dot, scale, scale32, softcap, l2e)
+
+    # step 1: P and its error
+    lse_ex = reference["lse"].double()  # (b, h, i)
+    lse_k = lse.double()
+    dl = (lse_k - lse_ex).abs()
+    dl = torch.where(lse_k == lse_ex, torch.zeros_like(dl), _nan_to_inf(dl))
+    lse_k_abs = torch.where(torch.isinf(lse_k) & (lse_k < 0), torch.zeros_like(lse_k), lse_k.abs())
+    s_nat = softcap * torch.tanh(dot * scale / softcap) if softcap > 0 else dot * scale
+    log2p = torch.where(vis, (s_nat - lse_ex.unsqueeze(-1)) * l2e, -math.inf)
+    p = torch.where(vis, torch.exp2(log2p), zero)
+    e1 = (
+        e_score + base.abs() * d_sl2 + (dl * l2e + lse_k_abs * (abs(l2e32 - l2e) + _U * l2e32) * (1 + _U)).unsqueeze(-1)
+    )
+    e_exp = torch.where(vis, e1 + _U * (log2p.abs() + e1), zero)
+    ep = _ex2_err(p, log2p, e_exp, vis)
+    ep_t = torch.where(vis, ep + fmt_in.unit_roundoff * (p + ep) + fmt_in.smallest_subnormal / 2, zero)
+
+    # step 2: D'
+    o_ex = reference["out"].double()
+    out64 = out.double()
+    delta = ((out64 - o_ex) * do64).sum(-1).permute(0, 2, 1)  # signed, measured (b, h, i)
+    r_d = (_gamma(dvd) * (out64.abs() * do64.abs()).sum(-1) + dvd * _TINY).permute(0, 2, 1)
+    dprime = (o_ex * do64).sum(-1).permute(0, 2, 1)
+    if dlse is not None:
+        dprime = dprime - dlse.double()
+    r_d = r_d + _U * (dprime.abs() + delta.abs() + r_d)  # rounding part of D'^ - D' (delta excluded)
+    e_d = delta.abs() + r_d
+
+    # steps 3-4: dP, dS
+    dp = torch.einsum("bihc,bjhc->bhij", do64, v64)
+    e_dp = _gamma(dvd) * torch.einsum("bihc,bjhc->bhij", do64.abs(), v64.abs()) + dvd * _TINY
+    x = dp - dprime.unsqueeze(-1)
+    ex = e_dp + e_d.unsqueeze(-1)
+    ex = ex + _U * (x.abs() + ex)
+    ds = torch.where(vis, p * x, zero)
+    e_ds = ep * (x.abs() + ex) + p * ex + _U * (p + ep) * (x.abs() + ex) + _TINY
+    if softcap > 0:
+        f, ef = _softcap_factor(dot, e_dot, scale, scale32, softcap)
+        e_ds = e_ds * (f + ef) + ds.abs() * ef + _U * (ds.abs() + e_ds) * (f + ef) + _TINY
+        ds = ds * f
+    e_ds = torch.where(vis, e_ds, zero)
+    e_ds_t = torch.where(vis, _cast(e_ds, ds.abs(), fmt_ds), zero)
+    e_ds_t = torch.where(ds.abs() + e_ds > fmt_ds.max, torch.full_like(e_ds_t, math.inf), e_ds_t)
+    ads = ds.abs()
+
+    # counts of summed (nonzero) terms
+    n_row = vis.sum(-1).to(torch.float64).view(1, 1, sq, 1)  # keys per row (dQ)
+    n_key = (vis.sum(-2).to(torch.float64) * g).view(1, sk, 1, 1)  # (head, row) pairs per key (dK, dV)
+
+    def group(t):  # (b, sk, hq, c) -> (b, sk, hk, c), summing each kv head's g query heads
+        return t.view(b, sk, hk, g, t.shape[-1]).sum(3)
+
+    # step 5: dV
+    ado = do64.abs()
+    t1 = group(torch.einsum("bhij,bihc->bjhc", ep_t, ado))
+    t2 = group(torch.einsum("bhij,bihc->bjhc", p + ep_t, ado))
+    e_v = t1 + _gamma(n_key) * t2 + 2 * n_key * _TINY
+    e_v = _cast(e_v, reference["dv"].double().abs(), fmt_in)
+    dv_b = _finish(e_v, n_key, (0, 1, 2, 3))
+
+    # step 6: dK, dQ
+    def scaled(e_acc, exact_abs):
+        a_abs = exact_abs / scale
+        e = scale32 * e_acc + abs(scale32 - scale) * a_abs + _U * scale32 * (a_abs + e_acc)
+        return _cast(e, exact_abs, fmt_in)
+
+    aq = q64.abs()
+    t1 = group(torch.einsum("bhij,bihd->bjhd", e_ds_t, aq))
+    t2 = group(torch.einsum("bhij,bihd->bjhd", ads + e_ds_t, aq))
+    e_k = scaled(t1 + _gamma(n_key) * t2 + 2 * n_key * _TINY, reference["dk"].double().abs())
+    dk_b = _finish(e_k, n_key, (0, 1, 2, 3))
+
+    ak = k64.abs()
+    n_q = n_row.permute(0, 2, 1, 3)  # (1, sq, 1, 1)
+    t1 = torch.einsum("bhij,bjhd->bihd", e_ds_t, ak)
+    t2 = torch.einsum("bhij,bjhd->bihd", ads + e_ds_t, ak)
+    e_q = scaled(t1 + _gamma(n_q) * t2 + 2 * n_q * _TINY, reference["dq"].double().abs())
+    dq_b = _finish(e_q, n_q, (0, 1, 2, 3))
+
+    # step 7: dsink
+    dsink_b = None
+    if learnable_sink is not None:
+        sink = learnable_sink.double().view(1, hq, 1)
+        y = sink - lse_k
+        y_abs = y.abs()
+        ea = dl + _U * y_abs * (1 + _U)
+        e_s = ea * l2e32 + (y_abs + dl) * abs(l2e32 - l2e) + _U * y_abs * (1 + _U) * l2e32
+        log2ps = (sink - lse_ex) * l2e
+        ps = torch.exp2(log2ps)
+        eps = _ex2_err(ps, log2ps, e_s, torch.ones_like(ps, dtype=torch.bool))
+        eps = torch.where(torch.isfinite(lse_k), eps, torch.full_like(eps, math.inf))
+        adp = dprime.abs()
+        n_t = b * sq
+        e_sink = (
+            (ps * delta).sum((0, 2)).abs()
+            + (eps * (adp + e_d) + ps * r_d).sum((0, 2))
+            + _gamma(n_t) * ((ps + eps) * (adp + e_d)).sum((0, 2))
+        )
+        e_sink = e_sink + 2 * n_t * _TINY
+        dsink_b = _nan_to_inf(_cast(e_sink, reference["dsink"].double().abs(), format_of(learnable_sink.dtype)))
+    return {"dq": dq_b, "dk": dk_b, "dv": dv_b, "dsink": dsink_b}
