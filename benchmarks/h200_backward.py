@@ -50,11 +50,10 @@ def _grads(fn, x: dict, do: torch.Tensor, **extra) -> dict:
     sink = kw.get("learnable_sink")
     if sink is not None:
         kw["learnable_sink"] = sink.detach().clone().requires_grad_(True)
-    out = fn(q, k, v, **kw, **extra)
-    out = out[0] if isinstance(out, tuple) else out
+    out, lse = fn(q, k, v, **kw, **extra, return_lse=True)
     wrt = [q, k, v] + ([kw["learnable_sink"]] if sink is not None else [])
     g = torch.autograd.grad(out, wrt, do)
-    return dict(zip(["dq", "dk", "dv", "dsink"], g, strict=False))
+    return {**dict(zip(["dq", "dk", "dv", "dsink"], g, strict=False)), "out": out.detach(), "lse": lse.detach()}
 
 
 def _compare(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -72,6 +71,24 @@ def _compare(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> dict:
     return res
 
 
+def _production_bounds(x: dict, do, pg: dict, ref: dict) -> dict:
+    """Production's gradients against the per-element backward bound of the SM90 numerics, given
+    the out and LSE production's forward returned: violations and max error / bound."""
+    from fa4.model import FA4Numerics
+    from numerics.backward_bound import backward_error_bound
+    from numerics.metrics import bound_check
+
+    q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
+    nm = FA4Numerics.for_inputs("sm90", q, k, v, kw["causal"], kw["window_size"])
+    b = backward_error_bound(q, k, v, do, pg["out"], pg["lse"], nm, reference=ref, **kw)
+    res = {}
+    for n, bound in b.items():
+        if bound is not None and n in pg:
+            r = bound_check(pg[n], ref[n], bound)
+            res[n] = {"violations": r["violations"], "tightness": r["tightness"]}
+    return res
+
+
 def run_case(name: str, case: Case, production, model, device) -> dict:
     from numerics.grad_reference import attention_grad_reference
 
@@ -83,7 +100,10 @@ def run_case(name: str, case: Case, production, model, device) -> dict:
     mg = _grads(model, x, do)
     ref = attention_grad_reference(x["q"], x["k"], x["v"], do, **x["kw"])
     rec = {"case": name, "config": case.as_dict(), "seconds": None, "grads": {}}
-    for n in pg:
+    bounds = _production_bounds(x, do, pg, ref)
+    for n in ("dq", "dk", "dv", "dsink"):
+        if n not in pg:
+            continue
 
         def err(t, n=n):
             return float((t.double() - ref[n]).abs().nan_to_num(float("inf")).max())
@@ -92,6 +112,7 @@ def run_case(name: str, case: Case, production, model, device) -> dict:
             **_compare(mg[n], pg[n], ref[n]),
             "production_max_err": err(pg[n]),
             "model_max_err": err(mg[n]),
+            "production_vs_bound": bounds[n],
         }
     rec["seconds"] = time.perf_counter() - t0
     return rec
