@@ -297,22 +297,36 @@ def case_from_dict(d: dict, *, where: str = "case") -> Case:
     return c
 
 
+def case_from_json(text: str, *, where: str, **overrides) -> Case:
+    """A :class:`Case` from its JSON text (``--config``), ``overrides`` replacing fields;
+    ``ValueError`` naming ``where`` when the text is not JSON or not a valid case."""
+    import json
+
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{where} {text!r}: not JSON; expected a JSON object of audits.cases.Case fields ({exc})"
+        ) from exc
+    return case_from_dict({**d, **overrides} if isinstance(d, dict) else d, where=where)
+
+
 def cases_from_file(path) -> list[Case]:
     """The cases of a case file: a JSON list of Case objects, JSON lines (one object per line), or
     an audit report (``report.json``, ``.gz``/``.xz``: its cases' configurations)."""
-    import gzip
     import json
     import lzma
     from pathlib import Path
 
+    from audits.common import read_bytes
+
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        p.stat()
     except OSError as exc:
         raise ValueError(f"case file {p}: cannot be read ({exc.strerror or exc})") from exc
     try:
-        raw = gzip.decompress(raw) if p.suffix == ".gz" else lzma.decompress(raw) if p.suffix == ".xz" else raw
-        text = raw.decode()
+        text = read_bytes(p).decode()
         try:
             doc = json.loads(text)
         except json.JSONDecodeError:

@@ -26,6 +26,7 @@ __all__ = [
     "environment",
     "device",
     "atomic_write",
+    "read_bytes",
     "read_json",
     "progress",
 ]
@@ -94,21 +95,27 @@ def atomic_write(path: str | Path, text: str) -> None:
         raise
 
 
+def read_bytes(path: str | Path) -> bytes:
+    """The contents of ``path``, ``.gz`` and ``.xz`` decompressed (committed reports are kept
+    compressed).  Raises what reading or decompressing raises (OSError, EOFError, LZMAError)."""
+    raw = Path(path).read_bytes()
+    if str(path).endswith(".gz"):
+        import gzip
+
+        return gzip.decompress(raw)
+    if str(path).endswith(".xz"):
+        import lzma
+
+        return lzma.decompress(raw)
+    return raw
+
+
 def read_json(path: str | Path, *, what: str = "file"):
-    """A JSON document from ``path`` (``.gz`` and ``.xz`` decompressed: committed reports are kept
-    compressed); :class:`UsageError` naming the file when it is missing or not JSON."""
+    """A JSON document from ``path`` (:func:`read_bytes`); :class:`UsageError` naming the file
+    when it is missing or not JSON."""
     path = str(path)
     try:
-        raw = Path(path).read_bytes()
-        if path.endswith(".gz"):
-            import gzip
-
-            raw = gzip.decompress(raw)
-        elif path.endswith(".xz"):
-            import lzma
-
-            raw = lzma.decompress(raw)
-        return json.loads(raw)
+        return json.loads(read_bytes(path))
     except FileNotFoundError as exc:
         raise UsageError(f"{path}: no such {what}") from exc
     except (OSError, EOFError, ValueError) as exc:  # JSONDecodeError, gzip/lzma errors, undecodable bytes

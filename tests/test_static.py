@@ -156,6 +156,8 @@ def test_static_groups_cover_the_suite_once():
 def test_static_bad_input_exits_2(tmp_path, capsys, monkeypatch):
     assert cli.main(["static", "--config", "{nope", "--out", str(tmp_path)]) == 2
     assert "expected a JSON object" in capsys.readouterr().err
+    assert cli.main(["static", "--config", "[1]", "--out", str(tmp_path)]) == 2  # JSON, but not an object
+    assert "--config #1: expected a JSON object of Case fields, got list" in capsys.readouterr().err
     assert cli.main(["static", "--config", '{"dtype": "float99"}', "--out", str(tmp_path)]) == 2
     assert "dtype = 'float99' is not accepted; accepted: bfloat16" in capsys.readouterr().err
     assert cli.main(["static", "--arch", "sm_90a", "--out", str(tmp_path)]) == 2

@@ -46,22 +46,14 @@ def _kernels(specs: list[str]) -> list[str]:
 
 def _given_cases(args: argparse.Namespace) -> tuple[list, str] | None:
     """The cases of ``--config`` / ``--case-file`` and the run's label, or None for a suite."""
-    import json
-
-    from audits.cases import case_from_dict, cases_from_file
+    from audits.cases import case_from_json, cases_from_file
 
     if not args.config and not args.case_file:
         return None
     if args.suite is not None:
         raise UsageError("--suite cannot be combined with --config or --case-file: they give the cases themselves")
-    cases = []
     try:
-        for i, text in enumerate(args.config or []):
-            try:
-                d = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--config #{i + 1} {text!r}: not JSON ({exc})") from exc
-            cases.append(case_from_dict(d, where=f"--config #{i + 1}"))
+        cases = [case_from_json(text, where=f"--config #{i + 1}") for i, text in enumerate(args.config or [])]
         for path in args.case_file or []:
             cases += cases_from_file(path)
     except ValueError as exc:

@@ -14,19 +14,12 @@ from audits.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, atomic_wri
 def _config_cases(configs: list[str]) -> list:
     """The cases given as ``--config`` JSON objects (``audits.cases.case_from_dict``, family
     normal: the input family does not change what is compiled)."""
-    import json
+    from audits.cases import case_from_json
 
-    from audits.cases import case_from_dict
-
-    cases = []
-    for i, text in enumerate(configs):
-        try:
-            cases.append(case_from_dict({**json.loads(text), "family": "normal"}, where=f"--config #{i + 1}"))
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--config {text!r}: expected a JSON object of audits.cases.Case fields ({exc})") from exc
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
-    return cases
+    try:
+        return [case_from_json(text, where=f"--config #{i + 1}", family="normal") for i, text in enumerate(configs)]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _cases(args: argparse.Namespace) -> list:
