@@ -30,26 +30,37 @@ def hardware_exp2(t: torch.Tensor) -> torch.Tensor:
     The forward's hardware exp2 (``fa4.model`` step 6, the accumulator rescale, the sink) and
     the backward's P and dsink (``flash_bwd_sm90.py`` ``mma_one_m_block``, ``flash_bwd_sm100.py``
     ``compute_loop``, ``flash_bwd_postprocess.py``: always MUFU.EX2, never the polynomial)."""
-    y = torch.exp2(t.double()).float()
-    y = torch.where(y < 2.0**-126, torch.zeros_like(y), y)
-    nan = torch.tensor(CANONICAL_NAN_BITS, dtype=torch.int32, device=t.device).view(torch.float32)
-    return torch.where(torch.isnan(t), nan, y)
+    y = t.to(torch.float64, copy=True).exp2_().float()
+    y.masked_fill_(y < 2.0**-126, 0.0)
+    y.view(torch.int32).masked_fill_(torch.isnan(t), CANONICAL_NAN_BITS)
+    return y
 
 
-def visible(sq: int, sk: int, causal: bool, window: tuple, device) -> torch.Tensor:
+def visible(
+    sq: int,
+    sk: int,
+    causal: bool,
+    window: tuple,
+    device,
+    *,
+    rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """(sq, sk) bool, True where production keeps the score (``mask.py``
     ``AttentionMask.apply_mask``, in global indices; the forward and backward kernels share it):
     with ``offset = sk - sq``, causal keeps ``col < row + offset + 1``; a local window keeps
     ``row + offset - left <= col < row + offset + 1 + right`` (a side given as None is
-    unbounded).  Written from production's column limits, independently of
-    ``numerics.reference`` (which states the same rule mathematically) so that the audit
-    compares two implementations."""
+    unbounded).  ``rows`` / ``cols`` = (start, stop) return that block of it only.  Written from
+    production's column limits, independently of ``numerics.reference`` (which states the same
+    rule mathematically) so that the audit compares two implementations."""
     left, right = window
     if causal:
         right = 0
-    row = torch.arange(sq, device=device).view(-1, 1)
-    col = torch.arange(sk, device=device).view(1, -1)
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    r0, r1 = rows or (0, sq)
+    c0, c1 = cols or (0, sk)
+    row = torch.arange(r0, r1, device=device).view(-1, 1)
+    col = torch.arange(c0, c1, device=device).view(1, -1)
+    keep = torch.ones(r1 - r0, c1 - c0, dtype=torch.bool, device=device)
     if right is not None:
         keep &= col < row + (sk - sq) + 1 + right
     if left is not None:
@@ -73,10 +84,6 @@ def scales(d: int, softmax_scale: float | None, softcap: float) -> tuple[float, 
 
 
 def fma(a: torch.Tensor, b, c) -> torch.Tensor:
-    """fma.rn.f32 with broadcasting (``numerics.fp.fma_f32`` wants equal shapes)."""
-    a, b, c = torch.broadcast_tensors(
-        a,
-        torch.as_tensor(b, dtype=torch.float32, device=a.device),
-        torch.as_tensor(c, dtype=torch.float32, device=a.device),
-    )
-    return fma_f32(a.contiguous(), b.contiguous(), c.contiguous())
+    """fma.rn.f32 with broadcasting; b and c may be Python floats (float32 values)."""
+    b, c = (torch.as_tensor(x, dtype=torch.float32, device=a.device) for x in (b, c))
+    return fma_f32(a, b, c)

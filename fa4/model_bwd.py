@@ -42,6 +42,12 @@ calls it from its autograd hook (``interface.FlashAttnFunc.backward``: the saved
     thread's chain fused into FFMAs, then a warp butterfly and a block reduction; cast to the
     sink's dtype.
 
+Tiles: production computes, per key group, only the query blocks
+``block_info.BlockInfo.get_m_block_min_max`` gives it (causal / local); the model does the same
+(``_schedule``), so a non-finite value in a tile production skips reaches no gradient, while in a
+tile it computes, a masked score's P = 0 and dS = 0 still meet it in the MMAs (0 * inf = NaN), as
+on the device.  The model streams one query block at a time over chunks of (batch x head) rows.
+
 Unspecified by the source, assumed here (each named where it is used): the MMA's internal
 summation (as in the forward model), the order ``TensorSSA.reduce`` folds a thread's elements
 (sequential), and which mul/add pairs ptxas contracts into FFMA (those a ``mul`` feeds an
@@ -157,37 +163,104 @@ def _preprocess(out, do, lse, dlse, plan: BwdPlan) -> tuple[torch.Tensor, torch.
     return d, lse_log2
 
 
-def _scores(q64, k64, vis, scale: float, softcap: float):
-    """Steps 2-4: the masked float32 scores and, with softcap, tanh's output t (None without).
-    Softcap exactly as the forward model's ``_block_scores`` (``apply_score_mod_inner``:
-    FMUL, div.rn, tanh.approx modelled correctly rounded, FMUL)."""
-    s = torch.einsum("bihd,bjhd->bhij", q64, k64).float()  # S = Q K^T (the MMA: one rounding)
+@dataclass(frozen=True)
+class _MBlock:
+    """One query block of the schedule: rows [i0, i1) meet the key groups [j0, j1) (whole
+    ``dq_keys`` groups, the last one cut at sk); keys [jn, j1) are first met here, so their dK /
+    dV accumulators start from this block's MMA (``zero_init``)."""
+
+    i0: int
+    i1: int
+    j0: int
+    j1: int
+    jn: int
+
+
+def _schedule(plan: BwdPlan, sq: int, sk: int, causal: bool, window: tuple) -> list[_MBlock]:
+    """The (query block, key group) tiles production computes: per key group of ``dq_keys``
+    keys, the query blocks [m_min, m_max) of ``block_info.BlockInfo.get_m_block_min_max`` (SM100
+    passes the 2-CTA pair's group: ``tile_n * cluster_shape_mnk[0]``); the others hold no
+    visible score and are skipped, as production skips them (their P and dS are never formed, so
+    a non-finite value there reaches no gradient).  Per query block the groups met form one
+    range, because m_min and m_max never decrease along the keys."""
+    left, right = window
+    if causal:
+        right = 0  # interface._resolve_causal_local_window
+    tm, gk = plan.tile_m, plan.dq_keys
+    n_m = -(-sq // tm)
+    lo, hi = [], []
+    for g in range(-(-sk // gk)):
+        m_min, m_max = 0, n_m
+        if right is not None:
+            m_min = max(m_min, (g * gk + sq - sk - right) // tm)
+        if left is not None:
+            m_max = min(m_max, -(-((g + 1) * gk + sq - sk + left) // tm))
+        lo.append(m_min)
+        hi.append(m_max)
+    out = []
+    for m in range(n_m):
+        groups = [g for g in range(len(lo)) if lo[g] <= m < hi[g]]
+        if groups:
+            j1 = min(sk, (groups[-1] + 1) * gk)
+            first = [g for g in groups if lo[g] == m]  # a suffix of groups: lo never decreases
+            out.append(_MBlock(m * tm, min(sq, (m + 1) * tm), groups[0] * gk, j1, first[0] * gk if first else j1))
+    return out
+
+
+@dataclass
+class _Inputs:
+    """One chunk of (batch x head) rows, heads-major float64 (exact copies of the inputs) with the
+    preprocess outputs: q, do (n, sq, .); k, v (n, sk, .), KV heads repeated per query head."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    d_prime: torch.Tensor
+    neg_lse_log2: torch.Tensor
+
+
+def _p_and_ds(x: _Inputs, blk: _MBlock, vis, scale: float, softcap: float, sl2: float):
+    """Steps 2-6 on one block: P and dS (float32).  S = Q K^T and dP = dO V^T are MMAs (exact
+    products, one rounding); softcap as the forward model's ``_block_scores``
+    (``apply_score_mod_inner``: FMUL, div.rn, tanh.approx modelled correctly rounded, FMUL);
+    P = ex2.approx(fma(S, scale_log2, -lse_log2)); dS = P * (dP - D') (FSUB, FMUL); softcap
+    backward (``create_softcap_scoremod_bwd``): dS * (1 - t*t), ``1 - t*t`` one FFMA."""
+    rows, keys = slice(blk.i0, blk.i1), slice(blk.j0, blk.j1)
+    s = (x.q[:, rows] @ x.k[:, keys].mT).float()
     t = None
     if softcap > 0:
-        x = (s * scale) / softcap
-        t = torch.tanh(x.double()).float()
+        t = torch.tanh(((s * scale) / softcap).double()).float()
         s = t * _f32(softcap)
-    return s.masked_fill(~vis, -math.inf), t
-
-
-def _ds(s, t, lse_log2, d_prime, do64, v64, sl2: float):
-    """Steps 5-6: P (float32) and dS (float32) of every (row, key)."""
-    p = hardware_exp2(_fma(s, sl2, -lse_log2.unsqueeze(-1)))  # exp2(S * scale_log2 - lse_log2), FFMA
-    dp = torch.einsum("bihc,bjhc->bhij", do64, v64).float()  # dP = dO V^T (one rounding)
-    ds = p * (dp - d_prime.unsqueeze(-1))  # FSUB, FMUL
-    if t is not None:  # create_softcap_scoremod_bwd: grad * (1 - t*t), 1 - t*t contracted to FFMA
+    if vis is not None:
+        s.masked_fill_(~vis, -math.inf)
+    p = hardware_exp2(_fma(s, sl2, x.neg_lse_log2[:, rows, None]))
+    dp = (x.do[:, rows] @ x.v[:, keys].mT).float().sub_(x.d_prime[:, rows, None])
+    ds = torch.mul(p, dp, out=dp)
+    if t is not None:
         ds = ds * _fma(-t, t, 1.0)
     return p, ds
 
 
-def _accumulate_rows(a64: torch.Tensor, x64: torch.Tensor, tile_m: int) -> torch.Tensor:
-    """Step 8: sum_i a[b,h,i,j] x[b,i,h,c] into a float32 (b, h, j, c) accumulator, one query block
-    of ``tile_m`` rows per MMA (its exact sum rounded once), blocks in ascending order
-    (``for m_block in range(m_block_min, m_block_max)``)."""
-    acc = None
-    for i0 in range(0, a64.shape[2], tile_m):
-        blk = torch.einsum("bhij,bihc->bhjc", a64[:, :, i0 : i0 + tile_m], x64[:, i0 : i0 + tile_m])
-        acc = blk.float() if acc is None else (acc.double() + blk).float()
+def _accumulate_keys(acc: torch.Tensor, blk_sum: torch.Tensor, blk: _MBlock) -> None:
+    """Step 8 for one query block: the block's exact MMA sum (float64, keys j0..j1) into the
+    float32 accumulator, one rounding (``acc + sum``); keys first met here start from the sum."""
+    old = blk.jn - blk.j0
+    if old:
+        part = acc[:, blk.j0 : blk.jn]
+        part.copy_((part.double() + blk_sum[:, :old]).float())
+    if blk.jn < blk.j1:
+        acc[:, blk.jn : blk.j1] = blk_sum[:, old:].float()
+
+
+def _dq_block(ds64: torch.Tensor, k64: torch.Tensor, plan: BwdPlan) -> torch.Tensor:
+    """Step 9 for one query block: per key group of ``dq_keys`` the dQ MMA's float32 tile, added
+    into the zeroed float32 dq_accum rows in the model's order (module doc).  ds64: (n, rows,
+    keys); k64: (n, keys, d) -> (n, rows, d) float32 (unscaled)."""
+    starts = range(0, ds64.shape[-1], plan.dq_keys)
+    acc = torch.zeros(*ds64.shape[:2], k64.shape[-1], dtype=torch.float32, device=ds64.device)
+    for j in reversed(starts) if plan.dq_descending else starts:
+        acc = acc + (ds64[..., j : j + plan.dq_keys] @ k64[:, j : j + plan.dq_keys]).float()
     return acc
 
 
@@ -203,21 +276,6 @@ def _reduce_heads(acc: torch.Tensor, hk: int, scale: float, dtype) -> torch.Tens
     if scale != 1.0:
         tot = tot * scale
     return tot.to(dtype).permute(0, 2, 1, 3).contiguous()
-
-
-def _dq(ds64, k64, scale: float, plan: BwdPlan, dtype) -> torch.Tensor:
-    """Step 9: per (row, KV group of ``dq_keys``) the dQ MMA's float32 tile, added into the zeroed
-    float32 dq_accum in the model's order (module doc), then ``dq_accum * scale`` cast.
-    ds64: (b, h, sq, sk); k64: (b, sk, h, d) -> (b, sq, h, d)."""
-    sk = ds64.shape[-1]
-    groups = list(range(0, sk, plan.dq_keys))
-    if plan.dq_descending:  # dQaccum_store / _dq_semaphore_lock_value: n_block_max - 1 - n_block
-        groups = groups[::-1]
-    acc = torch.zeros(ds64.shape[:3] + (k64.shape[-1],), dtype=torch.float32, device=ds64.device)
-    for j0 in groups:
-        j1 = j0 + plan.dq_keys
-        acc = acc + torch.einsum("bhij,bjhd->bhid", ds64[..., j0:j1], k64[:, j0:j1]).float()
-    return (acc * scale).to(dtype).permute(0, 2, 1, 3).contiguous()
 
 
 def _dsink(sink: torch.Tensor, lse: torch.Tensor, d_prime: torch.Tensor, threads: int) -> torch.Tensor:
@@ -241,6 +299,7 @@ def _dsink(sink: torch.Tensor, lse: torch.Tensor, d_prime: torch.Tensor, threads
     return total.to(sink.dtype)
 
 
+@torch.no_grad()  # the model's gradients are values: no double backward
 def attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,19 +331,50 @@ def attention_backward(
     scale, softcap, sl2 = _scales(d, softmax_scale, softcap)
     out_t, do_t = out.permute(0, 2, 1, 3), do.permute(0, 2, 1, 3)
     d_prime, lse_log2 = _preprocess(out_t, do_t, lse.float(), dlse, plan)  # step 1
-    q64, do64 = q.double(), do.double()
-    k64, v64 = (t.double().repeat_interleave(hq // hk, dim=2) for t in (k, v))
-    vis = _visible(sq, sk, causal, window_size, q.device)
-    s, t = _scores(q64, k64, vis, scale, softcap)  # steps 2-4
-    p, ds = _ds(s, t, lse_log2, d_prime, do64, v64, sl2)  # steps 5-6
+    sched = _schedule(plan, sq, sk, causal, window_size)
+    masks = [_block_mask(blk, sq, sk, causal, window_size, q.device) for blk in sched]
     ds_dtype = numerics.ds_dtype or q.dtype
-    p_lp = round_to(p, q.dtype).double()  # step 7
-    ds_lp = round_to(ds, ds_dtype, saturate=ds_dtype in _FP8).double()
-    dv = _reduce_heads(_accumulate_rows(p_lp, do64, plan.tile_m), hk, 1.0, q.dtype)  # step 8
-    dk = _reduce_heads(_accumulate_rows(ds_lp, q64, plan.tile_m), hk, scale, q.dtype)
-    dq = _dq(ds_lp, k64, scale, plan, q.dtype)  # step 9
+    acc = {n: torch.zeros(b * hq, sk, c, dtype=torch.float32, device=q.device) for n, c in (("dk", d), ("dv", dv_))}
+    dq = torch.zeros(b * hq, sq, d, dtype=torch.float32, device=q.device)
+    step = max(1, _CHUNK_ELEMENTS // (plan.tile_m * sk))
+    for c0 in range(0, b * hq, step):
+        x = _heads_major(q, k, v, do, d_prime, lse_log2, slice(c0, c0 + step))
+        for blk, vis in zip(sched, masks):
+            p, ds = _p_and_ds(x, blk, vis, scale, softcap, sl2)  # steps 2-6
+            p64 = round_to(p, q.dtype).double()  # step 7
+            ds64 = round_to(ds, ds_dtype, saturate=ds_dtype in _FP8).double()
+            rows, keys = slice(blk.i0, blk.i1), slice(blk.j0, blk.j1)
+            _accumulate_keys(acc["dv"][c0 : c0 + step], p64.mT @ x.do[:, rows], blk)  # step 8
+            _accumulate_keys(acc["dk"][c0 : c0 + step], ds64.mT @ x.q[:, rows], blk)
+            dq[c0 : c0 + step, rows] = _dq_block(ds64, x.k[:, keys], plan)  # step 9
+    dv = _reduce_heads(acc["dv"].view(b, hq, sk, dv_), hk, 1.0, q.dtype)
+    dk = _reduce_heads(acc["dk"].view(b, hq, sk, d), hk, scale, q.dtype)
+    dq = (dq * scale).to(q.dtype).view(b, hq, sq, d).permute(0, 2, 1, 3).contiguous()
     dsink = None if learnable_sink is None else _dsink(learnable_sink, lse.float(), d_prime, plan.post_threads)
     return dq, dk, dv, dsink
+
+
+#: (batch x head) rows per chunk times tile_m x seqlen_k: bounds the float64 block temporaries
+#: (about 32 MiB each) so the CPU model streams through cache-sized blocks at any length.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _block_mask(blk: _MBlock, sq: int, sk: int, causal: bool, window: tuple, device):
+    """The block's visibility (``fa4._primitives.visible``), or None where every score is kept."""
+    vis = _visible(sq, sk, causal, window, device, rows=(blk.i0, blk.i1), cols=(blk.j0, blk.j1))
+    return None if bool(vis.all()) else vis
+
+
+def _heads_major(q, k, v, do, d_prime, lse_log2, rows: slice) -> _Inputs:
+    """``_Inputs`` for the (batch x head) rows ``rows``: (b, s, h, .) -> (b*h, s, .) float64."""
+    hq = q.shape[2]
+
+    def hm(t):
+        t = t.repeat_interleave(hq // t.shape[2], dim=2) if t.shape[2] != hq else t
+        return t.permute(0, 2, 1, 3).reshape(-1, t.shape[1], t.shape[3])[rows].double()
+
+    flat = (lambda t: t.reshape(-1, t.shape[-1])[rows])  # fmt: skip
+    return _Inputs(hm(q), hm(k), hm(v), hm(do), flat(d_prime), -flat(lse_log2))
 
 
 def _validate(q, k, v, out, do) -> None:

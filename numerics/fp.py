@@ -178,27 +178,51 @@ def add_rm(a: torch.Tensor, b: torch.Tensor, *, ftz: bool = False) -> torch.Tens
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, ftz: bool = False) -> torch.Tensor:
     """PTX ``fma.rn[.ftz].f32``: a*b + c with a single rounding to nearest-even.
 
+    a, b, c: float32 tensors of broadcastable shapes; the result has the broadcast shape.
+
     The product of two float32 is exact in float64 (24 + 24 <= 53 significand bits, exponents in
-    range).  The float64 sum s = fl(p + c) may round, and rounding it again to float32 could
-    double-round; instead s is replaced by the exact value rounded *to odd* (s itself when it is
-    exact or already has an odd last bit, else its neighbour toward the exact value, known from
-    the TwoSum error), whose rounding to float32 is the correctly rounded result (module doc).
+    range), so s = fl64(a*b + c) is one float64 rounding of the exact value.  Rounding s again
+    to float32 can only differ from rounding the exact value when s lies exactly on a float32
+    rounding boundary: every boundary m (a midpoint between neighbouring float32 values) is a
+    float64 number, rounding is monotone, so exact < m implies s <= m, and s != m then gives
+    s < m — s and the exact value are on the same side of every boundary and round alike.  In
+    float32's normal binades the boundaries are the float64 values whose 29 fraction bits below
+    float32's last are 1000...0 (``_MIDPOINT_HIGH`` after a shift); near float32's subnormal
+    range (|result| <= 2**-126, zeros included) the grid is coarser.  Those elements — rare —
+    take the proven path: s replaced by the exact value rounded *to odd* (s when exact or odd,
+    else its neighbour toward the exact value, known from the TwoSum error), whose rounding to
+    float32 is the correctly rounded result (module doc).
     """
     for t, n in ((a, "a"), (b, "b"), (c, "c")):
         _check_f32(t, n)
     if ftz:
         a, b, c = flush_to_zero(a), flush_to_zero(b), flush_to_zero(c)
-    p = a.double() * b.double()
-    c64 = c.double()
-    s, e = _two_sum(p, c64)
-    e = torch.where(torch.isfinite(s), e, torch.zeros_like(e))
-    even = (s.view(torch.int64) & 1) == 0
-    toward = torch.where(e > 0, torch.full_like(s, math.inf), torch.full_like(s, -math.inf))
-    s = torch.where((e != 0) & even, torch.nextafter(s, toward), s)
+    shape = torch.broadcast_shapes(a.shape, b.shape, c.shape)
+    s = a.double().expand(shape) * b.double()  # exact
+    s = s.add_(c.double())  # the one float64 rounding
     out = s.float()
+    hard = ((s.view(torch.int64) << 35) == _MIDPOINT_HIGH) | (out.abs() <= _FLT_MIN_NORMAL)
+    if bool(hard.any()):
+        idx = hard.nonzero(as_tuple=True)
+        out[idx] = _fma_round_to_odd(*(t.expand(shape)[idx] for t in (a, b, c)))
     if ftz:
         out = flush_to_zero(out)
     return canonicalize_nan(out)
+
+
+#: a float32 rounding boundary in float64 bits: the 29 fraction bits below float32's last are 1
+#: then 28 zeros, so shifted left by 35 only the sign bit remains.
+_MIDPOINT_HIGH = -(2**63)
+
+
+def _fma_round_to_odd(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fma_f32's proven path on equal-shape float32 tensors (Boldo & Melquiond, module doc)."""
+    p = a.double() * b.double()
+    s, e = _two_sum(p, c.double())
+    e = torch.where(torch.isfinite(s), e, torch.zeros_like(e))
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(e > 0, torch.full_like(s, math.inf), torch.full_like(s, -math.inf))
+    return torch.where((e != 0) & even, torch.nextafter(s, toward), s).float()
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype | str, *, saturate: bool = False) -> torch.Tensor:

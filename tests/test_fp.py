@@ -77,6 +77,25 @@ def test_fma_avoids_double_rounding():
     assert got.item() == 1.0 + 2.0**-23
 
 
+def test_fma_redoes_every_midpoint_landing_in_one_broadcast_call():
+    # a*b = 2**(e-24) * (1 + 2**-23) * (1 - 2**-23) = half an ulp of c minus 2**(e-70): the float64
+    # sum lands on c's upper midpoint, the exact value lies below it, so the answer is c; the
+    # naive double rounding gives c + ulp for odd c.  Mixed with ordinary elements, c near
+    # float32's subnormal range, and b broadcast from a scalar-shaped tensor.
+    g = torch.Generator().manual_seed(5)
+    c = torch.randint(0x00800000, 0x7E000000, (400,), generator=g, dtype=torch.int32).view(torch.float32)
+    c = torch.cat([c, -c, torch.tensor([2.0**-126, 3 * 2.0**-149, 2.0**-125 - 2.0**-148])])
+    e = torch.floor(torch.log2(c.abs().double()))
+    a = (torch.exp2(torch.clamp(e - 24, min=-149)) * (1 + 2.0**-23) * torch.sign(c)).float()
+    a[::7] = 0.37  # ordinary elements in between
+    b = torch.tensor([1 - 2.0**-23])
+    got = u(fp.fma_f32(a, b, c))
+    want = [exact.fma(x, exact.bits_of(1 - 2.0**-23), z) for x, z in zip(u(a), u(c))]
+    assert got == want
+    naive = (a.double() * b.double() + c.double()).float()
+    assert (naive != fp.fma_f32(a, b, c)).sum() > 100  # the trap is real on many elements
+
+
 def test_canonical_nan_and_ftz():
     x = fp.fma_f32(torch.tensor([math.inf]), torch.tensor([0.0]), torch.tensor([1.0]))
     assert u(x) == [fp.CANONICAL_NAN_BITS]
