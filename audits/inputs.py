@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Family", "FAMILIES", "SINK_PLACES", "TILE_STEPS_LOG2", "make_inputs"]
+__all__ = ["Family", "FAMILIES", "SINK_PLACES", "TILE_STEPS_LOG2", "make_inputs", "DO_FAMILIES", "make_grad_output"]
 
 #: logit steps between consecutive 128-key tiles, in log2 units: around the 16-bit rescale
 #: threshold (8), and far above it
@@ -298,3 +298,43 @@ def _sink(q: torch.Tensor, k: torch.Tensor, case, g: torch.Generator) -> torch.T
     lo = torch.tensor([SINK_PLACES[h % len(SINK_PLACES)][0] for h in range(case.heads_q)], dtype=torch.float64)
     hi = torch.tensor([SINK_PLACES[h % len(SINK_PLACES)][1] for h in range(case.heads_q)], dtype=torch.float64)
     return (top + lo + (hi - lo) * u).float()
+
+
+#: dO families (``fa4-audit run --backward``): what the incoming gradient hunts
+DO_FAMILIES = {
+    "normal": "N(0, 1): FA's own test gradient",
+    "outliers": "a few dO channels 10-100x plus FA3's N(0,1)+N(0,100)Bernoulli(0.001): dP = dO V^T from few terms",
+    "large": "dO x 64 (exact power of two): large dP and D, cancellation in dP - D at scale",
+    "tiny": "dO x 2**-12 (exact): small dS, near the 16-bit formats' subnormal range in dK / dQ sums",
+}
+#: the input families whose purpose fixes the dO family; the others take one by name (below)
+_DO_FOR = {"outliers": "outliers", "subnormal": "tiny", "near_max": "normal"}
+
+
+def grad_output_family(case) -> str:
+    """The dO family of a case: fixed for a few input families (``_DO_FOR``), else chosen by a
+    stable hash of the input family's name, so that a suite covering every input family covers
+    every dO family too."""
+    import zlib
+
+    return _DO_FOR.get(case.family) or list(DO_FAMILIES)[zlib.crc32(case.family.encode()) % len(DO_FAMILIES)]
+
+
+def make_grad_output(case, *, device: str | torch.device = "cpu") -> tuple[torch.Tensor, str]:
+    """(dO, its family) for ``case``: (batch, seqlen_q, heads_q, dv) in the output's dtype (bf16
+    for fp8 inputs), deterministic from the case's seed, drawn in float64 and rounded once."""
+    fam = grad_output_family(case)
+    g = torch.Generator().manual_seed(case.seed + 7919)
+    shape = (case.batch, case.seqlen_q, case.heads_q, case.dv)
+    do = torch.randn(shape, generator=g, dtype=torch.float64)
+    if fam == "outliers":
+        ch = torch.randperm(case.dv, generator=g)[: max(1, case.dv // 32)]
+        do[..., ch] *= 10 ** (1 + torch.rand(len(ch), generator=g, dtype=torch.float64))
+        do += torch.randn(shape, generator=g, dtype=torch.float64) * 10 * (torch.rand(shape, generator=g) < 1e-3)
+    elif fam == "large":
+        do *= 64.0
+    elif fam == "tiny":
+        do *= 2.0**-12
+    dt = getattr(torch, case.dtype)
+    dt = torch.bfloat16 if dt.itemsize == 1 else dt
+    return do.to(dt).to(device), fam

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 import mpmath
 import torch
 
-from numerics.reference import _fsum2, _mp_softmax
+from numerics.reference import _fsum2, _mp_softmax, visible_mask
 
-__all__ = ["attention_grad_reference", "exact_grad_elements", "default_chunk_rows"]
+__all__ = ["attention_grad_reference", "attention_lowprec_grads", "exact_grad_elements", "default_chunk_rows"]
 
 #: bound on the (batch, heads_q, chunk, seqlen_k) float64 intermediates of one chunk, in bytes
 CHUNK_BUDGET = 256 * 2**20
@@ -407,3 +407,43 @@ def exact_grad_elements(
         return res
     finally:
         mpmath.mp.dps = old
+
+
+def attention_lowprec_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The gradients PyTorch gets doing the same math in the input dtype — FlashAttention's
+    ``attention_ref(upcast=False)`` differentiated by autograd, the ``pt`` of FA's backward
+    criterion (flash-attention ``tests/cute/test_flash_attn.py``): ``{"dq", "dk", "dv"}`` (and
+    ``"dsink"``) in the inputs' dtypes.  Scores ``(q * scale) k^T``, softcap ``cap *
+    tanh(s / cap)``, masked scores -inf, the sink as one more column, softmax by ``exp(s - max)
+    / sum``, rows with no visible key giving 0."""
+    b, sq, hq, d = q.shape
+    sk, g = k.shape[1], hq // k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    with torch.enable_grad():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        sink = None if learnable_sink is None else learnable_sink.detach().clone().requires_grad_(True)
+        qq, kk, vv = leaves[0], leaves[1].repeat_interleave(g, 2), leaves[2].repeat_interleave(g, 2)
+        s = torch.einsum("bihd,bjhd->bhij", qq * scale, kk)
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~visible_mask(sq, sk, causal=causal, window_size=window_size, device=q.device), -math.inf)
+        if sink is not None:
+            s = torch.cat([s, sink.to(s.dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)], dim=-1)
+        m = s.detach().amax(-1, keepdim=True)
+        e = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+        den = e.sum(-1, keepdim=True)
+        p = e[..., :sk] / torch.where(den > 0, den, torch.ones_like(den))
+        out = torch.einsum("bhij,bjhc->bihc", p, vv)
+        grads = torch.autograd.grad(out, leaves + ([sink] if sink is not None else []), do.to(out.dtype))
+    return dict(zip(("dq", "dk", "dv", "dsink"), (t.detach() for t in grads)))

@@ -132,7 +132,7 @@ def _run_here(args, kernels, cases, label, th, device) -> dict[str, list[dict]]:
             return run_suites(
                 kernels, cases, device=device, out_dir=args.out, thresholds=th, suite=label, seed=args.seed,
                 resume=args.resume, exitfirst=args.exitfirst, isolate=isolate,
-                progress=lambda kern, r: bar.advance(task),
+                progress=lambda kern, r: bar.advance(task), backward=_backward_options(args),
             )  # fmt: skip
         except JournalMismatch as exc:
             raise UsageError(f"--resume refused: {exc}") from exc
@@ -147,7 +147,36 @@ def _child_argv(args: argparse.Namespace, kernels: list[str], case_file: Path, l
     argv += ["--resume"] if args.resume else []
     argv += ["-x"] if args.exitfirst else []
     argv += [] if args.isolate is None else (["--isolate"] if args.isolate else ["--no-isolate"])
+    argv += ["--backward", "--repeat", str(args.repeat)] if args.backward else []
+    argv += ["--deterministic"] if args.deterministic else []
     return argv
+
+
+def _backward_options(args: argparse.Namespace):
+    """``BackwardOptions`` of ``--backward`` / ``--repeat`` / ``--deterministic``, None without."""
+    from audits.runner.backward import BackwardOptions
+
+    return BackwardOptions(repeat=args.repeat, deterministic=args.deterministic) if args.backward else None
+
+
+def _check_backward_args(args: argparse.Namespace, th: dict) -> None:
+    """--repeat and --deterministic need --backward; --backward needs [backward] thresholds."""
+    from audits.runner.gate import ThresholdsError, require_backward
+
+    if not args.backward:
+        if args.repeat is not None or args.deterministic:
+            raise UsageError("--repeat and --deterministic apply to gradients: add --backward")
+        return
+    if args.repeat is None:
+        args.repeat = 2
+    if args.repeat < 1:
+        raise UsageError(f"--repeat {args.repeat}: expected a number of backward runs >= 1 (default 2)")
+    if args.deterministic and args.repeat < 2:
+        raise UsageError("--deterministic compares backward runs: it needs --repeat 2 or more")
+    try:
+        require_backward(th)
+    except ThresholdsError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
@@ -257,6 +286,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         th = load_thresholds(args.thresholds)
     except ThresholdsError as exc:
         raise UsageError(str(exc)) from exc
+    _check_backward_args(args, th)
     device = _device(args.device)
     _prepare_out(args)
     if args.jobs > 1:
@@ -308,4 +338,18 @@ def register(sub) -> None:
         "(default: on for fa4 and user kernels, off for the built-in model and SDPA)",
     )  # fmt: skip
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--backward", action="store_true",
+        help="audit the gradients too: a seeded dO per case, dq/dk/dv (and dsink) by torch.autograd.grad against "
+        "FP64 gradients, the backward bound and FA's backward criterion",
+    )  # fmt: skip
+    r.add_argument(
+        "--repeat", type=int, default=None,
+        help="with --backward: backward runs per case on the same inputs (default 2); reports the elements that "
+        "differ run to run",
+    )  # fmt: skip
+    r.add_argument(
+        "--deterministic", action="store_true",
+        help="with --backward: pass deterministic=True to kernels that take it and fail any run-to-run difference",
+    )  # fmt: skip
     r.set_defaults(func=cmd_run)

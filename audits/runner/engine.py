@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from audits.cases import Case
-from audits.inputs import make_inputs
+from audits.inputs import make_grad_output, make_inputs
 from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel
 from audits.runner import journal
+from audits.runner.backward import BackwardOptions, analyse_backward, grad_call
 from audits.runner.gate import judge
 from audits.runner.repro import reproducer
 from numerics.forward_bound import forward_error_bound
@@ -207,8 +208,35 @@ def _analyse_or_oom(rec: dict, kernel: str, case: Case, x: dict, out, lse, devic
             rec.update(status="error", reason=f"the audit's FP64 reference or bound ran out of GPU memory: {why}")
 
 
-def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, thresholds: dict) -> dict:
-    """Measurements and verdict of one case (a JSON-able dict)."""
+def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.device, opts: BackwardOptions) -> dict:
+    """The case's backward half (``audits.runner.backward``): a seeded dO, the kernel's
+    gradients, their measurements; an OOM in the audit's own FP64 work is the case's error."""
+    do, fam = make_grad_output(case, device=device)
+    status, res = fn.grad(x, do, opts) if isinstance(fn, _Isolated) else grad_call(fn, x, do, opts)
+    b = {**status, "do_family": fam, "repeat": opts.repeat, "deterministic": opts.deterministic}
+    if res is None:
+        return b
+    nmf = fa4_numerics(kernel)
+    q, k, v = x["q"], x["k"], x["v"]
+    nm = (nmf(q, k, v, case.causal, tuple(case.window)), "fa4") if nmf is not None else (_peer_numerics(q), "peer")
+    try:
+        b.update(analyse_backward(nm, x, do, res, case))
+    except torch.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        b.update(status="error", reason=f"the audit's FP64 gradients ran out of GPU memory: {str(exc).splitlines()[0]}")
+    return b
+
+
+def evaluate_case(
+    kernel: str,
+    fn: Callable,
+    case: Case,
+    device: torch.device,
+    thresholds: dict,
+    backward: BackwardOptions | None = None,
+) -> dict:
+    """Measurements and verdict of one case (a JSON-able dict); with ``backward``, its gradients
+    too (``rec["backward"]``)."""
     rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
     t0 = time.perf_counter()
     x = make_inputs(case, device=device)
@@ -222,6 +250,8 @@ def evaluate_case(kernel: str, fn: Callable, case: Case, device: torch.device, t
             rec.update(status="error", reason=bad)
         else:
             _analyse_or_oom(rec, kernel, case, x, out, lse, device)
+    if backward is not None and rec["status"] == "ran":
+        rec["backward"] = _backward(kernel, fn, case, x, device, backward)
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
     rec["seconds"] = time.perf_counter() - t0
     return rec
@@ -239,19 +269,30 @@ def _worker(conn, kernel: str) -> None:  # pragma: no cover - runs in the child 
         msg = conn.recv()
         if msg is None:
             return
-        (q, k, v, kw), device = msg
+        (q, k, v, kw), device, bwd = msg
         dev = torch.device(device)
         kw = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
         try:
+            if bwd is not None:  # the backward half: grad_call here, its tensors sent back on the CPU
+                do, opts = bwd
+                x = {"q": q.to(dev), "k": k.to(dev), "v": v.to(dev), "kw": kw}
+                conn.send(("ok", _to(grad_call(fn, x, do.to(dev), opts), "cpu")))
+                continue
             res = fn(q.to(dev), k.to(dev), v.to(dev), return_lse=True, **kw)
-            res = (
-                tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in res)
-                if isinstance(res, tuple)
-                else (res.cpu() if isinstance(res, torch.Tensor) else res)
-            )
-            conn.send(("ok", res))
+            conn.send(("ok", _to(res, "cpu")))
         except Exception as exc:  # sent back and re-raised in the parent
             conn.send(("raise", exc))
+
+
+def _to(x, device):
+    """Tensors inside tuples, lists and dicts moved to ``device``; anything else as it is."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(t, device) for t in x)
+    if isinstance(x, dict):
+        return {n: _to(t, device) for n, t in x.items()}
+    return x
 
 
 class _Isolated:
@@ -273,12 +314,11 @@ class _Isolated:
         self.proc.start()
         child.close()
 
-    def __call__(self, q, k, v, *, return_lse=True, **kw):
+    def _ask(self, q, k, v, kw, bwd):
         if self.proc is None or not self.proc.is_alive():
             self._start()
-        cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
         try:
-            self.conn.send(((cpu(q), cpu(k), cpu(v), {n: cpu(t) for n, t in kw.items()}), self.device))
+            self.conn.send(((_to(q, "cpu"), _to(k, "cpu"), _to(v, "cpu"), _to(kw, "cpu")), self.device, bwd))
             status, payload = self.conn.recv()
         except (EOFError, ConnectionError, BrokenPipeError):
             self.proc.join(timeout=5)
@@ -287,12 +327,17 @@ class _Isolated:
             raise WorkerCrashed(f"the kernel's worker process died (exit code {code}) on this case") from None
         if status == "raise":
             raise payload
-        dev = q.device
-        return (
-            tuple(t.to(dev) if isinstance(t, torch.Tensor) else t for t in payload)
-            if isinstance(payload, tuple)
-            else payload.to(dev)
-        )
+        return _to(payload, q.device)
+
+    def __call__(self, q, k, v, *, return_lse=True, **kw):
+        return self._ask(q, k, v, kw, None)
+
+    def grad(self, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dict, tuple | None]:
+        """``audits.runner.backward.grad_call`` in the worker; a crash there is the case's."""
+        try:
+            return self._ask(x["q"], x["k"], x["v"], x["kw"], (do.cpu(), opts))
+        except WorkerCrashed as exc:
+            return {"status": "crash", "reason": str(exc)}, None
 
     def close(self):
         if self.proc is not None and self.proc.is_alive():
@@ -329,6 +374,7 @@ def run_suites(
     exitfirst: bool = False,
     isolate: bool | Callable[[str], bool] = False,
     progress: Callable[[str, dict], None] | None = None,
+    backward: BackwardOptions | None = None,
 ) -> dict[str, list[dict]]:
     """Evaluate ``cases`` (grouped by compile key) for every kernel; journal each record under
     :func:`kernel_dir`; return each kernel's records in suite order.  The kernels take turns
@@ -336,16 +382,18 @@ def run_suites(
     ``resume``: keep the finished records of a journal written by this same run (kernel, suite,
     seed, thresholds, cases: ``journal.JournalMismatch`` otherwise).  ``isolate`` (a bool or a
     predicate on the kernel name): evaluate in a worker process, where a crash becomes the
-    case's verdict.  KeyboardInterrupt propagates after the journals hold what finished."""
+    case's verdict.  ``backward``: audit the gradients too (``audits.runner.backward``).
+    KeyboardInterrupt propagates after the journals hold what finished."""
     state = {}
+    run = {"suite": suite, "seed": seed, "resume": resume, "several": len(kernels) > 1, "backward": backward}
     for kern in kernels:
-        state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, suite, seed, resume, len(kernels) > 1)
+        state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, run)
         iso = isolate(kern) if callable(isolate) else isolate
         state[kern]["iso"] = _Isolated(kern, device) if iso else None
         state[kern]["fn"] = state[kern]["iso"] or get_kernel(kern)
     order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
     try:
-        _loop(order, cases, state, device, thresholds, progress, exitfirst)
+        _loop(order, cases, state, device, thresholds, progress, exitfirst, backward)
     finally:
         for st in state.values():
             if st["iso"] is not None:
@@ -353,20 +401,24 @@ def run_suites(
     return {kern: [st["records"][i] for i in sorted(st["records"])] for kern, st in state.items()}
 
 
-def _kernel_state(kern, cases, device, out_dir, thresholds, suite, seed, resume, several) -> dict:
+def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
     """A kernel's output directory and journal: resumed (its header checked) or started afresh."""
-    out = kernel_dir(out_dir, kern, several)
+    out = kernel_dir(out_dir, kern, run["several"])
     out.mkdir(parents=True, exist_ok=True)
     path = out / "journal.jsonl"
-    ident = journal.run_identity(kernel=kern, suite=suite, seed=seed, thresholds=thresholds, cases=cases)
-    if resume:
+    bwd = run["backward"]
+    ident = journal.run_identity(
+        kernel=kern, suite=run["suite"], seed=run["seed"], thresholds=thresholds, cases=cases, backward=bwd
+    )
+    if run["resume"]:
         journal.check_header(path, ident)
     elif path.exists():
         path.unlink()
     if not path.exists():
         journal.append(path, ident)
-    done = journal.read_records(path) if resume else {}
-    repro = lambda c: reproducer(kern, c, device=device.type, thresholds_path=thresholds.get("path"))  # noqa: E731
+    done = journal.read_records(path) if run["resume"] else {}
+    th_path = thresholds.get("path")
+    repro = lambda c: reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd)  # noqa: E731
     return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro}
 
 
@@ -380,7 +432,7 @@ def _save_inputs(st: dict, c: Case) -> str:
     return f"repro/{c.name}.pt"
 
 
-def _loop(order, cases, state, device, thresholds, progress, exitfirst):
+def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward):
     for i in order:
         c = cases[i]
         stop = False
@@ -388,7 +440,7 @@ def _loop(order, cases, state, device, thresholds, progress, exitfirst):
             if c.name in st["done"]:
                 rec = {**st["done"][c.name], "resumed": True}
             else:
-                rec = evaluate_case(kern, st["fn"], c, device, thresholds)
+                rec = evaluate_case(kern, st["fn"], c, device, thresholds, backward)
                 rec["repro"] = st["repro"](c)
                 if rec["verdict"] in FAILING:
                     rec["repro_inputs"] = _save_inputs(st, c)

@@ -26,7 +26,7 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_identity(*, kernel: str, suite: str, seed: int, thresholds: dict, cases: list) -> dict:
+def run_identity(*, kernel: str, suite: str, seed: int, thresholds: dict, cases: list, backward=None) -> dict:
     """What a journal's records belong to (the header's fields)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -38,6 +38,7 @@ def run_identity(*, kernel: str, suite: str, seed: int, thresholds: dict, cases:
     return {
         "journal": SCHEMA, "kernel": kernel, "suite": suite, "seed": seed, "thresholds": _digest(th),
         "cases": _digest([c.as_dict() for c in cases]), "n_cases": len(cases), "fa4_audit": ver,
+        "backward": None if backward is None else {"repeat": backward.repeat, "deterministic": backward.deterministic},
     }  # fmt: skip
 
 

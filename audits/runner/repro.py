@@ -16,10 +16,10 @@ __all__ = ["reproducer", "REPRO_OUT"]
 REPRO_OUT = "fa4-audit-repro"
 
 
-def reproducer(kernel: str, case: Case, *, device: str, thresholds_path: str | None = None) -> str:
+def reproducer(kernel: str, case: Case, *, device: str, thresholds_path: str | None = None, backward=None) -> str:
     """``fa4-audit run`` on exactly ``case`` (``--config`` with the case as JSON), runnable from
     any directory (the kernel as a built-in name or an absolute ``file.py:fn``) and repeatable
-    (``--overwrite`` into ``fa4-audit-repro/``)."""
+    (``--overwrite`` into ``fa4-audit-repro/``); ``backward``: the run's ``BackwardOptions``."""
     from audits.runner.gate import DEFAULT_THRESHOLDS
 
     cfg = json.dumps(case.as_dict(), separators=(",", ":"))
@@ -28,5 +28,8 @@ def reproducer(kernel: str, case: Case, *, device: str, thresholds_path: str | N
         from pathlib import Path
 
         cmd += ["--thresholds", str(Path(thresholds_path).resolve())]
+    if backward is not None:  # audits.runner.backward.BackwardOptions
+        cmd += ["--backward", "--repeat", str(backward.repeat)]
+        cmd += ["--deterministic"] if backward.deterministic else []
     cmd += ["--out", REPRO_OUT, "--overwrite"]
     return " ".join(shlex.quote(a) for a in cmd)
