@@ -107,6 +107,8 @@ class FA4Numerics:
     bwd_dq_tiles: KV blocks one dQ MMA reduces (SM100's 2-CTA pair: 2).
     bwd_deterministic: production's ``deterministic=True`` (semaphore-ordered dQ adds).
     ds_dtype: dtype dS is cast to before the dK / dQ MMAs (None: the input dtype).
+    bwd_hd256_generic: production's ``FLASH_ATTENTION_HD256_GENERIC_BWD=1`` — SM100 head dim
+    (256, 256) takes the generic backward (KV tile 64) instead of the dedicated kernels.
     """
 
     arch: Literal["sm100", "sm90"] = "sm100"
@@ -125,6 +127,7 @@ class FA4Numerics:
     bwd_dq_tiles: int | None = None
     bwd_deterministic: bool = False
     ds_dtype: torch.dtype | None = None
+    bwd_hd256_generic: bool = False
 
     def __post_init__(self):
         if self.arch not in ("sm100", "sm90"):

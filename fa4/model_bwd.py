@@ -42,6 +42,20 @@ calls it from its autograd hook (``interface.FlashAttnFunc.backward``: the saved
     thread's chain fused into FFMAs, then a warp butterfly and a block reduction; cast to the
     sink's dtype.
 
+Head dim 256 on SM100 (``interface._flash_attn_bwd``: ``use_dedicated_hd256_kernel`` for (256,
+256) unless ``FLASH_ATTENTION_HD256_GENERIC_BWD=1``, the knob ``bwd_hd256_generic``): two
+kernels, ``sm100_hd256_2cta_fmha_backward_dqkernel.py`` then ``..._dkdvkernel.py``, no
+postprocess.  Same preprocess, S (one MMA chain over all 256 columns), P and dS = P * (dP - D')
+as above; then (a) the dQ kernel multiplies dS by the scale in float32 *before* its cast and
+accumulates dQ in one TMEM chain over the KV blocks, ascending (each block's MMA sum rounded once
+with the accumulator; no atomics, so deterministic whatever ``deterministic`` says), the
+epilogue only casts; (b) the dK/dV kernel zeroes masked dS (+0) under causal masking, and with
+GQA sums every query head of a group into one TMEM chain, head after head, dK scaled once at the
+end.  Refused (``_hd256_refusals``): softcap, local windows, a learnable sink, a gradient of the
+LSE.  The kernels also visit a few more fully masked blocks than ``get_m_block_min_max`` (dQ
+ranges per 256-row CTA pair; dK/dV's first query block rounded down to even): on finite inputs
+they add exact zeros; their effect on non-finite inputs is not modelled.
+
 Tiles: production computes, per key group, only the query blocks
 ``block_info.BlockInfo.get_m_block_min_max`` gives it (causal / local); the model does the same
 (``_schedule``), so a non-finite value in a tile production skips reaches no gradient, while in a
@@ -87,7 +101,8 @@ class BwdPlan:
     2 * tile_n with SM100's 2-CTA pair); post_threads: threads of the dQ postprocess CTA that
     reduces dsink; hdimv_multiple: the padding of head_dim_v the preprocess tiles with;
     dq_descending: dq_accum takes the KV blocks last first (deterministic causal / local,
-    production's ``spt``), else first to last."""
+    production's ``spt``), else first to last; hd256: SM100's dedicated head-dim-256 kernels
+    (module doc, "Head dim 256 on SM100")."""
 
     tile_m: int
     tile_n: int
@@ -95,6 +110,7 @@ class BwdPlan:
     post_threads: int
     hdimv_multiple: int
     dq_descending: bool
+    hd256: bool = False
 
 
 def bwd_plan(numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> BwdPlan:
@@ -113,18 +129,24 @@ def bwd_plan(numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool
             tm, tn, single_wg, swap = 64, 48, False, True
         # num_threads_post_dQ: 128 with dQ_single_wg, else num_wg (2) * 128; hdim_multiple_of 64 with dKV_swapAB
         cta_pair, post, mult = False, 128 if single_wg else 256, 64 if swap else 32
+    elif (head_dim, head_dim_v) == (256, 256) and not numerics.bwd_hd256_generic:
+        # interface._flash_attn_bwd: use_dedicated_hd256_kernel; dQ kernel tiles (128, 128), one
+        # dQ MMA per KV block of 128; dK/dV kernel 128 query rows per MMA
+        tm, tn, cta_pair, post, mult = 128, 128, False, 128, 32
     else:
-        if head_dim > 192 or head_dim_v > 128:
+        if (head_dim > 192 or head_dim_v > 128) and (head_dim, head_dim_v) != (256, 256):
             raise NotImplementedError(
-                "the SM100 backward model takes head_dim <= 192 and head_dim_v <= 128 "
-                "(FlashAttentionBackwardSm100; head dim 256 runs dedicated kernels, not modelled)"
+                f"the SM100 backward model takes head_dim <= 192 and head_dim_v <= 128, or (256, 256); got "
+                f"({head_dim}, {head_dim_v}) (interface._validate_head_dims)"
             )
-        tm, tn, cta_pair, post, mult = 128, 128, head_dim >= 128, 128, 32  # use_2cta_instrs: head_dim >= 128
+        # use_2cta_instrs: head_dim >= 128; FLASH_ATTENTION_HD256_GENERIC_BWD: n_block_size 64
+        tm, tn, cta_pair, post, mult = 128, 64 if head_dim == 256 else 128, head_dim >= 128, 128, 32
     tm = numerics.bwd_tile_m or tm
     tn = numerics.bwd_tile_n or tn
     dq_tiles = numerics.bwd_dq_tiles or (2 if cta_pair else 1)
     spt = numerics.bwd_deterministic and (causal or local)  # FlashAttentionBackwardSm90/Sm100: self.spt
-    return BwdPlan(tm, tn, tn * dq_tiles, post, mult, spt)
+    hd256 = numerics.arch == "sm100" and (head_dim, head_dim_v) == (256, 256) and not numerics.bwd_hd256_generic
+    return BwdPlan(tm, tn, tn * dq_tiles, post, mult, spt and not hd256, hd256)
 
 
 def _butterfly(x: torch.Tensor) -> torch.Tensor:
@@ -242,15 +264,27 @@ def _p_and_ds(x: _Inputs, blk: _MBlock, vis, scale: float, softcap: float, sl2: 
     return p, ds
 
 
-def _accumulate_keys(acc: torch.Tensor, blk_sum: torch.Tensor, blk: _MBlock) -> None:
+def _accumulate_keys(acc: torch.Tensor, rows, blk_sum: torch.Tensor, blk: _MBlock, first: bool = True) -> None:
     """Step 8 for one query block: the block's exact MMA sum (float64, keys j0..j1) into the
-    float32 accumulator, one rounding (``acc + sum``); keys first met here start from the sum."""
-    old = blk.jn - blk.j0
+    float32 accumulator rows ``rows``, one rounding (``acc + sum``); keys first met here start
+    from the sum (``zero_init``) — unless ``first`` is False (a later head of an hd256 GQA
+    chain: every key has its accumulator already)."""
+    jn = blk.jn if first else blk.j1
+    old = jn - blk.j0
     if old:
-        part = acc[:, blk.j0 : blk.jn]
-        part.copy_((part.double() + blk_sum[:, :old]).float())
-    if blk.jn < blk.j1:
-        acc[:, blk.jn : blk.j1] = blk_sum[:, old:].float()
+        acc[rows, blk.j0 : jn] = (acc[rows, blk.j0 : jn].double() + blk_sum[:, :old]).float()
+    if jn < blk.j1:
+        acc[rows, jn : blk.j1] = blk_sum[:, old:].float()
+
+
+def _dq_chain(ds64: torch.Tensor, k64: torch.Tensor, plan: BwdPlan) -> torch.Tensor:
+    """Step 9 of the hd256 dQ kernel: one TMEM accumulator per query block, each KV block's MMA
+    adding into it (its exact sum rounded once with the accumulator), ascending, no atomics."""
+    acc = None
+    for j in range(0, ds64.shape[-1], plan.dq_keys):
+        blk = ds64[..., j : j + plan.dq_keys] @ k64[:, j : j + plan.dq_keys]
+        acc = blk.float() if acc is None else (acc.double() + blk).float()
+    return acc
 
 
 def _dq_block(ds64: torch.Tensor, k64: torch.Tensor, plan: BwdPlan) -> torch.Tensor:
@@ -328,30 +362,74 @@ def attention_backward(
     sk, hk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     local = not causal and any(w is not None for w in window_size)
     plan = bwd_plan(numerics, d, dv_, causal, local)
+    if plan.hd256:
+        _hd256_refusals(softcap, local, learnable_sink, dlse)
     scale, softcap, sl2 = _scales(d, softmax_scale, softcap)
     out_t, do_t = out.permute(0, 2, 1, 3), do.permute(0, 2, 1, 3)
     d_prime, lse_log2 = _preprocess(out_t, do_t, lse.float(), dlse, plan)  # step 1
     sched = _schedule(plan, sq, sk, causal, window_size)
     masks = [_block_mask(blk, sq, sk, causal, window_size, q.device) for blk in sched]
     ds_dtype = numerics.ds_dtype or q.dtype
-    acc = {n: torch.zeros(b * hq, sk, c, dtype=torch.float32, device=q.device) for n, c in (("dk", d), ("dv", dv_))}
+    chain = plan.hd256 and hq > hk  # GQA summed in one MMA chain, head-major
+    n_acc = b * hk if chain else b * hq
+    acc = {n: torch.zeros(n_acc, sk, c, dtype=torch.float32, device=q.device) for n, c in (("dk", d), ("dv", dv_))}
     dq = torch.zeros(b * hq, sq, d, dtype=torch.float32, device=q.device)
     step = max(1, _CHUNK_ELEMENTS // (plan.tile_m * sk))
-    for c0 in range(0, b * hq, step):
-        x = _heads_major(q, k, v, do, d_prime, lse_log2, slice(c0, c0 + step))
+    for rows_q, rows_acc, first in _row_chunks(b, hq, hk, step, chain, q.device):
+        x = _heads_major(q, k, v, do, d_prime, lse_log2, rows_q)
         for blk, vis in zip(sched, masks):
             p, ds = _p_and_ds(x, blk, vis, scale, softcap, sl2)  # steps 2-6
             p64 = round_to(p, q.dtype).double()  # step 7
-            ds64 = round_to(ds, ds_dtype, saturate=ds_dtype in _FP8).double()
+            ds_k = ds.masked_fill(~vis, 0.0) if plan.hd256 and causal and vis is not None else ds
+            ds64 = round_to(ds_k, ds_dtype, saturate=ds_dtype in _FP8).double()
             rows, keys = slice(blk.i0, blk.i1), slice(blk.j0, blk.j1)
-            _accumulate_keys(acc["dv"][c0 : c0 + step], p64.mT @ x.do[:, rows], blk)  # step 8
-            _accumulate_keys(acc["dk"][c0 : c0 + step], ds64.mT @ x.q[:, rows], blk)
-            dq[c0 : c0 + step, rows] = _dq_block(ds64, x.k[:, keys], plan)  # step 9
-    dv = _reduce_heads(acc["dv"].view(b, hq, sk, dv_), hk, 1.0, q.dtype)
-    dk = _reduce_heads(acc["dk"].view(b, hq, sk, d), hk, scale, q.dtype)
-    dq = (dq * scale).to(q.dtype).view(b, hq, sq, d).permute(0, 2, 1, 3).contiguous()
+            _accumulate_keys(acc["dv"], rows_acc, p64.mT @ x.do[:, rows], blk, first)  # step 8
+            _accumulate_keys(acc["dk"], rows_acc, ds64.mT @ x.q[:, rows], blk, first)
+            if plan.hd256:  # the dQ kernel scales dS in float32 before its cast, and chains
+                ds_q = round_to(ds * _f32(scale), ds_dtype, saturate=ds_dtype in _FP8).double()
+                dq[rows_q, rows] = _dq_chain(ds_q, x.k[:, keys], plan)
+            else:
+                dq[rows_q, rows] = _dq_block(ds64, x.k[:, keys], plan)  # step 9
+    h_acc = hk if chain else hq
+    dv = _reduce_heads(acc["dv"].view(b, h_acc, sk, dv_), hk, 1.0, q.dtype)
+    dk = _reduce_heads(acc["dk"].view(b, h_acc, sk, d), hk, scale, q.dtype)
+    dq = dq if plan.hd256 else dq * scale
+    dq = dq.to(q.dtype).view(b, hq, sq, d).permute(0, 2, 1, 3).contiguous()
     dsink = None if learnable_sink is None else _dsink(learnable_sink, lse.float(), d_prime, plan.post_threads)
     return dq, dk, dv, dsink
+
+
+def _row_chunks(b: int, hq: int, hk: int, step: int, chain: bool, device):
+    """The (batch x query head) rows in processing order, ``step`` at a time: (rows of the
+    heads-major inputs, rows of the dK / dV accumulator, whether those accumulators start here).
+    Generic: consecutive rows, one accumulator each.  hd256 GQA chain: query head r of every
+    group after head r - 1 (``r`` outer), into the group's accumulator."""
+    if not chain:
+        for c0 in range(0, b * hq, step):
+            yield slice(c0, c0 + step), slice(c0, c0 + step), True
+        return
+    g = hq // hk
+    grp = torch.arange(b * hk, device=device)  # (batch, kv head) in order
+    for r in range(g):
+        rows = (grp // hk) * hq + (grp % hk) * g + r
+        for c0 in range(0, b * hk, step):
+            yield rows[c0 : c0 + step], grp[c0 : c0 + step], r == 0
+
+
+def _hd256_refusals(softcap: float, local: bool, learnable_sink, dlse) -> None:
+    """What SM100's dedicated head-dim-256 backward refuses (interface._flash_attn_bwd and
+    ``sm100_hd256_2cta_fmha_backward.BlackwellFusedMultiHeadAttentionBackward.__init__``)."""
+    why = None
+    if softcap:
+        why = "softcap (interface._flash_attn_bwd: 'does not support softcap')"
+    elif local:
+        why = "local attention (BlackwellFusedMultiHeadAttentionBackward.__init__)"
+    elif learnable_sink is not None:
+        why = "learnable_sink (interface._flash_attn_bwd: 'does not support learnable_sink')"
+    elif dlse is not None:
+        why = "a gradient of the LSE (interface._flash_attn_bwd: 'does not support dlse', asserted at compile time)"
+    if why:
+        raise NotImplementedError(f"the SM100 backward with head_dim=256 does not support {why}")
 
 
 #: (batch x head) rows per chunk times tile_m x seqlen_k: bounds the float64 block temporaries

@@ -1,13 +1,14 @@
 r"""Per-element error bound of the FA4 backward pass: ``backward_error_bound(q, k, v, do, out, lse, nm)``.
 
 Bounds |dq - exact|, |dk - exact|, |dv - exact| (and |dsink - exact|) for the computation
-``fa4.model_bwd`` describes with the numerics record ``nm`` (only ``nm.ds_dtype`` is read: the
-backward takes the hardware exp2 on both archs and its bound does not depend on the tiles or the
-summation order), evaluated from the exact inputs and FP64 intermediates.  ``out`` and ``lse``
-are what the forward returned (out in the input dtype, lse float32): the bound is *conditional*
-on them, their errors against the FP64 forward (``|out - o|``, ``|lse - lse_exact|``) enter as
-measured inputs.  Every float32 sum is bounded for *any* order and any grouping into MMA tiles,
-atomics and GQA head adds, so the bound covers nondeterministic dQ.
+``fa4.model_bwd`` describes with the numerics record ``nm`` (read: ``nm.ds_dtype``, and whether
+SM100's head-dim-256 dQ kernel applies; the backward takes the hardware exp2 on both archs and
+its bound does not depend on the tiles or the summation order), evaluated from the exact
+inputs and FP64 intermediates.  ``out`` and ``lse`` are what the forward returned (out in the
+input dtype, lse float32): the bound is *conditional* on them, their errors against the FP64
+forward (``|out - o|``, ``|lse - lse_exact|``) enter as measured inputs.  Every float32 sum is
+bounded for *any* order and any grouping into MMA tiles, atomics and GQA head adds, so the bound
+covers nondeterministic dQ.
 
 Notation, one batch and query head (indices b, h dropped), query row i, key j, column c:
 ``u = 2**-24``; ``gamma(m) = m u / (1 - m u)``; exact FP64 quantities from the exact inputs and
@@ -47,7 +48,11 @@ Absolute terms ``2**-126`` per product / add cover flush-to-zero of float32 subn
    |dO| + 2 n_j 2**-126``; output cast ``e + u_out (|dV| + e) + sub_out / 2``.
 6. dK = scale (dS~^T Q), dQ = scale (dS~ K) likewise (gamma over n_j for dK, the visible keys n_i
    for dQ), with the scale's FMUL on the accumulator ``a^``: ``|fl(a^ scale32) - a scale| <=
-   scale32 e + |scale32 - scale| |a| + u scale32 (|a| + e)``, then the output cast.
+   scale32 e + |scale32 - scale| |a| + u scale32 (|a| + e)``, then the output cast.  SM100's
+   head-dim-256 dQ kernel scales dS in float32 *before* its cast instead: one more rounding per
+   term, ``u sum (|dS| + edS~)|k|`` in accumulator units, and the cast's subnormal floor taken at
+   the scaled size, ``sub_ds / (2 scale32) sum_visible |k|``, are added to e before the same
+   scaled() (which then over-counts the accumulator's own FMUL: conservative).
 7. dsink_h = -sum_{b,i} P_sink D'.  ``P_sink^ = ex2(fl(fl(sink - lse^) fl(log2 e)))``, exponent
    error ``E_s = (dl + u |y|(1+u)) fl(log2 e) + (|y| + dl) |fl(log2 e) - log2 e| + u |y| (1+u)
    fl(log2 e)``, ``y = sink - lse^``; ``eP_s`` as in step 1.  The FFMA chain and butterflies
@@ -116,6 +121,13 @@ def _finish(e, n, shape_perm):
     e = _nan_to_inf(e)
     e = torch.where((n == 0) & torch.isfinite(e), torch.zeros_like(e), e)
     return e.permute(*shape_perm).contiguous()
+
+
+def _dq_scales_ds(nm, d: int, dv: int) -> bool:
+    """SM100's dedicated head-dim-256 dQ kernel: dS multiplied by the scale in float32 before its
+    cast, no scale on the accumulator (``fa4.model_bwd``, "Head dim 256 on SM100")."""
+    dedicated = not getattr(nm, "bwd_hd256_generic", False)
+    return getattr(nm, "arch", None) == "sm100" and (d, dv) == (256, 256) and dedicated
 
 
 def backward_error_bound(
@@ -249,7 +261,11 @@ def backward_error_bound(
     n_q = n_row.permute(0, 2, 1, 3)  # (1, sq, 1, 1)
     t1 = torch.einsum("bhij,bjhd->bihd", e_ds_t, ak)
     t2 = torch.einsum("bhij,bjhd->bihd", ads + e_ds_t, ak)
-    e_q = scaled(t1 + _gamma(n_q) * t2 + 2 * n_q * _TINY, reference["dq"].double().abs())
+    e_acc = t1 + _gamma(n_q) * t2 + 2 * n_q * _TINY
+    if _dq_scales_ds(nm, d, dvd):  # one more rounding per term, the cast's floor at the scaled size
+        vis_k = torch.einsum("xyij,bjhd->bihd", vis.to(torch.float64), ak)
+        e_acc = e_acc + _U * t2 + fmt_ds.smallest_subnormal / 2 / scale32 * vis_k
+    e_q = scaled(e_acc, reference["dq"].double().abs())
     dq_b = _finish(e_q, n_q, (0, 1, 2, 3))
 
     # step 7: dsink

@@ -423,7 +423,7 @@ def attention_lowprec_grads(
 ) -> dict[str, torch.Tensor]:
     """The gradients PyTorch gets doing the same math in the input dtype — FlashAttention's
     ``attention_ref(upcast=False)`` differentiated by autograd, the ``pt`` of FA's backward
-    criterion (flash-attention ``tests/cute/test_flash_attn.py``): ``{"dq", "dk", "dv"}`` (and
+    criterion (``flash-attention/tests/cute/test_flash_attn.py``): ``{"dq", "dk", "dv"}`` (and
     ``"dsink"``) in the inputs' dtypes.  Scores ``(q * scale) k^T``, softcap ``cap *
     tanh(s / cap)``, masked scores -inf, the sink as one more column, softmax by ``exp(s - max)
     / sum``, rows with no visible key giving 0."""

@@ -31,6 +31,8 @@ CASES = {
     "fp16_outliers_sm90": (FP16, 64, (1, 192, 256, 2, 2), {}, "outliers", False, "sm90", 1.0, False),
     "bf16_peaked": (BF16, 64, (1, 192, 256, 2, 2), {}, "peaked", False, "sm100", 1.0, False),
     "bf16_large_do": (BF16, 64, (1, 192, 256, 2, 2), {}, "normal", False, "sm90", 100.0, True),
+    "bf16_hd256_gqa_causal": (BF16, 256, (1, 192, 256, 4, 2), {"causal": True}, "outliers", False, "sm100", 1.0, False),
+    "fp16_hd256": (FP16, 256, (1, 128, 192, 2, 2), {}, "normal", False, "sm100", 1.0, False),
 }
 RATIOS = {}
 

@@ -242,8 +242,12 @@ def test_plan_follows_production_tiles_and_knobs():
     knobs = dataclasses.replace(sm100, bwd_tile_m=64, bwd_tile_n=32, bwd_dq_tiles=1, bwd_deterministic=True)
     assert bwd_plan(knobs, 128, 128, True, False) == mb.BwdPlan(64, 32, 32, 128, 32, True)
     assert not bwd_plan(knobs, 128, 128, False, False).dq_descending
+    hd256 = bwd_plan(FA4Numerics.sm100(BF16, 256), 256, 256, True, False)
+    assert hd256 == mb.BwdPlan(128, 128, 128, 128, 32, False, True)  # dedicated kernels
+    generic = dataclasses.replace(FA4Numerics.sm100(BF16, 256), bwd_hd256_generic=True)
+    assert bwd_plan(generic, 256, 256, False, False) == mb.BwdPlan(128, 64, 128, 128, 32, False, False)
     with pytest.raises(NotImplementedError):
-        bwd_plan(FA4Numerics.sm100(BF16, 256), 256, 256, False, False)
+        bwd_plan(FA4Numerics.sm100(BF16, 256), 256, 128, False, False)
     with pytest.raises(ValueError):
         FA4Numerics(bwd_tile_m=0)
 
@@ -333,3 +337,62 @@ def test_schedule_is_production_block_range():
     assert got == [(64, 128, 0, 128, 0), (128, 192, 0, 128, 128), (192, 256, 0, 200, 128), (256, 300, 0, 200, 200)]
     got = [(b.i0, b.i1, b.j0, b.j1, b.jn) for b in mb._schedule(plan, 256, 256, False, (32, 16))]
     assert got == [(0, 64, 0, 128, 0), (64, 128, 0, 256, 128), (128, 192, 0, 256, 256), (192, 256, 128, 256, 256)]
+
+
+HD256 = [
+    ("bf16-hd256-causal", BF16, (2, 256, 384, 2, 2), {"causal": True}),
+    ("fp16-hd256-gqa", FP16, (1, 200, 320, 4, 2), {}),
+    ("bf16-hd256-gqa-causal-sq>sk", BF16, (1, 300, 200, 6, 2), {"causal": True}),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,kw", HD256, ids=[c[0] for c in HD256])
+def test_sm100_hd256_dedicated_backward_meets_fa_criterion(name, dtype, shape, kw):
+    """SM100's dedicated head-dim-256 kernels (``bwd_plan(...).hd256``): dS scaled before its
+    cast for dQ, dQ and GQA dK/dV as single MMA chains.  Within FA's criterion against FP64,
+    and visibly a different computation from the generic kernel the environment variable
+    selects (same inputs, some bits differ)."""
+    x = _inputs(dtype, 256, *shape, seed=sum(map(ord, name)))
+    x["dlse"] = torch.zeros_like(x["dlse"])  # the dedicated kernels take no LSE gradient
+    ref = _grads(lambda *a, **k: _attn(*a, torch.float64, **k), x, torch.float64, **kw)
+    pt = _grads(_lowprec(dtype), x, dtype, **kw)
+    q, k, v = x["q"], x["k"], x["v"]
+    nm = FA4Numerics.for_inputs("sm100", q, k, v, kw.get("causal", False))
+    assert bwd_plan(nm, 256, 256, kw.get("causal", False), False).hd256
+    out, lse = attention(q, k, v, return_lse=True, numerics=nm, **kw)
+    got = dict(zip(("dq", "dk", "dv"), attention_backward(q, k, v, out, lse, x["do"], numerics=nm, **kw)))
+    for n in ("dq", "dk", "dv"):
+        err, allowed = fa_bwd_check(got[n], ref[n], pt[n], 0.0)
+        assert torch.isfinite(got[n]).all() and err <= allowed, (n, err, allowed)
+    gen = dataclasses.replace(nm, bwd_hd256_generic=True)
+    other = attention_backward(q, k, v, out, lse, x["do"], numerics=gen, **kw)
+    assert not torch.equal(other[0], got["dq"])  # the scale's place moves dQ's roundings
+
+
+def test_hd256_dq_chain_and_scaled_ds():
+    """``_dq_chain``: one accumulator, each block's exact sum rounded once with it — not a float32
+    sum of rounded block tiles (``_dq_block``, the generic dq_accum)."""
+    plan = mb.BwdPlan(128, 128, 2, 128, 32, False, True)
+    kk = torch.ones(1, 4, 1, dtype=torch.float64)
+    # keys in blocks of 2: 1 + 0, then 2**-24 + 2**-50 (not a float32).  Chained, the exact
+    # 1 + 2**-24 + 2**-50 lies above the midpoint of 1 and 1 + 2**-23: up.  As float32 tiles
+    # added (the generic dq_accum), the second tile rounds to 2**-24 first and 1 + 2**-24 ties
+    # to even: 1.
+    ds = torch.tensor([[[1.0, 0.0, 2.0**-24, 2.0**-50]]], dtype=torch.float64)
+    assert float(mb._dq_chain(ds, kk, plan)) == 1 + 2.0**-23 and float(mb._dq_block(ds, kk, plan)) == 1.0
+
+
+@pytest.mark.parametrize(
+    "kw,why",
+    [({"softcap": 5.0}, "softcap"), ({"window_size": (64, 0)}, "local"), ({"sink": True}, "learnable_sink"),
+     ({"dlse": True}, "LSE")],
+)  # fmt: skip
+def test_hd256_refusals_are_production_s(kw, why):
+    x = _inputs(BF16, 256, 1, 64, 64, 2, 2, seed=12, sink=kw.get("sink", False))
+    q, k, v = x["q"], x["k"], x["v"]
+    nm = FA4Numerics.sm100(BF16, 256)
+    call = {n: w for n, w in kw.items() if n in ("softcap", "window_size")}
+    out, lse = attention(q, k, v, return_lse=True, numerics=nm, learnable_sink=x["sink"], **call)
+    dlse = x["dlse"] if kw.get("dlse") else None
+    with pytest.raises(NotImplementedError, match=why):
+        attention_backward(q, k, v, out, lse, x["do"], dlse=dlse, learnable_sink=x["sink"], numerics=nm, **call)
