@@ -27,23 +27,26 @@ import torch
 __all__ = ["KERNELS", "get_kernel", "portable_spec", "fa4_numerics", "production_arch", "claims_nonfinite_inputs"]
 
 
-def _model(q, k, v, *, return_lse=False, **kw):
-    from fa4.model import attention
+def _model_of(arch: str):
+    """The model with production's ``arch`` numerics for the inputs; ``deterministic`` is
+    production's flag (the backward's semaphore-ordered dQ: ``FA4Numerics.bwd_deterministic``)."""
 
-    return attention(q, k, v, return_lse=return_lse, **kw)
+    def run(q, k, v, *, causal=False, window_size=(None, None), return_lse=False, deterministic=False, **kw):
+        import dataclasses
+
+        from fa4.model import FA4Numerics, attention
+
+        nm = FA4Numerics.for_inputs(arch, q, k, v, causal, window_size)
+        nm = dataclasses.replace(nm, bwd_deterministic=bool(deterministic))
+        return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
+
+    return run
 
 
-def _model_sm90(q, k, v, *, causal=False, window_size=(None, None), return_lse=False, **kw):
-    from fa4.model import FA4Numerics, attention
-
-    nm = FA4Numerics.for_inputs("sm90", q, k, v, causal, window_size)
-    return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
-
-
-def _production(q, k, v, **kw):
+def _production(q, k, v, *, deterministic=False, **kw):
     from fa4.production import flash_attn
 
-    return flash_attn(q, k, v, **kw)
+    return flash_attn(q, k, v, deterministic=deterministic, **kw)
 
 
 def _sdpa(backend: str) -> Callable:
@@ -109,8 +112,8 @@ def _sdpa(backend: str) -> Callable:
 
 KERNELS: dict[str, Callable] = {
     "fa4": _production,
-    "fa4-model": _model,
-    "fa4-model-sm90": _model_sm90,
+    "fa4-model": _model_of("sm100"),
+    "fa4-model-sm90": _model_of("sm90"),
     "sdpa-math": _sdpa("math"),
     "sdpa-flash": _sdpa("flash"),
     "sdpa-efficient": _sdpa("efficient"),

@@ -249,18 +249,22 @@ def flash_attn(
     softcap: float = 0.0,
     learnable_sink=None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ):
     """The audited-callable adapter of production ``flash_attn.cute.flash_attn_func`` (kernel
-    ``fa4``).  A refusal matched by a rule of :data:`REFUSALS` becomes ``NotImplementedError``
-    (verdict ``skipped``); every other exception, ``NotImplementedError`` included, propagates as
-    :class:`ProductionError` (verdict ``error``): an unknown failure is never a skip."""
+    ``fa4``); ``deterministic`` is its flag (the backward's semaphore-ordered dQ).  A refusal
+    matched by a rule of :data:`REFUSALS` becomes ``NotImplementedError`` (verdict ``skipped``);
+    every other exception, ``NotImplementedError`` included, propagates as
+    :class:`ProductionError` (verdict ``error``): an unknown failure is never a skip.  (Errors in
+    the backward are raised by ``torch.autograd.grad``, outside this call: the runner maps them
+    through the same rules, ``audits.runner.backward``.)"""
     require_production()
     from flash_attn.cute import flash_attn_func
 
     try:
         out, lse = flash_attn_func(
             q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-            softcap=softcap, learnable_sink=learnable_sink, return_lse=return_lse,
+            softcap=softcap, learnable_sink=learnable_sink, return_lse=return_lse, deterministic=deterministic,
         )  # fmt: skip
     except Exception as exc:
         rule = refusal_of(exc)

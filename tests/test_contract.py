@@ -190,7 +190,7 @@ def test_the_production_kernel_without_its_package_is_exit_2(capsys, tmp_path):
     "content,message",
     [
         ("{not json", "not a readable JSON report"),
-        ('{"schema": "fa4-audit/report/0"}', "schema 'fa4-audit/report/0' is not fa4-audit/report/1"),
+        ('{"schema": "fa4-audit/report/0"}', "'fa4-audit/report/0' is not one of fa4-audit/report/2"),
         ('{"schema": "fa4-audit/report/1", "kernel": "k"}', "field 'suite' must be a str"),
         ("[1, 2]", "not a report"),
     ],

@@ -22,3 +22,23 @@ def test_fixture_passes_a_correct_kernel_and_fails_a_bugged_one(pytester, monkey
     result.stdout.fnmatch_lines(
         ["*fa4-audit: tests.bugged_kernels:bug_lse_log2 fails 1 case(s) of suite smoke*", "*LSE*"]
     )
+
+
+def test_fixture_audits_gradients_with_backward(pytester, monkeypatch):
+    """``fa4_audit(..., backward=True)``: a kernel with a wrong dQ fails on dQ, the model passes."""
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]))
+    pytester.makepyfile(
+        """
+        def test_good(fa4_audit):
+            rep = fa4_audit("fa4-model", case="*uniform*", backward=True)
+            assert rep["cases"][0]["backward"]["status"] == "ran"
+
+        def test_bad(fa4_audit):
+            fa4_audit("tests.fake_kernels:dq_doubled", case="*uniform*", backward=True)
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*dq_doubled fails 1 case(s)*", "*FA criterion: max|dq - ref|*", "*--backward*"])

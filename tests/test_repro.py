@@ -108,3 +108,19 @@ def test_the_fixture_failure_message_has_a_reproducer_that_runs(pytester, monkey
 
 
 pytest_plugins = ["pytester"]
+
+
+def test_the_backward_fuzz_reproducer_runs(tmp_path):
+    """``fuzz --backward`` on a kernel whose dQ is doubled: the shrunk case fails on dQ and its
+    reproducer (with ``--backward``) fails the same way from another directory."""
+    argv = ["fuzz", "--kernel", "tests.fake_kernels:dq_doubled", "--budget", "5", "--max-seqlen", "64", "--backward"]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        rc = cli.main([*argv, "--database", str(tmp_path / "db"), "--seed", "1", "--out", str(tmp_path / "f")])
+    finally:
+        os.chdir(cwd)
+    assert rc == 1
+    f = json.loads((tmp_path / "f" / "fuzz.json").read_text())["failure"]
+    assert "--backward" in f["repro"] and any("dq" in r for r in f["reasons"])
+    assert_reproduces(f["repro"], tmp_path, case=f["name"], why="dq")

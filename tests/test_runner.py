@@ -30,7 +30,7 @@ def report(out):
 def test_fa4_model_passes_smoke(tmp_path):
     assert run("--kernel", "fa4-model", "--suite", "smoke", "--out", str(tmp_path)) == 0
     rep = report(tmp_path)
-    assert rep["schema"] == "fa4-audit/report/1" and rep["summary"]["cases"] == len(smoke_suite())
+    assert rep["schema"] == "fa4-audit/report/2" and rep["summary"]["cases"] == len(smoke_suite())
     assert rep["summary"]["verdicts"]["fail"] == 0 and rep["summary"]["verdicts"]["error"] == 0
     assert all(c["bound"]["violations"] == 0 for c in rep["cases"] if "bound" in c)
     assert (tmp_path / "report.md").read_text().startswith("# fa4-audit: fa4-model on suite smoke")

@@ -106,6 +106,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             c = case_cells(r)
             print(f"{r['verdict']:13s} {r['case']}")
             print(f"{'':13s} max abs err {c['max_abs']}, LSE err {c['lse']}, err/bound {c['tightness']}")
+            if r.get("backward"):
+                print(f"{'':13s} gradients {c['grads']}, err/bound {c['grad_tightness']}, run to run {c['spread']}")
             if c["reasons"]:
                 print(f"{'':13s} {c['reasons']}")
         return EXIT_OK
@@ -113,11 +115,14 @@ def cmd_show(args: argparse.Namespace) -> int:
     t.add_column(
         "case", no_wrap=True, overflow="ignore", min_width=max((len(r["case"]) for r in rep["cases"]), default=4)
     )
-    for col in ("verdict", "max abs err", "LSE err", "err/bound", "reasons"):
+    bwd = any(r.get("backward") for r in rep["cases"])
+    cols = ("verdict", "max abs err", "LSE err", "err/bound") + (("gradients", "grad err/bound") if bwd else ())
+    for col in (*cols, "reasons"):
         t.add_column(col, overflow="fold")
     for r in rep["cases"]:
         c = case_cells(r)
-        t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], c["reasons"])
+        grads = (c["grads"], c["grad_tightness"]) if bwd else ()
+        t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], *grads, c["reasons"])
     console.print(t, crop=False)
     return EXIT_OK
 
@@ -133,12 +138,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
             print(f"{'only in cand' if x is None else 'only in base'}: {(x or y)['case']}")
             changed += 1
             continue
-        ex, ey = (x.get("out") or {}).get("max_abs"), (y.get("out") or {}).get("max_abs")
-        moved = ex is not None and ey is not None and (ex != ey)
-        if x["verdict"] != y["verdict"] or moved:
+        moves = []
+        for name, get in [("out", lambda c: (c.get("out") or {}).get("max_abs"))] + [
+            (n, lambda c, n=n: (((c.get("backward") or {}).get("grads") or {}).get(n) or {}).get("max_abs"))
+            for n in ("dq", "dk", "dv", "dsink")
+        ]:
+            ex, ey = get(x), get(y)
+            if ex is not None and ey is not None and ex != ey:
+                moves.append(f"{'max |err|' if name == 'out' else name} {ex:.3g} -> {ey:.3g}")
+        if x["verdict"] != y["verdict"] or moves:
             changed += 1
-            err = f"max |err| {ex:.3g} -> {ey:.3g}" if moved else ""
-            print(f"{y['case']}: {x['verdict']} -> {y['verdict']} {err}")
+            print(f"{y['case']}: {x['verdict']} -> {y['verdict']} {', '.join(moves)}".rstrip())
     shared = len(set(ca) & set(cb))
     print(f"{changed} of {len(set(ca) | set(cb))} cases differ; {shared} matched")
     return EXIT_OK
@@ -215,9 +225,19 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     if args.budget <= 0 or args.max_seqlen <= 0:
         raise UsageError(f"--budget and --max-seqlen must be positive, got {args.budget}, {args.max_seqlen}")
     device = _device(args.device)
+    backward = None
+    if args.backward:
+        from audits.runner.backward import BackwardOptions
+        from audits.runner.gate import ThresholdsError, require_backward
+
+        try:
+            require_backward(th)
+        except ThresholdsError as exc:
+            raise UsageError(str(exc)) from exc
+        backward = BackwardOptions(repeat=2)
     res = fuzz(
         args.kernel, budget=args.budget, device=device, thresholds=th, database=args.database,
-        max_seqlen=args.max_seqlen, seed=args.seed,
+        max_seqlen=args.max_seqlen, seed=args.seed, backward=backward,
     )  # fmt: skip
     atomic_write(Path(args.out) / "fuzz.json", json.dumps(res, indent=1) + "\n")
     print(f"{res['examples']} examples; largest error/bound {res['best_tightness']} ({res['best_case']})")
@@ -260,6 +280,7 @@ def register(sub) -> None:
     fz.add_argument("--max-seqlen", type=int, default=512)
     fz.add_argument("--database", default=".hypothesis/fa4-audit", help="Hypothesis example database")
     fz.add_argument("--thresholds", default=None)
+    fz.add_argument("--backward", action="store_true", help="audit the gradients too (as run --backward, 2 repeats)")
     fz.add_argument("--seed", type=int, default=None, help="a fixed search (the database is then not used)")
     fz.add_argument("--out", default="reports/fuzz-latest")
     fz.set_defaults(func=cmd_fuzz)

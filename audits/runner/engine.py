@@ -24,7 +24,7 @@ from audits.cases import Case
 from audits.inputs import make_grad_output, make_inputs
 from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel
 from audits.runner import journal
-from audits.runner.backward import BackwardOptions, analyse_backward, grad_call
+from audits.runner.backward import BackwardOptions, _references, analyse_backward, grad_call
 from audits.runner.gate import judge
 from audits.runner.repro import reproducer
 from numerics.forward_bound import forward_error_bound
@@ -222,6 +222,7 @@ def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.devi
     try:
         b.update(analyse_backward(nm, x, do, res, case))
     except torch.OutOfMemoryError as exc:
+        _references.cache_clear()
         torch.cuda.empty_cache()
         b.update(status="error", reason=f"the audit's FP64 gradients ran out of GPU memory: {str(exc).splitlines()[0]}")
     return b

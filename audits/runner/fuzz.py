@@ -76,9 +76,12 @@ def fuzz(
     database: str | Path,
     max_seqlen: int = 512,
     seed: int | None = None,
+    backward=None,
 ) -> dict:
     """Search for a failing case; returns {examples, best_tightness, best_case, failure}.  A
-    failure is the minimal case Hypothesis shrank to, with its verdict's reasons."""
+    failure is the minimal case Hypothesis shrank to, with its verdict's reasons.  ``backward``
+    (``audits.runner.backward.BackwardOptions``): audit the gradients too, and climb toward the
+    largest error/bound over the output and the gradients."""
     from audits.kernels import get_kernel
     from audits.runner.engine import evaluate_case
 
@@ -94,9 +97,11 @@ def fuzz(
     )
     @given(cases(max_seqlen=max_seqlen))
     def prop(case: Case) -> None:
-        rec = evaluate_case(kernel, fn, case, device, thresholds)
+        rec = evaluate_case(kernel, fn, case, device, thresholds, backward)
         state["examples"] += 1
-        tight = (rec.get("bound") or {}).get("tightness")
+        grads = ((rec.get("backward") or {}).get("grads") or {}).values()
+        tights = [(rec.get("bound") or {}).get("tightness")] + [(g.get("bound") or {}).get("tightness") for g in grads]
+        tight = max((t for t in tights if t is not None), default=None)
         if tight is not None:
             target(tight, label="error / bound")
             if tight > state["best"][0]:
@@ -117,7 +122,13 @@ def fuzz(
             "name": case.name,
             "verdict": rec["verdict"],
             "reasons": rec["reasons"],
-            "repro": reproducer(kernel, case, device=torch.device(device).type, thresholds_path=thresholds.get("path")),
+            "repro": reproducer(
+                kernel,
+                case,
+                device=torch.device(device).type,
+                thresholds_path=thresholds.get("path"),
+                backward=backward,
+            ),  # fmt: skip
         }
     best_t, best_c = state["best"]
     return {

@@ -268,8 +268,12 @@ def judge_against_baseline(m: dict, base: dict, th: dict) -> list[str]:
         return []
     r = th["baseline"]["max_ratio"]
     out = []
-    for key, label in (("out", "max |out - ref|"), ("lse", "LSE max |err|")):
-        a, b = (m.get(key) or {}).get("max_abs"), (base.get(key) or {}).get("max_abs")
+    grads = lambda c: (c.get("backward") or {}).get("grads") or {}  # noqa: E731
+    pairs = [((m.get(key) or {}).get("max_abs"), (base.get(key) or {}).get("max_abs"), label)
+             for key, label in (("out", "max |out - ref|"), ("lse", "LSE max |err|"))]  # fmt: skip
+    pairs += [((grads(m).get(n) or {}).get("max_abs"), (grads(base).get(n) or {}).get("max_abs"), f"max |{n} - ref|")
+              for n in ("dq", "dk", "dv", "dsink")]  # fmt: skip
+    for a, b, label in pairs:
         if a is not None and b is not None and a > r * b and a > 0:
             out.append(f"{label} {a:.3g} > {r:g} x baseline {b:.3g}")
     return out

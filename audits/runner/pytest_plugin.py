@@ -20,7 +20,8 @@ __all__ = ["fa4_audit"]
 @pytest.fixture
 def fa4_audit(tmp_path):
     """Callable ``(kernel, *, suite="smoke", case="*", device="cpu", thresholds=None,
-    isolate=False) -> report dict``; fails the calling test when any case fails."""
+    isolate=False, backward=False, repeat=2, deterministic=False) -> report dict``; fails the
+    calling test when any case fails.  ``backward``: audit the gradients too (``run --backward``)."""
     import torch
 
     from audits.cases import suite as get_suite
@@ -36,13 +37,20 @@ def fa4_audit(tmp_path):
         device: str = "cpu",
         thresholds=None,
         isolate: bool = False,
+        backward: bool = False,
+        repeat: int = 2,
+        deterministic: bool = False,
     ) -> dict:
+        from audits.runner.backward import BackwardOptions
+
         cases = [c for c in get_suite(suite) if fnmatch.fnmatch(c.name, case)]
         th = load_thresholds(thresholds)
         out = tmp_path / f"fa4-audit-{suite}"
+        bwd = BackwardOptions(repeat=repeat, deterministic=deterministic) if backward else None
         records = run_suite(
-            kernel, cases, device=torch.device(device), out_dir=out, thresholds=th, suite=suite, isolate=isolate
-        )
+            kernel, cases, device=torch.device(device), out_dir=out, thresholds=th, suite=suite, isolate=isolate,
+            backward=bwd,
+        )  # fmt: skip
         rep = build_report(
             kernel=kernel,
             suite=suite,

@@ -1,4 +1,4 @@
-"""The audit report: JSON (schema ``fa4-audit/report/1``, docs/design.md), Markdown, JUnit XML
+"""The audit report: JSON (schema ``fa4-audit/report/2``, docs/design.md), Markdown, JUnit XML
 (HTML: ``report_html``), and its validation when read back."""
 
 from __future__ import annotations
@@ -7,11 +7,14 @@ import json
 from pathlib import Path
 
 from audits.common import atomic_write
-from audits.runner.report_html import case_cells, render_html
+from audits.runner.report_html import case_cells, grad_cells, render_html
 
 __all__ = ["SCHEMA", "build_report", "write_report", "exit_code", "summary_line", "validate_report", "ReportError"]
 
-SCHEMA = "fa4-audit/report/1"
+SCHEMA = "fa4-audit/report/2"
+#: schemas ``validate_report`` reads: 2 adds the gradients of ``run --backward`` (a case's
+#: ``backward``, the summary's ``backward``); a version-1 report is a version-2 report without them
+READABLE = (SCHEMA, "fa4-audit/report/1")
 VERDICTS = ("pass", "warn", "fail", "error", "crash", "skipped", "out-of-domain")
 MD_ALL_CASES = 200  # report.md lists every case up to this many
 
@@ -62,9 +65,34 @@ def build_report(
                 "lse_max_abs": _worst(records, ("lse", "max_abs")),
                 "bound_tightness": _worst(records, ("bound", "tightness")),
             },
+            "backward": _backward_summary(records),
         },
         "cases": records,
     }
+
+
+def _backward_summary(records: list[dict]) -> dict | None:
+    """What ``run --backward`` adds to the summary (None without it): cases whose gradients ran,
+    per gradient the worst max |err| and err/bound, and the run-to-run spread over all cases
+    (elements differing between backward runs on the same inputs, worst ULP distance)."""
+    bs = [(r["case"], r["backward"]) for r in records if r.get("backward")]
+    if not bs:
+        return None
+    out = {"cases": len(bs), "ran": sum(b["status"] == "ran" for _, b in bs), "grads": {}}
+    for n in ("dq", "dk", "dv", "dsink"):
+        have = [(c, b["grads"][n]) for c, b in bs if n in (b.get("grads") or {})]
+        if not have:
+            continue
+        worst = max(have, key=lambda t: t[1]["max_abs"])
+        tight = [(c, g["bound"]["tightness"]) for c, g in have if g.get("bound")]
+        sp = [b["spread"][n] for _, b in bs if n in (b.get("spread") or {})]
+        out["grads"][n] = {
+            "max_abs": {"value": worst[1]["max_abs"], "case": worst[0]},
+            "bound_tightness": None if not tight else dict(zip(("case", "value"), max(tight, key=lambda t: t[1]))),
+            "spread_elements": sum(x["differing"] for x in sp),
+            "spread_max_ulp": max((x["max_ulp"] for x in sp), default=0),
+        }
+    return out
 
 
 def exit_code(report: dict) -> int:
@@ -100,8 +128,8 @@ def validate_report(rep, where: str) -> dict:
     every case), else :class:`ReportError` naming ``where``, the field and what was expected."""
     if not isinstance(rep, dict):
         raise ReportError(f"{where}: not a report (a JSON {type(rep).__name__}, expected an object)")
-    if rep.get("schema") != SCHEMA:
-        raise ReportError(f"{where}: schema {rep.get('schema')!r} is not {SCHEMA}")
+    if rep.get("schema") not in READABLE:
+        raise ReportError(f"{where}: schema {rep.get('schema')!r} is not one of {', '.join(READABLE)}")
     for key, typ in _TOP.items():
         if not isinstance(rep.get(key), typ):
             raise ReportError(f"{where}: field {key!r} must be a {typ.__name__}, got {type(rep.get(key)).__name__}")
@@ -152,6 +180,12 @@ def _markdown(rep: dict) -> str:
         c = case_cells(r)
         cells = (r["case"], r["verdict"], c["max_abs"], c["rel_l2"], c["lse"], c["tightness"], f"{r['seconds']:.2f}")
         L.append("| " + " | ".join((*cells, c["reasons"])) + " |")
+    if any(r.get("backward") for r in rows):
+        L += ["", "## Gradients (--backward)", "", "| case | verdict | max \\|grad - ref\\| | err/bound | run to run |",
+              "|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            g = grad_cells(r)
+            L.append(f"| {r['case']} | {r['verdict']} | {g['grads']} | {g['grad_tightness']} | {g['spread']} |")
     fails = [r for r in rep["cases"] if r["verdict"] in ("fail", "error", "crash")]
     if fails:
         L += ["", "## Reproduce", ""]

@@ -9,7 +9,7 @@ import io
 import math
 from collections import defaultdict
 
-__all__ = ["render_html", "case_cells"]
+__all__ = ["render_html", "case_cells", "grad_cells"]
 
 _CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em}
@@ -29,6 +29,26 @@ def case_cells(r: dict) -> dict[str, str]:
         "lse": f(lse, "max_abs"),
         "tightness": f(b, "tightness"),
         "reasons": "; ".join(x for x in r["reasons"] if x),
+        **grad_cells(r),
+    }
+
+
+def grad_cells(r: dict) -> dict[str, str]:
+    """The backward figures (``run --backward``): per gradient max |err| against FP64, the worst
+    error/bound over the gradients, and the run-to-run spread (elements differing, worst ULPs);
+    "—" where the case had no backward audited."""
+    b = r.get("backward") or {}
+    grads = b.get("grads") or {}
+    if not grads:
+        return {"grads": "—" if not b else b.get("status", "—"), "grad_tightness": "—", "spread": "—"}
+    tight = [g["bound"]["tightness"] for g in grads.values() if g.get("bound")]
+    spread = [
+        f"{n} {s['differing']} ({s['max_ulp']} ULP)" for n, s in (b.get("spread") or {}).items() if s["differing"]
+    ]
+    return {
+        "grads": " · ".join(f"{n} {g['max_abs']:.3g}" for n, g in grads.items()),
+        "grad_tightness": f"{max(tight):.3g}" if tight else "—",
+        "spread": ", ".join(spread) if spread else ("0" if b.get("spread") else "—"),
     }
 
 
@@ -120,6 +140,15 @@ def render_html(rep: dict, summary_line: str) -> str:
         + "</table>",
         "<h2>Errors</h2>" + _plots(cases),
     ]
+    if any(c.get("backward") for c in cases):
+        head = "".join(f"<th>{x}</th>" for x in ("case", "verdict", "max |grad - ref|", "err/bound", "run to run"))
+        rows = "".join(
+            f"<tr class='{c['verdict']}'><td>{html.escape(c['case'])}</td><td>{c['verdict']}</td>"
+            + "".join(f"<td>{html.escape(g[k])}</td>" for k in ("grads", "grad_tightness", "spread"))
+            + "</tr>"
+            for c, g in ((c, grad_cells(c)) for c in cases)
+        )
+        parts.append(f"<h2>Gradients (--backward)</h2><table><tr>{head}</tr>{rows}</table>")
     groups = defaultdict(list)
     for c in cases:
         groups[(c["config"]["dtype"], c["config"]["d"])].append(c)

@@ -41,6 +41,14 @@ def _max(xs):
     return max(xs) if xs else None
 
 
+def _grads(cases: list[dict]):
+    """Every gradient record of the cases whose backward ran within the kernel's domain."""
+    for c in cases:
+        b = c.get("backward") or {}
+        if not b.get("out_of_domain"):
+            yield from (b.get("grads") or {}).values()
+
+
 def summary_rows(reports: list[dict], by: tuple[str, ...], labels: list[str] | None = None) -> list[dict]:
     """One row per (group, report), groups in first-seen order, reports in the given order:
     each report keeps its own rows even when two audit the same kernel (``labels`` tell them
@@ -80,6 +88,8 @@ def summary_rows(reports: list[dict], by: tuple[str, ...], labels: list[str] | N
                         else None
                         for c in ran
                     ),
+                    "grad_max_abs": _max(g["max_abs"] for g in _grads(ran)),
+                    "grad_tightness": _max((g.get("bound") or {}).get("tightness") for g in _grads(ran)),
                     "verdicts": verdicts,
                 }
             )
@@ -88,12 +98,16 @@ def summary_rows(reports: list[dict], by: tuple[str, ...], labels: list[str] | N
 
 def summary_markdown(reports: list[dict], by: tuple[str, ...], labels: list[str] | None = None) -> str:
     f = lambda x: "—" if x is None else f"{x:.3g}"  # noqa: E731
+    bwd = any(c.get("backward") for rep in reports for c in rep["cases"])
     head = (" / ".join(by), "kernel", "cases", "finite, in domain", "worst \\|out-ref\\|", "worst rel L2",
-            "worst \\|LSE-ref\\|", "max err/bound", "max err / PyTorch low-prec err", "verdicts")  # fmt: skip
-    L = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            "worst \\|LSE-ref\\|", "max err/bound", "max err / PyTorch low-prec err")  # fmt: skip
+    head += ("worst \\|grad-ref\\|", "max grad err/bound") if bwd else ()
+    keys = ("out_max_abs", "rel_l2", "lse_max_abs", "tightness", "vs_lowprec")
+    keys += ("grad_max_abs", "grad_tightness") if bwd else ()
+    L = ["| " + " | ".join((*head, "verdicts")) + " |", "|" + "---|" * (len(head) + 1)]
     for r in summary_rows(reports, by, labels):
         v = ", ".join(f"{k} {n}" for k, n in sorted(r["verdicts"].items()))
-        figures = [f(r[k]) for k in ("out_max_abs", "rel_l2", "lse_max_abs", "tightness", "vs_lowprec")]
+        figures = [f(r[k]) for k in keys]
         L.append("| " + " | ".join([r["group"], r["kernel"], str(r["cases"]), str(r["judged"]), *figures, v]) + " |")
     return "\n".join(L) + "\n"
 

@@ -1,0 +1,127 @@
+"""``fa4-audit run --backward``: the gradients in the case records and every report view, the
+verdicts a missing or wrong backward gets, the options' usage errors, resume safety, the
+reproducer of a failing gradient, the baseline gate on gradients, and report schema 1 still read."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from audits import cli
+from audits.runner.gate import judge_against_baseline, load_thresholds
+from audits.runner.report import ReportError, validate_report
+from tests.test_repro import execute
+
+CFG = {"dtype": "bfloat16", "d": 64, "dv": 64, "heads_q": 4, "heads_kv": 2, "seqlen_q": 96, "seqlen_k": 160}
+CASES = [
+    json.dumps({**CFG, "causal": True}),
+    json.dumps({**CFG, "dtype": "float16", "sink": True, "family": "tile_step_4"}),  # dO outliers
+]
+FAKE = "tests/fake_kernels.py"
+
+
+def _run(tmp_path, *argv, name="out"):
+    out = tmp_path / name
+    args = ["run", *argv, "--device", "cpu", "--out", str(out), "--quiet"]
+    return cli.main(args), out
+
+
+def _cfgs(cases=CASES):
+    return [a for c in cases for a in ("--config", c)]
+
+
+def test_model_gradients_in_records_and_every_report_view(tmp_path, capsys):
+    rc, out = _run(tmp_path, "--kernel", "fa4-model", *_cfgs(), "--backward")
+    assert rc == 0, capsys.readouterr()
+    rep = validate_report(json.loads((out / "report.json").read_text()), "report")
+    assert rep["schema"] == "fa4-audit/report/2"
+    for c in rep["cases"]:
+        b = c["backward"]
+        assert c["verdict"] == "pass" and b["status"] == "ran" and b["repeat"] == 2 and not b["deterministic"]
+        want = {"dq", "dk", "dv"} | ({"dsink"} if c["config"]["sink"] else set())
+        assert set(b["grads"]) == want and b["missing"] == [] and b["bound_kind"] == "fa4"
+        for g in b["grads"].values():
+            assert g["bound"]["violations"] == 0 and 0 < g["bound"]["tightness"] < 1
+            assert g["fa_criterion"]["max_abs"] == g["max_abs"]
+        assert b["zeros"]["dk_unseen_nonzero"] == b["zeros"]["dq_empty_nonzero"] == 0
+        assert all(s["differing"] == 0 for s in b["spread"].values())  # the model is deterministic
+        assert 0 <= b["certified"]["dq"] < 1e-12
+    assert rep["summary"]["backward"]["ran"] == 2 and set(rep["summary"]["backward"]["grads"]) >= {"dq", "dsink"}
+    md = (out / "report.md").read_text()
+    assert "## Gradients (--backward)" in md and "dq " in md.split("## Gradients")[1]
+    assert "Gradients (--backward)" in (out / "report.html").read_text()
+    ET.parse(out / "report.junit.xml")
+    assert cli.main(["show", str(out / "report.json")]) == 0
+    assert "gradients dq" in capsys.readouterr().out
+
+
+def test_kernel_without_autograd_is_skipped_and_a_run_checking_nothing_fails(tmp_path, capsys):
+    rc, out = _run(tmp_path, "--kernel", f"{FAKE}:forward_only", *_cfgs(CASES[:1]), "--backward")
+    assert rc == 1
+    (c,) = json.loads((out / "report.json").read_text())["cases"]
+    assert c["verdict"] == "skipped" and "carries no autograd graph" in c["reasons"][-1]
+    assert c["out"]["max_abs"] < 0.01  # the forward was still measured
+    assert "nothing was audited" in capsys.readouterr().err
+
+
+def test_wrong_dq_fails_for_that_gradient_and_its_reproducer_runs(tmp_path, capsys):
+    rc, out = _run(tmp_path, "--kernel", f"{FAKE}:dq_doubled", *_cfgs(CASES[:1]), "--backward", "--repeat", "3")
+    assert rc == 1
+    (c,) = json.loads((out / "report.json").read_text())["cases"]
+    why = " ".join(c["reasons"])
+    assert c["verdict"] == "fail" and "FA criterion: max|dq - ref|" in why and "dk" not in why and "dv" not in why
+    assert c["backward"]["repeat"] == 3 and "--backward --repeat 3" in c["repro"]
+    assert f"reproduce: {c['repro']}" in capsys.readouterr().out
+    p = execute(c["repro"], tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    (again,) = json.loads((tmp_path / "fa4-audit-repro" / "report.json").read_text())["cases"]
+    assert again["case"] == c["case"] and "FA criterion: max|dq - ref|" in " ".join(again["reasons"])
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--repeat", "3"], "--repeat and --deterministic apply to gradients: add --backward"),
+        (["--deterministic"], "--repeat and --deterministic apply to gradients: add --backward"),
+        (["--backward", "--repeat", "0"], "expected a number of backward runs >= 1"),
+        (["--backward", "--deterministic", "--repeat", "1"], "--deterministic compares backward runs"),
+    ],
+)
+def test_backward_options_usage_errors(tmp_path, capsys, extra, message):
+    rc, _ = _run(tmp_path, "--kernel", "fa4-model", *_cfgs(CASES[:1]), *extra)
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_backward_needs_backward_thresholds(tmp_path, capsys):
+    text = (load_thresholds()["path"] and open(load_thresholds()["path"]).read()).split("# ---- The backward")[0]
+    th = tmp_path / "forward_only.toml"
+    th.write_text(text)
+    rc, _ = _run(tmp_path, "--kernel", "fa4-model", *_cfgs(CASES[:1]), "--thresholds", str(th))
+    assert rc == 0  # a forward run does not need them
+    rc, _ = _run(tmp_path, "--kernel", "fa4-model", *_cfgs(CASES[:1]), "--thresholds", str(th), "--backward", name="b")
+    assert rc == 2 and "no [backward] table, which --backward needs" in capsys.readouterr().err
+
+
+def test_resume_does_not_mix_forward_and_backward_runs(tmp_path, capsys):
+    rc, out = _run(tmp_path, "--kernel", "fa4-model", *_cfgs(CASES[:1]))
+    assert rc == 0
+    rc = cli.main(["run", "--kernel", "fa4-model", *_cfgs(CASES[:1]), "--device", "cpu", "--out", str(out),
+                   "--quiet", "--resume", "--backward"])  # fmt: skip
+    assert rc == 2 and "--resume refused" in capsys.readouterr().err
+
+
+def test_baseline_gate_covers_each_gradient():
+    th = load_thresholds()
+    base = {"status": "ran", "out": {"max_abs": 1e-3}, "backward": {"grads": {"dq": {"max_abs": 1e-3}}}}
+    same = {"status": "ran", "out": {"max_abs": 1e-3}, "backward": {"grads": {"dq": {"max_abs": 1.2e-3}}}}
+    worse = {"status": "ran", "out": {"max_abs": 1e-3}, "backward": {"grads": {"dq": {"max_abs": 2e-3}}}}
+    assert judge_against_baseline(same, base, th) == []
+    assert judge_against_baseline(worse, base, th) == ["max |dq - ref| 0.002 > 1.25 x baseline 0.001"]
+
+
+def test_schema_1_reports_are_still_read(tmp_path):
+    rc, out = _run(tmp_path, "--kernel", "fa4-model", *_cfgs(CASES[:1]))
+    rep = json.loads((out / "report.json").read_text())
+    validate_report({**rep, "schema": "fa4-audit/report/1"}, "old")
+    with pytest.raises(ReportError, match="is not one of fa4-audit/report/2, fa4-audit/report/1"):
+        validate_report({**rep, "schema": "fa4-audit/report/3"}, "new")
