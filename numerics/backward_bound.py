@@ -76,6 +76,7 @@ FP64 reference LSE (its float64 error ~|lse| 1e-16, against the u |lse^| term ke
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -123,6 +124,158 @@ def _finish(e, n, shape_perm):
     return e.permute(*shape_perm).contiguous()
 
 
+#: float64 bytes of (batch, heads_q, rows, seqlen_k) intermediates one row chunk may hold; about
+#: 16 such tensors are alive at once
+CHUNK_BUDGET = 2**31
+_LIVE = 16
+
+
+@dataclass(frozen=True)
+class _Consts:
+    """Scalars of one bound evaluation: scale (exact and as the kernel's float32), softcap,
+    log2 e (both), the input and dS formats, the GQA group size."""
+
+    scale: float
+    scale32: float
+    softcap: float
+    l2e: float
+    l2e32: float
+    fmt_in: object
+    fmt_ds: object
+    g: int
+
+    @classmethod
+    def of(cls, q, k, v, nm, softmax_scale, softcap) -> _Consts:
+        d = q.shape[-1]
+        scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+        l2e = math.log2(math.e)
+        fmt_ds = format_of(getattr(nm, "ds_dtype", None) or q.dtype)
+        return cls(scale, _f32(scale), float(softcap or 0.0), l2e, _f32(l2e), format_of(q.dtype), fmt_ds,
+                   q.shape[2] // k.shape[2])  # fmt: skip
+
+    def scaled(self, e_acc, exact):
+        """Step 6: the FMUL by the float32 scale on an accumulator with error ``e_acc``, then the
+        output cast; ``exact``: the exact gradient."""
+        exact_abs = exact.double().abs()
+        a_abs = exact_abs / self.scale
+        e = self.scale32 * e_acc + abs(self.scale32 - self.scale) * a_abs + _U * self.scale32 * (a_abs + e_acc)
+        return _cast(e, exact_abs, self.fmt_in)
+
+
+def _row_terms(q, do, out, lse, dlse, reference, c: _Consts) -> dict:
+    """Per (batch, head, row): step 1a's LSE terms and step 2's D' with its error parts."""
+    lse_ex, lse_k = reference["lse"].double(), lse.double()  # (b, h, i)
+    dl = (lse_k - lse_ex).abs()
+    dl = torch.where(lse_k == lse_ex, torch.zeros_like(dl), _nan_to_inf(dl))
+    lse_k_abs = torch.where(torch.isinf(lse_k) & (lse_k < 0), torch.zeros_like(lse_k), lse_k.abs())
+    o_ex, out64, do64 = reference["out"].double(), out.double(), do.double()
+    dvd = do.shape[-1]
+    delta = ((out64 - o_ex) * do64).sum(-1).permute(0, 2, 1)  # signed, measured
+    r_d = (_gamma(dvd) * (out64.abs() * do64.abs()).sum(-1) + dvd * _TINY).permute(0, 2, 1)
+    dprime = (o_ex * do64).sum(-1).permute(0, 2, 1)
+    if dlse is not None:
+        dprime = dprime - dlse.double()
+    r_d = r_d + _U * (dprime.abs() + delta.abs() + r_d)  # rounding part of D'^ - D' (delta excluded)
+    e_lse = (dl * c.l2e + lse_k_abs * (abs(c.l2e32 - c.l2e) + _U * c.l2e32) * (1 + _U)).unsqueeze(-1)
+    return {"lse_ex": lse_ex, "lse_k": lse_k, "dl": dl, "e_lse": e_lse, "delta": delta, "r_d": r_d,
+            "dprime": dprime, "e_d": delta.abs() + r_d}  # fmt: skip
+
+
+def _p_ds(qc, k, v, doc, vis, rw: dict, c: _Consts):
+    """Steps 1 and 3-4 on a chunk of query rows: (P, its cast error eP~, |dS|, its cast error
+    eDS~), each (b, h, rows, sk)."""
+    zero = torch.zeros((), dtype=torch.float64, device=qc.device)
+    dot, e_dot, v64 = _dot_products(qc, k, v)
+    _sl2, d_sl2, base, e_score = _step1_score(dot, e_dot, c.scale, c.scale32, c.softcap, c.l2e)
+    s_nat = c.softcap * torch.tanh(dot * c.scale / c.softcap) if c.softcap > 0 else dot * c.scale
+    log2p = torch.where(vis, (s_nat - rw["lse_ex"].unsqueeze(-1)) * c.l2e, -math.inf)
+    p = torch.where(vis, torch.exp2(log2p), zero)
+    e1 = e_score + base.abs() * d_sl2 + rw["e_lse"]
+    e_exp = torch.where(vis, e1 + _U * (log2p.abs() + e1), zero)
+    ep = _ex2_err(p, log2p, e_exp, vis)
+    ep_t = torch.where(vis, ep + c.fmt_in.unit_roundoff * (p + ep) + c.fmt_in.smallest_subnormal / 2, zero)
+    do64 = doc.double()
+    dvd = do64.shape[-1]
+    dp = torch.einsum("bihc,bjhc->bhij", do64, v64)
+    e_dp = _gamma(dvd) * torch.einsum("bihc,bjhc->bhij", do64.abs(), v64.abs()) + dvd * _TINY
+    x = dp - rw["dprime"].unsqueeze(-1)
+    ex = e_dp + rw["e_d"].unsqueeze(-1)
+    ex = ex + _U * (x.abs() + ex)
+    ds = torch.where(vis, p * x, zero)
+    e_ds = ep * (x.abs() + ex) + p * ex + _U * (p + ep) * (x.abs() + ex) + _TINY
+    if c.softcap > 0:
+        f, ef = _softcap_factor(dot, e_dot, c.scale, c.scale32, c.softcap)
+        e_ds = e_ds * (f + ef) + ds.abs() * ef + _U * (ds.abs() + e_ds) * (f + ef) + _TINY
+        ds = ds * f
+    e_ds = torch.where(vis, e_ds, zero)
+    e_ds_t = torch.where(vis, _cast(e_ds, ds.abs(), c.fmt_ds), zero)
+    e_ds_t = torch.where(ds.abs() + e_ds > c.fmt_ds.max, torch.full_like(e_ds_t, math.inf), e_ds_t)
+    return p, ep_t, ds.abs(), e_ds_t
+
+
+def _accumulate(q, k, v, do, causal, window, reference, rw: dict, c: _Consts, nm) -> dict:
+    """Steps 1-6's sums over query-row chunks (``CHUNK_BUDGET``): dV's and dK's two error sums
+    per key, accumulated over the chunks, and dQ's accumulator error per row."""
+    from numerics.reference import visible_mask
+
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    dev = q.device
+    vis_all = visible_mask(sq, sk, causal=causal, window_size=window, device=dev)
+    k64 = k.double().repeat_interleave(c.g, dim=2)
+    ak = k64.abs()
+    f64 = dict(dtype=torch.float64, device=dev)
+    acc = {n: torch.zeros(b, sk, hq, w, **f64) for n, w in (("v1", v.shape[-1]), ("v2", v.shape[-1]), ("k1", d),
+                                                            ("k2", d))}  # fmt: skip
+    acc["q"] = torch.zeros(b, sq, hq, d, **f64)
+    n_q = vis_all.sum(-1).to(torch.float64).view(1, sq, 1, 1)  # keys per row (dQ)
+    acc["n_key"] = (vis_all.sum(-2).to(torch.float64) * c.g).view(1, sk, 1, 1)  # (head, row) pairs per key
+    acc["n_q"] = n_q
+    step = max(1, CHUNK_BUDGET // (_LIVE * 8 * b * hq * max(sk, 1)))
+    hd256 = _dq_scales_ds(nm, d, v.shape[-1])
+    for i0 in range(0, sq, step):
+        i1 = min(sq, i0 + step)
+        rwc = {n: rw[n][:, :, i0:i1] for n in ("lse_ex", "e_lse", "dprime", "e_d")}  # (b, h, rows[, 1])
+        vis = vis_all[i0:i1].view(1, 1, i1 - i0, sk)
+        p, ep_t, ads, e_ds_t = _p_ds(q[:, i0:i1], k, v, do[:, i0:i1], vis, rwc, c)
+        ado, aq = do[:, i0:i1].double().abs(), q[:, i0:i1].double().abs()
+        acc["v1"] += torch.einsum("bhij,bihc->bjhc", ep_t, ado)
+        acc["v2"] += torch.einsum("bhij,bihc->bjhc", p + ep_t, ado)
+        acc["k1"] += torch.einsum("bhij,bihd->bjhd", e_ds_t, aq)
+        acc["k2"] += torch.einsum("bhij,bihd->bjhd", ads + e_ds_t, aq)
+        t2 = torch.einsum("bhij,bjhd->bihd", ads + e_ds_t, ak)
+        nq = n_q[:, i0:i1]
+        e_q = torch.einsum("bhij,bjhd->bihd", e_ds_t, ak) + _gamma(nq) * t2 + 2 * nq * _TINY
+        if hd256:  # one more rounding per term, the cast's floor at the scaled size (module doc, step 6)
+            vis_k = torch.einsum("xyij,bjhd->bihd", vis.to(torch.float64), ak)
+            e_q = e_q + _U * t2 + c.fmt_ds.smallest_subnormal / 2 / c.scale32 * vis_k
+        acc["q"][:, i0:i1] = e_q
+    return acc
+
+
+def _dsink_bound(learnable_sink, lse, reference, rw: dict, c: _Consts, n_t: int) -> torch.Tensor:
+    """Step 7: the dsink bound per head from the per-row terms."""
+    hq = learnable_sink.shape[0]
+    sink = learnable_sink.double().view(1, hq, 1)
+    lse_k, lse_ex, dl = rw["lse_k"], rw["lse_ex"], rw["dl"]
+    y = sink - lse_k
+    y_abs = y.abs()
+    ea = dl + _U * y_abs * (1 + _U)
+    e_s = ea * c.l2e32 + (y_abs + dl) * abs(c.l2e32 - c.l2e) + _U * y_abs * (1 + _U) * c.l2e32
+    log2ps = (sink - lse_ex) * c.l2e
+    ps = torch.exp2(log2ps)
+    eps = _ex2_err(ps, log2ps, e_s, torch.ones_like(ps, dtype=torch.bool))
+    eps = torch.where(torch.isfinite(lse_k), eps, torch.full_like(eps, math.inf))
+    adp, e_d = rw["dprime"].abs(), rw["e_d"]
+    e_sink = (
+        (ps * rw["delta"]).sum((0, 2)).abs()
+        + (eps * (adp + e_d) + ps * rw["r_d"]).sum((0, 2))
+        + _gamma(n_t) * ((ps + eps) * (adp + e_d)).sum((0, 2))
+    )
+    e_sink = e_sink + 2 * n_t * _TINY
+    return _nan_to_inf(_cast(e_sink, reference["dsink"].double().abs(), format_of(learnable_sink.dtype)))
+
+
 def _dq_scales_ds(nm, d: int, dv: int) -> bool:
     """SM100's dedicated head-dim-256 dQ kernel: dS multiplied by the scale in float32 before its
     cast, no scale on the accumulator (``fa4.model_bwd``, "Head dim 256 on SM100")."""
@@ -152,141 +305,28 @@ def backward_error_bound(
     returned output and float32 LSE; ``reference``: the dict of
     ``numerics.grad_reference.attention_grad_reference`` for these inputs (computed if None)."""
     from numerics.grad_reference import attention_grad_reference
-    from numerics.reference import visible_mask
 
-    b, sq, hq, d = q.shape
-    sk, hk, dvd = k.shape[1], k.shape[2], v.shape[-1]
-    g = hq // hk
-    dev = q.device
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    scale32 = _f32(scale)
-    softcap = float(softcap or 0.0)
-    l2e = math.log2(math.e)
-    l2e32 = _f32(l2e)
-    fmt_in = format_of(q.dtype)
-    fmt_ds = format_of(getattr(nm, "ds_dtype", None) or q.dtype)
     if reference is None:
         reference = attention_grad_reference(
-            q,
-            k,
-            v,
-            do,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            learnable_sink=learnable_sink,
-            dlse=dlse,
-        )
-
-    vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev).view(1, 1, sq, sk)
-    zero = torch.zeros((), dtype=torch.float64, device=dev)
-    dot, e_dot, v64 = _dot_products(q, k, v)  # (b, h, i, j); v64 (b, sk, hq, dv)
-    k64 = k.double().repeat_interleave(g, dim=2)
-    q64, do64 = q.double(), do.double()
-    _sl2, d_sl2, base, e_score = _step1_score(dot, e_dot, scale, scale32, softcap, l2e)
-
-    # step 1: P and its error
-    lse_ex = reference["lse"].double()  # (b, h, i)
-    lse_k = lse.double()
-    dl = (lse_k - lse_ex).abs()
-    dl = torch.where(lse_k == lse_ex, torch.zeros_like(dl), _nan_to_inf(dl))
-    lse_k_abs = torch.where(torch.isinf(lse_k) & (lse_k < 0), torch.zeros_like(lse_k), lse_k.abs())
-    s_nat = softcap * torch.tanh(dot * scale / softcap) if softcap > 0 else dot * scale
-    log2p = torch.where(vis, (s_nat - lse_ex.unsqueeze(-1)) * l2e, -math.inf)
-    p = torch.where(vis, torch.exp2(log2p), zero)
-    e1 = (
-        e_score + base.abs() * d_sl2 + (dl * l2e + lse_k_abs * (abs(l2e32 - l2e) + _U * l2e32) * (1 + _U)).unsqueeze(-1)
-    )
-    e_exp = torch.where(vis, e1 + _U * (log2p.abs() + e1), zero)
-    ep = _ex2_err(p, log2p, e_exp, vis)
-    ep_t = torch.where(vis, ep + fmt_in.unit_roundoff * (p + ep) + fmt_in.smallest_subnormal / 2, zero)
-
-    # step 2: D'
-    o_ex = reference["out"].double()
-    out64 = out.double()
-    delta = ((out64 - o_ex) * do64).sum(-1).permute(0, 2, 1)  # signed, measured (b, h, i)
-    r_d = (_gamma(dvd) * (out64.abs() * do64.abs()).sum(-1) + dvd * _TINY).permute(0, 2, 1)
-    dprime = (o_ex * do64).sum(-1).permute(0, 2, 1)
-    if dlse is not None:
-        dprime = dprime - dlse.double()
-    r_d = r_d + _U * (dprime.abs() + delta.abs() + r_d)  # rounding part of D'^ - D' (delta excluded)
-    e_d = delta.abs() + r_d
-
-    # steps 3-4: dP, dS
-    dp = torch.einsum("bihc,bjhc->bhij", do64, v64)
-    e_dp = _gamma(dvd) * torch.einsum("bihc,bjhc->bhij", do64.abs(), v64.abs()) + dvd * _TINY
-    x = dp - dprime.unsqueeze(-1)
-    ex = e_dp + e_d.unsqueeze(-1)
-    ex = ex + _U * (x.abs() + ex)
-    ds = torch.where(vis, p * x, zero)
-    e_ds = ep * (x.abs() + ex) + p * ex + _U * (p + ep) * (x.abs() + ex) + _TINY
-    if softcap > 0:
-        f, ef = _softcap_factor(dot, e_dot, scale, scale32, softcap)
-        e_ds = e_ds * (f + ef) + ds.abs() * ef + _U * (ds.abs() + e_ds) * (f + ef) + _TINY
-        ds = ds * f
-    e_ds = torch.where(vis, e_ds, zero)
-    e_ds_t = torch.where(vis, _cast(e_ds, ds.abs(), fmt_ds), zero)
-    e_ds_t = torch.where(ds.abs() + e_ds > fmt_ds.max, torch.full_like(e_ds_t, math.inf), e_ds_t)
-    ads = ds.abs()
-
-    # counts of summed (nonzero) terms
-    n_row = vis.sum(-1).to(torch.float64).view(1, 1, sq, 1)  # keys per row (dQ)
-    n_key = (vis.sum(-2).to(torch.float64) * g).view(1, sk, 1, 1)  # (head, row) pairs per key (dK, dV)
+            q, k, v, do, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            learnable_sink=learnable_sink, dlse=dlse,
+        )  # fmt: skip
+    c = _Consts.of(q, k, v, nm, softmax_scale, softcap)
+    rows = _row_terms(q, do, out, lse, dlse, reference, c)
+    acc = _accumulate(q, k, v, do, causal, window_size, reference, rows, c, nm)
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    n_key = acc["n_key"]
 
     def group(t):  # (b, sk, hq, c) -> (b, sk, hk, c), summing each kv head's g query heads
-        return t.view(b, sk, hk, g, t.shape[-1]).sum(3)
+        return t.view(b, sk, hk, c.g, t.shape[-1]).sum(3)
 
     # step 5: dV
-    ado = do64.abs()
-    t1 = group(torch.einsum("bhij,bihc->bjhc", ep_t, ado))
-    t2 = group(torch.einsum("bhij,bihc->bjhc", p + ep_t, ado))
-    e_v = t1 + _gamma(n_key) * t2 + 2 * n_key * _TINY
-    e_v = _cast(e_v, reference["dv"].double().abs(), fmt_in)
-    dv_b = _finish(e_v, n_key, (0, 1, 2, 3))
-
+    e_v = group(acc["v1"]) + _gamma(n_key) * group(acc["v2"]) + 2 * n_key * _TINY
+    dv_b = _finish(_cast(e_v, reference["dv"].double().abs(), c.fmt_in), n_key, (0, 1, 2, 3))
     # step 6: dK, dQ
-    def scaled(e_acc, exact_abs):
-        a_abs = exact_abs / scale
-        e = scale32 * e_acc + abs(scale32 - scale) * a_abs + _U * scale32 * (a_abs + e_acc)
-        return _cast(e, exact_abs, fmt_in)
-
-    aq = q64.abs()
-    t1 = group(torch.einsum("bhij,bihd->bjhd", e_ds_t, aq))
-    t2 = group(torch.einsum("bhij,bihd->bjhd", ads + e_ds_t, aq))
-    e_k = scaled(t1 + _gamma(n_key) * t2 + 2 * n_key * _TINY, reference["dk"].double().abs())
+    e_k = c.scaled(group(acc["k1"]) + _gamma(n_key) * group(acc["k2"]) + 2 * n_key * _TINY, reference["dk"])
     dk_b = _finish(e_k, n_key, (0, 1, 2, 3))
-
-    ak = k64.abs()
-    n_q = n_row.permute(0, 2, 1, 3)  # (1, sq, 1, 1)
-    t1 = torch.einsum("bhij,bjhd->bihd", e_ds_t, ak)
-    t2 = torch.einsum("bhij,bjhd->bihd", ads + e_ds_t, ak)
-    e_acc = t1 + _gamma(n_q) * t2 + 2 * n_q * _TINY
-    if _dq_scales_ds(nm, d, dvd):  # one more rounding per term, the cast's floor at the scaled size
-        vis_k = torch.einsum("xyij,bjhd->bihd", vis.to(torch.float64), ak)
-        e_acc = e_acc + _U * t2 + fmt_ds.smallest_subnormal / 2 / scale32 * vis_k
-    e_q = scaled(e_acc, reference["dq"].double().abs())
-    dq_b = _finish(e_q, n_q, (0, 1, 2, 3))
-
-    # step 7: dsink
-    dsink_b = None
-    if learnable_sink is not None:
-        sink = learnable_sink.double().view(1, hq, 1)
-        y = sink - lse_k
-        y_abs = y.abs()
-        ea = dl + _U * y_abs * (1 + _U)
-        e_s = ea * l2e32 + (y_abs + dl) * abs(l2e32 - l2e) + _U * y_abs * (1 + _U) * l2e32
-        log2ps = (sink - lse_ex) * l2e
-        ps = torch.exp2(log2ps)
-        eps = _ex2_err(ps, log2ps, e_s, torch.ones_like(ps, dtype=torch.bool))
-        eps = torch.where(torch.isfinite(lse_k), eps, torch.full_like(eps, math.inf))
-        adp = dprime.abs()
-        n_t = b * sq
-        e_sink = (
-            (ps * delta).sum((0, 2)).abs()
-            + (eps * (adp + e_d) + ps * r_d).sum((0, 2))
-            + _gamma(n_t) * ((ps + eps) * (adp + e_d)).sum((0, 2))
-        )
-        e_sink = e_sink + 2 * n_t * _TINY
-        dsink_b = _nan_to_inf(_cast(e_sink, reference["dsink"].double().abs(), format_of(learnable_sink.dtype)))
+    dq_b = _finish(c.scaled(acc["q"], reference["dq"]), acc["n_q"], (0, 1, 2, 3))
+    dsink_b = None if learnable_sink is None else _dsink_bound(learnable_sink, lse, reference, rows, c, b * sq)
     return {"dq": dq_b, "dk": dk_b, "dv": dv_b, "dsink": dsink_b}
