@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Device calls for the backward release audit on the H200 (device tool, carry [".fa4dev", ".release-state"]).
+#   bash benchmarks/h200_release_backward.sh
+# production fa4 (its SM90 backward) and fa4-model-sm90 on `release --backward`, resuming from
+# .release-state/bwd.tgz (the journals of earlier calls), for at most LIMIT seconds; then, when
+# DET=1, a --deterministic run of fa4 on the causal and local cases of one family.  Journals
+# come back in $OUT/bwd.tgz (copy it to .release-state/ for the next call), reports in
+# $OUT/reports.tgz.  KERNELS overrides the kernels (e.g. the SDPA backends in a later call).
+set -uo pipefail
+. benchmarks/h200_env.sh
+nvidia-smi -L
+KERNELS=${KERNELS:---kernel fa4 --kernel fa4-model-sm90}
+R=/tmp/release-bwd
+mkdir -p $R
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+[ -f .release-state/bwd.tgz ] && tar xzf .release-state/bwd.tgz -C $R
+t0=$(date +%s)
+timeout ${LIMIT:-420} python -m audits run $KERNELS --suite release --backward --device cuda --jobs 8 --resume \
+  --out $R --quiet 2>&1 | grep -v "Warning\|LayoutEnum\|aux_data\|exe_args" | tail -30
+echo "release --backward exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+if [ "${DET:-0}" = 1 ]; then
+  D=/tmp/release-bwd-det
+  timeout ${DET_LIMIT:-120} python -m audits run --kernel fa4 --suite release --backward --deterministic --repeat 3 \
+    --case '*-causal-*normal-seed0' --device cuda --jobs 4 --out $D --quiet 2>&1 | grep -v "Warning\|LayoutEnum\|aux_data\|exe_args" | tail -12
+  (cd $D && tar czf $OUT/det.tgz --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' .)
+fi
+(cd $R && tar czf $OUT/reports.tgz --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' .)
+(cd $R && find jobs -name journal.jsonl | tar czf $OUT/bwd.tgz -T -)
+ls -la $OUT
