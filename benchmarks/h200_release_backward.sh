@@ -16,13 +16,13 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 [ -f .release-state/bwd.tgz ] && tar xzf .release-state/bwd.tgz -C $R
 t0=$(date +%s)
-timeout ${LIMIT:-420} python -m audits run $KERNELS --suite release --backward --device cuda --jobs 8 --resume \
+timeout ${LIMIT:-420} python -m audits run $KERNELS --suite release --backward --device cuda --jobs ${JOBS:-6} --resume \
   --out $R --quiet 2>&1 | grep -v "Warning\|LayoutEnum\|aux_data\|exe_args" | tail -30
 echo "release --backward exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
 if [ "${DET:-0}" = 1 ]; then
   D=/tmp/release-bwd-det
   timeout ${DET_LIMIT:-120} python -m audits run --kernel fa4 --suite release --backward --deterministic --repeat 3 \
-    --case '*-causal-*normal-seed0' --device cuda --jobs 4 --out $D --quiet 2>&1 | grep -v "Warning\|LayoutEnum\|aux_data\|exe_args" | tail -12
+    --case "${DET_CASES:-bf16-*-causal-*normal-seed0}" --device cuda --jobs 4 --out $D --quiet 2>&1 | grep -v "Warning\|LayoutEnum\|aux_data\|exe_args" | tail -12
   (cd $D && tar czf $OUT/det.tgz --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' .)
 fi
 (cd $R && tar czf $OUT/reports.tgz --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' .)

@@ -447,7 +447,7 @@ def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward
                     rec["repro_inputs"] = _save_inputs(st, c)
                 journal.append(st["journal"], rec)
             st["records"][i] = rec
-            if device.type == "cuda" and c.cost > 1 << 32:
+            if device.type == "cuda" and c.cost > (1 << 28 if backward is not None else 1 << 32):
                 torch.cuda.empty_cache()  # give the FP64 intermediates back: parallel jobs share the GPU
             if progress is not None:
                 progress(kern, rec)
