@@ -16,7 +16,7 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 [ -f .release-state/bwd.tgz ] && tar xzf .release-state/bwd.tgz -C $R
 t0=$(date +%s)
-timeout ${LIMIT:-420} python -m audits run $KERNELS --suite release --backward --device cuda --jobs ${JOBS:-6} --resume \
+timeout ${LIMIT:-420} python -m audits run $KERNELS --suite release --backward --device cuda --jobs ${JOBS:-8} --resume \
   --out $R --quiet 2>&1 | grep -v "Warning\|LayoutEnum\|aux_data\|exe_args" | tail -30
 echo "release --backward exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
 if [ "${DET:-0}" = 1 ]; then

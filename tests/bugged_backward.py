@@ -1,6 +1,15 @@
 """A plain float32 attention with a hand-written FlashAttention-style backward, and the field's
 backward bugs seeded into it (one per ``bug=``): the catalogue tests/test_backward_catalogue.py
-shows FA's backward criterion against FP64 gradients catches each one.
+shows FA's backward criterion against FP64 gradients catches each of :data:`BUGS` on a small
+case; tests/test_backward_suite_catalogue.py runs ``fa4-audit run --backward`` on the smoke suite
+for every bug of :data:`ALL_BUGS` (:data:`BUGS` and :data:`MORE_BUGS`).  Each bug has its kernel,
+``bug_<name>``, a module-level function whose docstring is the bug's entry.
+
+Like a tiled kernel that never loads the tiles of keys no query sees, each pass zeroes K and V of
+the keys its own mask leaves unseen (so NaN/inf there never leak, as FA's semantics demand); fp8
+inputs give a bf16 output (the audit's kernel contract) and no backward (NotImplementedError, as
+production FA4 refuses it).  Every kernel takes
+``deterministic`` (and, but for ``dq_nondeterministic``, honours it: the math is sequential).
 
 Forward (float32 throughout, masks / softcap / learnable sink / GQA as numerics/reference.py):
 ``P = exp2((s - m) * log2 e) / den``, ``out`` cast to the input dtype, ``lse`` float32 natural log.
@@ -20,7 +29,7 @@ import torch
 from fa4.ex2 import ex2_emulation
 from numerics.reference import visible_mask
 
-__all__ = ["BUGS", "attention", "clean"]
+__all__ = ["ALL_BUGS", "BUGS", "MORE_BUGS", "attention", "clean"]
 
 LOG2E = 1.4426950408889634
 
@@ -52,6 +61,44 @@ BUGS = {
     ),
 }
 
+#: more seeded backward bugs (kept apart from :data:`BUGS`, whose set tests/test_backward_catalogue.py
+#: pins), audited through ``fa4-audit run --backward`` on the smoke suite
+MORE_BUGS = {
+    "sink_grad_wrong_sign": (
+        "the learnable-sink gradient with the wrong sign: dsink = +sum P_sink D instead of -sum P_sink D "
+        "(the sign of d lse / d sink lost; flash-attention #2706's class)"
+    ),
+    "window_left_leak": (
+        "masked keys leaking gradient: the backward's recomputed P ignores the local window's left edge, so "
+        "keys left of the window (some no query sees) get exp(s - lse) and non-zero dK / dV (the backward's "
+        "n_block_min taken without the window)"
+    ),
+    "window_off_by_one_bwd": (
+        "local-window edge off by one in the backward only: the backward's mask uses left + 1 (right + 1 "
+        "without a left edge) while the forward's is right, so one key per row gets a spurious P"
+    ),
+    "ds_rounded_operands": (
+        "dS = P (rn(dP) - rn(D)) with rn the rounding to the gradient dtype (bf16 / fp16): dP and D rounded "
+        "before the cancelling subtraction instead of dS after it"
+    ),
+    "dk_bf16_accum": (
+        "dK (and its GQA reduction) accumulated over query blocks of 64 rows in a bf16 accumulator instead of float32"
+    ),
+    "dq_nondeterministic": (
+        "nondeterministic dQ under deterministic=True: dQ sums the key blocks (64 keys) in a random order "
+        "drawn afresh on every backward call (atomics), although the kernel takes deterministic=True"
+    ),
+}
+#: every seeded bug
+ALL_BUGS = {**BUGS, **MORE_BUGS}
+
+#: query rows per dK block (dk_bf16_accum) and keys per dQ block (dq_nondeterministic)
+BLOCK_M = BLOCK_N = 64
+#: the generator of dq_nondeterministic's block order: seeded from the OS, never reseeded (the
+#: global torch generator is left alone)
+_ORDER_RNG = torch.Generator()
+_ORDER_RNG.seed()
+
 
 def _logits(qf, kf, scale, softcap):
     """(r, t, s): the scaled scores r = scale q.k, tanh(r / cap) (None without softcap), and the
@@ -63,15 +110,65 @@ def _logits(qf, kf, scale, softcap):
     return r, None, r
 
 
+def _skip_unseen(kf, vf, vis):
+    """K and V (b, sk, h, d) with the keys no query sees under ``vis`` zeroed: a tiled kernel
+    never loads their tiles, so NaN / inf there cannot reach any sum."""
+    unseen = ~vis.any(0)
+    if not bool(unseen.any()):
+        return kf, vf
+    m = unseen.view(1, -1, 1, 1)
+    return kf.masked_fill(m, 0.0), vf.masked_fill(m, 0.0)
+
+
+def _backward_window(bug, window_size):
+    """The window the backward masks with: the forward's, but for the window bugs."""
+    left, right = window_size
+    if bug == "window_left_leak" and left is not None:
+        return (None, right)
+    if bug == "window_off_by_one_bwd":
+        if left is not None:
+            return (left + 1, right)
+        if right is not None:
+            return (left, right + 1)
+    return (left, right)
+
+
+def _dq_key_blocks_shuffled(ds, kf):
+    """dQ = dS K (unscaled) summed over key blocks of BLOCK_N in float32 in a random order
+    drawn afresh on every call (dq_nondeterministic)."""
+    sk = kf.shape[1]
+    starts = list(range(0, sk, BLOCK_N))
+    dq = None
+    for i in torch.randperm(len(starts), generator=_ORDER_RNG).tolist():
+        j0 = starts[i]
+        part = torch.einsum("bhij,bjhd->bihd", ds[..., j0 : j0 + BLOCK_N], kf[:, j0 : j0 + BLOCK_N])
+        dq = part if dq is None else dq + part
+    return dq
+
+
+def _dk_bf16_accumulated(ds, qf, scale, hk, g):
+    """dK = scale dS^T Q summed over the query blocks of BLOCK_M rows and the group's query heads
+    with a bf16 accumulator (dk_bf16_accum): (b, sk, hk, d) bf16."""
+    b, hq, sq, sk = ds.shape
+    acc = torch.zeros(b, sk, hk, qf.shape[-1], dtype=torch.bfloat16)
+    for h in range(g):
+        for i0 in range(0, sq, BLOCK_M):
+            heads = torch.arange(hk) * g + h
+            part = torch.einsum("bhij,bihd->bjhd", ds[:, heads, i0 : i0 + BLOCK_M], qf[:, i0 : i0 + BLOCK_M, heads])
+            acc = (acc.float() + part * scale).to(torch.bfloat16)
+    return acc
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sink, bug, scale, causal, window_size, softcap):
+    def forward(ctx, q, k, v, sink, bug, scale, causal, window_size, softcap, deterministic):
         b, sq, hq, d = q.shape
         sk, hk = k.shape[1], k.shape[2]
         idx = torch.arange(hq) // (hq // hk)
-        qf, kf, vf = q.float(), k.float()[:, :, idx], v.float()[:, :, idx]
-        _, _, s = _logits(qf, kf, scale, softcap)
         vis = visible_mask(sq, sk, causal=causal, window_size=window_size)
+        kf, vf = _skip_unseen(k.float(), v.float(), vis)
+        qf, kf, vf = q.float(), kf[:, :, idx], vf[:, :, idx]
+        _, _, s = _logits(qf, kf, scale, softcap)
         s = s.masked_fill(~vis, -math.inf)
         m = s.amax(-1, keepdim=True)
         if sink is not None:
@@ -82,37 +179,51 @@ class _Attention(torch.autograd.Function):
         if sink is not None:
             den = den + torch.exp2((sink.float().view(1, hq, 1, 1) - m_safe) * LOG2E)
         safe = torch.where(den > 0, den, torch.ones_like(den))
-        out = torch.einsum("bhij,bjhc->bihc", p / safe, vf).to(q.dtype)
+        out_dtype = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype  # fp8 in, bf16 out
+        out = torch.einsum("bhij,bjhc->bihc", p / safe, vf).to(out_dtype)
         lse = torch.where(den > 0, m_safe + torch.log(safe), torch.full_like(m, -math.inf)).squeeze(-1)
         ctx.save_for_backward(q, k, v, sink, out, lse)
-        ctx.cfg = (bug, scale, causal, window_size, softcap)
+        ctx.cfg = (bug, scale, causal, window_size, softcap, deterministic)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, sink, out, lse = ctx.saved_tensors
-        bug, scale, causal, window_size, softcap = ctx.cfg
+        if q.dtype.itemsize == 1:  # as production FA4, which refuses its fp8 backward
+            raise NotImplementedError("no fp8 backward (as production FA4)")
+        bug, scale, causal, window_size, softcap, _ = ctx.cfg  # sequential math: deterministic anyway
         b, sq, hq, d = q.shape
         sk, hk, dvd = k.shape[1], k.shape[2], v.shape[-1]
         g = hq // hk
         idx = torch.arange(hq) // g
-        qf, kf, vf = q.float(), k.float()[:, :, idx], v.float()[:, :, idx]
+        vis = visible_mask(
+            sq, sk, causal=causal and bug != "no_causal_in_bwd", window_size=_backward_window(bug, window_size)
+        )
+        kf, vf = _skip_unseen(k.float(), v.float(), vis)
+        qf, kf, vf = q.float(), kf[:, :, idx], vf[:, :, idx]
+        do_dtype = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype  # the output's (and dO's) dtype
         do = torch.zeros(b, sq, hq, dvd) if dout is None else dout.float()
         dl = torch.zeros(b, hq, sq) if dlse is None else torch.where(torch.isfinite(lse), dlse.float(), 0.0)
         # D' = rowsum(O * dO) - dLSE, from the returned O (FA's preprocess)
         dprime = (out.float() * do).sum(-1).permute(0, 2, 1) - dl  # (b, hq, sq)
         _, t, s = _logits(qf, kf, scale, softcap)
-        vis = visible_mask(sq, sk, causal=causal and bug != "no_causal_in_bwd", window_size=window_size)
         lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]
         x = ((s - lse_safe) * LOG2E).masked_fill(~vis, -math.inf)
         p = torch.exp2(x)  # the forward's exp2
         p_ds = ex2_emulation(x.contiguous(), 1).masked_fill(~vis, 0.0) if bug == "ds_other_exp2" else p
         dp = torch.einsum("bihc,bjhc->bhij", do, vf)
-        ds = p_ds * (dp - dprime[..., None])
+        if bug == "ds_rounded_operands":  # rn(dP) - rn(D) in the gradient dtype
+            rn = lambda t: t.to(do_dtype).float()  # noqa: E731
+            ds = p_ds * (rn(dp) - rn(dprime)[..., None])
+        else:
+            ds = p_ds * (dp - dprime[..., None])
         if t is not None and bug != "softcap_no_chain":
             ds = ds * (1 - t * t)
         ds = ds.masked_fill(~vis, 0.0)
-        dq = torch.einsum("bhij,bjhd->bihd", ds, kf)
+        if bug == "dq_nondeterministic":
+            dq = _dq_key_blocks_shuffled(ds, kf)
+        else:
+            dq = torch.einsum("bhij,bjhd->bihd", ds, kf)
         if bug != "dq_no_scale":
             dq = dq * scale
         dk_h = torch.einsum("bhij,bihd->bjhd", ds, qf) * scale  # per query head (b, sk, hq, d)
@@ -121,6 +232,8 @@ class _Attention(torch.autograd.Function):
             dk, dv = dk_h.view(b, sk, hk, g, d)[:, :, :, 0], dv_h.view(b, sk, hk, g, dvd)[:, :, :, 0]
         else:
             dk, dv = dk_h.view(b, sk, hk, g, d).sum(3), dv_h.view(b, sk, hk, g, dvd).sum(3)
+        if bug == "dk_bf16_accum":
+            dk = _dk_bf16_accumulated(ds, qf, scale, hk, g)
         if bug == "dv_unaligned_cols":
             dv = dv.clone()
             dv[..., (dvd // 32) * 32 :] = 0.0
@@ -128,10 +241,12 @@ class _Attention(torch.autograd.Function):
         if sink is not None:
             p_sink = torch.exp2((sink.float().view(1, hq, 1) - lse_safe.squeeze(-1)) * LOG2E)
             dsink = -(p_sink * dprime).sum(dim=(0, 2))
+            if bug == "sink_grad_wrong_sign":
+                dsink = -dsink
             if bug == "sink_grad_missing":
                 dsink = torch.zeros_like(dsink)
             dsink = dsink.to(sink.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None, None, None, None
 
 
 def attention(
@@ -146,30 +261,36 @@ def attention(
     softcap=0.0,
     learnable_sink=None,
     return_lse=False,
+    deterministic=False,
 ):
-    """Float32 attention with the hand-written backward; ``bug`` one of :data:`BUGS` or None
-    (the clean kernel).  q, k, v: (b, s, h, d) bf16 / fp16; returns out (input dtype) and, with
-    ``return_lse``, lse (b, hq, sq) float32; differentiable in q, k, v, learnable_sink and lse."""
-    if bug is not None and bug not in BUGS:
-        raise ValueError(f"unknown bug {bug!r}; one of {sorted(BUGS)}")
+    """Float32 attention with the hand-written backward; ``bug`` one of :data:`ALL_BUGS` or None
+    (the clean kernel).  q, k, v: (b, s, h, d) bf16 / fp16 / fp8; returns out (input dtype, bf16
+    for fp8) and, with ``return_lse``, lse (b, hq, sq) float32; differentiable in q, k, v,
+    learnable_sink and lse.  ``deterministic``: accepted; the backward is deterministic either way
+    (but for the ``dq_nondeterministic`` bug, which ignores it)."""
+    if bug is not None and bug not in ALL_BUGS:
+        raise ValueError(f"unknown bug {bug!r}; one of {sorted(ALL_BUGS)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _Attention.apply(q, k, v, learnable_sink, bug, scale, causal, tuple(window_size), float(softcap or 0.0))
+    out, lse = _Attention.apply(
+        q, k, v, learnable_sink, bug, scale, causal, tuple(window_size), float(softcap or 0.0), bool(deterministic)
+    )
     return (out, lse) if return_lse else out
 
 
-def clean(q, k, v, **kw):
-    """The correct kernel (no seeded bug)."""
-    return attention(q, k, v, **kw)
+def clean(q, k, v, *, deterministic: bool = False, **kw):
+    """The correct kernel (no seeded bug); deterministic whatever ``deterministic`` says."""
+    return attention(q, k, v, deterministic=deterministic, **kw)
 
 
 def _make(bug):
-    def kernel(q, k, v, **kw):
-        return attention(q, k, v, bug=bug, **kw)
+    def kernel(q, k, v, *, deterministic: bool = False, **kw):
+        return attention(q, k, v, bug=bug, deterministic=deterministic, **kw)
 
-    kernel.__name__ = f"bug_{bug}"
-    kernel.__doc__ = BUGS[bug]
+    kernel.__name__ = kernel.__qualname__ = f"bug_{bug}"
+    kernel.__doc__ = ALL_BUGS[bug]
     return kernel
 
 
-for _bug in BUGS:
+# the bugged kernels, module-level: bug_dq_no_scale, ..., bug_dq_nondeterministic
+for _bug in ALL_BUGS:
     globals()[f"bug_{_bug}"] = _make(_bug)
