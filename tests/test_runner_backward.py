@@ -125,3 +125,23 @@ def test_schema_1_reports_are_still_read(tmp_path):
     validate_report({**rep, "schema": "fa4-audit/report/1"}, "old")
     with pytest.raises(ReportError, match="is not one of fa4-audit/report/2, fa4-audit/report/1"):
         validate_report({**rep, "schema": "fa4-audit/report/3"}, "new")
+
+
+@pytest.mark.parametrize(
+    "cfg,verdict,reason",
+    [
+        # fp16 V near 65504: dS = P (dP - D) beyond fp16's range, which the kernel rounds dS to by design
+        ({"dtype": "float16", "seqlen_q": 100, "seqlen_k": 100, "family": "near_max"}, "out-of-domain",
+         "overflow where the backward bound is infinite"),
+        # NaN/inf at keys no query sees, inside a tile FA4 computes: dS = 0 * inf and 0 * NaN in the
+        # dQ MMA leak into every row (production does it too, H200 release).  Their infinite bound
+        # is that propagation, not overflow: the semantics rules fail it, nothing is out of domain.
+        ({"heads_q": 2, "heads_kv": 1, "seqlen_q": 48, "seqlen_k": 128, "window": [64, 0],
+          "family": "nan_inf_masked"}, "fail", "6144 dq elements are NaN/inf where the FP64 gradient is finite"),
+    ],
+)  # fmt: skip
+def test_design_overflow_is_out_of_domain_but_nan_propagation_is_not(tmp_path, cfg, verdict, reason):
+    rc, out = _run(tmp_path, "--kernel", "fa4-model", "--config", json.dumps({**CFG, **cfg}), "--backward")
+    (c,) = json.loads((out / "report.json").read_text())["cases"]
+    assert c["verdict"] == verdict and reason in " ".join(c["reasons"]), c["reasons"]
+    assert ("out_of_domain" in c["backward"]) == (verdict == "out-of-domain")
