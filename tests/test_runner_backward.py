@@ -145,3 +145,20 @@ def test_design_overflow_is_out_of_domain_but_nan_propagation_is_not(tmp_path, c
     (c,) = json.loads((out / "report.json").read_text())["cases"]
     assert c["verdict"] == verdict and reason in " ".join(c["reasons"]), c["reasons"]
     assert ("out_of_domain" in c["backward"]) == (verdict == "out-of-domain")
+
+
+def test_resume_redoes_the_audits_own_failures(tmp_path):
+    """A record the audit itself failed (its FP64 work ran out of GPU memory: ``audit_error``,
+    or the reason of a journal written before the flag) is evaluated again by --resume; the
+    kernel's own verdicts are kept."""
+    rc, out = _run(tmp_path, "--kernel", "fa4-model", *_cfgs())
+    lines = (out / "journal.jsonl").read_text().splitlines()
+    first, second = json.loads(lines[1]), json.loads(lines[2])
+    first.update(status="error", verdict="error", audit_error=True)
+    why = "the audit's FP64 reference or bound ran out of GPU memory: x"
+    second.update(status="error", verdict="error", reasons=[why])
+    (out / "journal.jsonl").write_text("\n".join([lines[0], json.dumps(first), json.dumps(second)]) + "\n")
+    rc, _ = _run(tmp_path, "--kernel", "fa4-model", *_cfgs(), "--resume")
+    assert rc == 0
+    cases = json.loads((out / "report.json").read_text())["cases"]
+    assert [c["verdict"] for c in cases] == ["pass", "pass"] and not any(c.get("resumed") for c in cases)

@@ -206,6 +206,7 @@ def _analyse_or_oom(rec: dict, kernel: str, case: Case, x: dict, out, lse, devic
         except torch.OutOfMemoryError as exc:
             why = str(exc).splitlines()[0]
             rec.update(status="error", reason=f"the audit's FP64 reference or bound ran out of GPU memory: {why}")
+            rec["audit_error"] = True  # the audit's failure, not the kernel's: --resume redoes it
 
 
 def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.device, opts: BackwardOptions) -> dict:
@@ -225,6 +226,7 @@ def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.devi
         _references.cache_clear()
         torch.cuda.empty_cache()
         b.update(status="error", reason=f"the audit's FP64 gradients ran out of GPU memory: {str(exc).splitlines()[0]}")
+        b["audit_error"] = True
     return b
 
 
@@ -253,6 +255,8 @@ def evaluate_case(
             _analyse_or_oom(rec, kernel, case, x, out, lse, device)
     if backward is not None and rec["status"] == "ran":
         rec["backward"] = _backward(kernel, fn, case, x, device, backward)
+        if rec["backward"].get("audit_error"):
+            rec["audit_error"] = True
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
     rec["seconds"] = time.perf_counter() - t0
     return rec
@@ -418,9 +422,17 @@ def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
     if not path.exists():
         journal.append(path, ident)
     done = journal.read_records(path) if run["resume"] else {}
+    done = {n: r for n, r in done.items() if not _audit_error(r)}  # the audit's own failures are redone
     th_path = thresholds.get("path")
     repro = lambda c: reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd)  # noqa: E731
     return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro}
+
+
+def _audit_error(rec: dict) -> bool:
+    """Whether a journal record failed on the audit's side (its FP64 work ran out of GPU
+    memory), not the kernel's; records written before the flag existed are told by their reason."""
+    why = " ".join(rec.get("reasons") or []) + (rec.get("backward") or {}).get("reason", "")
+    return bool(rec.get("audit_error")) or ("the audit's FP64" in why and "ran out of GPU memory" in why)
 
 
 def _save_inputs(st: dict, c: Case) -> str:
