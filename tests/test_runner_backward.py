@@ -162,3 +162,14 @@ def test_resume_redoes_the_audits_own_failures(tmp_path):
     assert rc == 0
     cases = json.loads((out / "report.json").read_text())["cases"]
     assert [c["verdict"] for c in cases] == ["pass", "pass"] and not any(c.get("resumed") for c in cases)
+
+
+def test_fp8_gradients_of_a_user_kernel_are_measured(tmp_path):
+    """A user kernel differentiable in fp8 (the README's float32 reference kernel: autograd casts
+    its gradients to the e4m3 leaves) is measured, not crashed on (torch has no isfinite or
+    comparisons for fp8)."""
+    cfg = json.dumps({**CFG, "dtype": "float8_e4m3fn", "heads_q": 2, "heads_kv": 2})
+    rc, out = _run(tmp_path, "--kernel", "examples/reference_kernel.py:attention", "--config", cfg, "--backward")
+    (c,) = json.loads((out / "report.json").read_text())["cases"]
+    assert c["backward"]["status"] == "ran" and set(c["backward"]["grads"]) == {"dq", "dk", "dv"}
+    assert c["backward"]["zeros"]["dk_unseen_nonzero"] == 0 and c["verdict"] == "pass"
