@@ -56,6 +56,23 @@ CHECKS = {
 }
 
 
+NOTES = [
+    "dq_nondeterministic: which cases fail varies from run to run: a float32 reorder of dQ's key blocks flips "
+    "the bf16/fp16 rounding of 0-27 dQ elements per pair of backward runs (about 10% of pairs flip none on the "
+    "two largest cases, most pairs on the small ones); repeat=2 as the CLI's default",
+    "dv_unaligned_cols: no smoke case has head_dim_v off a multiple of 32, so the smoke suite cannot catch it "
+    "(tests/test_backward_suite_catalogue.py runs it on one extra case with dv 72)",
+    "fp8 cases: the bugged kernels refuse their fp8 backward as production FA4 does (skipped)",
+    "ds_rounded_operands: caught only where rn(dP) overflows fp16 (near_max); FA's criterion passes the "
+    "cancellation error everywhere else, its yardstick (PyTorch's backward in the input dtype) rounding alike; "
+    "the opt-in peer backward bound flags it on the offset and fp16 sink cases",
+    "dk_bf16_accum: caught on fp16 cases only, at 1.1-1.2x the criterion's allowance; on bf16 cases a bf16 "
+    "accumulator over <= 4 query blocks stays within the criterion's 2 x rounding term",
+    "gqa_one_head: slips on the bf16 offset case (dK / dV at 0.86x / 0.64x the allowance: PyTorch's bf16 "
+    "gradients err ~200x a float32 kernel's there); the opt-in peer backward bound catches it",
+]
+
+
 def spec(name: str) -> str:
     return f"{KFILE}:{name}"
 
@@ -157,6 +174,7 @@ def main(argv=None) -> int:
             if not det
             else {"verdicts": verdicts(det["clean"]), "not_passing": not_passing(det["clean"])},
         },
+        "notes": NOTES,
         "bugs": result,
         "timing_s": {"run_default": round(t1, 1), "run_deterministic": round(t2, 1), "total": round(total, 1)},
         "machine": {

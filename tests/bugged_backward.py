@@ -6,10 +6,11 @@ for every bug of :data:`ALL_BUGS` (:data:`BUGS` and :data:`MORE_BUGS`).  Each bu
 ``bug_<name>``, a module-level function whose docstring is the bug's entry.
 
 Like a tiled kernel that never loads the tiles of keys no query sees, each pass zeroes K and V of
-the keys its own mask leaves unseen (so NaN/inf there never leak, as FA's semantics demand); fp8
+the keys its own mask leaves unseen (so NaN/inf there never leak, as FA's semantics demand), and a
+row whose scores hold a NaN gets a NaN LSE (not -inf) whose NaN the backward propagates; fp8
 inputs give a bf16 output (the audit's kernel contract) and no backward (NotImplementedError, as
-production FA4 refuses it).  Every kernel takes
-``deterministic`` (and, but for ``dq_nondeterministic``, honours it: the math is sequential).
+production FA4 refuses it).  Every kernel takes ``deterministic`` (and, but for
+``dq_nondeterministic``, honours it: the math is sequential).
 
 Forward (float32 throughout, masks / softcap / learnable sink / GQA as numerics/reference.py):
 ``P = exp2((s - m) * log2 e) / den``, ``out`` cast to the input dtype, ``lse`` float32 natural log.
@@ -66,7 +67,7 @@ BUGS = {
 MORE_BUGS = {
     "sink_grad_wrong_sign": (
         "the learnable-sink gradient with the wrong sign: dsink = +sum P_sink D instead of -sum P_sink D "
-        "(the sign of d lse / d sink lost; flash-attention #2706's class)"
+        "(the sign of d lse / d sink lost; the learnable-sink gradient class of flash-attention #2706)"
     ),
     "window_left_leak": (
         "masked keys leaking gradient: the backward's recomputed P ignores the local window's left edge, so "
@@ -181,7 +182,8 @@ class _Attention(torch.autograd.Function):
         safe = torch.where(den > 0, den, torch.ones_like(den))
         out_dtype = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype  # fp8 in, bf16 out
         out = torch.einsum("bhij,bjhc->bihc", p / safe, vf).to(out_dtype)
-        lse = torch.where(den > 0, m_safe + torch.log(safe), torch.full_like(m, -math.inf)).squeeze(-1)
+        lse = torch.where(den > 0, m_safe + torch.log(safe), torch.full_like(m, -math.inf))
+        lse = torch.where(torch.isnan(den), den, lse).squeeze(-1)  # NaN rows keep their NaN
         ctx.save_for_backward(q, k, v, sink, out, lse)
         ctx.cfg = (bug, scale, causal, window_size, softcap, deterministic)
         return out, lse
@@ -207,7 +209,7 @@ class _Attention(torch.autograd.Function):
         # D' = rowsum(O * dO) - dLSE, from the returned O (FA's preprocess)
         dprime = (out.float() * do).sum(-1).permute(0, 2, 1) - dl  # (b, hq, sq)
         _, t, s = _logits(qf, kf, scale, softcap)
-        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]
+        lse_safe = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)[..., None]  # NaN stays NaN
         x = ((s - lse_safe) * LOG2E).masked_fill(~vis, -math.inf)
         p = torch.exp2(x)  # the forward's exp2
         p_ds = ex2_emulation(x.contiguous(), 1).masked_fill(~vis, 0.0) if bug == "ds_other_exp2" else p
