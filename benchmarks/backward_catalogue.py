@@ -34,11 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from audits.cases import smoke_suite  # noqa: E402
 from audits.runner.backward import BackwardOptions  # noqa: E402
-from audits.runner.engine import run_suites  # noqa: E402
-from audits.runner.gate import load_thresholds  # noqa: E402
 from tests import bugged_backward as bb  # noqa: E402
 
-KFILE = ROOT / "tests" / "bugged_backward.py"
 BAD = ("fail", "error", "crash")
 #: reason substrings -> the check that gave them (gate._grad_values / _grad_fa_criterion / _grad_semantics)
 CHECKS = {
@@ -73,10 +70,6 @@ NOTES = [
 ]
 
 
-def spec(name: str) -> str:
-    return f"{KFILE}:{name}"
-
-
 def checks_of(reasons: list[str]) -> list[str]:
     return sorted({c for r in reasons for sub, c in CHECKS.items() if sub in r})
 
@@ -99,16 +92,8 @@ def summarise(records: list[dict], clean: list[dict]) -> dict:
 
 def run(kernels: list[str], cases, opts: BackwardOptions, out_dir: str) -> tuple[dict, float]:
     t0 = time.perf_counter()
-    recs = run_suites(
-        [spec(k) for k in kernels],
-        cases,
-        device=torch.device("cpu"),
-        out_dir=out_dir,
-        thresholds=load_thresholds(),
-        suite="smoke",
-        backward=opts,
-    )
-    return {k: recs[spec(k)] for k in kernels}, time.perf_counter() - t0
+    recs = bb.audit(kernels, cases, opts, out_dir)
+    return recs, time.perf_counter() - t0
 
 
 def main(argv=None) -> int:

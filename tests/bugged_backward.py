@@ -296,3 +296,18 @@ def _make(bug):
 # the bugged kernels, module-level: bug_dq_no_scale, ..., bug_dq_nondeterministic
 for _bug in ALL_BUGS:
     globals()[f"bug_{_bug}"] = _make(_bug)
+
+
+def audit(kernels: list[str], cases: list, opts, out_dir) -> dict[str, list[dict]]:
+    """``fa4-audit run --backward`` (``opts``: a ``BackwardOptions``) on this module's kernels
+    named in ``kernels`` (``clean``, ``bug_<name>``), sharing inputs and references on CPU: each
+    kernel's records in suite order."""
+    from pathlib import Path
+
+    from audits.runner.engine import run_suites
+    from audits.runner.gate import load_thresholds
+
+    spec = {k: f"{Path(__file__).resolve()}:{k}" for k in kernels}
+    recs = run_suites(list(spec.values()), cases, device=torch.device("cpu"), out_dir=out_dir,
+                      thresholds=load_thresholds(), suite="smoke", backward=opts)  # fmt: skip
+    return {k: recs[s] for k, s in spec.items()}

@@ -30,7 +30,6 @@ benchmarks/backward_catalogue.py's (reports/bench/backward_catalogue.json).
 """
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -38,10 +37,8 @@ import torch
 import tests.bugged_backward as bb
 from audits.cases import smoke_suite
 from audits.runner.backward import BackwardOptions
-from audits.runner.engine import run_suites
 from audits.runner.gate import judge, load_thresholds
 
-KFILE = Path(bb.__file__).resolve()
 BAD = ("fail", "error", "crash")
 SIXTEEN = ("bfloat16", "float16")
 # FA's criterion applies to 16-bit cases only (and the bugged kernels refuse an fp8 backward)
@@ -119,21 +116,8 @@ DET_CASES = [c for c in smoke_suite() if many_dq_blocks(c)]
 CASES = list(dict.fromkeys(c for cases, _ in CAUGHT.values() for c in cases))
 
 
-def _spec(name):
-    return f"{KFILE}:{name}"
-
-
 def _run(out_dir, kernels, cases, opts):
-    recs = run_suites(
-        [_spec(k) for k in kernels],
-        cases,
-        device=torch.device("cpu"),
-        out_dir=out_dir,
-        thresholds=load_thresholds(),
-        suite="smoke",
-        backward=opts,
-    )
-    return {k: {r["case"]: r for r in recs[_spec(k)]} for k in kernels}
+    return {k: {r["case"]: r for r in recs} for k, recs in bb.audit(kernels, cases, opts, out_dir).items()}
 
 
 @pytest.fixture(scope="module")

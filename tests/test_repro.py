@@ -83,16 +83,20 @@ def test_a_file_path_kernel_reproduces_from_anywhere(tmp_path):
     assert_reproduces(cmd, tmp_path)
 
 
-def test_the_fuzz_reproducer_runs(tmp_path):
-    argv = ["fuzz", "--kernel", "tests.bugged_kernels:bug_lse_log2", "--budget", "10", "--max-seqlen", "64"]
+def _fuzz_failure(tmp_path, *argv) -> dict:
+    """``fa4-audit fuzz`` from the repository root (seed 1): it must fail; its shrunk failure."""
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        rc = cli.main([*argv, "--database", str(tmp_path / "db"), "--seed", "1", "--out", str(tmp_path / "f")])
+        rc = cli.main(["fuzz", *argv, "--database", str(tmp_path / "db"), "--seed", "1", "--out", str(tmp_path / "f")])
     finally:
         os.chdir(cwd)
     assert rc == 1
-    f = json.loads((tmp_path / "f" / "fuzz.json").read_text())["failure"]
+    return json.loads((tmp_path / "f" / "fuzz.json").read_text())["failure"]
+
+
+def test_the_fuzz_reproducer_runs(tmp_path):
+    f = _fuzz_failure(tmp_path, "--kernel", "tests.bugged_kernels:bug_lse_log2", "--budget", "10", "--max-seqlen", "64")
     assert_reproduces(f["repro"], tmp_path, case=f["name"], why="LSE")
 
 
@@ -113,14 +117,7 @@ pytest_plugins = ["pytester"]
 def test_the_backward_fuzz_reproducer_runs(tmp_path):
     """``fuzz --backward`` on a kernel whose dQ is doubled: the shrunk case fails on dQ and its
     reproducer (with ``--backward``) fails the same way from another directory."""
-    argv = ["fuzz", "--kernel", "tests.fake_kernels:dq_doubled", "--budget", "5", "--max-seqlen", "64", "--backward"]
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        rc = cli.main([*argv, "--database", str(tmp_path / "db"), "--seed", "1", "--out", str(tmp_path / "f")])
-    finally:
-        os.chdir(cwd)
-    assert rc == 1
-    f = json.loads((tmp_path / "f" / "fuzz.json").read_text())["failure"]
+    argv = ["--kernel", "tests.fake_kernels:dq_doubled", "--budget", "5", "--max-seqlen", "64", "--backward"]
+    f = _fuzz_failure(tmp_path, *argv)
     assert "--backward" in f["repro"] and any("dq" in r for r in f["reasons"])
     assert_reproduces(f["repro"], tmp_path, case=f["name"], why="dq")
