@@ -85,10 +85,10 @@ from fa4._primitives import fma as _fma
 from fa4._primitives import hardware_exp2
 from fa4._primitives import scales as _scales
 from fa4._primitives import visible as _visible
-from numerics.fp import round_to
+from numerics.fp import flush_to_zero, round_to
 from numerics.fp import to_f32 as _f32
 
-__all__ = ["attention_backward", "bwd_plan", "BwdPlan"]
+__all__ = ["attention_backward", "bwd_plan", "BwdPlan", "reduce_add"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -287,26 +287,36 @@ def _dq_chain(ds64: torch.Tensor, k64: torch.Tensor, plan: BwdPlan) -> torch.Ten
     return acc
 
 
+def reduce_add(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One add of the float32 bulk reduction into dq_accum / dk_accum / dv_accum
+    (``copy_utils.cpasync_reduce_bulk_add_f32``: ``cp.reduce.async.bulk...add.f32``, on SM90 and
+    SM100): round to nearest, and — the PTX ISA says so of this instruction — subnormal inputs
+    and results flushed to sign-preserving zero (found by the static backward audit,
+    ``audits/static/backward.py``: every reduction production compiles is this one)."""
+    return flush_to_zero(flush_to_zero(acc) + flush_to_zero(x))
+
+
 def _dq_block(ds64: torch.Tensor, k64: torch.Tensor, plan: BwdPlan) -> torch.Tensor:
     """Step 9 for one query block: per key group of ``dq_keys`` the dQ MMA's float32 tile, added
-    into the zeroed float32 dq_accum rows in the model's order (module doc).  ds64: (n, rows,
-    keys); k64: (n, keys, d) -> (n, rows, d) float32 (unscaled)."""
+    into the zeroed float32 dq_accum rows (``reduce_add``) in the model's order (module doc).
+    ds64: (n, rows, keys); k64: (n, keys, d) -> (n, rows, d) float32 (unscaled)."""
     starts = range(0, ds64.shape[-1], plan.dq_keys)
     acc = torch.zeros(*ds64.shape[:2], k64.shape[-1], dtype=torch.float32, device=ds64.device)
     for j in reversed(starts) if plan.dq_descending else starts:
-        acc = acc + (ds64[..., j : j + plan.dq_keys] @ k64[:, j : j + plan.dq_keys]).float()
+        acc = reduce_add(acc, (ds64[..., j : j + plan.dq_keys] @ k64[:, j : j + plan.dq_keys]).float())
     return acc
 
 
 def _reduce_heads(acc: torch.Tensor, hk: int, scale: float, dtype) -> torch.Tensor:
-    """Step 8's epilogue: (b, hq, sk, c) float32 partials -> (b, sk, hk, c) in ``dtype``.  Heads of
-    a group are added in order into a zeroed float32 buffer (``epilogue_dKV``; one head: the
-    accumulator itself), multiplied by ``scale`` (FMUL) and cast (cvt.rn)."""
+    """Step 8's epilogue: (b, hq, sk, c) float32 partials -> (b, sk, hk, c) in ``dtype``.  GQA:
+    the heads of a group are added in order into a zeroed float32 buffer (``epilogue_dKV``'s
+    ``reduce_add``); one head per group: the accumulator itself, no reduction.  Then times
+    ``scale`` (FMUL) and the cast (cvt.rn)."""
     b, hq, sk, c = acc.shape
     g = acc.view(b, hk, hq // hk, sk, c)
-    tot = g[:, :, 0].clone()
+    tot = g[:, :, 0].clone() if hq == hk else reduce_add(torch.zeros_like(g[:, :, 0]), g[:, :, 0])
     for h in range(1, hq // hk):
-        tot = tot + g[:, :, h]
+        tot = reduce_add(tot, g[:, :, h])
     if scale != 1.0:
         tot = tot * scale
     return tot.to(dtype).permute(0, 2, 1, 3).contiguous()

@@ -1,5 +1,5 @@
-"""Compile production's SM100 forward kernel (``FlashAttentionForwardSm100``) to sm_100a PTX
-without a Blackwell GPU — and, opt-in, without any GPU.
+"""Compile production's SM100 forward kernel (``FlashAttentionForwardSm100``), or its backward
+kernels (``--backward``), to sm_100a PTX without a Blackwell GPU — and, opt-in, without any GPU.
 
 Production decides everything: ``flash_attn.cute.flash_attn_func`` is called on torch
 FakeTensors on device ``cuda`` under ``FakeTensorMode``.  ``interface._flash_attn_fwd``
@@ -14,30 +14,66 @@ the CUDA driver for the SM count (``tile_scheduler.py`` ``StaticPersistentTileSc
 answering ``FLASH_ATTENTION_NUM_SMS`` (148, B200).  That changes no device code: compiling with
 132 and 148 SMs gave byte-identical PTX (2026-11-29, flash-attn-4 4.0.0b36, cutlass-dsl 4.8.1).
 
+The backward (``--backward``): ``interface._flash_attn_bwd`` on FakeTensors with the arguments
+``interface.FlashAttnFunc.backward`` passes for that ``flash_attn_func`` call when only ``out``
+receives a gradient (``softmax_scale`` None, ``deterministic`` False, ``dlse`` None: the forward
+sets ``ctx.set_materialize_grads(False)``), so tiles, 2-CTA and the head-dim-256 kernel are
+production's choices.  ``torch.autograd.grad`` itself cannot run here: torch's CPU build aborts
+creating the gradient accumulator of a fake CUDA leaf ("PyTorch is not linked with support for
+cuda devices").  One call compiles several kernels — ``FlashAttentionBackwardPreprocess``, the
+main kernel (``FlashAttentionBackwardSm100``, or ``BlackwellFusedMultiHeadAttentionBackward`` for
+(256, 256)) and one ``FlashAttentionBackwardPostprocess`` per distinct postprocess (dQ; dK / dV
+with GQA) — and the dump's file name is the same for two postprocesses, so each compile's PTX is
+taken from the dump as soon as that compile returns (``_capture_compiles``); OUT.ptx holds them
+all, each after a ``// fa4-audit kernel: CLASS`` line.
+
 One compile per process: the DSL reads its target when first imported and the dump's file name
 does not encode the whole configuration.  Run as::
 
-    python -m fa4.sm100_compile CONFIG_JSON OUT.ptx [--no-driver]
+    python -m fa4.sm100_compile CONFIG_JSON OUT.ptx [--no-driver] [--backward]
 
 CONFIG_JSON: {"dtype": "bfloat16", "d": 128, "dv": 128, "batch": 1, "heads_q": 2, "heads_kv":
 2, "seqlen_q": 128, "seqlen_k": 128, "causal": false, "window": [null, null], "softcap": 0.0,
 "sink": false} (an ``audits.cases.Case`` as a dict).  Writes OUT.ptx and OUT.ptx.json (what
-production chose: kernel class and its attributes).  Exit 3 when production refuses the
+production chose: kernel class and its attributes; for the backward also ``kernels``, every
+compiled object in order).  Exit 3 when production refuses the
 configuration (message on stderr), 1 on any other failure.
 """
 
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 
-from fa4.production import refusal_of
+from fa4.production import Refusal, refusal_of
 
-__all__ = ["main"]
+__all__ = ["main", "BWD_REFUSALS", "KERNEL_MARK", "AUX_KERNELS"]
 
 REFUSED = 3
+#: the line before each kernel's PTX in a backward OUT.ptx
+KERNEL_MARK = "// fa4-audit kernel: "
+#: the backward's helper kernels (``flash_bwd_preprocess.py``, ``flash_bwd_postprocess.py``)
+AUX_KERNELS = ("FlashAttentionBackwardPreprocess", "FlashAttentionBackwardPostprocess")
+
+#: Production's documented refusals of the backward, besides ``fa4.production.REFUSALS``
+#: (whose head-dim rule covers the backward's ``_validate_head_dims`` call too).
+BWD_REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        AssertionError,
+        r"SM100 backward with head_dim=256 does not support (learnable_sink|softcap)",
+        "flash_attn/cute/interface.py, _flash_attn_bwd: use_dedicated_hd256_kernel asserts learnable_sink is None "
+        "and softcap == 0.0",
+    ),
+    Refusal(
+        AssertionError,
+        r"SM100 backward with head_dim=256 does not support local attention",
+        "flash_attn/cute/sm100_hd256_2cta_fmha_backward.py, BlackwellFusedMultiHeadAttentionBackward.__init__: "
+        "assert not is_local",
+    ),
+)
 
 
 def _stub_hardware_info() -> None:
@@ -77,47 +113,101 @@ def _configure_environment(dump: str) -> None:
     os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "148")
 
 
-def _record_choices(interface, chosen: dict) -> None:
-    """Wrap ``interface.cute.compile`` to record the kernel production builds into ``chosen``."""
+def _take_ptx(dump: str) -> str | None:
+    """The PTX files the DSL has written into ``dump`` (oldest first, concatenated), removed from it."""
+    paths = sorted(glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True), key=os.path.getmtime)
+    texts = []
+    for p in paths:
+        with open(p) as fh:
+            texts.append(fh.read())
+        os.remove(p)
+    return "".join(texts) or None
+
+
+def _capture_compiles(interface, dump: str) -> list[dict]:
+    """Wrap ``interface.cute.compile`` (passing through unchanged): for each object production
+    compiles, in order, its class, scalar attributes and the PTX the compile dumped."""
+    compiled = []
     compile_og = interface.cute.compile
 
-    def record(*args, **kw):  # passes through unchanged; records what production built
+    def record(*args, **kw):
         obj = args[0]
-        chosen["kernel_class"] = type(obj).__name__
-        chosen["attributes"] = {
-            k: v for k, v in vars(obj).items() if isinstance(v, (bool, int, float, str, type(None)))
+        entry = {
+            "kernel_class": type(obj).__name__,
+            "attributes": {k: v for k, v in vars(obj).items() if isinstance(v, (bool, int, float, str, type(None)))},
         }
-        return compile_og(*args, **kw)
+        compiled.append(entry)
+        try:
+            return compile_og(*args, **kw)
+        finally:
+            entry["ptx"] = _take_ptx(dump)
 
     interface.cute.compile = record
+    return compiled
+
+
+def _fake_inputs(cfg: dict) -> tuple:
+    """q, k, v and the learnable sink (or None) shaped by ``cfg``, on device cuda (call inside a FakeTensorMode)."""
+    import torch
+
+    dt = getattr(torch, cfg["dtype"])
+    b, sq, sk, hq, hk = cfg["batch"], cfg["seqlen_q"], cfg["seqlen_k"], cfg["heads_q"], cfg["heads_kv"]
+    q = torch.empty(b, sq, hq, cfg["d"], dtype=dt, device="cuda")
+    k = torch.empty(b, sk, hk, cfg["d"], dtype=dt, device="cuda")
+    v = torch.empty(b, sk, hk, cfg["dv"], dtype=dt, device="cuda")
+    sink = torch.empty(hq, dtype=torch.float32, device="cuda") if cfg["sink"] else None
+    return q, k, v, sink
 
 
 def _call_on_fake_tensors(fa, cfg: dict) -> Exception | None:
     """``flash_attn_func`` on FakeTensors shaped by ``cfg``; the exception it raised, if any."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    dt = getattr(torch, cfg["dtype"])
     kw = dict(causal=cfg["causal"], window_size=tuple(cfg["window"]), softcap=cfg["softcap"], return_lse=True)
-    err = None
     with FakeTensorMode():
-        q = torch.empty(cfg["batch"], cfg["seqlen_q"], cfg["heads_q"], cfg["d"], dtype=dt, device="cuda")
-        k = torch.empty(cfg["batch"], cfg["seqlen_k"], cfg["heads_kv"], cfg["d"], dtype=dt, device="cuda")
-        v = torch.empty(cfg["batch"], cfg["seqlen_k"], cfg["heads_kv"], cfg["dv"], dtype=dt, device="cuda")
-        if cfg["sink"]:
-            kw["learnable_sink"] = torch.empty(cfg["heads_q"], dtype=torch.float32, device="cuda")
+        q, k, v, sink = _fake_inputs(cfg)
+        if sink is not None:
+            kw["learnable_sink"] = sink
         try:
             fa.flash_attn_func(q, k, v, **kw)
         except Exception as exc:  # launch failures are expected on a non-Blackwell GPU
-            err = exc
-    return err
+            return exc
+    return None
+
+
+def _call_backward_on_fake_tensors(interface, cfg: dict) -> Exception | None:
+    """``interface._flash_attn_bwd`` on FakeTensors as ``interface.FlashAttnFunc.backward`` calls
+    it for ``flash_attn_func(q, k, v, causal, window_size, softcap, learnable_sink)`` with a
+    gradient on ``out`` only; the exception it raised, if any."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v, sink = _fake_inputs(cfg)
+        out = torch.empty(*q.shape[:-1], cfg["dv"], dtype=q.dtype, device="cuda")
+        lse = torch.empty(cfg["batch"], cfg["heads_q"], cfg["seqlen_q"], dtype=torch.float32, device="cuda")
+        window = tuple(cfg["window"])
+        try:
+            interface._flash_attn_bwd(
+                q, k, v, out, torch.empty_like(out), lse, None, cfg["causal"], cfg["softcap"],
+                window_size_left=window[0], window_size_right=window[1], deterministic=False,
+                learnable_sink=sink,
+            )  # fmt: skip
+        except Exception as exc:
+            return exc
+    return None
+
+
+def _matches(rule: Refusal, err: Exception) -> bool:
+    return type(err) is rule.exc_type and re.search(rule.pattern, str(err)) is not None
 
 
 def _no_ptx(err: Exception | None, dump: str) -> int:
-    """No forward kernel PTX was written: say why on stderr; REFUSED or 1."""
+    """No kernel PTX was written: say why on stderr; REFUSED or 1."""
     shutil.rmtree(dump, ignore_errors=True)
-    msg = f"{type(err).__name__}: {err}" if err is not None else "no forward kernel PTX was written"
-    rule = refusal_of(err) if err is not None else None  # fa4.production.REFUSALS: documented refusals only
+    msg = f"{type(err).__name__}: {err}" if err is not None else "no kernel PTX was written"
+    # fa4.production.REFUSALS and BWD_REFUSALS: documented refusals only
+    rule = (refusal_of(err) or next((r for r in BWD_REFUSALS if _matches(r, err)), None)) if err is not None else None
     refused = rule is not None
     print(
         (f"production refuses this configuration ({rule.source}): " if refused else "compile failed: ")
@@ -127,12 +217,25 @@ def _no_ptx(err: Exception | None, dump: str) -> int:
     return REFUSED if refused else 1
 
 
+def _kernels_text(compiled: list[dict], backward: bool) -> tuple[str, dict] | None:
+    """OUT.ptx's text and the main kernel's record: the forward kernel's PTX (the last
+    ``FlashAttention*`` compile), or every backward compile's PTX after its ``KERNEL_MARK`` line;
+    None when a PTX is missing."""
+    if not backward:
+        fwd = [c for c in compiled if "FlashAttention" in c["kernel_class"] and c["ptx"]]
+        return (fwd[-1]["ptx"], fwd[-1]) if fwd else None
+    main = [c for c in compiled if c["kernel_class"] not in AUX_KERNELS]
+    if not main or any(c["ptx"] is None for c in compiled):
+        return None
+    return "".join(f"{KERNEL_MARK}{c['kernel_class']}\n{c['ptx']}" for c in compiled), main[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 1
-    cfg, out, no_driver = json.loads(argv[0]), argv[1], "--no-driver" in argv[2:]
+    cfg, out, no_driver, backward = json.loads(argv[0]), argv[1], "--no-driver" in argv[2:], "--backward" in argv[2:]
     dump = tempfile.mkdtemp(prefix="fa4-sm100-ptx-")
     _configure_environment(dump)
     if no_driver:
@@ -140,18 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     import flash_attn.cute as fa
     from flash_attn.cute import interface
 
-    chosen = {}
-    _record_choices(interface, chosen)
-    err = _call_on_fake_tensors(fa, cfg)
-    ptx = [
-        p
-        for p in glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)
-        if "FlashAttention" in os.path.basename(p)
-    ]
-    if not ptx:
+    compiled = _capture_compiles(interface, dump)
+    err = _call_backward_on_fake_tensors(interface, cfg) if backward else _call_on_fake_tensors(fa, cfg)
+    got = _kernels_text(compiled, backward)
+    if got is None or (backward and err is not None):  # the backward launches nothing: any exception is a failure
         return _no_ptx(err, dump)
-    ptx.sort(key=os.path.getmtime)
-    shutil.copyfile(ptx[-1], out)
+    text, main_kernel = got
+    with open(out, "w") as fh:
+        fh.write(text)
+    chosen = {k: main_kernel[k] for k in ("kernel_class", "attributes")}
+    if backward:
+        chosen["kernels"] = [{k: c[k] for k in ("kernel_class", "attributes")} for c in compiled]
     chosen["launch_error"] = None if err is None else f"{type(err).__name__}: {str(err)[:300]}"
     chosen["config"] = cfg
     with open(out + ".json", "w") as fh:

@@ -1,5 +1,6 @@
 """The backward model before it was blocked for speed (commit 8fe5207): every score of every
-head at once, no tile skipped.  The oracle ``tests/test_model_bwd.py`` holds ``fa4.model_bwd``
+head at once, no tile skipped; since then only its dq_accum adds changed (subnormals flushed,
+``fa4.model_bwd.reduce_add``).  The oracle ``tests/test_model_bwd.py`` holds ``fa4.model_bwd``
 to: on finite inputs the blocked model must give the same bits (the skipped tiles hold P = 0
 and dS = 0 exactly, which add nothing), so the H200 fidelity measured against this version
 carries over.  Not imported by the package."""
@@ -14,7 +15,7 @@ from fa4._primitives import fma as _fma
 from fa4._primitives import hardware_exp2
 from fa4._primitives import scales as _scales
 from fa4._primitives import visible as _visible
-from fa4.model_bwd import _FP8, BwdPlan, _dsink, _preprocess, _reduce_heads, _validate, bwd_plan
+from fa4.model_bwd import _FP8, BwdPlan, _dsink, _preprocess, _reduce_heads, _validate, bwd_plan, reduce_add
 from numerics.fp import round_to
 from numerics.fp import to_f32 as _f32
 
@@ -64,7 +65,7 @@ def _dq(ds64, k64, scale: float, plan: BwdPlan, dtype) -> torch.Tensor:
     acc = torch.zeros(ds64.shape[:3] + (k64.shape[-1],), dtype=torch.float32, device=ds64.device)
     for j0 in groups:
         j1 = j0 + plan.dq_keys
-        acc = acc + torch.einsum("bhij,bjhd->bhid", ds64[..., j0:j1], k64[:, j0:j1]).float()
+        acc = reduce_add(acc, torch.einsum("bhij,bjhd->bhid", ds64[..., j0:j1], k64[:, j0:j1]).float())
     return (acc * scale).to(dtype).permute(0, 2, 1, 3).contiguous()
 
 

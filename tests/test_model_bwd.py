@@ -396,3 +396,19 @@ def test_hd256_refusals_are_production_s(kw, why):
     dlse = x["dlse"] if kw.get("dlse") else None
     with pytest.raises(NotImplementedError, match=why):
         attention_backward(q, k, v, out, lse, x["do"], dlse=dlse, learnable_sink=x["sink"], numerics=nm, **call)
+
+
+def test_accumulator_reductions_flush_subnormals():
+    """dq_accum and the GQA dk/dv_accum take ``cp.reduce.async.bulk...add.f32``, which flushes
+    subnormal inputs and results (PTX ISA; the static backward audit found it in every compiled
+    kernel): a subnormal dQ tile adds nothing, a sum landing in the subnormal range becomes a
+    zero of its sign; the single-head accumulator (MHA dK/dV, no reduction) keeps subnormals."""
+    plan = mb.BwdPlan(128, 128, 1, 128, 32, False)
+    ds = torch.tensor([[[2.0**-100, 2.0**-100]]], dtype=torch.float64)
+    kk = torch.tensor([[[2.0**-30], [2.0**-27]]], dtype=torch.float64)  # tiles 2**-130 and 2**-127
+    assert float(mb._dq_block(ds, kk, plan)) == 0.0  # IEEE: 2**-130 + 2**-127, a subnormal sum
+    assert float(mb.reduce_add(torch.tensor([2.0**-125]), torch.tensor([-(2.0**-125) + 2.0**-140]))) == 0.0
+    assert torch.signbit(mb.reduce_add(torch.tensor([-(2.0**-125)]), torch.tensor([2.0**-126])))
+    sub = torch.full((1, 2, 1, 1), 2.0**-130)
+    assert float(mb._reduce_heads(sub, 1, 1.0, torch.float32).sum()) == 0.0  # GQA: reduced, flushed
+    assert float(mb._reduce_heads(sub, 2, 1.0, torch.float32)[0, 0, 0, 0]) == 2.0**-130  # MHA: kept

@@ -52,11 +52,10 @@ def _production_versions() -> dict | None:
     return versions
 
 
-def _audit_groups(groups: list, *, ptx_dir, no_driver: bool, jobs: int, quiet: bool) -> list[dict]:
-    """Compile and audit every group, ``jobs`` at once; records in suite order (StaticError propagates)."""
+def _audit_groups(groups: list, audit, *, ptx_dir, no_driver: bool, jobs: int, quiet: bool) -> list[dict]:
+    """Compile and audit (``audit``: ``core.audit_group`` or ``backward.audit_backward_group``)
+    every group, ``jobs`` at once; records in suite order (StaticError propagates)."""
     from rich.console import Console
-
-    from audits.static.core import audit_group
 
     console = Console(stderr=True)
     with progress(console, quiet=quiet) as bar:
@@ -65,7 +64,7 @@ def _audit_groups(groups: list, *, ptx_dir, no_driver: bool, jobs: int, quiet: b
         from concurrent.futures import ThreadPoolExecutor
 
         def one(group):
-            rec = audit_group(group[0], group[1], ptx_dir=ptx_dir, no_driver=no_driver)
+            rec = audit(group[0], group[1], ptx_dir=ptx_dir, no_driver=no_driver)
             bar.advance(task)
             return rec
 
@@ -73,11 +72,11 @@ def _audit_groups(groups: list, *, ptx_dir, no_driver: bool, jobs: int, quiet: b
             return list(pool.map(one, groups))  # suite order; the first StaticError propagates
 
 
-def _print_outcome(counts: dict, records: list[dict], out) -> int:
+def _print_outcome(counts: dict, records: list[dict], md) -> int:
     """Print the summary line and every divergence; the exit code."""
     print(
         f"{counts['match']} match, {counts['diverged']} diverged, {counts['skipped']} skipped (production refuses) "
-        f"of {len(records)} compile groups; report: {out / 'static.md'}"
+        f"of {len(records)} compile groups; report: {md}"
     )
     for r in records:
         for d in r.get("differences", []):
@@ -88,65 +87,92 @@ def _print_outcome(counts: dict, records: list[dict], out) -> int:
     return EXIT_FAIL if counts["diverged"] else EXIT_OK
 
 
-def cmd_static(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
+def _groups_and_audit(cases: list, backward: bool) -> tuple[list, object, dict]:
+    """The compile groups, the per-group audit and the report's name / schema / extra summary."""
+    if backward:
+        from audits.static.backward import audit_backward_group, backward_groups, is_fp8
 
-    from audits.static.core import StaticError, static_groups
+        extra = {"fp8_cases_not_audited": sum(map(is_fp8, cases))}  # production has no fp8 backward
+        meta = {"name": "static-backward", "schema": "fa4-audit/static-backward/1", "extra": extra}
+        return backward_groups(cases), audit_backward_group, meta
+    from audits.static.core import audit_group, static_groups
 
-    if args.arch != "sm_100a":
-        raise UsageError(
-            f"--arch {args.arch!r}: only sm_100a (the Blackwell forward kernel FA4Numerics.sm100 models) is audited"
-        )
-    cases = _cases(args)
+    return static_groups(cases), audit_group, {"name": "static", "schema": "fa4-audit/static/1", "extra": {}}
+
+
+def _check_environment(args: argparse.Namespace) -> dict | None:
+    """The production versions, or None (after saying why) when the audit cannot compile here."""
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: expected a positive number of parallel compiles")
     versions = _production_versions()
-    if versions is None:
-        return EXIT_USAGE
-    no_driver = args.compile_on == "cpu"
-    if not no_driver and not torch.cuda.is_available():
+    if versions is not None and args.compile_on == "cuda" and not torch.cuda.is_available():
         print(
             "fa4-audit static: no CUDA device to compile on; pass --compile-on cpu to cross-compile without a GPU "
             "(it stands in for the driver's SM-count query, which sizes only the launch grid)",
             file=sys.stderr,
         )
+        return None
+    return versions
+
+
+def cmd_static(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from audits.static.core import StaticError
+
+    if args.arch != "sm_100a":
+        raise UsageError(
+            f"--arch {args.arch!r}: only sm_100a (the Blackwell kernels FA4Numerics.sm100 and fa4.model_bwd model) "
+            "is audited"
+        )
+    cases = _cases(args)
+    versions = _check_environment(args)
+    if versions is None:
         return EXIT_USAGE
-    if args.jobs < 1:
-        raise UsageError(f"--jobs {args.jobs}: expected a positive number of parallel compiles")
-    groups = static_groups(cases)
+    groups, audit, meta = _groups_and_audit(cases, args.backward)
     out = Path(args.out)
     ptx_dir = Path(args.ptx_dir) if args.ptx_dir else out / "ptx"
+    no_driver = args.compile_on == "cpu"
     try:
-        records = _audit_groups(groups, ptx_dir=ptx_dir, no_driver=no_driver, jobs=args.jobs, quiet=args.quiet)
+        records = _audit_groups(groups, audit, ptx_dir=ptx_dir, no_driver=no_driver, jobs=args.jobs, quiet=args.quiet)
     except StaticError as exc:
         print(f"fa4-audit static: {exc}", file=sys.stderr)
         return EXIT_USAGE
     counts = {v: sum(r["verdict"] == v for r in records) for v in ("match", "diverged", "skipped")}
     report = {
-        "schema": "fa4-audit/static/1",
+        "schema": meta["schema"],
         "arch": args.arch,
         "suite": None if args.config else args.suite,
         "versions": versions,
         "compile_on": args.compile_on,
         "command": "fa4-audit " + " ".join(args.argv),
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "summary": counts,
+        "summary": {**counts, **meta["extra"]},
         "groups": records,
     }
-    atomic_write(out / "static.json", json.dumps(report, separators=(",", ":")) + "\n")
-    atomic_write(out / "static.md", _static_markdown(report))
-    return _print_outcome(counts, records, out)
+    atomic_write(out / f"{meta['name']}.json", json.dumps(report, separators=(",", ":")) + "\n")
+    markdown = _backward_markdown if args.backward else _static_markdown
+    atomic_write(out / f"{meta['name']}.md", markdown(report))
+    return _print_outcome(counts, records, out / f"{meta['name']}.md")
 
 
-def _static_markdown(rep: dict) -> str:
+def _markdown_head(rep: dict, title: str) -> list[str]:
+    """Title, command, versions, the summary line and the divergences table."""
     s = rep["summary"]
     L = [
-        "# fa4-audit static: production SM100 forward PTX against FA4Numerics.sm100",
+        f"# fa4-audit static: {title}",
         "",
         f"`{rep['command']}` on {rep['created']}; flash-attn-4 {rep['versions']['flash-attn-4']}, "
         f"nvidia-cutlass-dsl {rep['versions']['nvidia-cutlass-dsl']}; compiled on {rep['compile_on']}.",
         "",
         f"{s['match']} compile groups match, {s['diverged']} diverged, {s['skipped']} skipped "
-        "(production refuses the configuration).",
+        "(production refuses the configuration)"
+        + (
+            f"; {s['fp8_cases_not_audited']} fp8 cases not audited (no fp8 backward)."
+            if "fp8_cases_not_audited" in s
+            else "."
+        ),
         "",
     ]
     bad = [r for r in rep["groups"] if r["verdict"] == "diverged"]
@@ -158,6 +184,11 @@ def _static_markdown(rep: dict) -> str:
             for d in r["differences"]
         ]
         L.append("")
+    return L
+
+
+def _static_markdown(rep: dict) -> str:
+    L = _markdown_head(rep, "production SM100 forward PTX against FA4Numerics.sm100")
     L += [
         "## Compile groups",
         "",
@@ -179,6 +210,31 @@ def _static_markdown(rep: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _backward_markdown(rep: dict) -> str:
+    L = _markdown_head(rep, "production SM100 backward PTX against the backward model (fa4.model_bwd)")
+    L += [
+        "## Compile groups",
+        "",
+        "| group | cases | verdict | main kernel | tiles (m, n, dQ keys) | ex2 hw | P / dS convert | out convert "
+        "| f32 reduce targets | tanh | compiled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rep["groups"]:
+        if r["verdict"] == "skipped":
+            why = r["reason"].rsplit("): ", 1)[-1][:110]  # the refusal's own message
+            L.append(f"| {r['group']} | {r['cases']} | skipped: {why} | | | | | | | | |")
+            continue
+        f = r["facts"]
+        t, ex2 = f["tiles"], ", ".join(f"{k} x{n}" for k, n in f["exp2.hardware"].items())
+        L.append(
+            f"| {r['group']} | {r['cases']} | {r['verdict']} | {r['kernel_class']} "
+            f"| {t['tile_m']}, {t['tile_n']}, {t['dq_keys']} | {ex2} "
+            f"| {', '.join(f['p_convert'])} / {', '.join(f['ds_convert'])} | {', '.join(f['out_convert']) or '-'} "
+            f"| {f['reduce.targets']} | {f['tanh']} | {r['compiled']} |"
+        )
+    return "\n".join(L) + "\n"
+
+
 def register(sub) -> None:
     """Add this audit's subcommands to the ``fa4-audit`` parser."""
     st = sub.add_parser(
@@ -190,7 +246,9 @@ def register(sub) -> None:
         "--compile-on cpu, a failed compile, PTX the extractor does not understand).",
     )
     st.add_argument(
-        "--arch", default="sm_100a", help="compile target (only sm_100a, the kernel FA4Numerics.sm100 models)"
+        "--arch",
+        default="sm_100a",
+        help="compile target (only sm_100a, the kernels FA4Numerics.sm100 and fa4.model_bwd model)",
     )
     st.add_argument(
         "--suite", default="smoke", help="suite whose compile groups are audited (default smoke; release: 142 groups)"
@@ -214,7 +272,14 @@ def register(sub) -> None:
     st.add_argument(
         "--out",
         default="reports/static-latest",
-        help="writes OUT/static.json (schema fa4-audit/static/1) and OUT/static.md",
+        help="writes OUT/static.json (schema fa4-audit/static/1) and OUT/static.md; with --backward "
+        "OUT/static-backward.json (fa4-audit/static-backward/1) and OUT/static-backward.md",
+    )
+    st.add_argument(
+        "--backward",
+        action="store_true",
+        help="audit the backward kernels (preprocess, FlashAttentionBackwardSm100 / the hd256 kernel, postprocess) "
+        "against fa4.model_bwd; writes OUT/static-backward.json and .md (docs/static.md)",
     )
     st.add_argument("--quiet", action="store_true")
     st.set_defaults(func=cmd_static)

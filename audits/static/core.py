@@ -137,48 +137,51 @@ def compare_facts(facts: dict, want: dict, *, tile_n: int = 128) -> list[dict]:
     return diffs
 
 
-def _compile(c: Case, ptx_path: Path, *, no_driver: bool) -> tuple[str, dict] | str:
+def _compile(c: Case, ptx_path: Path, *, no_driver: bool, backward: bool = False) -> tuple[str, dict] | str:
     """Compile in a fresh process; the PTX text and production's recorded choices, or the
     refusal message (str) when production does not support the configuration."""
     cfg = {k: v for k, v in c.as_dict().items() if k not in ("layout", "family", "seed")}
-    cmd = [sys.executable, "-m", "fa4.sm100_compile", json.dumps(cfg), str(ptx_path)] + (
-        ["--no-driver"] if no_driver else []
-    )
+    flags = (["--no-driver"] if no_driver else []) + (["--backward"] if backward else [])
+    cmd = [sys.executable, "-m", "fa4.sm100_compile", json.dumps(cfg), str(ptx_path)] + flags
+    what = "backward kernels" if backward else "forward kernel"
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:  # a hung compile proves nothing: exit 2, never a pass
-        raise StaticError(
-            f"compiling the SM100 forward kernel for {c.name} did not finish in {COMPILE_TIMEOUT_S} s"
-        ) from exc
+        raise StaticError(f"compiling the SM100 {what} for {c.name} did not finish in {COMPILE_TIMEOUT_S} s") from exc
     if proc.returncode == 3:
         return proc.stderr.strip().splitlines()[-1]
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-4:])
-        raise StaticError(f"compiling the SM100 forward kernel for {c.name} failed (exit {proc.returncode}):\n{tail}")
+        raise StaticError(f"compiling the SM100 {what} for {c.name} failed (exit {proc.returncode}):\n{tail}")
     return ptx_path.read_text(), json.loads(Path(str(ptx_path) + ".json").read_text())
+
+
+def cached_ptx(c: Case, stem: str, *, ptx_dir: Path, no_driver: bool, backward: bool = False) -> tuple | str:
+    """``(ptx, production's choices, "cached" | "<seconds> s")`` from ``ptx_dir/<stem>.ptx.gz``
+    (and ``.ptx.json``), else compiled now and kept there; or the refusal message (str)."""
+    ptx_dir.mkdir(parents=True, exist_ok=True)
+    gz, side = ptx_dir / f"{stem}.ptx.gz", ptx_dir / f"{stem}.ptx.json"
+    if gz.exists() and side.exists():
+        return gzip.decompress(gz.read_bytes()).decode(), json.loads(side.read_text()), "cached"
+    t0 = time.perf_counter()
+    tmp = ptx_dir / f"{stem}.ptx"
+    got = _compile(c, tmp, no_driver=no_driver, backward=backward)
+    if isinstance(got, str):
+        return got
+    gz.write_bytes(gzip.compress(got[0].encode(), 9))
+    os.replace(str(tmp) + ".json", side)
+    tmp.unlink()
+    return (*got, f"{time.perf_counter() - t0:.1f} s")
 
 
 def audit_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver: bool) -> dict:
     """Compile (or reuse ``ptx_dir/<name>.ptx.gz``), extract, compare: one report record."""
-    ptx_dir.mkdir(parents=True, exist_ok=True)
-    gz = ptx_dir / f"{c.name}.ptx.gz"
-    side = ptx_dir / f"{c.name}.ptx.json"
     rec = {"group": c.name, "config": c.as_dict(), "cases": len(cases), "model": dataclasses.asdict(_numerics(c))}
     rec["model"]["p_dtype"] = str(rec["model"]["p_dtype"])
-    t0 = time.perf_counter()
-    if gz.exists() and side.exists():
-        ptx, chosen = gzip.decompress(gz.read_bytes()).decode(), json.loads(side.read_text())
-        rec["compiled"] = "cached"
-    else:
-        tmp = ptx_dir / f"{c.name}.ptx"
-        got = _compile(c, tmp, no_driver=no_driver)
-        if isinstance(got, str):
-            return {**rec, "verdict": "skipped", "reason": got}
-        ptx, chosen = got
-        gz.write_bytes(gzip.compress(ptx.encode(), 9))
-        os.replace(str(tmp) + ".json", side)
-        tmp.unlink()
-        rec["compiled"] = f"{time.perf_counter() - t0:.1f} s"
+    got = cached_ptx(c, c.name, ptx_dir=ptx_dir, no_driver=no_driver)
+    if isinstance(got, str):
+        return {**rec, "verdict": "skipped", "reason": got}
+    ptx, chosen, rec["compiled"] = got
     attrs = chosen.get("attributes", {})
     tile_n = int(attrs.get("n_block_size", 128))
     rec["production"] = {

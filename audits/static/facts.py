@@ -115,16 +115,23 @@ def _max_offsets(ptx: str) -> list[float]:
     )
 
 
-def _nonstandard_arith(ops: Counter) -> Counter:
-    """f32 add/sub/mul/fma not rounding to nearest or flushing, other than the emulation's round-down adds."""
+def _is_emulation_add(op: str) -> bool:
+    """The polynomial exp2's round-down add (``add.rm.f32x2`` packed, ``add.rm(.ftz).f32`` scalar)."""
+    return op == "add.rm.f32x2" or re.fullmatch(r"(add|sub)\.rm(\.ftz)?\.f32", op) is not None
+
+
+def _nonstandard_arith(ops: Counter, *, exempt=_is_emulation_add, kinds=("add", "sub", "mul", "fma")) -> Counter:
+    """f32 ``kinds`` instructions (packed and mixed-precision forms included) not rounding to
+    nearest, flushing or saturating — and approximate divisions — other than those ``exempt``
+    says (default: the emulation's round-down adds, counted in their own fact)."""
     nonstd = Counter()
     for op, n in ops.items():
         parts = op.split(".")
-        if parts[0] in ("add", "sub", "mul", "fma") and parts[-1] in ("f32", "f32x2"):
-            if op in ("add.rm.f32x2",) or re.fullmatch(r"(add|sub)\.rm(\.ftz)?\.f32", op):
-                continue  # the emulation's round-down add, counted above
+        if parts[0] in kinds and any(p in ("f32", "f32x2") for p in parts[1:]):
+            if exempt and exempt(op):
+                continue
             rnd = next((p for p in parts if p in ("rn", "rz", "rm", "rp")), "rn")
-            if rnd != "rn" or "ftz" in parts or "sat" in parts:
+            if rnd != "rn" or "ftz" in parts or "sat" in parts or "approx" in parts or "full" in parts:
                 nonstd[op] += n
     return nonstd
 
