@@ -29,7 +29,7 @@ def report(out):
 
 def test_fa4_model_passes_smoke_forward_and_backward(tmp_path):
     """The issue's acceptance run, ``run --kernel fa4-model --suite smoke --backward --device
-    cpu`` (79 s on a 2-core machine, docs/backward.md): no failure; every output and every
+    cpu`` (30 s on a 2-core machine, docs/backward.md): no failure; every output and every
     gradient within its bound; only fp8 (no backward) skipped; the one out-of-domain case is
     fp16 V near its max, where dS overflows fp16."""
     assert run("--kernel", "fa4-model", "--suite", "smoke", "--backward", "--out", str(tmp_path)) == 0
