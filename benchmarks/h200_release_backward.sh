@@ -6,6 +6,8 @@
 # DET=1, a --deterministic run of fa4 on the causal and local cases of one family.  Journals
 # come back in $OUT/bwd.tgz (copy it to .release-state/ for the next call), reports in
 # $OUT/reports.tgz.  KERNELS overrides the kernels (e.g. the SDPA backends in a later call).
+# On a fresh machine, rebuild .release-state/bwd.tgz from the committed reports first:
+#   python benchmarks/release_state_from_reports.py
 set -uo pipefail
 . benchmarks/h200_env.sh
 nvidia-smi -L
