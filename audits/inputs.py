@@ -20,7 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Family", "FAMILIES", "SINK_PLACES", "TILE_STEPS_LOG2", "make_inputs", "DO_FAMILIES", "make_grad_output"]
+__all__ = [
+    "Family", "FAMILIES", "SINK_PLACES", "TILE_STEPS_LOG2", "make_inputs", "DO_FAMILIES", "make_grad_output",
+    "NotApplicable",
+]  # fmt: skip
+
+
+class NotApplicable(ValueError):
+    """A case whose configuration a family's (or layout's) precondition excludes: the family
+    cannot build its inputs there (e.g. ``nan_inf_masked`` needs keys no query sees).  The runner
+    reports the case ``skipped`` with this reason; it never ends a run."""
+
 
 #: logit steps between consecutive 128-key tiles, in log2 units: around the 16-bit rescale
 #: threshold (8), and far above it
@@ -160,10 +170,10 @@ def _nan_inf(where: str):
             # keys no query can see: before the left edge of every local window
             left = case.window[0]
             if left is None:
-                raise ValueError(f"family nan_inf_masked needs a case with a left window, got {case.window}")
+                raise NotApplicable(f"family nan_inf_masked needs a case with a left window, got {case.window}")
             js = list(range(0, max(0, n - sq[1] - left)))[:2]
             if not js:
-                raise ValueError(
+                raise NotApplicable(
                     f"case has no key masked for every query (seqlen_q {sq[1]}, seqlen_k {n}, left {left})"
                 )
         k[:, js[0], :, 0] = math.nan
@@ -246,7 +256,7 @@ def make_inputs(case, *, device: str | torch.device = "cpu") -> dict:
         q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
     else:
         if case.layout == "packed_qkv":
-            raise ValueError("layout packed_qkv needs heads_q == heads_kv, d == dv and seqlen_q == seqlen_k")
+            raise NotApplicable("layout packed_qkv needs heads_q == heads_kv, d == dv and seqlen_q == seqlen_k")
         q, k, v = (_layout(t.to(dt).to(device), case.layout, g) for t in (q, k, v))
     kw = {"causal": case.causal, "window_size": tuple(case.window), "softcap": case.softcap}
     if case.sink:

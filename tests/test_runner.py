@@ -391,3 +391,16 @@ def test_jobs_resume_after_a_job_died(tmp_path):
     first = json.loads(kept[1])
     again = next(c for c in rep["cases"] if c["case"] == first["case"])
     assert again["seconds"] == first["seconds"]  # not redone
+
+
+def test_a_family_whose_precondition_fails_is_a_skipped_case_not_the_end_of_the_run(tmp_path, capsys):
+    """``nan_inf_masked`` needs keys no query sees (a left window): on a case without one it is
+    reported ``skipped`` with the reason, and the other cases run (it used to raise out of the run)."""
+    bad = json.dumps({"d": 64, "dv": 64, "seqlen_q": 64, "seqlen_k": 96, "family": "nan_inf_masked"})
+    good = json.dumps({"d": 64, "dv": 64, "seqlen_q": 64, "seqlen_k": 96})
+    assert run("--kernel", "fa4-model", "--config", bad, "--config", good, "--out", str(tmp_path)) == 0
+    cases = report(tmp_path)["cases"]
+    assert [c["verdict"] for c in cases] == ["skipped", "pass"]
+    assert cases[0]["reasons"] == [
+        "input family not applicable here: family nan_inf_masked needs a case with a left window, got (None, None)"
+    ]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from audits.cases import Case
-from audits.inputs import make_grad_output, make_inputs
+from audits.inputs import NotApplicable, make_grad_output, make_inputs
 from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel
 from audits.runner import journal
 from audits.runner.backward import BackwardOptions, _references, analyse_backward, grad_call
@@ -242,7 +242,12 @@ def evaluate_case(
     too (``rec["backward"]``)."""
     rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
     t0 = time.perf_counter()
-    x = make_inputs(case, device=device)
+    try:
+        x = make_inputs(case, device=device)
+    except NotApplicable as exc:  # a family's precondition: this case is reported, the run goes on
+        rec.update(status="skipped", reason=f"input family not applicable here: {exc}", verdict="skipped")
+        rec["reasons"], rec["seconds"] = [rec["reason"]], time.perf_counter() - t0
+        return rec
     status, res = _call(fn, x)
     rec.update(status)
     if res is not None:
