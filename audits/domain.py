@@ -1,0 +1,174 @@
+"""What a kernel supports: its declared domain (issue 14's building block).
+
+A kernel declares it as an attribute of the callable, a plain dict whose keys are optional
+(absent = no restriction)::
+
+    fn.fa4_audit_domain = {
+        "dtypes": ["float16"], "head_dims": [[64, 64], [128, 128]],
+        "seqlen_multiple": 128, "equal_seqlens": True, "max_seqlen": 8192,
+        "causal": True, "local": False, "softcap": False, "sink": False, "gqa": True,
+        "layouts": ["contiguous", "strided"], "backward": False, "deterministic": False,
+    }
+
+or in a TOML file with the same keys (a file narrows what the attribute allows).
+:func:`domain_of` reads the attribute; :meth:`Domain.from_dict` / :meth:`Domain.from_toml` check
+every key and value and raise :class:`DomainError` naming the bad one, where it came from and
+what is accepted; :meth:`Domain.refusal` says why a case lies outside (None: inside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from audits.cases import DTYPES, LAYOUTS, Case
+
+__all__ = ["Domain", "DomainError", "domain_of"]
+
+_BOOL_KEYS = ("equal_seqlens", "causal", "local", "softcap", "sink", "gqa", "backward", "deterministic")
+
+
+class DomainError(ValueError):
+    """A malformed domain declaration; the message names the key, the value, where it was read
+    and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A kernel's supported configurations.  dtypes, head_dims ((d, dv) pairs), layouts: None =
+    any; seqlen_multiple: both lengths multiples of it; equal_seqlens: seqlen_q == seqlen_k;
+    min_seqlen / max_seqlen: bounds on both lengths; causal, local (windows), softcap, sink (a
+    learnable sink), gqa (heads_q > heads_kv): supported or not; backward, deterministic: whether
+    ``run --backward`` / ``--deterministic`` apply."""
+
+    dtypes: tuple[str, ...] | None = None
+    head_dims: tuple[tuple[int, int], ...] | None = None
+    seqlen_multiple: int = 1
+    equal_seqlens: bool = False
+    min_seqlen: int = 1
+    max_seqlen: int | None = None
+    causal: bool = True
+    local: bool = True
+    softcap: bool = True
+    sink: bool = True
+    gqa: bool = True
+    layouts: tuple[str, ...] | None = None
+    backward: bool = True
+    deterministic: bool = True
+
+    @classmethod
+    def from_dict(cls, d, *, where: str) -> Domain:
+        """The domain a dict declares (keys optional), every key and value checked."""
+        if not isinstance(d, dict):
+            raise DomainError(f"{where}: a domain is a dict of keys {', '.join(_FIELDS)}, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_FIELDS))
+        if unknown:
+            raise DomainError(f"{where}: unknown domain key(s) {', '.join(unknown)}; accepted: {', '.join(_FIELDS)}")
+        return cls(**{k: _value(k, v, where) for k, v in d.items()})
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> Domain:
+        """The domain a TOML file declares (top-level keys, as the dict form)."""
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError as exc:
+            raise DomainError(f"{p}: no such domain file") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise DomainError(f"{p}: not valid TOML: {exc}") from exc
+        return cls.from_dict(data, where=str(p))
+
+    def narrow(self, other: Domain) -> Domain:
+        """What both allow (a ``--domain`` file narrowing the kernel's own declaration)."""
+
+        def meet(a, b):
+            return b if a is None else a if b is None else tuple(x for x in a if x in b)
+
+        lo = [m for m in (self.max_seqlen, other.max_seqlen) if m is not None]
+        return Domain(
+            dtypes=meet(self.dtypes, other.dtypes), head_dims=meet(self.head_dims, other.head_dims),
+            seqlen_multiple=_lcm(self.seqlen_multiple, other.seqlen_multiple),
+            equal_seqlens=self.equal_seqlens or other.equal_seqlens,
+            min_seqlen=max(self.min_seqlen, other.min_seqlen), max_seqlen=min(lo) if lo else None,
+            layouts=meet(self.layouts, other.layouts),
+            **{k: getattr(self, k) and getattr(other, k) for k in _BOOL_KEYS if k != "equal_seqlens"},
+        )  # fmt: skip
+
+    def refusal(self, case: Case) -> str | None:
+        """Why ``case`` lies outside the domain (the first reason found), None when inside."""
+        checks = (
+            (self.dtypes is not None and case.dtype not in self.dtypes, f"dtype {case.dtype} not in {self.dtypes}"),
+            (self.head_dims is not None and (case.d, case.dv) not in self.head_dims,
+             f"head dims ({case.d}, {case.dv}) not in {self.head_dims}"),
+            (case.seqlen_q % self.seqlen_multiple or case.seqlen_k % self.seqlen_multiple,
+             f"seqlens {case.seqlen_q}x{case.seqlen_k} not multiples of {self.seqlen_multiple}"),
+            (self.equal_seqlens and case.seqlen_q != case.seqlen_k, "seqlen_q != seqlen_k"),
+            (min(case.seqlen_q, case.seqlen_k) < self.min_seqlen, f"a seqlen below {self.min_seqlen}"),
+            (self.max_seqlen is not None and max(case.seqlen_q, case.seqlen_k) > self.max_seqlen,
+             f"a seqlen above {self.max_seqlen}"),
+            (case.causal and not self.causal, "causal masking unsupported"),
+            (case.local and not self.local, "local windows unsupported"),
+            (case.softcap > 0 and not self.softcap, "softcap unsupported"),
+            (case.sink and not self.sink, "learnable sink unsupported"),
+            (case.heads_q != case.heads_kv and not self.gqa, "GQA/MQA unsupported"),
+            (self.layouts is not None and case.layout not in self.layouts,
+             f"layout {case.layout} not in {self.layouts}"),
+        )  # fmt: skip
+        return next((why for bad, why in checks if bad), None)
+
+    def as_dict(self) -> dict:
+        """The declaration in the dict form (lists for tuples), for reports."""
+        d = dataclasses.asdict(self)
+        return {
+            k: [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v for k, v in d.items()
+        }
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Domain))
+
+
+def _lcm(a: int, b: int) -> int:
+    import math
+
+    return a * b // math.gcd(a, b)
+
+
+def _value(key: str, v, where: str):
+    """One declared value, checked and normalised (tuples for lists)."""
+    bad = lambda want: DomainError(f"{where}: domain key {key!r} = {v!r}: expected {want}")  # noqa: E731
+    if key in _BOOL_KEYS:
+        if not isinstance(v, bool):
+            raise bad("true or false")
+        return v
+    if key in ("seqlen_multiple", "min_seqlen", "max_seqlen"):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise bad("a positive integer")
+        return v
+    accepted = {"dtypes": DTYPES, "layouts": LAYOUTS}.get(key)
+    if accepted is not None:
+        if not isinstance(v, (list, tuple)) or not v or any(x not in accepted for x in v):
+            raise bad(f"a non-empty list of {', '.join(accepted)}")
+        return tuple(v)
+    pairs = (
+        isinstance(v, (list, tuple))
+        and v
+        and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, int) and x > 0 for x in p) for p in v
+        )
+    )
+    if not pairs:
+        raise bad("a non-empty list of [d, dv] pairs of positive integers")
+    return tuple(tuple(p) for p in v)
+
+
+def domain_of(fn) -> Domain:
+    """The domain a kernel declares (its ``fa4_audit_domain`` attribute: a dict or a Domain);
+    the unrestricted domain when it declares none."""
+    d = getattr(fn, "fa4_audit_domain", None)
+    if d is None:
+        return Domain()
+    if isinstance(d, Domain):
+        return d
+    return Domain.from_dict(d, where=f"{getattr(fn, '__qualname__', fn)!s}.fa4_audit_domain")
