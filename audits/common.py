@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "read_toml",
     "EXIT_OK",
     "EXIT_FAIL",
     "EXIT_USAGE",
@@ -120,6 +121,20 @@ def read_json(path: str | Path, *, what: str = "file"):
         raise UsageError(f"{path}: no such {what}") from exc
     except (OSError, EOFError, ValueError) as exc:  # JSONDecodeError, gzip/lzma errors, undecodable bytes
         raise UsageError(f"{path}: not a readable JSON {what} ({type(exc).__name__}: {exc})") from exc
+
+
+def read_toml(path: str | Path, *, what: str, error: type[Exception]) -> dict:
+    """A TOML document from ``path``; ``error`` (the caller's exception class) naming the file
+    when it is missing or not TOML (with TOML's line and column)."""
+    import tomllib
+
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text())
+    except FileNotFoundError as exc:
+        raise error(f"{p}: no such {what} file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{p}: not valid TOML: {exc}") from exc
 
 
 def progress(console, *, quiet: bool):

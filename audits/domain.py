@@ -19,11 +19,11 @@ what is accepted; :meth:`Domain.refusal` says why a case lies outside (None: ins
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from audits.cases import DTYPES, LAYOUTS, Case
+from audits.common import read_toml
 
 __all__ = ["Domain", "DomainError", "domain_of"]
 
@@ -71,14 +71,7 @@ class Domain:
     @classmethod
     def from_toml(cls, path: str | Path) -> Domain:
         """The domain a TOML file declares (top-level keys, as the dict form)."""
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError as exc:
-            raise DomainError(f"{p}: no such domain file") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise DomainError(f"{p}: not valid TOML: {exc}") from exc
-        return cls.from_dict(data, where=str(p))
+        return cls.from_dict(read_toml(path, what="domain", error=DomainError), where=str(path))
 
     def narrow(self, other: Domain) -> Domain:
         """What both allow (a ``--domain`` file narrowing the kernel's own declaration)."""

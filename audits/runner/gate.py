@@ -8,8 +8,9 @@ forward-pass bound; FA's test criterion is a floor for every kernel.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+from audits.common import read_toml
 
 __all__ = [
     "DEFAULT_THRESHOLDS", "load_thresholds", "require_backward", "judge", "judge_against_baseline", "rejudge",
@@ -49,12 +50,7 @@ class ThresholdsError(ValueError):
 def load_thresholds(path: str | Path | None = None) -> dict:
     """Parse and validate a thresholds file (default: the shipped one)."""
     p = Path(path) if path is not None else DEFAULT_THRESHOLDS
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError as exc:
-        raise ThresholdsError(f"{p}: no such thresholds file") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ThresholdsError(f"{p}: not valid TOML: {exc}") from exc
+    data = read_toml(p, what="thresholds", error=ThresholdsError)
     for section, keys in _KEYS.items():
         _table(p, data, section, keys)
     if "backward" in data:
