@@ -165,3 +165,119 @@ def domain_of(fn) -> Domain:
     if isinstance(d, Domain):
         return d
     return Domain.from_dict(d, where=f"{getattr(fn, '__qualname__', fn)!s}.fa4_audit_domain")
+
+
+#: multiples of the domain's block that generated lengths take: one block, not-a-power-of-two
+#: multiples, and long ones (capped by max_seqlen, or at 8192 when it has none)
+_LENGTH_MULTIPLES = (1, 3, 5, 8, 17, 33, 64)
+_DEFAULT_MAX = 8192
+
+
+def seqlens_within(d: Domain, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(seqlen_q, seqlen_k) pairs inside the domain: the given ones it admits, and lengths made
+    from its block (``_LENGTH_MULTIPLES``: the smallest, odd multiples, long ones), as equal
+    pairs and, unless the domain wants equal lengths, as neighbouring unequal pairs both ways."""
+    probe = lambda sq, sk: Case(seqlen_q=sq, seqlen_k=sk, dtype=(d.dtypes or ("bfloat16",))[0])  # noqa: E731
+    free = Domain(seqlen_multiple=d.seqlen_multiple, equal_seqlens=d.equal_seqlens, min_seqlen=d.min_seqlen,
+                  max_seqlen=d.max_seqlen)  # fmt: skip
+    kept = [p for p in pairs if free.refusal(probe(*p)) is None]
+    if free == Domain():  # no constraint on the lengths: the suite's own pairs
+        return kept
+    m, hi = d.seqlen_multiple, d.max_seqlen or _DEFAULT_MAX
+    lengths = [m * k for k in _LENGTH_MULTIPLES if d.min_seqlen <= m * k <= hi]
+    made = [(n, n) for n in lengths]
+    if not d.equal_seqlens:
+        made += [p for a, b in zip(lengths, lengths[1:]) for p in ((a, b), (b, a))]
+    return list(dict.fromkeys(kept + made))
+
+
+def axes_within(d: Domain, base: dict | None = None) -> dict[str, list]:
+    """The release axes (``audits.cases.RELEASE_AXES``) restricted to what the domain supports;
+    head dims as (d, dv) pairs."""
+    from audits.cases import RELEASE_AXES
+
+    base = base or RELEASE_AXES
+    return {
+        "dtype": list(d.dtypes) if d.dtypes else list(base["dtype"]),
+        "d": list(d.head_dims) if d.head_dims else [(x, x) for x in base["d"]],
+        "mask": ["none"] + ["causal"] * d.causal + ["local"] * d.local,
+        "softcap": [0.0] + [15.0] * d.softcap,
+        "sink": [False] + [True] * d.sink,
+        "heads": [h for h in base["heads"] if d.gqa or h[0] == h[1]],
+        "seqlens": seqlens_within(d, list(base["seqlens"])),
+        "layout": list(d.layouts) if d.layouts else list(base["layout"]),
+    }
+
+
+def _case_within(d: Domain, row: dict, family: str, seed: int) -> tuple[Case | None, str | None]:
+    """The release case of ``row`` for ``family`` (``audits.cases._release_case``, head dims from
+    the row's pair), or why the family cannot be placed in the domain."""
+    from audits.cases import _release_case
+
+    dd, dv = row["d"]
+    case = dataclasses.replace(_release_case({**row, "d": dd}, family, seed), dv=dv)
+    why = d.refusal(case)
+    return (case, None) if why is None else (None, why)
+
+
+def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: list | None = None) -> dict:
+    """``release`` built over the domain, not filtered: the pairwise covering array of the
+    supported axis values (:func:`axes_within`) times every input family.  Returns ``{"cases",
+    "axes", "pairs_covered", "not_applicable": {family: reason}}`` — a family none of whose cases
+    fits the domain (``nan_inf_masked`` needs keys no query sees: a left window and unequal
+    lengths) is listed with the reason, never a case outside the domain."""
+    from audits.cases import pairwise
+    from audits.inputs import FAMILIES
+
+    axes = axes_within(d)
+    if extra_pairs:
+        axes["seqlens"] = list(dict.fromkeys(axes["seqlens"] + seqlens_within(d, list(extra_pairs))))
+    rows = pairwise(axes)
+    cases, missing = [], {}
+    for f in FAMILIES:
+        placed = [_case_within(d, r, f, s) for s in seeds for r in rows]
+        ok = [c for c, _ in placed if c is not None]
+        if not ok:
+            need = " (it needs keys no query sees: a left window short of them)" if f == "nan_inf_masked" else ""
+            missing[f] = f"no case of family {f} fits the domain{need}; e.g. {next(why for _, why in placed)}"
+        cases += ok
+    names = list(axes)
+    pairs = sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
+    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": pairs, "not_applicable": missing}
+
+
+def smoke_within(d: Domain) -> dict:
+    """``smoke`` over the domain: the pairwise rows of its axes with short lengths (up to five
+    blocks), each input family on one row (families and rows taken in turn until both are used
+    up), as :func:`release_within` reports them.  The unrestricted domain gives smoke itself."""
+    from audits.cases import pairwise, smoke_suite
+    from audits.inputs import FAMILIES
+
+    if d == Domain():
+        return {"cases": smoke_suite(), "axes": None, "pairs_covered": None, "not_applicable": {}}
+    short = dataclasses.replace(d, max_seqlen=min(d.max_seqlen or 1 << 30, max(3 * d.seqlen_multiple, 256)))
+    axes = {**axes_within(d), "seqlens": seqlens_within(short, [(64, 128), (130, 70), (200, 300), (256, 256)])}
+    rows, fams = pairwise(axes), list(FAMILIES)
+    cases, missing = [], {}
+    for i in range(max(len(rows), len(fams))):
+        f = fams[i % len(fams)]
+        tries = [_case_within(d, rows[(i + j) % len(rows)], f, 0) for j in range(len(rows))]
+        case = next((c for c, _ in tries if c is not None), None)
+        if case is None:
+            missing.setdefault(f, f"no case of family {f} fits the domain; e.g. {tries[0][1]}")
+        else:
+            cases.append(case)
+    names = list(axes)
+    pairs = sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
+    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": pairs, "not_applicable": missing}
+
+
+def suite_within(name: str, d: Domain) -> dict:
+    """A named suite built over the domain (``smoke``, ``release``, ``nightly``)."""
+    if name == "smoke":
+        return smoke_within(d)
+    if name == "release":
+        return release_within(d)
+    if name == "nightly":
+        return release_within(d, seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
+    raise ValueError(f"unknown suite {name!r}; accepted: smoke, release, nightly")

@@ -2,11 +2,13 @@
 where it came from and what is accepted), narrowed by a file, and each axis's refusal."""
 
 import dataclasses
+import itertools
+import json
 
 import pytest
 
-from audits.cases import Case, release_suite
-from audits.domain import Domain, DomainError, domain_of
+from audits.cases import Case, case_from_dict, release_suite
+from audits.domain import Domain, DomainError, domain_of, release_within
 
 #: the issue's example: a Triton-tutorial-like kernel
 TRITON = {
@@ -91,3 +93,58 @@ def test_release_today_has_no_case_inside_the_triton_domain():
     no case such a kernel supports (the suite generator must build within the domain instead)."""
     d = Domain.from_dict(TRITON, where="k")
     assert sum(d.refusal(c) is None for c in release_suite()) == 0
+
+
+def test_release_is_built_within_the_domain_not_filtered():
+    """The issue's kernel: every case inside its domain, every pair of the supported axis values
+    covered (per family), every family placed but nan_inf_masked (no windows, equal lengths: no
+    key can be unseen), listed with the reason; lengths include one block, odd multiples and
+    long ones.  The unrestricted domain gives release itself."""
+    d = Domain.from_dict(TRITON, where="k")
+    r = release_within(d)
+    assert r["cases"] and all(d.refusal(c) is None for c in r["cases"])
+    assert set(r["not_applicable"]) == {"nan_inf_masked"}
+    assert "needs keys no query sees" in r["not_applicable"]["nan_inf_masked"]
+    from audits.inputs import FAMILIES
+
+    assert {c.family for c in r["cases"]} == set(FAMILIES) - {"nan_inf_masked"}
+    lengths = {c.seqlen_q for c in r["cases"]}
+    assert {128, 384, 640, 8192} <= lengths and max(lengths) <= 8192
+    normal = [c for c in r["cases"] if c.family == "normal"]
+    value = {
+        "dtype": lambda c: c.dtype, "d": lambda c: (c.d, c.dv), "heads": lambda c: (c.heads_q, c.heads_kv),
+        "seqlens": lambda c: (c.seqlen_q, c.seqlen_k), "layout": lambda c: c.layout,
+        "mask": lambda c: "causal" if c.causal else "none", "softcap": lambda c: c.softcap, "sink": lambda c: c.sink,
+    }  # fmt: skip
+    axes = r["axes"]
+    for a, b in itertools.combinations(axes, 2):
+        seen = {(value[a](c), value[b](c)) for c in normal}
+        assert seen == set(itertools.product(axes[a], axes[b])), (a, b)
+    assert release_within(Domain())["cases"] == release_suite()
+
+
+def test_a_restricted_kernel_gets_smoke_built_in_its_domain(tmp_path, capsys):
+    """examples/restricted_kernel.py declares fp16, equal lengths in multiples of 128, d 64/128:
+    ``run --suite smoke`` builds every case inside that (none skipped), says which family does
+    not apply and why, and the report states the domain; ``--domain FILE`` narrows it further,
+    and a bad file is a usage error."""
+    from audits import cli
+
+    kern = "examples/restricted_kernel.py:attention"
+    out = tmp_path / "r"
+    assert cli.main(["run", "--kernel", kern, "--suite", "smoke", "--out", str(out), "--quiet"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    declared = Domain.from_dict(rep["domain"]["domain"], where="report")
+    assert rep["summary"]["verdicts"]["pass"] == rep["summary"]["cases"] == len(rep["cases"]) > 15
+    assert all(declared.refusal(case_from_dict(c["config"])) is None for c in rep["cases"])
+    assert set(rep["domain"]["not_applicable"]) == {"nan_inf_masked"}
+    assert "family nan_inf_masked not applicable in the kernels' domain" in capsys.readouterr().err
+    narrow = tmp_path / "d64.toml"
+    narrow.write_text("head_dims = [[64, 64]]\ncausal = false\n")
+    argv = ["run", "--kernel", kern, "--suite", "smoke", "--domain", str(narrow), "--out", str(tmp_path / "n")]
+    assert cli.main([*argv, "--quiet"]) == 0
+    cases = json.loads((tmp_path / "n" / "report.json").read_text())["cases"]
+    assert {(c["config"]["d"], c["config"]["causal"]) for c in cases} == {(64, False)}
+    narrow.write_text("head_dim = [[64, 64]]\n")
+    assert cli.main([*argv, "--quiet", "--overwrite"]) == 2
+    assert "unknown domain key(s) head_dim; accepted: dtypes" in capsys.readouterr().err

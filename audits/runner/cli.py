@@ -67,14 +67,14 @@ def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
     import dataclasses
     import fnmatch
 
-    from audits.cases import suite
+    from audits.cases import SUITES, suite
     from audits.runner.engine import shard_cases
 
     given = _given_cases(args)
     if given is None:
         label = args.suite or "smoke"
         try:
-            cases = suite(label)
+            cases = _suite_cases(args, label) if label in SUITES else suite(label)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
     else:
@@ -92,6 +92,31 @@ def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
         except ValueError as exc:
             raise UsageError(f"--shard {args.shard!r}: expected I/N with 0 <= I < N ({exc})") from exc
     return cases, label
+
+
+def _suite_cases(args: argparse.Namespace, label: str) -> list:
+    """A named suite built within the kernels' declared domains (``audits.domain``: each
+    kernel's ``fa4_audit_domain``, narrowed by ``--domain FILE``, intersected over the kernels);
+    the suite itself when nothing is declared.  What it built is kept in ``args.domain_info``
+    for the report."""
+    from audits.domain import Domain, DomainError, domain_of, suite_within
+    from audits.kernels import get_kernel
+
+    try:
+        d = Domain()
+        for kern in args.kernel:
+            d = d.narrow(domain_of(get_kernel(kern)))
+        if args.domain:
+            d = d.narrow(Domain.from_toml(args.domain))
+    except DomainError as exc:
+        raise UsageError(str(exc)) from exc
+    built = suite_within(label, d)
+    if d != Domain():
+        args.domain_info = {"domain": d.as_dict(), "pairs_covered": built["pairs_covered"],
+                            "not_applicable": built["not_applicable"]}  # fmt: skip
+        for fam, why in built["not_applicable"].items():
+            print(f"{label}: family {fam} not applicable in the kernels' domain: {why}", file=sys.stderr)
+    return built["cases"]
 
 
 def _previous_run(out: Path) -> list[Path]:
@@ -256,6 +281,8 @@ def _report_runs(args, runs, cases, label, th, device) -> int:
             kernel=kern, suite=label, seed=args.seed, device=str(device), environment=env, thresholds=th,
             records=records, command=command, created=created, shard=args.shard,
         )  # fmt: skip
+        if getattr(args, "domain_info", None):
+            rep["domain"] = args.domain_info  # the domain the suite was built in, its coverage
         paths = write_report(rep, kernel_dir(args.out, kern, len(runs) > 1))
         print(f"{kern}: {summary_line(rep)}; report: {paths['md']}")
         _print_failing(kern, records)
@@ -338,6 +365,11 @@ def register(sub) -> None:
         "(default: on for fa4 and user kernels, off for the built-in model and SDPA)",
     )  # fmt: skip
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--domain", default=None,
+        help="a TOML file of domain keys (audits/domain.py) narrowing what the kernels declare; suites are built "
+        "within the domain",
+    )  # fmt: skip
     r.add_argument(
         "--backward", action="store_true",
         help="audit the gradients too: a seeded dO per case, dq/dk/dv (and dsink) by torch.autograd.grad against "
