@@ -67,14 +67,13 @@ def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
     import dataclasses
     import fnmatch
 
-    from audits.cases import SUITES, suite
     from audits.runner.engine import shard_cases
 
     given = _given_cases(args)
     if given is None:
         label = args.suite or "smoke"
         try:
-            cases = _suite_cases(args, label) if label in SUITES else suite(label)
+            cases = _suite_cases(args, label)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
     else:
@@ -99,6 +98,7 @@ def _suite_cases(args: argparse.Namespace, label: str) -> list:
     kernel's ``fa4_audit_domain``, narrowed by ``--domain FILE``, intersected over the kernels);
     the suite itself when nothing is declared.  What it built is kept in ``args.domain_info``
     for the report."""
+    from audits.cases import suite
     from audits.domain import Domain, DomainError, domain_of, suite_within
     from audits.kernels import get_kernel
 
@@ -110,12 +110,13 @@ def _suite_cases(args: argparse.Namespace, label: str) -> list:
             d = d.narrow(Domain.from_toml(args.domain))
     except DomainError as exc:
         raise UsageError(str(exc)) from exc
+    if d == Domain():
+        return suite(label)
     built = suite_within(label, d)
-    if d != Domain():
-        args.domain_info = {"domain": d.as_dict(), "pairs_covered": built["pairs_covered"],
-                            "not_applicable": built["not_applicable"]}  # fmt: skip
-        for fam, why in built["not_applicable"].items():
-            print(f"{label}: family {fam} not applicable in the kernels' domain: {why}", file=sys.stderr)
+    args.domain_info = {"domain": d.as_dict(), "pairs_covered": built["pairs_covered"],
+                        "not_applicable": built["not_applicable"]}  # fmt: skip
+    for fam, why in built["not_applicable"].items():
+        print(f"{label}: family {fam} not applicable in the kernels' domain: {why}", file=sys.stderr)
     return built["cases"]
 
 
