@@ -148,3 +148,23 @@ def test_a_restricted_kernel_gets_smoke_built_in_its_domain(tmp_path, capsys):
     narrow.write_text("head_dim = [[64, 64]]\n")
     assert cli.main([*argv, "--quiet", "--overwrite"]) == 2
     assert "unknown domain key(s) head_dim; accepted: dtypes" in capsys.readouterr().err
+
+
+def test_a_domain_built_suite_runs_with_jobs_and_resumes(tmp_path):
+    """``--jobs`` children get the parent's domain-built cases (through the case file) and
+    ``--resume`` continues them: the report holds exactly the cases the domain built."""
+    from audits import cli
+    from audits.domain import smoke_within
+
+    kern = "examples/restricted_kernel.py:attention"
+    narrow = tmp_path / "d.toml"
+    narrow.write_text("head_dims = [[64, 64]]\n")
+    argv = ["run", "--kernel", kern, "--suite", "smoke", "--domain", str(narrow), "--jobs", "2", "--quiet"]
+    out = tmp_path / "j"
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    want = {c.name for c in smoke_within(Domain.from_dict(TRITON, where="k").narrow(Domain.from_toml(narrow)))["cases"]}
+    first = {c["case"]: c["seconds"] for c in json.loads((out / "report.json").read_text())["cases"]}
+    assert set(first) == want
+    assert cli.main([*argv, "--out", str(out), "--resume"]) == 0
+    again = {c["case"]: c["seconds"] for c in json.loads((out / "report.json").read_text())["cases"]}
+    assert again == first  # the same cases, none redone
