@@ -21,7 +21,10 @@ import torch
 
 from numerics.fp import format_of, ulp_error
 
-__all__ = ["output_errors", "lse_errors", "ulp_diff_histogram", "row_scaled_ulp_diff", "fa_criterion", "bound_check"]
+__all__ = [
+    "output_errors", "lse_errors", "ulp_diff_histogram", "row_scaled_ulp_diff", "fa_criterion", "fa_floor",
+    "bound_check",
+]  # fmt: skip
 
 
 def _index(flat_idx: int, shape) -> tuple[int, ...]:
@@ -154,6 +157,22 @@ def fa_criterion(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor
         "lowprec_max_abs": base,
         "allowed": allowed,
         "passed": err <= allowed and math.isfinite(err),
+    }
+
+
+def fa_floor(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor) -> dict:
+    """The terms of FA's criterion as the audit records them, over the elements where the FP64
+    reference is finite: ``max_abs`` (NaN/inf in ``out`` there counts as inf), ``lowprec_max_abs``
+    (PyTorch's error in the input dtype) and ``rounding`` (``out``'s unit roundoff times max|ref|);
+    the verdict combines them under the thresholds (``audits.runner.gate``)."""
+    fin = torch.isfinite(ref)
+    r = torch.where(fin, ref, 0.0)
+    err = torch.where(fin, (out.double() - ref).abs(), 0.0).nan_to_num(float("inf"))
+    low = torch.where(fin, (out_lowprec.double() - ref).abs(), 0.0).nan_to_num(0.0)
+    return {
+        "max_abs": float(err.max()) if err.numel() else 0.0,
+        "lowprec_max_abs": float(low.max()) if low.numel() else 0.0,
+        "rounding": format_of(out.dtype).unit_roundoff * float(r.abs().max()) if r.numel() else 0.0,
     }
 
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from audits.cases import Case
-from numerics.fp import format_of, ulp_distance
-from numerics.metrics import bound_check, output_errors, ulp_diff_histogram
+from numerics.fp import format_of, ulp_distance, ulp_of
+from numerics.metrics import bound_check, fa_floor, output_errors, ulp_diff_histogram
 from numerics.reference import visible_mask
 
 __all__ = ["BackwardOptions", "GRADS", "grad_call", "analyse_backward", "accepts_deterministic"]
@@ -141,22 +141,16 @@ def _spread(runs: list[dict]) -> dict:
     return out
 
 
-def _fa_floor(got, ref, low, dtype) -> dict:
-    """FA's backward criterion's inputs: max|got - ref|, max|pt - ref| (``low``: PyTorch in the
-    input dtype), the rounding term (the gradient dtype's unit roundoff times max|ref|)."""
-    fin = torch.isfinite(ref)
-    r = torch.where(fin, ref, 0.0)
-    err = torch.where(fin, (got.double() - ref).abs(), 0.0).nan_to_num(float("inf"))
-    res = {
-        "max_abs": float(err.max()) if err.numel() else 0.0,
-        "lowprec_max_abs": float(torch.where(fin, (low.double() - ref).abs(), 0.0).nan_to_num(0.0).max()),
-        "rounding": format_of(dtype).unit_roundoff * float(r.abs().max()),
-    }
-    if got.dim() == 1:  # dsink: FA checks it elementwise, against 2 ULP of |ref| per head
-        from numerics.fp import ulp_of
-
+def _fa_floor(got, ref, low) -> dict:
+    """FA's backward criterion's terms (``numerics.metrics.fa_floor``; ``low``: PyTorch's
+    gradient in the input dtype); for dsink, which FA checks per head against 2 ULP of |ref|,
+    the per-head errors and ULPs too."""
+    res = fa_floor(got, ref, low)
+    if got.dim() == 1:
+        fin = torch.isfinite(ref)
+        err = torch.where(fin, (got.double() - ref).abs(), 0.0).nan_to_num(float("inf"))
         res["errors"] = err.tolist()
-        res["ulps_at_ref"] = ulp_of(r.abs(), format_of(dtype)).tolist()
+        res["ulps_at_ref"] = ulp_of(torch.where(fin, ref, 0.0).abs(), format_of(got.dtype)).tolist()
     return res
 
 
@@ -262,7 +256,7 @@ def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, 
             if finite and bool(over.any()) and bool(torch.isinf(bound[n][over]).all()):
                 rec.setdefault("overflow", []).append(f"{int(over.sum())} {n}")
         if low is not None:
-            m["fa_criterion"] = _fa_floor(got, ref[n].double(), low[n], got.dtype)
+            m["fa_criterion"] = _fa_floor(got, ref[n].double(), low[n])
         rec["grads"][n] = m
     if rec.get("overflow"):  # the analysis itself says these may overflow: the design's range, not a bug
         rec["out_of_domain"] = (

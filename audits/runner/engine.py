@@ -28,8 +28,7 @@ from audits.runner.backward import BackwardOptions, _references, analyse_backwar
 from audits.runner.gate import judge
 from audits.runner.repro import reproducer
 from numerics.forward_bound import forward_error_bound
-from numerics.fp import format_of
-from numerics.metrics import bound_check, lse_errors, output_errors
+from numerics.metrics import bound_check, fa_floor, lse_errors, output_errors
 from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
 
 __all__ = ["evaluate_case", "run_suite", "run_suites", "kernel_dir", "shard_cases", "FAILING"]
@@ -150,13 +149,7 @@ def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse
         and not all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v))
     ):
         rec["out_of_domain"] = f"inputs contain NaN/inf and {kernel} claims no semantics for them"
-    fin = torch.isfinite(ref)
-    r = torch.where(fin, ref, 0.0)
-    rec["fa_criterion"] = {
-        "max_abs": float(torch.where(fin, (out.double() - ref).abs(), 0.0).nan_to_num(float("inf")).max()),
-        "lowprec_max_abs": float(torch.where(fin, (low.double() - ref).abs(), 0.0).nan_to_num(0.0).max()),
-        "rounding": format_of(out.dtype).unit_roundoff * float(r.abs().max()),
-    }
+    rec["fa_criterion"] = fa_floor(out, ref, low)
     rec["mpmath_max_abs"] = cert
 
 
