@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from fa4 import _ex2_cpu
-from numerics.fp import CANONICAL_NAN_BITS, add_rm, f32_bits, f32_from_bits, fma_f32
+from numerics.fp import CANONICAL_NAN_BITS, add_rm, f32_bits, f32_from_bits, fma_f32, on_f32_midpoint
 
 __all__ = ["POLY_EX2", "PTX_MODEL", "ex2_emulation", "ex2_emulation_2", "emulated_columns", "DEGREES"]
 
@@ -98,8 +98,6 @@ PTX_MODEL: dict[str, dict[tuple, int]] = {
 
 _ROUND_INT = 1.5 * 2.0**23  # 0x4B400000: ulp 1 in [2**23, 2**24) puts floor(x) in the low bits
 _FAST_LIMIT = 2.0**22  # below it, RD(x + 1.5*2**23) == 1.5*2**23 + floor(x) exactly
-_MIDPOINT_MASK = (1 << 29) - 1  # float64 fraction bits below float32's 23
-_MIDPOINT = 1 << 28
 _FLT_MIN = 2.0**-126
 _NUMBA_MIN = 1 << 12  # below this the compiled loop's call overhead is not worth it
 
@@ -135,7 +133,7 @@ def _horner(f: torch.Tensor, coeffs: tuple[float, ...]) -> torch.Tensor:
         # fraction bit) *and* an inexact float64 sum.  The midpoint test alone is used here
         # (conservative: exact midpoints are redone too).  s is never float32-subnormal (a
         # coarser grid): f >= 0 and every c_k > 2**-126 give s >= c_k.
-        suspect |= (s.view(torch.int64) & _MIDPOINT_MASK) == _MIDPOINT
+        suspect |= on_f32_midpoint(s)
         acc64 = s.float().double()
     acc = acc64.float()
     if bool(suspect.any()):

@@ -41,6 +41,7 @@ __all__ = [
     "flush_to_zero",
     "add_rm",
     "fma_f32",
+    "on_f32_midpoint",
     "round_to",
     "ulp_error",
     "ulp_distance",
@@ -187,7 +188,7 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, ftz: bool = Fa
     float64 number, rounding is monotone, so exact < m implies s <= m, and s != m then gives
     s < m — s and the exact value are on the same side of every boundary and round alike.  In
     float32's normal binades the boundaries are the float64 values whose 29 fraction bits below
-    float32's last are 1000...0 (``_MIDPOINT_HIGH`` after a shift); near float32's subnormal
+    float32's last are 1000...0 (:func:`on_f32_midpoint`); near float32's subnormal
     range (|result| <= 2**-126, zeros included) the grid is coarser.  Those elements — rare —
     take the proven path: s replaced by the exact value rounded *to odd* (s when exact or odd,
     else its neighbour toward the exact value, known from the TwoSum error), whose rounding to
@@ -201,7 +202,7 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, ftz: bool = Fa
     s = a.double().expand(shape) * b.double()  # exact
     s = s.add_(c.double())  # the one float64 rounding
     out = s.float()
-    hard = ((s.view(torch.int64) << 35) == _MIDPOINT_HIGH) | (out.abs() <= _FLT_MIN_NORMAL)
+    hard = on_f32_midpoint(s) | (out.abs() <= _FLT_MIN_NORMAL)
     if bool(hard.any()):
         idx = hard.nonzero(as_tuple=True)
         out[idx] = _fma_round_to_odd(*(t.expand(shape)[idx] for t in (a, b, c)))
@@ -210,9 +211,11 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, ftz: bool = Fa
     return canonicalize_nan(out)
 
 
-#: a float32 rounding boundary in float64 bits: the 29 fraction bits below float32's last are 1
-#: then 28 zeros, so shifted left by 35 only the sign bit remains.
-_MIDPOINT_HIGH = -(2**63)
+def on_f32_midpoint(s: torch.Tensor) -> torch.Tensor:
+    """Where float64 values lie exactly on a float32 rounding boundary of float32's normal
+    binades: the 29 fraction bits below float32's last are 1 then 28 zeros.  Only there can
+    rounding an (inexact) float64 sum to float32 differ from rounding the exact value."""
+    return (s.view(torch.int64) & ((1 << 29) - 1)) == 1 << 28
 
 
 def _fma_round_to_odd(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
