@@ -5,7 +5,7 @@
 # .release-state/bwd.tgz (the journals of earlier calls), for at most LIMIT seconds; then, when
 # DET=1, a --deterministic run of fa4 on the causal and local cases of one family.  Journals
 # come back in $OUT/bwd.tgz (copy it to .release-state/ for the next call), reports in
-# $OUT/reports.tgz.  KERNELS overrides the kernels (e.g. the SDPA backends in a later call), CASES
+# $OUT/reports-<STATE>.tgz.  KERNELS overrides the kernels (e.g. the SDPA backends in a later call), CASES
 # narrows the suite to a glob over case names, STATE names the journal archive (default bwd.tgz:
 # another STATE keeps another run's journals apart).
 # On a fresh machine, rebuild .release-state/bwd.tgz from the committed reports first:
@@ -31,6 +31,6 @@ if [ "${DET:-0}" = 1 ]; then
     --case "${DET_CASES:-bf16-*-causal-*normal-seed0}" --device cuda --jobs 4 --out $D --quiet 2>&1 | grep -v "Warning\|LayoutEnum\|aux_data\|exe_args" | tail -12
   (cd $D && tar czf $OUT/det.tgz --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' .)
 fi
-(cd $R && tar czf $OUT/reports.tgz --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' .)
+(cd $R && tar czf $OUT/reports-${STATE%.tgz}.tgz --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' .)
 (cd $R && find jobs -name journal.jsonl | tar czf $OUT/$STATE -T -)
 ls -la $OUT
