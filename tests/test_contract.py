@@ -94,6 +94,46 @@ def test_static_compile_refusal_and_timeout(monkeypatch, tmp_path):
         core._compile(Case(), tmp_path / "x.ptx", no_driver=True)
 
 
+@pytest.mark.parametrize(
+    ("production", "exc", "status"),
+    [
+        (True, AssertionError("SM100 backward with head_dim=256 does not support softcap"), "skipped"),
+        (True, NotImplementedError("something production never documented"), "error"),
+        (True, AssertionError("tile_m must divide"), "error"),
+        (False, NotImplementedError("my kernel has no backward for this"), "skipped"),
+        (False, AssertionError("SM100 backward with head_dim=256 does not support softcap"), "error"),
+    ],
+)
+def test_backward_refusals_follow_the_same_rules(production, exc, status):
+    """An exception in the backward (raised inside torch.autograd.grad) is a skip only when it is
+    a documented production refusal, or a user kernel's NotImplementedError."""
+    from audits.kernels import get_kernel
+    from audits.runner.backward import BackwardOptions, grad_call
+    from fa4.production import REFUSALS
+
+    assert get_kernel("fa4").fa4_audit_refusals is REFUSALS  # production's adapter is marked
+
+    class Raises(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q):
+            return q.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise exc
+
+    def kernel(q, k, v, **kw):
+        return Raises.apply(q)
+
+    if production:
+        kernel.fa4_audit_refusals = REFUSALS
+    q = torch.ones(1, 2, 1, 4)
+    res, _ = grad_call(kernel, {"q": q, "k": q, "v": q, "kw": {}}, torch.ones_like(q), BackwardOptions(repeat=1))
+    assert res["status"] == status, res
+    assert type(exc).__name__ in res["reason"] or status == "skipped"
+    assert str(exc) in res["reason"]
+
+
 # --- nothing passes unchecked --------------------------------------------------------------------
 
 
@@ -136,6 +176,17 @@ def test_resume_refuses_another_runs_journal(tmp_path, capsys):
     assert "seed: journal 0, this run 3" in capsys.readouterr().err
     assert run("--kernel", "fa4-model", "--case", NORMAL, "--out", str(b), "--resume") == 0
     assert report(b)["cases"][0].get("resumed") is True
+
+
+def test_resume_with_jobs_refuses_another_runs_journals(tmp_path, capsys):
+    """The jobs refuse the other run's journals; the parent must not report their records."""
+    two = "*tile_step_[14]-seed0"
+    assert run("--kernel", "fa4-model", "--case", two, "--jobs", "2", "--out", str(tmp_path)) == 0
+    before = report(tmp_path)
+    assert run("--kernel", "sdpa-math", "--case", two, "--jobs", "2", "--resume", "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "refused to run" in err and "kernel: journal 'fa4-model', this run 'sdpa-math'" in err
+    assert report(tmp_path) == before  # nothing of fa4-model's was reported as sdpa-math's
 
 
 def test_a_fresh_run_into_a_used_directory_needs_overwrite(tmp_path, capsys):
@@ -184,6 +235,10 @@ def test_the_production_kernel_without_its_package_is_exit_2(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "production kernel, which cannot run here" in err and "pip install 'fa4-audit[gpu]'" in err
     assert not (tmp_path / "report.json").exists()
+    fuzz = ["fuzz", "--kernel", "fa4", "--budget", "3", "--seed", "1", "--out", str(tmp_path / "fz")]
+    assert cli.main(fuzz) == 2
+    err = capsys.readouterr().err
+    assert "production kernel, which cannot run here" in err and "pip install 'fa4-audit[gpu]'" in err
 
 
 @pytest.mark.parametrize(
@@ -191,7 +246,7 @@ def test_the_production_kernel_without_its_package_is_exit_2(capsys, tmp_path):
     [
         ("{not json", "not a readable JSON report"),
         ('{"schema": "fa4-audit/report/0"}', "'fa4-audit/report/0' is not one of fa4-audit/report/2"),
-        ('{"schema": "fa4-audit/report/1", "kernel": "k"}', "field 'suite' must be a str"),
+        ('{"schema": "fa4-audit/report/1", "kernel": "k"}', "report.suite: missing (expected str)"),
         ("[1, 2]", "not a report"),
     ],
 )
@@ -202,6 +257,45 @@ def test_malformed_reports_are_usage_errors(tmp_path, capsys, content, message, 
     argv = {"merge": [str(bad), "--out", str(tmp_path / "m")], "diff": [str(bad), str(bad)]}.get(command, [str(bad)])
     assert cli.main([command, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def _drop(d, *path):
+    for k in path[:-1]:
+        d = d[k]
+    del d[path[-1]]
+
+
+@pytest.mark.parametrize(
+    "spoil,message",
+    [
+        (lambda r: r.__setitem__("summary", {}), "report.summary.cases: missing (expected int)"),
+        (lambda r: _drop(r, "summary", "verdicts", "crash"), "report.summary.verdicts.crash: missing"),
+        (lambda r: r["cases"][0].__setitem__("config", {}), "cases[0].config lacks dtype, d, dv"),
+        (lambda r: r["cases"][0]["config"].__setitem__("d", "64"), "cases[0].config"),
+        (lambda r: _drop(r, "cases", 0, "out"), "cases[0].out: missing (expected an object)"),
+        (lambda r: r["cases"][0]["out"].__setitem__("max_abs", None), "cases[0].out.max_abs: expected int or float"),
+        (lambda r: _drop(r, "cases", 0, "lse", "mismatched_nonfinite"), "cases[0].lse.mismatched_nonfinite: missing"),
+        (lambda r: r["cases"][0]["bound"].__setitem__("violations", True), "cases[0].bound.violations: expected int"),
+        (lambda r: r["cases"][0]["reasons"].append(3), "cases[0].reasons[0]: expected str, got int"),
+    ],
+)
+@pytest.mark.parametrize("command", ["gate", "show", "merge", "summary", "diff"])
+def test_a_report_is_checked_below_its_top_level(tmp_path, capsys, spoil, message, command, _one_report):
+    """Each command reads nested fields; a report lacking one is named and exit 2, never a KeyError."""
+    rep = json.loads(_one_report.read_text())
+    spoil(rep)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(rep))
+    argv = {"merge": [str(bad), "--out", str(tmp_path / "m")], "diff": [str(bad), str(bad)]}.get(command, [str(bad)])
+    assert cli.main([command, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def _one_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    assert cli.main(["run", "--quiet", "--kernel", "fa4-model", "--case", NORMAL, "--out", str(out)]) == 0
+    return out / "report.json"
 
 
 def test_a_case_with_a_bad_verdict_is_named(tmp_path, capsys):
@@ -266,3 +360,49 @@ def test_run_results_go_to_stdout_and_progress_to_stderr(tmp_path, capsys):
     cap = capsys.readouterr()
     assert "1 of 1 cases evaluated (fail 1)" in cap.out and "reproduce: fa4-audit run" in cap.out
     assert "evaluated" not in cap.err and "reproduce" not in cap.err
+
+
+def test_progress_goes_to_stderr_on_a_terminal(tmp_path, capsys, monkeypatch):
+    """With a terminal the progress bar is drawn, on stderr; stdout keeps only the results."""
+    import rich.console
+
+    monkeypatch.setattr(rich.console.Console, "is_terminal", property(lambda self: True))
+    assert cli.main(["run", "--kernel", "fa4-model", "--case", NORMAL, "--out", str(tmp_path)]) == 0
+    cap = capsys.readouterr()
+    assert "1/1" in cap.err and "1/1" not in cap.out and "1 of 1 cases evaluated" in cap.out
+
+
+@pytest.mark.parametrize(
+    "argv,cell",
+    [
+        (["bounds"], "float8_e4m3fn"),
+        (["bounds"], "mass lost to flush <="),
+        (["ex2", "--sample", "4096", "--degree", "all", "--quiet"], "-8.49724"),
+    ],
+)
+def test_tables_shorten_no_cell_when_piped(argv, cell, tmp_path, monkeypatch):
+    """Not a terminal (a pipe, CI): plain aligned text with every cell whole, at 80 columns too."""
+    import subprocess
+
+    if argv[0] == "ex2":
+        argv = [*argv, "--out", str(tmp_path)]
+    env = {**__import__("os").environ, "COLUMNS": "80"}
+    out = subprocess.run([sys.executable, "-m", "audits", *argv], capture_output=True, text=True, env=env).stdout
+    assert cell in out and "…" not in out
+
+
+def test_a_closed_pipe_is_no_traceback(tmp_path):
+    """``fa4-audit show R | head -1``: the reader leaves early; no BrokenPipeError traceback."""
+    import subprocess
+
+    rep = ROOT / "reports" / "h200" / "release" / "fa4" / "report.json.xz"
+    cmd = f"{sys.executable} -m audits show {rep} | head -1"
+    p = subprocess.run(
+        cmd,
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.stdout.startswith("fa4 / release") and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr

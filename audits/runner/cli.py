@@ -11,9 +11,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from audits.common import EXIT_FAIL, UsageError, progress
+from audits.common import EXIT_FAIL, EXIT_USAGE, UsageError, progress
 from audits.common import device as _device
 from audits.common import environment as _environment
+from audits.kernels import usable_kernels
 
 #: what a run writes into OUT (and OUT/<kernel>/ with several kernels); --overwrite removes
 #: exactly these, nothing else a user keeps there
@@ -21,27 +22,6 @@ RUN_FILES = ("report.json", "report.md", "report.html", "report.junit.xml", "jou
 RUN_DIRS = ("repro", "jobs")
 #: failing cases listed (with their reproducers) at the end of a failing run
 SHOW_FAILING = 10
-
-
-def _kernels(specs: list[str]) -> list[str]:
-    """The kernels, each loadable; the production kernel only where it can run (exit 2 with the
-    install hint otherwise, not an error verdict per case)."""
-    from audits.kernels import get_kernel
-
-    kernels = list(dict.fromkeys(specs))
-    for kern in kernels:
-        try:
-            get_kernel(kern)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
-    if "fa4" in kernels:
-        from fa4.production import ProductionUnavailable, require_production
-
-        try:
-            require_production()
-        except ProductionUnavailable as exc:
-            raise UsageError(f"--kernel fa4 is the production kernel, which cannot run here: {exc}") from exc
-    return kernels
 
 
 def _given_cases(args: argparse.Namespace) -> tuple[list, str] | None:
@@ -243,9 +223,7 @@ def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
         for p in procs:
             if p.poll() is None:
                 p.terminate()
-    for i, p in enumerate(procs):
-        if p.returncode not in (0, 1):
-            print(f"job {i} exited with code {p.returncode}; see {jobs / str(i) / 'log.txt'}", file=sys.stderr)
+    _check_jobs(procs, jobs)
     order = {c.name: i for i, c in enumerate(cases)}
     runs = {}
     for k in kernels:
@@ -254,6 +232,21 @@ def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
             recs.update(read_records(kernel_dir(jobs / str(i), k, several) / "journal.jsonl"))
         runs[k] = sorted((r for r in recs.values() if r["case"] in order), key=lambda r: order[r["case"]])
     return runs
+
+
+def _check_jobs(procs, jobs: Path) -> None:
+    """Stop with exit 2 when a job refused its work (a usage or environment error, e.g. a
+    ``--resume`` onto another run's journal): its journal's records are not this run's, so no
+    report may be built from them.  A job that died otherwise keeps its finished records (its
+    journal header was checked); the cases it left are reported as unfinished."""
+    for i, p in enumerate(procs):
+        if p.returncode in (0, 1):
+            continue
+        log = jobs / str(i) / "log.txt"
+        if p.returncode == EXIT_USAGE:
+            lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+            raise UsageError(f"job {i} refused to run: {lines[-1] if lines else '(empty log)'} (log: {log})")
+        print(f"job {i} exited with code {p.returncode}; see {log}", file=sys.stderr)
 
 
 def _print_failing(kern: str, records: list[dict]) -> None:
@@ -307,7 +300,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--jobs and --shard cannot be combined: --jobs N already runs N key shards")
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the run in OUT, --overwrite replaces it: pass one of them")
-    kernels = _kernels(args.kernel)
+    kernels = usable_kernels(args.kernel)
     cases, label = _select_cases(args)
     label = args.label or label
     try:
