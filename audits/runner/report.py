@@ -112,33 +112,40 @@ def summary_line(report: dict) -> str:
     return f"{evaluated} of {s['cases']} cases evaluated ({v}){lse}"
 
 
-_TOP = {
-    "schema": str, "kernel": str, "suite": str, "seed": int, "device": str, "environment": dict, "command": str,
-    "created": str, "thresholds": dict, "summary": dict, "cases": list,
-}  # fmt: skip
-_CASE = {"case": str, "config": dict, "verdict": str, "reasons": list}
-
-
 class ReportError(ValueError):
     """A file that is not a valid fa4-audit report; the message names the field."""
 
 
 def validate_report(rep, where: str) -> dict:
-    """``rep`` if it is a report of schema ``SCHEMA``, checked field by field (top level and
-    every case), else :class:`ReportError` naming ``where``, the field and what was expected."""
+    """``rep`` if it is a report of a ``READABLE`` schema, checked field by field against
+    ``audits.runner.schema`` (top level, summary, every case and its config), else
+    :class:`ReportError` naming ``where``, the path to the field and what was expected."""
+    from dataclasses import fields
+
+    from audits.cases import Case, case_from_dict
+    from audits.runner.schema import CASE, REPORT, check
+
+    CASE_FIELDS = [f.name for f in fields(Case)]
+
     if not isinstance(rep, dict):
         raise ReportError(f"{where}: not a report (a JSON {type(rep).__name__}, expected an object)")
     if rep.get("schema") not in READABLE:
         raise ReportError(f"{where}: schema {rep.get('schema')!r} is not one of {', '.join(READABLE)}")
-    for key, typ in _TOP.items():
-        if not isinstance(rep.get(key), typ):
-            raise ReportError(f"{where}: field {key!r} must be a {typ.__name__}, got {type(rep.get(key)).__name__}")
+    if err := check(rep, REPORT, "report"):
+        raise ReportError(f"{where}: {err}")
     for i, c in enumerate(rep["cases"]):
-        bad = [k for k, t in _CASE.items() if not isinstance(c, dict) or not isinstance(c.get(k), t)]
-        if bad:
-            raise ReportError(f"{where}: case #{i + 1} lacks or mistypes {', '.join(bad)} (expected {_CASE})")
+        if err := check(c, CASE, f"cases[{i}]"):
+            raise ReportError(f"{where}: {err}")
         if c["verdict"] not in VERDICTS:
             raise ReportError(f"{where}: case {c['case']} has verdict {c['verdict']!r}; known: {', '.join(VERDICTS)}")
+        missing = [k for k in CASE_FIELDS if k not in c["config"]]
+        if missing:
+            lacks = ", ".join(missing)
+            raise ReportError(f"{where}: cases[{i}].config lacks {lacks} (a report holds every Case field)")
+        try:
+            case_from_dict(c["config"], where=f"cases[{i}].config")
+        except ValueError as exc:
+            raise ReportError(f"{where}: {exc}") from exc
     return rep
 
 
