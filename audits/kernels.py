@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from fa4.production import REFUSALS
+
 __all__ = ["KERNELS", "get_kernel", "portable_spec", "fa4_numerics", "production_arch", "claims_nonfinite_inputs"]
 
 
@@ -47,6 +49,9 @@ def _production(q, k, v, *, deterministic=False, **kw):
     from fa4.production import flash_attn
 
     return flash_attn(q, k, v, deterministic=deterministic, **kw)
+
+
+_production.fa4_audit_refusals = REFUSALS  # its backward refuses by these rules only
 
 
 def _sdpa(backend: str) -> Callable:
@@ -211,3 +216,24 @@ def portable_spec(spec: str) -> str:
         return f"{Path(mod).resolve()}:{attr}"
     f = getattr(sys.modules[mod], "__file__", None)
     return f"{Path(f).resolve()}:{attr}" if f else spec
+
+
+def usable_kernels(specs: list[str]) -> list[str]:
+    """The kernels named (duplicates dropped), each loadable, the production kernel only where
+    it can run: otherwise a ``UsageError`` (exit 2, with the install hint), never an error
+    verdict per case."""
+    from audits.common import UsageError
+    from fa4.production import ProductionUnavailable, require_production
+
+    kernels = list(dict.fromkeys(specs))
+    for kern in kernels:
+        try:
+            get_kernel(kern)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    if "fa4" in kernels:
+        try:
+            require_production()
+        except ProductionUnavailable as exc:
+            raise UsageError(f"--kernel fa4 is the production kernel, which cannot run here: {exc}") from exc
+    return kernels

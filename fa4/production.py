@@ -76,12 +76,26 @@ REFUSALS: tuple[Refusal, ...] = (
         r"FA4 CuTe FP8 backward is not supported",
         "flash_attn/cute/interface.py, _flash_attn_fwd: fp8 with requires_grad (forward-only)",
     ),
+    # the backward's own (raised inside torch.autograd.grad; the head-dim rule above covers its
+    # _validate_head_dims call too)
+    Refusal(
+        AssertionError,
+        r"SM100 backward with head_dim=256 does not support (learnable_sink|softcap)",
+        "flash_attn/cute/interface.py, _flash_attn_bwd: use_dedicated_hd256_kernel asserts learnable_sink is None "
+        "and softcap == 0.0",
+    ),
+    Refusal(
+        AssertionError,
+        r"SM100 backward with head_dim=256 does not support local attention",
+        "flash_attn/cute/sm100_hd256_2cta_fmha_backward.py, BlackwellFusedMultiHeadAttentionBackward.__init__: "
+        "assert not is_local",
+    ),
 )
 
 
-def refusal_of(exc: BaseException) -> Refusal | None:
-    """The rule of :data:`REFUSALS` that ``exc`` matches, or None (then it is an error)."""
-    for rule in REFUSALS:
+def refusal_of(exc: BaseException, rules: tuple[Refusal, ...] = REFUSALS) -> Refusal | None:
+    """The rule of ``rules`` (:data:`REFUSALS`) that ``exc`` matches, or None (then it is an error)."""
+    for rule in rules:
         if type(exc) is rule.exc_type and re.search(rule.pattern, str(exc)):
             return rule
     return None
@@ -272,3 +286,9 @@ def flash_attn(
             raise ProductionError(f"flash_attn_func raised {type(exc).__name__}: {exc}") from exc
         raise NotImplementedError(f"production refuses this configuration ({rule.source}): {exc}") from exc
     return (out, lse) if return_lse else out
+
+
+#: The runner's mark of a production adapter: its refusals are these rules only (an unmatched
+#: NotImplementedError from production is an error, as in the forward), where a user's kernel
+#: refuses by any NotImplementedError (``audits.runner.backward``).
+flash_attn.fa4_audit_refusals = REFUSALS

@@ -43,37 +43,19 @@ configuration (message on stderr), 1 on any other failure.
 import glob
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 
-from fa4.production import Refusal, refusal_of
+from fa4.production import refusal_of
 
-__all__ = ["main", "BWD_REFUSALS", "KERNEL_MARK", "AUX_KERNELS"]
+__all__ = ["main", "KERNEL_MARK", "AUX_KERNELS"]
 
 REFUSED = 3
 #: the line before each kernel's PTX in a backward OUT.ptx
 KERNEL_MARK = "// fa4-audit kernel: "
 #: the backward's helper kernels (``flash_bwd_preprocess.py``, ``flash_bwd_postprocess.py``)
 AUX_KERNELS = ("FlashAttentionBackwardPreprocess", "FlashAttentionBackwardPostprocess")
-
-#: Production's documented refusals of the backward, besides ``fa4.production.REFUSALS``
-#: (whose head-dim rule covers the backward's ``_validate_head_dims`` call too).
-BWD_REFUSALS: tuple[Refusal, ...] = (
-    Refusal(
-        AssertionError,
-        r"SM100 backward with head_dim=256 does not support (learnable_sink|softcap)",
-        "flash_attn/cute/interface.py, _flash_attn_bwd: use_dedicated_hd256_kernel asserts learnable_sink is None "
-        "and softcap == 0.0",
-    ),
-    Refusal(
-        AssertionError,
-        r"SM100 backward with head_dim=256 does not support local attention",
-        "flash_attn/cute/sm100_hd256_2cta_fmha_backward.py, BlackwellFusedMultiHeadAttentionBackward.__init__: "
-        "assert not is_local",
-    ),
-)
 
 
 def _stub_hardware_info() -> None:
@@ -198,16 +180,11 @@ def _call_backward_on_fake_tensors(interface, cfg: dict) -> Exception | None:
     return None
 
 
-def _matches(rule: Refusal, err: Exception) -> bool:
-    return type(err) is rule.exc_type and re.search(rule.pattern, str(err)) is not None
-
-
 def _no_ptx(err: Exception | None, dump: str) -> int:
     """No kernel PTX was written: say why on stderr; REFUSED or 1."""
     shutil.rmtree(dump, ignore_errors=True)
     msg = f"{type(err).__name__}: {err}" if err is not None else "no kernel PTX was written"
-    # fa4.production.REFUSALS and BWD_REFUSALS: documented refusals only
-    rule = (refusal_of(err) or next((r for r in BWD_REFUSALS if _matches(r, err)), None)) if err is not None else None
+    rule = refusal_of(err) if err is not None else None  # fa4.production.REFUSALS: documented refusals only
     refused = rule is not None
     print(
         (f"production refuses this configuration ({rule.source}): " if refused else "compile failed: ")

@@ -215,3 +215,38 @@ def test_static_that_audited_nothing_exits_1(tmp_path, capsys, monkeypatch):
     cap = capsys.readouterr()
     assert "nothing was audited: production refused every compile group" in cap.err
     assert "0 match, 0 diverged, 1 skipped" in cap.out
+
+
+def test_only_documented_refusals_skip_a_compile_group(tmp_path, capsys):
+    """The compile child: a documented refusal exits REFUSED; anything else (a TypeError, an
+    undocumented assertion) is a failed compile, exit 1."""
+    from fa4 import sm100_compile
+
+    refused = AssertionError("(head_dim, head_dim_v)=(192, 192) is not supported on SM100/SM110.")
+    assert sm100_compile._no_ptx(refused, str(tmp_path / "d")) == sm100_compile.REFUSED
+    for err in (TypeError("unexpected keyword"), AssertionError("tile_m must divide"), ValueError("bad"), None):
+        assert sm100_compile._no_ptx(err, str(tmp_path / "d")) == 1
+    assert "compile failed: TypeError: unexpected keyword" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["failed", "timeout"])
+def test_a_failed_or_hung_compile_is_exit_2_never_a_pass(how, tmp_path, capsys, monkeypatch):
+    import subprocess
+
+    from audits.static import cli as static_cli
+    from audits.static import core
+
+    monkeypatch.setattr(static_cli, "_production_versions", lambda: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
+
+    def compile_child(cmd, **kw):
+        if how == "timeout":
+            raise subprocess.TimeoutExpired(cmd, core.COMPILE_TIMEOUT_S)
+        return subprocess.CompletedProcess(cmd, 1, "", "compile failed: TypeError: unexpected keyword")
+
+    monkeypatch.setattr(core.subprocess, "run", compile_child)
+    argv = ["static", "--compile-on", "cpu", "--config", '{"d": 128}', "--out", str(tmp_path), "--quiet"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    want = "did not finish in 900 s" if how == "timeout" else "failed (exit 1):\ncompile failed: TypeError"
+    assert want in err
+    assert not (tmp_path / "static.json").exists()

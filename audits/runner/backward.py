@@ -61,14 +61,16 @@ def accepts_deterministic(fn) -> bool:
         return False
 
 
-def _refused(exc: BaseException) -> str | None:
-    """The documented refusal ``exc`` is, or None: NotImplementedError from any kernel, and
-    production's own backward refusals (``fa4.production.REFUSALS``)."""
-    if isinstance(exc, NotImplementedError):
-        return str(exc)
+def _refused(exc: BaseException, fn) -> str | None:
+    """The documented refusal ``exc`` is, or None (then it is an error).  A production adapter
+    (``fn.fa4_audit_refusals``, e.g. ``fa4.production.REFUSALS``) refuses only by those rules,
+    whatever the exception's type; any other kernel refuses by ``NotImplementedError``."""
+    rules = getattr(fn, "fa4_audit_refusals", None)
+    if rules is None:
+        return str(exc) if isinstance(exc, NotImplementedError) else None
     from fa4.production import refusal_of
 
-    rule = refusal_of(exc)
+    rule = refusal_of(exc, rules)
     return None if rule is None else f"production refuses this configuration ({rule.source}): {exc}"
 
 
@@ -93,7 +95,7 @@ def grad_call(fn, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dic
             g = torch.autograd.grad(out, list(leaves.values()), do, retain_graph=r + 1 < opts.repeat, allow_unused=True)
             runs.append({n: (None if t is None else t.detach()) for n, t in zip(names, g)})
     except Exception as exc:  # a refusal is skipped; any other exception is the case's verdict
-        why = _refused(exc)
+        why = _refused(exc, fn)
         if why is not None:
             return {"status": "skipped", "reason": f"backward not supported: {why}"}, None
         tb = traceback.format_exc(limit=3)

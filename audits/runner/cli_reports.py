@@ -214,13 +214,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_fuzz(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from audits.kernels import get_kernel
+    from audits.kernels import usable_kernels
     from audits.runner.fuzz import fuzz
 
-    try:
-        get_kernel(args.kernel)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+    usable_kernels([args.kernel])
     th = _thresholds(args.thresholds)
     if args.budget <= 0 or args.max_seqlen <= 0:
         raise UsageError(f"--budget and --max-seqlen must be positive, got {args.budget}, {args.max_seqlen}")
