@@ -4,6 +4,7 @@ registers its subcommands (``audits/<audit>/cli.py``).  Exit codes: ``audits.com
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -43,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except UsageError as exc:
         print(f"fa4-audit {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # the reader left (``fa4-audit show R | head``): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(

@@ -150,3 +150,23 @@ def progress(console, *, quiet: bool):
         console=console,
         disable=quiet or not console.is_terminal,
     )
+
+
+def print_table(console, title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """A results table on stdout that shortens no cell: on a terminal a rich table whose cells
+    wrap (fold) instead of ending in an ellipsis; otherwise (a pipe, a file, CI) plain text,
+    one aligned line per row, at whatever width the cells need."""
+    from rich.table import Table
+
+    if not console.is_terminal:
+        widths = [max(len(str(x)) for x in col) for col in zip(columns, *rows)]
+        print(title)
+        for line in (columns, *rows):
+            print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)).rstrip())
+        return
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, justify="right", overflow="fold")
+    for r in rows:
+        t.add_row(*map(str, r))
+    console.print(t, crop=False)

@@ -46,26 +46,16 @@ def _analyse(settings: list[tuple]) -> list:
 def _print_table(rows: list, seqlen_k: int, max_v: float) -> None:
     """Print the analysis table, then one explanation line per dtype."""
     from rich.console import Console
-    from rich.table import Table
+
+    from audits.common import print_table
 
     console = Console()
-    t = Table(title=f"lazy rescaling range analysis (seqlen_k {seqlen_k:,}, max|V| {max_v:g})")
-    for col in (
-        "dtype",
-        "threshold",
-        "max_offset",
-        "max P",
-        "dtype max",
-        "headroom (log2)",
-        "min P after cast",
-        "mass lost to flush <=",
-        "row sum headroom",
-        "O headroom",
-        "safe",
-    ):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(
+    columns = [
+        "dtype", "threshold", "max_offset", "max P", "dtype max", "headroom (log2)", "min P after cast",
+        "mass lost to flush <=", "row sum headroom", "O headroom", "safe",
+    ]  # fmt: skip
+    cells = [
+        [
             r.dtype,
             f"{r.rescale_threshold:g}",
             str(r.max_offset),
@@ -77,10 +67,12 @@ def _print_table(rows: list, seqlen_k: int, max_v: float) -> None:
             f"{r.row_sum_headroom_log2(seqlen_k):.1f}",
             f"{r.o_accumulator_headroom_log2(seqlen_k, max_v):.1f}",
             "yes" if r.safe else "NO",
-        )
-    console.print(t)
+        ]  # fmt: skip
+        for r in rows
+    ]
+    print_table(console, f"lazy rescaling range analysis (seqlen_k {seqlen_k:,}, max|V| {max_v:g})", columns, cells)
     for r in rows:
-        console.print(f"- {r.dtype}: {r.explanation}")
+        print(f"- {r.dtype}: {r.explanation}")
 
 
 def cmd_bounds(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from audits.common import atomic_write
 
@@ -212,13 +211,13 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
 
 
 def print_summary(report: dict, console: Console | None = None) -> None:
+    from audits.common import print_table
+
     console = console or Console()
-    t = Table(title=f"exp2 emulation ({report['mode']}, {report['device']})")
-    for col in ("degree", "max rel err", "at x", "max ULP", "proven bound", "bound/max", "production"):
-        t.add_column(col, justify="right")
+    cells = []
     for r, n, prod in _degree_rows(report):
         ratio = r["bound"] / n["max_rel_error"] if n.get("max_rel_error") else None
-        t.add_row(
+        cells.append([
             str(r["degree"]),
             _fmt(n.get("max_rel_error")),
             f"{n.get('argmax_x', 0):.7g}",
@@ -226,7 +225,8 @@ def print_summary(report: dict, console: Console | None = None) -> None:
             _fmt(r["bound"]),
             _fmt(ratio, ".4f"),
             "; ".join(f"{k}: {_short_cell(v)}" for k, v in prod.items()) or "—",
-        )
-    console.print(t)
+        ])  # fmt: skip
+    columns = ["degree", "max rel err", "at x", "max ULP", "proven bound", "bound/max", "production"]
+    print_table(console, f"exp2 emulation ({report['mode']}, {report['device']})", columns, cells)
     for v in report["verdicts"]:
         console.print(f"  {v}")
