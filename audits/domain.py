@@ -130,7 +130,7 @@ def _lcm(a: int, b: int) -> int:
 
 def _value(key: str, v, where: str):
     """One declared value, checked and normalised (tuples for lists)."""
-    bad = lambda want: DomainError(f"{where}: domain key {key!r} = {v!r}: expected {want}")  # noqa: E731
+    bad = lambda want: DomainError(f"{where}: domain key {key!r} = {v!r}: expected {want}")
     if key in _BOOL_KEYS:
         if not isinstance(v, bool):
             raise bad("true or false")
@@ -177,7 +177,7 @@ def seqlens_within(d: Domain, pairs: list[tuple[int, int]]) -> list[tuple[int, i
     """(seqlen_q, seqlen_k) pairs inside the domain: the given ones it admits, and lengths made
     from its block (``_LENGTH_MULTIPLES``: the smallest, odd multiples, long ones), as equal
     pairs and, unless the domain wants equal lengths, as neighbouring unequal pairs both ways."""
-    probe = lambda sq, sk: Case(seqlen_q=sq, seqlen_k=sk, dtype=(d.dtypes or ("bfloat16",))[0])  # noqa: E731
+    probe = lambda sq, sk: Case(seqlen_q=sq, seqlen_k=sk, dtype=(d.dtypes or ("bfloat16",))[0])
     free = Domain(seqlen_multiple=d.seqlen_multiple, equal_seqlens=d.equal_seqlens, min_seqlen=d.min_seqlen,
                   max_seqlen=d.max_seqlen)  # fmt: skip
     kept = [p for p in pairs if free.refusal(probe(*p)) is None]

@@ -53,7 +53,7 @@ def _normal(sq, sk, sv, case, g):
 
 
 def _uniform(sq, sk, sv, case, g):
-    u = lambda s: (torch.rand(s, generator=g, dtype=torch.float64) * 2 - 1) * math.sqrt(3)  # noqa: E731
+    u = lambda s: (torch.rand(s, generator=g, dtype=torch.float64) * 2 - 1) * math.sqrt(3)
     return u(sq), u(sk), u(sv)
 
 
@@ -156,7 +156,7 @@ def _subnormal(sq, sk, sv, case, g):
     f = format_of(case.dtype)
     tiny = f.smallest_subnormal
     q, k, v = _normal(sq, sk, sv, case, g)
-    sub = lambda s: torch.randint(-(2 ** (f.p - 1)) + 1, 2 ** (f.p - 1), s, generator=g).double() * tiny  # noqa: E731
+    sub = lambda s: torch.randint(-(2 ** (f.p - 1)) + 1, 2 ** (f.p - 1), s, generator=g).double() * tiny
     return q, sub(sk), sub(sv)
 
 

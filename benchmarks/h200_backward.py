@@ -29,7 +29,7 @@ from audits.inputs import make_inputs  # noqa: E402
 def _cases() -> dict[str, Case]:
     c = lambda d, sq, sk, **kw: Case(
         kw.pop("dtype", "bfloat16"), d, d, 2, kw.pop("hq", 4), kw.pop("hk", 4), sq, sk, **kw
-    )  # noqa: E731
+    )
     return {
         "d64": c(64, 256, 384, seed=1),
         "d128_causal": c(128, 256, 384, causal=True, seed=2),
@@ -140,7 +140,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = get_kernel("fa4-model-sm90")
     if args.stand_in:
-        production = lambda *a, deterministic=False, **kw: model(*a, **kw)  # noqa: E731
+        production = lambda *a, deterministic=False, **kw: model(*a, **kw)
     else:
         from flash_attn.cute import flash_attn_func as production
     res = {"cases": [], "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}

@@ -194,58 +194,71 @@ def attention_grad_reference(
         r1 = min(sq, r0 + rows)
         c = r1 - r0
         vis = _visible_rows(r0, r1, sq, sk, causal=causal, window_size=window_size, device=dev)
-        masked = ~vis
         # Heads are kept grouped, (b, hk, g, ...): the GQA sums of dK and dV over each kv head's g
         # query heads then happen inside the contractions, and k, v are never expanded.
         qs = (q[:, r0:r1].to(dev, f64) * scale).reshape(b, c, hk, g, d)  # a copy: inputs stay untouched
         dos = do[:, r0:r1].to(dev, f64).reshape(b, c, hk, g, dv)
-        s = torch.einsum("bihgd,bjhd->bhgij", qs, k64)  # (b, hk, g, c, sk): r = scale * q.k
-        fac = None
-        if softcap and softcap > 0:
-            s.div_(softcap)
-            fac = torch.cosh(s).pow_(-2)  # sech^2(r/cap); cosh = inf past 710 gives the limit 0
-            s.tanh_().mul_(softcap)
-        s.masked_fill_(masked, -math.inf)
-        m = s.amax(dim=-1, keepdim=True)  # NaN-propagating, as in the forward reference
-        if sink is not None:
-            m = torch.maximum(m, sink.expand(b, hk, g, c, 1))
-        m_safe = torch.where(torch.isfinite(m), m, 0.0)
-        p = s.sub_(m_safe).exp_()  # masked pairs: exp(-inf) = 0 exactly
-        denom = p.sum(dim=-1, keepdim=True)
-        if sink is not None:
-            p_sink = torch.exp(sink - m_safe)
-            denom = denom + p_sink
-        den = torch.where(denom == 0, 1.0, denom)  # (b, hk, g, c, 1)
-        out = _contract("bhgij,bjhc->bihgc", p, vis, v64).div_(den.permute(0, 3, 1, 2, 4))
-        lse = (m_safe + torch.log(denom)).squeeze(-1)  # (b, hk, g, c)
-        if sink is None:
-            empty = ~vis.any(dim=-1)  # (c,)
-            out.masked_fill_(empty.view(1, c, 1, 1, 1), 0.0)
-            lse.masked_fill_(empty, -math.inf)
-        # P; the masked_fill keeps masked pairs at exactly 0 where den is NaN (0 / NaN = NaN)
-        pr = p.div_(den).masked_fill_(masked, 0.0)
+        fw = _chunk_forward(qs, k64, v64, vis, sink=sink, softcap=softcap)
         # D'_i = dO_i.out_i - dlse_i
-        dprime = (out * dos).sum(dim=-1).permute(0, 2, 3, 1)  # (b, hk, g, c)
+        dprime = (fw["out"] * dos).sum(dim=-1).permute(0, 2, 3, 1)  # (b, hk, g, c)
         if dlse is not None:
             dprime = dprime - dlse[:, :, r0:r1].to(dev, f64).reshape(b, hk, g, c)
-        ds = torch.einsum("bihgc,bjhc->bhgij", dos, v64)  # dP = dO V^T; NaN at masked pairs is fine:
-        ds.sub_(dprime[..., None]).mul_(pr)  # ... the masked_fill below removes it
-        if fac is not None:
-            ds.mul_(fac)
-            del fac
-        ds.masked_fill_(masked, 0.0)  # the precondition of _contract; 0 * NaN would not be 0
-        dq = _contract("bhgij,bjhd->bihgd", ds, vis, k64).mul_(scale)
-        res["dq"][:, r0:r1] = dq.reshape(b, c, hq, d)
+        ds = _chunk_ds(fw, dos, v64, vis, dprime)
+        res["dq"][:, r0:r1] = _contract("bhgij,bjhd->bihgd", ds, vis, k64).mul_(scale).reshape(b, c, hq, d)
         res["dk"] += _contract("bhgij,bihgd->bjhd", ds, vis, qs)  # qs carries the scale
-        res["dv"] += _contract("bhgij,bihgc->bjhc", pr, vis, dos)
-        res["out"][:, r0:r1] = out.reshape(b, c, hq, dv)
-        res["lse"][:, :, r0:r1] = lse.reshape(b, hq, c)
+        res["dv"] += _contract("bhgij,bihgc->bjhc", fw["p"], vis, dos)
+        res["out"][:, r0:r1] = fw["out"].reshape(b, c, hq, dv)
+        res["lse"][:, :, r0:r1] = fw["lse"].reshape(b, hq, c)
         if sink is not None:
-            dsink -= ((p_sink / den).squeeze(-1) * dprime).sum(dim=(0, 3))
-        del s, p, pr, ds
+            dsink -= ((fw["p_sink"] / fw["den"]).squeeze(-1) * dprime).sum(dim=(0, 3))
+        del fw, ds
     if sink is not None:
         res["dsink"] = dsink.reshape(hq)
     return res
+
+
+def _chunk_forward(qs, k64, v64, vis, *, sink, softcap: float) -> dict[str, torch.Tensor]:
+    """One chunk of query rows, forward: ``p`` (P, exactly 0 at masked pairs), ``den`` (the
+    row denominators, 1 where 0), ``out``, ``lse``, ``fac`` (the softcap chain factor, or None)
+    and ``p_sink`` (the sink's unnormalised weight, or None); heads grouped (b, hk, g, ...)."""
+    b, c, hk, g, _ = qs.shape
+    masked = ~vis
+    s = torch.einsum("bihgd,bjhd->bhgij", qs, k64)  # (b, hk, g, c, sk): r = scale * q.k
+    fac = None
+    if softcap and softcap > 0:
+        s.div_(softcap)
+        fac = torch.cosh(s).pow_(-2)  # sech^2(r/cap); cosh = inf past 710 gives the limit 0
+        s.tanh_().mul_(softcap)
+    s.masked_fill_(masked, -math.inf)
+    m = s.amax(dim=-1, keepdim=True)  # NaN-propagating, as in the forward reference
+    if sink is not None:
+        m = torch.maximum(m, sink.expand(b, hk, g, c, 1))
+    m_safe = torch.where(torch.isfinite(m), m, 0.0)
+    p = s.sub_(m_safe).exp_()  # masked pairs: exp(-inf) = 0 exactly
+    denom = p.sum(dim=-1, keepdim=True)
+    p_sink = None
+    if sink is not None:
+        p_sink = torch.exp(sink - m_safe)
+        denom = denom + p_sink
+    den = torch.where(denom == 0, 1.0, denom)  # (b, hk, g, c, 1)
+    out = _contract("bhgij,bjhc->bihgc", p, vis, v64).div_(den.permute(0, 3, 1, 2, 4))
+    lse = (m_safe + torch.log(denom)).squeeze(-1)  # (b, hk, g, c)
+    if sink is None:
+        empty = ~vis.any(dim=-1)  # (c,)
+        out.masked_fill_(empty.view(1, c, 1, 1, 1), 0.0)
+        lse.masked_fill_(empty, -math.inf)
+    # P; the masked_fill keeps masked pairs at exactly 0 where den is NaN (0 / NaN = NaN)
+    p = p.div_(den).masked_fill_(masked, 0.0)
+    return {"p": p, "den": den, "out": out, "lse": lse, "fac": fac, "p_sink": p_sink}
+
+
+def _chunk_ds(fw: dict, dos, v64, vis, dprime) -> torch.Tensor:
+    """dS = P (dP - D') (times the softcap factor), exactly 0 at masked pairs."""
+    ds = torch.einsum("bihgc,bjhc->bhgij", dos, v64)  # dP = dO V^T; NaN at masked pairs is fine:
+    ds.sub_(dprime[..., None]).mul_(fw["p"])  # ... the masked_fill below removes it
+    if fw["fac"] is not None:
+        ds.mul_(fw["fac"])
+    return ds.masked_fill_(~vis, 0.0)  # the precondition of _contract; 0 * NaN would not be 0
 
 
 @dataclass
@@ -364,14 +377,12 @@ def exact_grad_elements(
         raise ValueError("exact_grad_elements needs inputs of <= 26 significant bits (fp8/fp16/bf16/float32)")
     b, sq, hq, d, sk, hk, dv = _check_shapes(q, k, v, do, learnable_sink, dlse)
     g = hq // hk
-    cpu = lambda x: None if x is None else x.detach().double().cpu()  # noqa: E731
+    cpu = lambda x: None if x is None else x.detach().double().cpu()
     t = {"q": cpu(q), "k": cpu(k), "v": cpu(v), "do": cpu(do), "g": g}
     t["sink"] = None if learnable_sink is None else cpu(learnable_sink).tolist()
     t["dlse"] = None if dlse is None else cpu(dlse).tolist()
     dq_rows, dk_rows, dv_rows, dsink_heads = (list(x) for x in (dq_rows, dk_rows, dv_rows, dsink_heads))
-    vis = lambda r0, r1: _visible_rows(  # noqa: E731
-        r0, r1, sq, sk, causal=causal, window_size=window_size, device="cpu"
-    )
+    vis = lambda r0, r1: _visible_rows(r0, r1, sq, sk, causal=causal, window_size=window_size, device="cpu")
     old = mpmath.mp.dps
     try:
         mpmath.mp.dps = dps

@@ -79,7 +79,7 @@ def _masked_matmul(w: torch.Tensor, vis: torch.Tensor, v: torch.Tensor) -> torch
     visf = vis.to(w.dtype).view(1, 1, *vis.shape).expand_as(w)
     pos = visf * (w > 0)
     zero = visf * (w == 0)
-    cnt = lambda a, m: torch.einsum("bhij,bjhc->bihc", a, m.to(w.dtype))  # noqa: E731
+    cnt = lambda a, m: torch.einsum("bhij,bjhc->bihc", a, m.to(w.dtype))
     n_nan = cnt(visf, torch.isnan(v)) + cnt(zero, torch.isinf(v))
     n_pinf, n_ninf = cnt(pos, v == math.inf), cnt(pos, v == -math.inf)
     out = torch.where(n_pinf > 0, torch.full_like(out, math.inf), out)

@@ -215,7 +215,7 @@ class _Attention(torch.autograd.Function):
         p_ds = ex2_emulation(x.contiguous(), 1).masked_fill(~vis, 0.0) if bug == "ds_other_exp2" else p
         dp = torch.einsum("bihc,bjhc->bhij", do, vf)
         if bug == "ds_rounded_operands":  # rn(dP) - rn(D) in the gradient dtype
-            rn = lambda t: t.to(do_dtype).float()  # noqa: E731
+            rn = lambda t: t.to(do_dtype).float()
             ds = p_ds * (rn(dp) - rn(dprime)[..., None])
         else:
             ds = p_ds * (dp - dprime[..., None])

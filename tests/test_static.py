@@ -208,7 +208,7 @@ def test_static_that_audited_nothing_exits_1(tmp_path, capsys, monkeypatch):
     from audits.static import core
 
     monkeypatch.setattr(static_cli, "_production_versions", lambda: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
-    refused = lambda c, cases, **kw: {"group": c.name, "cases": len(cases), "verdict": "skipped", "reason": "refused"}  # noqa: E731
+    refused = lambda c, cases, **kw: {"group": c.name, "cases": len(cases), "verdict": "skipped", "reason": "refused"}
     monkeypatch.setattr(core, "audit_group", refused)
     argv = ["static", "--compile-on", "cpu", "--config", '{"d": 192, "dv": 192}', "--out", str(tmp_path), "--quiet"]
     assert cli.main(argv) == 1

@@ -30,8 +30,8 @@ ENTRY = (
 def _softmax_pair(i: int, ex2: str, p_cvt: str, ds_cvt: str, softcap: bool) -> list[str]:
     """One pair of scores: P = exp2(fma(S, scale_log2, -lse)), converted; dS = P * (dP - D),
     (softcap: times (1 - t*t)), converted — registers numbered from ``i``."""
-    r = lambda k: f"%r{100 * i + k}"  # noqa: E731
-    rd = lambda k: f"%rd{100 * i + k}"  # noqa: E731
+    r = lambda k: f"%r{100 * i + k}"
+    rd = lambda k: f"%rd{100 * i + k}"
     L = [f"\tfma.rn.f32x2 \t{rd(1)}, {rd(2)}, {rd(3)}, {rd(4)};", f"\tmov.b64 \t{{{r(1)}, {r(2)}}}, {rd(1)};"]
     L += [f"\t{ex2} \t{r(3)}, {r(1)};", f"\t{ex2} \t{r(4)}, {r(2)};", f"\t{p_cvt} {r(5)}, {r(4)}, {r(3)};"]
     L += [

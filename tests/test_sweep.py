@@ -15,7 +15,7 @@ def test_classes_partition_all_bit_patterns():
 
 
 def test_class_boundaries_are_the_documented_values():
-    f = lambda b: torch.tensor([b - 2**32 if b >= 2**31 else b], dtype=torch.int32).view(torch.float32).item()  # noqa: E731
+    f = lambda b: torch.tensor([b - 2**32 if b >= 2**31 else b], dtype=torch.int32).view(torch.float32).item()
     r = class_ranges()
     assert f(r["normal"][0][1] - 1) == 127.0 and f(r["normal"][1][1] - 1) == -126.0
     assert f(r["subnormal"][0][0]) > -127.0 and f(r["clamped"][0][0]) == -127.0

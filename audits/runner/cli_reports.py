@@ -70,7 +70,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     rep = load_report(args.report)
     th = _thresholds(args.thresholds)
     base, shared, overlap = _baseline(args, rep)
-    key = lambda c: case_key(c, ignore_seed=args.ignore_seed)  # noqa: E731
+    key = lambda c: case_key(c, ignore_seed=args.ignore_seed)
     new = _summarize(rejudge(rep, th, base, key=key))
     for c in new["cases"]:
         if c["verdict"] in ("fail", "error", "crash"):

@@ -109,7 +109,7 @@ def _domain(q, k, v, case: Case, nm) -> str | None:
     seqlen_k * P_max * max|V| beyond it, P_max = 2**(threshold + max_offset)."""
     import math
 
-    fin = lambda t: t.double()[torch.isfinite(t.double())]  # noqa: E731
+    fin = lambda t: t.double()[torch.isfinite(t.double())]
     qa, ka, va = (fin(t).abs().max().item() if fin(t).numel() else 0.0 for t in (q, k, v))
     flt = 3.4028234663852886e38
     if qa * ka * case.d >= flt:
@@ -422,7 +422,7 @@ def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
     done = journal.read_records(path) if run["resume"] else {}
     done = {n: r for n, r in done.items() if not _audit_error(r)}  # the audit's own failures are redone
     th_path = thresholds.get("path")
-    repro = lambda c: reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd)  # noqa: E731
+    repro = lambda c: reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd)
     return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro}
 
 

@@ -264,7 +264,7 @@ def judge_against_baseline(m: dict, base: dict, th: dict) -> list[str]:
         return []
     r = th["baseline"]["max_ratio"]
     out = []
-    grads = lambda c: (c.get("backward") or {}).get("grads") or {}  # noqa: E731
+    grads = lambda c: (c.get("backward") or {}).get("grads") or {}
     pairs = [((m.get(key) or {}).get("max_abs"), (base.get(key) or {}).get("max_abs"), label)
              for key, label in (("out", "max |out - ref|"), ("lse", "LSE max |err|"))]  # fmt: skip
     pairs += [((grads(m).get(n) or {}).get("max_abs"), (grads(base).get(n) or {}).get("max_abs"), f"max |{n} - ref|")

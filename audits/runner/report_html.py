@@ -22,7 +22,7 @@ h2{margin-top:1.5em}code{background:#f4f4f4;padding:0 3px}"""
 def case_cells(r: dict) -> dict[str, str]:
     """The per-case figures every view shows (Markdown, HTML, ``fa4-audit show``), formatted."""
     o, lse, b = r.get("out") or {}, r.get("lse") or {}, r.get("bound") or {}
-    f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"  # noqa: E731
+    f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"
     return {
         "max_abs": f(o, "max_abs"),
         "rel_l2": f(o, "rel_l2"),

@@ -97,7 +97,7 @@ def summary_rows(reports: list[dict], by: tuple[str, ...], labels: list[str] | N
 
 
 def summary_markdown(reports: list[dict], by: tuple[str, ...], labels: list[str] | None = None) -> str:
-    f = lambda x: "—" if x is None else f"{x:.3g}"  # noqa: E731
+    f = lambda x: "—" if x is None else f"{x:.3g}"
     bwd = any(c.get("backward") for rep in reports for c in rep["cases"])
     head = (" / ".join(by), "kernel", "cases", "finite, in domain", "worst \\|out-ref\\|", "worst rel L2",
             "worst \\|LSE-ref\\|", "max err/bound", "max err / PyTorch low-prec err")  # fmt: skip
