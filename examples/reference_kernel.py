@@ -12,18 +12,8 @@ import math
 import torch
 
 
-def attention(
-    q,
-    k,
-    v,
-    *,
-    softmax_scale=None,
-    causal=False,
-    window_size=(None, None),
-    softcap=0.0,
-    learnable_sink=None,
-    return_lse=False,
-):
+def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+              learnable_sink=None, return_lse=False):  # fmt: skip
     _, sq, hq, d = q.shape
     sk, g = k.shape[1], hq // k.shape[2]  # GQA/MQA: query head h reads kv head h // g
     qf, kf, vf = q.float(), k.float().repeat_interleave(g, 2), v.float().repeat_interleave(g, 2)

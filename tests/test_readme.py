@@ -257,3 +257,22 @@ def test_reference_kernel_with_the_fixture(fa4_audit, monkeypatch):
     rep = fa4_audit("examples.reference_kernel:attention", suite="smoke", case="*sink*")
     assert rep["summary"]["cases"] >= 1
     assert all(fnmatch.fnmatch(c["case"], "*sink*") for c in rep["cases"])
+
+
+def test_readme_states_the_whole_kernel_contract():
+    """The contract a newcomer implements, each piece present in "Audit your kernel"."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Audit your kernel") : text.index("## Gating in CI")]
+    for piece in (
+        "fn(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, "
+        "learnable_sink=None, return_lse=False)",  # the signature
+        "q `(batch, seqlen_q, heads_q, d)`",  # layouts
+        "non-contiguous",
+        "`(batch, heads_q, seqlen_q)`, float32, natural log",  # LSE shape and units
+        "bfloat16 for fp8 inputs",  # fp8 output dtype
+        "Rows with no visible key: out = 0, lse = -inf",
+        "Masked keys never leak",
+        "`NotImplementedError` (`skipped`)",
+        "by file path (from any directory) or as `module:attr`",  # how the module is found
+    ):
+        assert piece in section, piece
