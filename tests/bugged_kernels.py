@@ -71,10 +71,22 @@ BUGS = {
         "8: P = 2**(lag + 8) reaches 2**12 and saturates at e4m3's 448 while the row sum keeps the "
         "float32 P (flash-attention #2716)"
     ),
+    "e5m2_p_saturates": (
+        "range (fp8 e5m2): lazy rescaling with threshold 20 (log2) on top of the fp8 path's max_offset "
+        "8: P = 2**(lag + 8) reaches 2**28 and saturates at e5m2's 57344 (2**15.8) while the row sum "
+        "keeps the float32 P (e5m2's coarse logits rise in steps of up to 6 log2 units, so a smaller "
+        "threshold rarely lags past 7.8)"
+    ),
 }
 
 #: lazy rescaling of the seeded range bugs: (lag threshold, in natural-log units; max_offset, log2)
-_LAZY = {"fp16_lagging_max": (16.0, 0), "fp8_p_saturates": (4.0 * math.log(2), 8)}
+_LAZY = {
+    "fp16_lagging_max": (16.0, 0),
+    "fp8_p_saturates": (4.0 * math.log(2), 8),
+    "e5m2_p_saturates": (20.0 * math.log(2), 8),
+}
+#: the fp8 range bugs: the input dtype whose P saturates (other dtypes run the correct kernel)
+_SATURATES = {"fp8_p_saturates": torch.float8_e4m3fn, "e5m2_p_saturates": torch.float8_e5m2}
 
 
 def _online(
@@ -111,8 +123,8 @@ def _online(
     # lazy rescaling (the seeded range bugs only): the row max may lag by `lag` before O and the
     # sum are rescaled; P carries a factor 2**offset (O and the sum alike: it cancels in O / sum)
     lag, offset = _LAZY.get(bug, (0.0, 0))
-    if bug == "fp8_p_saturates" and q.dtype.itemsize != 1:
-        lag, offset = 0.0, 0  # the fp8 path's bug
+    if bug in _SATURATES and q.dtype != _SATURATES[bug]:
+        lag, offset = 0.0, 0  # the bug of one fp8 dtype's path
     m = torch.full((b, hq, sq, 1), -math.inf)
     lsum = torch.zeros(b, hq, sq, 1)
     o = torch.zeros(b, hq, sq, dv, dtype=acc_dt)
@@ -134,7 +146,7 @@ def _online(
         pn = torch.where(p < 2.0**-10, 0.0, p) if bug == "flush_p" else p
         if bug == "saturate_p":
             pn = (pn * 2.0**17).to(torch.float16).float() / 2.0**17
-        elif bug == "fp8_p_saturates" and q.dtype.itemsize == 1:
+        elif bug in _SATURATES and q.dtype == _SATURATES[bug]:
             fmax = torch.finfo(q.dtype).max  # cvt.rn.satfinite: clamp to the largest finite value
             pn = pn.clamp(max=fmax).to(q.dtype).float()
         else:

@@ -61,6 +61,11 @@ EXPECT = {
         "an e4m3 case with a drifting maximum",
         lambda c: c["dtype"] == "float8_e4m3fn" and _drifting(c),
     ),
+    "e5m2_p_saturates": (
+        BOUND,
+        "an e5m2 case with a drifting maximum",
+        lambda c: c["dtype"] == "float8_e5m2" and _drifting(c),
+    ),
 }
 
 

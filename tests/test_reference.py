@@ -146,3 +146,21 @@ def test_exact_rows_refuse_nonfinite_rows_and_float64():
     assert got[0] is not None
     with pytest.raises(ValueError, match="float64"):
         exact_attention_rows(q.double(), k, v, [(0, 0, 0)])
+
+
+def test_the_one_bound_check_counts_nan_and_inf_errors_as_violations():
+    """numerics.metrics.bound_check, the runner's, the backward's and fidelity's one counter:
+    where the reference and the bound are finite, a NaN or inf result violates; where either is
+    not, nothing is checked; an LSE equal to an infinite reference is no error."""
+    from numerics.metrics import bound_check
+
+    nan, inf = float("nan"), float("inf")
+    ref = torch.tensor([1.0, 1.0, 1.0, nan, 1.0, 1.0])
+    out = torch.tensor([1.0, nan, inf, 5.0, 9.0, 1.5])
+    bound = torch.tensor([0.1, 0.1, 0.1, 0.1, inf, 1.0])
+    res = bound_check(out, ref, bound)
+    assert res["violations"] == 2  # the NaN and the inf; not the NaN reference, not the infinite bound
+    assert res["tightness"] == 0.5 and res["max_bound"] == 1.0
+    lse_ref = torch.tensor([-inf, 2.0, 2.0])
+    res = bound_check(out[:1], ref[:1], bound[:1], torch.tensor([-inf, nan, 2.0]), lse_ref, torch.full((3,), 0.1))
+    assert res["lse_violations"] == 1 and res["lse_tightness"] == 0.0
