@@ -195,9 +195,12 @@ def pairwise(axes: dict[str, list], seed: int = 0, candidates: int = 40) -> list
 
 
 def _release_case(row: dict, family: str, seed: int) -> Case:
+    """The case of a covering-array row (one value per axis of ``RELEASE_AXES``; the mask axis
+    also takes a window, a (left, right) pair: local with that window) for ``family``."""
     sq, sk = row["seqlens"]
     hq, hk = row["heads"]
-    window = (128, 32) if row["mask"] == "local" else (None, None)
+    mask = row["mask"]
+    window = (128, 32) if mask == "local" else tuple(mask) if isinstance(mask, (tuple, list)) else (None, None)
     if family == "nan_inf_masked":  # needs keys that no query sees: a left window short of them
         window, sq = (64, 0), min(sq, max(1, sk - 80))
         if sk - sq - 64 <= 0:
@@ -212,7 +215,7 @@ def _release_case(row: dict, family: str, seed: int) -> Case:
         hk,
         sq,
         sk,
-        causal=row["mask"] == "causal" and family != "nan_inf_masked",
+        causal=mask == "causal" and family != "nan_inf_masked",
         window=window,
         softcap=row["softcap"],
         sink=row["sink"],
@@ -249,7 +252,7 @@ SUITES = _suites()
 def suite(name: str) -> list[Case]:
     """The cases of a named suite; ValueError naming the valid ones otherwise."""
     if name not in SUITES:
-        raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}")
+        raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}, or a suite file FILE.toml")
     return SUITES[name]()
 
 

@@ -5,10 +5,16 @@
 * ``fa4-model``: ``fa4.model.attention`` with production SM100 numerics for the inputs.
 * ``fa4-model-sm90``: the model's Hopper configuration.
 * ``sdpa-math``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: PyTorch's SDPA backends
-  as peers.  SDPA has no softcap, sink or LSE output and aligns causal masks top-left, so those
-  configurations raise ``NotImplementedError`` (rows with no visible key too: SDPA gives NaN
-  there where FA's convention is 0), and ``return_lse`` yields ``None``.
+  as peers.  SDPA has no softcap, sink, fp8 or LSE output: the first three are outside its
+  declared domain (the runner skips them before calling); what a domain cannot say raises
+  ``NotImplementedError`` at run time (rows with no visible key: SDPA gives NaN there where FA's
+  convention is 0; bottom-right causal masks on flash and cudnn), and ``return_lse`` yields
+  ``None``.
 * ``module:attr`` or ``path/to/file.py:fn``: any callable with that signature.
+
+Each built-in declares its domain (``fn.fa4_audit_domain``, ``audits.domain``): production's per
+GPU architecture (``fa4.production.production_domain``), the models' (``_MODEL_DOMAINS``),
+SDPA's per backend (``_sdpa_domain``).
 
 ``fa4_numerics(name)`` says which ``FA4Numerics`` family a kernel implements, so the runner
 can hold it to ``numerics.forward_bound``; None for the peers.
@@ -24,9 +30,12 @@ from pathlib import Path
 
 import torch
 
-from fa4.production import REFUSALS
+from fa4.production import REFUSALS, production_domain
 
-__all__ = ["KERNELS", "get_kernel", "portable_spec", "fa4_numerics", "production_arch", "claims_nonfinite_inputs"]
+__all__ = [
+    "KERNELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "production_arch",
+    "claims_nonfinite_inputs",
+]  # fmt: skip
 
 
 def _model_of(arch: str):
@@ -42,7 +51,17 @@ def _model_of(arch: str):
         nm = dataclasses.replace(nm, bwd_deterministic=bool(deterministic))
         return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
 
+    run.fa4_audit_domain = _MODEL_DOMAINS[arch]
     return run
+
+
+#: The models' declared domains.  SM100: every configuration (the model computes any dtype, head
+#: dims, mask, softcap, sink, layout, and the backward and ``deterministic``; production's own
+#: refusals, e.g. (192, 192), are production's: ``fa4``).  SM90: bf16 and fp16 only
+#: (``FA4Numerics.sm90`` raises NotImplementedError for fp8, fa4/model.py, after production's
+#: flash_fwd.py _check_type).  Their backward's head-dim limits (fa4/model_bwd.py ``bwd_plan``,
+#: ``_hd256_refusals``) concern the backward only and stay run-time refusals.
+_MODEL_DOMAINS = {"sm100": {}, "sm90": {"dtypes": ["bfloat16", "float16"]}}
 
 
 def _production(q, k, v, *, deterministic=False, **kw):
@@ -52,6 +71,8 @@ def _production(q, k, v, *, deterministic=False, **kw):
 
 
 _production.fa4_audit_refusals = REFUSALS  # its backward refuses by these rules only
+#: per GPU architecture, evaluated when asked (fa4.production.production_domain cites the source)
+_production.fa4_audit_domain = production_domain
 
 
 def _sdpa(backend: str) -> Callable:
@@ -71,10 +92,8 @@ def _sdpa(backend: str) -> Callable:
 
         from numerics.reference import visible_mask
 
-        if softcap or learnable_sink is not None:
-            raise NotImplementedError("SDPA has no softcap or learnable sink")
-        if q.dtype.itemsize == 1:
-            raise NotImplementedError("SDPA takes no fp8 inputs")
+        # softcap, the sink, fp8 and (flash, cudnn) windows are outside its declared domain:
+        # the runner skips those cases before calling (run.fa4_audit_domain below)
         sq, sk = q.shape[1], k.shape[1]
         vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=q.device)
         if not bool(vis.any(-1).all()):
@@ -84,7 +103,7 @@ def _sdpa(backend: str) -> Callable:
         if causal and sq == sk and all(w is None for w in window_size):
             is_causal = True
         elif not bool(vis.all()):
-            if backend in ("flash", "cudnn"):
+            if backend in ("flash", "cudnn"):  # causal with seqlen_q != seqlen_k: not a domain key
                 raise NotImplementedError(f"sdpa-{backend} takes no arbitrary mask (bottom-right causal, windows)")
             mask = vis
         be = {
@@ -112,7 +131,21 @@ def _sdpa(backend: str) -> Callable:
         o = o.transpose(1, 2)
         return (o, None) if return_lse else o
 
+    run.fa4_audit_domain = _sdpa_domain(backend)
     return run
+
+
+def _sdpa_domain(backend: str) -> dict:
+    """SDPA's declared domain: ``scaled_dot_product_attention`` has no softcap and no sink
+    parameter, takes no fp8 inputs, and has no ``deterministic`` flag (the backward runs, its
+    run-to-run differences are measured, never promised away: ``accepts_deterministic`` is False).
+    flash and cudnn take no ``attn_mask`` (``sdpa_kernel``'s constraints), so no windows; math and
+    efficient take the window as a boolean mask.  Not expressible here, so raised at run time:
+    rows with no visible key (SDPA gives NaN, FA 0), bottom-right causal with seqlen_q !=
+    seqlen_k on flash and cudnn, and whatever a backend refuses on this device ("No available
+    kernel": GQA on some backends, head dims, the GPU)."""
+    d = {"dtypes": ["bfloat16", "float16"], "softcap": False, "sink": False, "deterministic": False}
+    return {**d, "local": False} if backend in ("flash", "cudnn") else d
 
 
 KERNELS: dict[str, Callable] = {
@@ -223,6 +256,7 @@ def usable_kernels(specs: list[str]) -> list[str]:
     it can run: otherwise a ``UsageError`` (exit 2, with the install hint), never an error
     verdict per case."""
     from audits.common import UsageError
+    from audits.domain import DomainError
     from fa4.production import ProductionUnavailable, require_production
 
     kernels = list(dict.fromkeys(specs))
@@ -236,4 +270,17 @@ def usable_kernels(specs: list[str]) -> list[str]:
             require_production()
         except ProductionUnavailable as exc:
             raise UsageError(f"--kernel fa4 is the production kernel, which cannot run here: {exc}") from exc
+    for kern in kernels:  # a malformed declaration is a usage error before any case runs
+        try:
+            kernel_domain(kern)
+        except DomainError as exc:
+            raise UsageError(str(exc)) from exc
     return kernels
+
+
+def kernel_domain(spec: str):
+    """The domain the kernel ``spec`` declares (``audits.domain.domain_of``; production's for
+    this machine's GPU), resolved now: the runner resolves it once per kernel and run."""
+    from audits.domain import domain_of
+
+    return domain_of(get_kernel(spec))

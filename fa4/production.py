@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "REFUSALS", "Refusal", "refusal_of", "ProductionError", "ProductionUnavailable", "INSTALL_HINT",
-    "require_production", "ex2_kernel", "EX2_VARIANTS",
+    "REFUSALS", "Refusal", "refusal_of", "SM100_HEAD_DIMS", "production_domain", "ProductionError",
+    "ProductionUnavailable", "INSTALL_HINT", "require_production", "ex2_kernel", "EX2_VARIANTS",
 ]  # fmt: skip
 
 INSTALL_HINT = (
@@ -91,6 +91,43 @@ REFUSALS: tuple[Refusal, ...] = (
         "assert not is_local",
     ),
 )
+
+
+#: SM100/SM110's head dims (flash_attn/cute/interface.py, _validate_head_dims, compute capability
+#: 10 or 11): both in 8..128 (``is_standard_range``), (192, 128) (``is_deepseek_shape``), (256, 256)
+#: (``is_dedicate_kernel_shape``), dv 512 with d 64 or d == dv (``is_deepseek_mla_absorbed_shape``),
+#: each a multiple of the alignment, 8 for 16-bit inputs; fp8's alignment of 16 (d 24, 40, ...)
+#: is not expressible per dtype and stays a run-time refusal (the head-dim rule of REFUSALS).
+SM100_HEAD_DIMS = tuple((d, dv) for d in range(8, 129, 8) for dv in range(8, 129, 8)) + (
+    (192, 128), (256, 256), (64, 512), (512, 512),
+)  # fmt: skip
+
+
+def production_domain(major: int | None = None) -> dict:
+    """What production supports on a GPU of compute capability ``major`` (this machine's when
+    None), as a domain declaration (``audits.domain``); production's source, flash-attn-4
+    4.0.0b36, ``flash_attn/cute/interface.py``:
+
+    * SM90 (9.x): bf16 and fp16 only (``_flash_attn_fwd``: ``assert arch // 10 == 10`` for fp8,
+      "FP8 is only supported on SM100"); head dims 8..256, multiples of 8 (``_validate_head_dims``
+      ``is_sm90_range``: every head dim the suites use, so none is listed);
+    * SM100/SM110 (10.x, 11.x): every dtype; the head dims of :data:`SM100_HEAD_DIMS`, so (192,
+      192) is outside;
+    * no GPU, other generations: nothing declared (production cannot run, or refuses at run time
+      by :data:`REFUSALS`).
+
+    Masks, softcap, the sink, GQA, layouts, the backward and ``deterministic`` are supported on
+    both; what depends on several axes at once (fp8's alignment, SM100's head-dim-256 backward
+    without softcap, sink or windows) stays a run-time refusal matched by :data:`REFUSALS`."""
+    if major is None:
+        if not torch.cuda.is_available():
+            return {}
+        major = torch.cuda.get_device_capability()[0]
+    if major == 9:
+        return {"dtypes": ["bfloat16", "float16"]}
+    if major in (10, 11):
+        return {"head_dims": [list(p) for p in SM100_HEAD_DIMS]}
+    return {}
 
 
 def refusal_of(exc: BaseException, rules: tuple[Refusal, ...] = REFUSALS) -> Refusal | None:
@@ -292,3 +329,5 @@ def flash_attn(
 #: NotImplementedError from production is an error, as in the forward), where a user's kernel
 #: refuses by any NotImplementedError (``audits.runner.backward``).
 flash_attn.fa4_audit_refusals = REFUSALS
+#: Its declared domain (``audits.domain.domain_of`` evaluates it when asked: it depends on the GPU).
+flash_attn.fa4_audit_domain = production_domain

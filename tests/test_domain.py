@@ -168,3 +168,146 @@ def test_a_domain_built_suite_runs_with_jobs_and_resumes(tmp_path):
     assert cli.main([*argv, "--out", str(out), "--resume"]) == 0
     again = {c["case"]: c["seconds"] for c in json.loads((out / "report.json").read_text())["cases"]}
     assert again == first  # the same cases, none redone
+
+
+# --- Domain.widen and the built-in kernels' declarations -----------------------------------------
+
+
+def test_widen_takes_each_keys_more_permissive_value():
+    a = Domain.from_dict(TRITON, where="a")
+    b = Domain(dtypes=("bfloat16",), head_dims=((64, 64), (96, 96)), seqlen_multiple=96, min_seqlen=64,
+               max_seqlen=4096, causal=False, local=True, softcap=False, sink=True, gqa=False,
+               layouts=("packed_qkv",), backward=True, deterministic=False)  # fmt: skip
+    w = a.widen(b)
+    assert w.dtypes == ("float16", "bfloat16") and w.head_dims == ((64, 64), (128, 128), (96, 96))
+    assert w.seqlen_multiple == 32 and not w.equal_seqlens  # gcd(128, 96); equal lengths only if both want them
+    assert w.min_seqlen == 1 and w.max_seqlen == 8192
+    assert w.causal and w.local and not w.softcap and w.sink and w.gqa and w.backward and not w.deterministic
+    assert w.layouts == ("contiguous", "strided", "packed_qkv")
+    swapped = {"dtypes": ("bfloat16", "float16"), "head_dims": ((64, 64), (96, 96), (128, 128)),
+               "layouts": ("packed_qkv", "contiguous", "strided")}  # fmt: skip
+    assert b.widen(a) == dataclasses.replace(w, **swapped)  # the same domain, listed in the other order
+    assert Domain(dtypes=("float16",), max_seqlen=512).widen(Domain()) == Domain()  # None (any) wins
+    assert a.widen(a) == a and Domain(equal_seqlens=True).widen(Domain(equal_seqlens=True)).equal_seqlens
+    case = Case("bfloat16", 96, 96, 1, 4, 4, 192, 384, softcap=15.0)  # inside neither a nor b: softcap
+    assert "softcap" in w.refusal(case) and w.refusal(dataclasses.replace(case, softcap=0.0)) is None
+
+
+def _gpu(monkeypatch, major):
+    """Pretend this machine has a GPU of compute capability ``major``.x (or none: None)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: major is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (major, 0))
+
+
+def test_the_builtin_kernels_declare_their_domains(monkeypatch):
+    """fa4 per GPU architecture (resolved when asked), the models, SDPA per backend: what each
+    refuses up front, and what stays a run-time refusal."""
+    from audits.kernels import KERNELS, kernel_domain
+
+    bf16 = Case("bfloat16", 64, 64, 1, 4, 2, 200, 300, causal=True)
+    fp8, hd192, cap, sink, win = (dataclasses.replace(bf16, **kw) for kw in (
+        {"dtype": "float8_e4m3fn"}, {"d": 192, "dv": 192}, {"softcap": 15.0}, {"sink": True},
+        {"causal": False, "window": (64, 16)}))  # fmt: skip
+    _gpu(monkeypatch, 9)  # Hopper: no fp8, every head dim of the suites
+    sm90 = kernel_domain("fa4")
+    assert "dtype float8_e4m3fn" in sm90.refusal(fp8)
+    assert all(sm90.refusal(c) is None for c in (bf16, hd192, cap, sink, win))
+    _gpu(monkeypatch, 10)  # Blackwell: fp8, head dims 8..128, (192, 128), (256, 256); not (192, 192)
+    sm100 = kernel_domain("fa4")
+    assert sm100.refusal(fp8) is None and "head dims (192, 192) not in" in sm100.refusal(hd192)
+    for d, dv in ((192, 128), (256, 256), (64, 72), (8, 128), (128, 128)):
+        assert sm100.refusal(dataclasses.replace(bf16, d=d, dv=dv)) is None, (d, dv)
+    assert sm100.backward and sm100.deterministic and sm90.backward and sm90.deterministic
+    _gpu(monkeypatch, None)
+    assert kernel_domain("fa4") == Domain()  # no GPU: production cannot run; nothing declared
+    assert kernel_domain("fa4-model") == Domain()  # the SM100 model computes every configuration
+    assert kernel_domain("fa4-model-sm90") == Domain(dtypes=("bfloat16", "float16"))
+    with pytest.raises(NotImplementedError, match="only bf16 and fp16"):  # what the declaration replaces
+        from audits.inputs import make_inputs
+
+        x = make_inputs(dataclasses.replace(fp8, batch=1, seqlen_q=8, seqlen_k=8), device="cpu")
+        KERNELS["fa4-model-sm90"](x["q"], x["k"], x["v"], **x["kw"])
+    for be in ("math", "flash", "efficient", "cudnn"):
+        d = kernel_domain(f"sdpa-{be}")
+        assert "softcap unsupported" in d.refusal(cap) and "learnable sink unsupported" in d.refusal(sink)
+        assert "dtype float8_e4m3fn" in d.refusal(fp8) and d.refusal(bf16) is None and d.refusal(hd192) is None
+        assert d.backward and not d.deterministic  # SDPA has no deterministic flag
+        assert (d.refusal(win) is None) == (be in ("math", "efficient")), be  # a window as a boolean mask
+
+
+def test_sdpa_flash_refuses_a_softcap_case_before_it_is_called(tmp_path, monkeypatch):
+    """The engine skips a case outside the kernel's declared domain without calling it; the
+    kernel is called for the cases inside."""
+    import torch
+
+    from audits import kernels
+    from audits.runner.engine import run_suites
+    from audits.runner.gate import load_thresholds
+
+    sdpa, calls = kernels.KERNELS["sdpa-flash"], []
+
+    def spy(q, k, v, **kw):
+        calls.append(kw)
+        return sdpa(q, k, v, **kw)
+
+    spy.fa4_audit_domain = sdpa.fa4_audit_domain
+    monkeypatch.setitem(kernels.KERNELS, "sdpa-flash", spy)
+    inside = Case("bfloat16", 64, 64, 1, 2, 2, 64, 64, family="normal")
+    capped = dataclasses.replace(inside, softcap=15.0)
+    recs = run_suites(["sdpa-flash"], [capped, inside], device=torch.device("cpu"), out_dir=tmp_path,
+                      thresholds=load_thresholds())["sdpa-flash"]  # fmt: skip
+    assert recs[0]["verdict"] == "skipped"
+    assert recs[0]["reasons"] == ["outside the kernel's declared domain: softcap unsupported"]
+    assert len(calls) == 1 and calls[0]["softcap"] == 0.0  # only the case inside was called
+    assert not any("declared domain" in why for why in recs[1]["reasons"])
+
+
+def test_fa4_model_sm90_gets_its_own_smoke_without_fp8():
+    """One kernel: the suite is built within its own domain; the report's domain says so."""
+    import argparse
+
+    from audits.runner.cli import _suite_cases
+
+    args = argparse.Namespace(kernel=["fa4-model-sm90"], domain=None)
+    cases = _suite_cases(args, "smoke")
+    assert cases and not any(c.dtype.startswith("float8") for c in cases)
+    assert {c.dtype for c in cases} == {"bfloat16", "float16"}
+    assert args.domain_info["rule"] == "single" and args.domain_info["domain"]["dtypes"] == ["bfloat16", "float16"]
+    assert args.domain_info["pairs_covered"] > 0 and "kernels" not in args.domain_info
+
+
+def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_path, capsys):
+    """fa4-model (unrestricted) and sdpa-math on smoke: one shared suite over the union of their
+    domains (here smoke itself, so fa4-model keeps its softcap, sink and fp8 cases); sdpa-math
+    skips exactly the cases outside its own domain, with the declared-domain reason, and both
+    reports state the rule and each kernel's domain.  ``--jobs`` children decide alike."""
+    from audits import cli
+    from audits.cases import smoke_suite
+
+    outside = {c.name for c in smoke_suite() if c.softcap or c.sink or c.dtype.startswith("float8")}
+    assert len(outside) == 12  # 8 fp8, 2 softcap, 2 sink
+    out = tmp_path / "two"
+    argv = ["run", "--kernel", "fa4-model", "--kernel", "sdpa-math", "--suite", "smoke", "--quiet"]
+    cli.main([*argv, "--out", str(out)])
+    assert f"sdpa-math skips 12 of {len(smoke_suite())} cases outside its declared domain" in capsys.readouterr().err
+    reps = {k: json.loads((out / k / "report.json").read_text()) for k in ("fa4-model", "sdpa-math")}
+    assert [c["case"] for c in reps["fa4-model"]["cases"]] == [c.name for c in smoke_suite()]
+    assert [c["case"] for c in reps["sdpa-math"]["cases"]] == [c.name for c in smoke_suite()]
+    info = reps["sdpa-math"]["domain"]
+    assert info == reps["fa4-model"]["domain"] and info["rule"] == "union" and info["domain"] == Domain().as_dict()
+    sdpa = info["kernels"]["sdpa-math"]
+    assert sdpa["domain"]["softcap"] is False and sdpa["cases_outside"] == 12
+    assert info["kernels"]["fa4-model"] == {"domain": Domain().as_dict(), "cases_outside": 0}
+    declared = {c["case"] for c in reps["sdpa-math"]["cases"]
+                if c["reasons"][0].startswith("outside the kernel's declared domain: ")}  # fmt: skip
+    assert declared == outside
+    ran = {c["case"] for c in reps["fa4-model"]["cases"] if c["verdict"] != "skipped"}
+    assert outside - {c.name for c in smoke_suite() if c.dtype.startswith("float8")} <= ran  # softcap, sink: audited
+    jobs = tmp_path / "jobs"
+    cli.main([*argv, "--case", "*drift-seed0", "--jobs", "2", "--out", str(jobs)])
+    recs = json.loads((jobs / "sdpa-math" / "report.json").read_text())["cases"]
+    drift = {c["case"] for c in recs}
+    assert len(drift) == 5 and len(drift & outside) == 4  # records of the children's journals
+    assert {c["case"] for c in recs if "declared domain" in c["reasons"][0]} == drift & outside

@@ -12,7 +12,7 @@ PACKAGES = ("numerics", "fa4", "audits")
 #: what each top-level package may import from the project
 ALLOWED = {"numerics": {"numerics"}, "fa4": {"numerics", "fa4"}, "audits": {"numerics", "fa4", "audits"}}
 #: modules of ``audits`` every audit subpackage may use; the rest of ``audits`` is one folder per audit
-SHARED = {"audits.common", "audits.cases", "audits.inputs", "audits.kernels", "audits.domain"}
+SHARED = {"audits.common", "audits.cases", "audits.inputs", "audits.kernels", "audits.domain", "audits.suite_file"}
 
 
 def _modules() -> dict[str, Path]:

@@ -48,12 +48,16 @@ def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
     import fnmatch
 
     from audits.runner.engine import shard_cases
+    from audits.suite_file import is_suite_file
 
     given = _given_cases(args)
     if given is None:
         label = args.suite or "smoke"
         try:
-            cases = _suite_cases(args, label)
+            if is_suite_file(label):
+                cases, label = _suite_file_cases(args, label)
+            else:
+                cases = _suite_cases(args, label)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
     else:
@@ -75,29 +79,87 @@ def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
 
 def _suite_cases(args: argparse.Namespace, label: str) -> list:
     """A named suite built within the kernels' declared domains (``audits.domain``: each
-    kernel's ``fa4_audit_domain``, narrowed by ``--domain FILE``, intersected over the kernels);
-    the suite itself when nothing is declared.  What it built is kept in ``args.domain_info``
-    for the report."""
-    from audits.cases import suite
-    from audits.domain import Domain, DomainError, domain_of, suite_within
-    from audits.kernels import get_kernel
+    kernel's ``fa4_audit_domain``, narrowed by ``--domain FILE``): one kernel's own domain, or
+    for several their union (``Domain.widen``), each kernel skipping the cases outside its own
+    domain without being called (``audits.runner.engine``).  The union, not the intersection:
+    the kernels are compared case by case on one suite, and none loses the cases only it
+    supports (fa4's softcap and sink cases beside SDPA's).  The suite itself when the domain
+    restricts no case.  What it built is kept in ``args.domain_info`` for the report."""
+    import dataclasses
+    import functools
 
-    try:
-        d = Domain()
-        for kern in args.kernel:
-            d = d.narrow(domain_of(get_kernel(kern)))
-        if args.domain:
-            d = d.narrow(Domain.from_toml(args.domain))
-    except DomainError as exc:
-        raise UsageError(str(exc)) from exc
-    if d == Domain():
+    from audits.cases import suite
+    from audits.domain import Domain, suite_within
+
+    _, own = _kernels_domains(args)
+    d = functools.reduce(Domain.widen, own.values())
+    if all(x == Domain() for x in own.values()):
         return suite(label)
-    built = suite_within(label, d)
-    args.domain_info = {"domain": d.as_dict(), "pairs_covered": built["pairs_covered"],
+    if dataclasses.replace(d, backward=True, deterministic=True) == Domain():  # the union restricts no case
+        built = {"cases": suite(label), "pairs_covered": None, "not_applicable": {}}
+    else:
+        built = suite_within(label, d)
+    rule = "union" if len(own) > 1 else "single"
+    args.domain_info = {"rule": rule, "domain": d.as_dict(), "pairs_covered": built["pairs_covered"],
                         "not_applicable": built["not_applicable"]}  # fmt: skip
     for fam, why in built["not_applicable"].items():
         print(f"{label}: family {fam} not applicable in the kernels' domain: {why}", file=sys.stderr)
+    if rule == "union":  # the per-kernel domains and the cases each will skip
+        outside = {k: sum(x.refusal(c) is not None for c in built["cases"]) for k, x in own.items()}
+        args.domain_info["kernels"] = {k: {"domain": x.as_dict(), "cases_outside": outside[k]} for k, x in own.items()}
+        for kern, n in outside.items():
+            if n:
+                print(f"{label}: {kern} skips {n} of {len(built['cases'])} cases outside its declared domain",
+                      file=sys.stderr)  # fmt: skip
     return built["cases"]
+
+
+def _kernels_domains(args: argparse.Namespace) -> tuple:
+    """(the ``--domain`` file's domain, each kernel's declared domain narrowed by it): what
+    :func:`_suite_cases` and :func:`_suite_file_cases` build within."""
+    from audits.domain import Domain, DomainError
+    from audits.kernels import kernel_domain
+
+    try:
+        narrow = Domain.from_toml(args.domain) if args.domain else Domain()
+        return narrow, {kern: kernel_domain(kern).narrow(narrow) for kern in dict.fromkeys(args.kernel)}
+    except DomainError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _suite_file_cases(args: argparse.Namespace, path: str) -> tuple[list, str]:
+    """(cases, label) of ``--suite FILE.toml`` (``audits.suite_file``): its axes' covering array
+    built within the kernels' domain as :func:`_suite_cases` builds a named suite (one kernel's,
+    several kernels' union), and its ``[[case]]`` s as given: one outside a kernel's declared
+    domain is that kernel's ``skipped`` case with the reason (``audits.runner.engine``), one
+    outside the ``--domain`` file is not run, and listed (stderr, the report's ``domain``)."""
+    import functools
+
+    from audits.domain import Domain
+    from audits.suite_file import build, load
+
+    sf = load(path)
+    narrow, own = _kernels_domains(args)
+    d = functools.reduce(Domain.widen, own.values())
+    built = build(sf, d, cases_in=narrow)
+    if any(x != Domain() for x in own.values()):
+        args.domain_info = {"rule": "union" if len(own) > 1 else "single", "domain": d.as_dict(),
+                            "pairs_covered": built["pairs_covered"], "not_applicable": built["not_applicable"],
+                            "axes_restricted": built["restricted"], "skipped": built["skipped"]}  # fmt: skip
+    say = lambda msg: print(f"{sf.name}: {msg}", file=sys.stderr)
+    for axis, why in built["restricted"].items():
+        say(f"axis {axis}: {why}")
+    for fam, why in built["not_applicable"].items():
+        say(f"family {fam} not applicable in the kernels' domain: {why}")
+    for s in built["skipped"]:
+        say(f"[[case]] {s['case']} not run: outside the --domain file: {s['reason']}")
+    for kern, x in own.items():
+        for c in sf.cases:
+            if c in built["cases"] and (why := x.refusal(c)):
+                say(f"[[case]] {c.name}: {kern} skips it, outside its declared domain: {why}")
+    if not built["cases"]:
+        raise UsageError(f"suite file {path}: none of its cases lies in the kernels' domain")
+    return built["cases"], sf.name
 
 
 def _previous_run(out: Path) -> list[Path]:
@@ -332,7 +394,10 @@ def register(sub) -> None:
         help="fa4, fa4-model, fa4-model-sm90, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, module:attr or "
         "path/to/file.py:fn; repeat to audit several kernels on shared inputs and references",
     )  # fmt: skip
-    r.add_argument("--suite", default=None, help="suite name: smoke (default), release, nightly")
+    r.add_argument(
+        "--suite", default=None,
+        help="suite name: smoke (default), release, nightly; or a suite file FILE.toml (docs/runner.md)",
+    )  # fmt: skip
     r.add_argument("--config", action="append", help="a case as JSON (Case fields; absent = default); repeatable")
     r.add_argument(
         "--case-file", action="append",

@@ -22,7 +22,7 @@ import torch
 
 from audits.cases import Case
 from audits.inputs import NotApplicable, make_grad_output, make_inputs
-from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel
+from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel, kernel_domain
 from audits.runner import journal
 from audits.runner.backward import BackwardOptions, _references, analyse_backward, grad_call
 from audits.runner.gate import judge
@@ -230,11 +230,18 @@ def evaluate_case(
     device: torch.device,
     thresholds: dict,
     backward: BackwardOptions | None = None,
+    domain=None,
 ) -> dict:
     """Measurements and verdict of one case (a JSON-able dict); with ``backward``, its gradients
-    too (``rec["backward"]``)."""
+    too (``rec["backward"]``).  ``domain`` (``audits.domain.Domain``, the kernel's declared one):
+    a case outside it is ``skipped`` with the reason, decided before the kernel is called."""
     rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
     t0 = time.perf_counter()
+    why = domain.refusal(case) if domain is not None else None
+    if why is not None:  # never called: the kernel said up front it does not support this
+        rec.update(status="skipped", reason=f"outside the kernel's declared domain: {why}", verdict="skipped")
+        rec["reasons"], rec["seconds"] = [rec["reason"]], time.perf_counter() - t0
+        return rec
     try:
         x = make_inputs(case, device=device)
     except NotApplicable as exc:  # a family's precondition: this case is reported, the run goes on
@@ -381,7 +388,9 @@ def run_suites(
 ) -> dict[str, list[dict]]:
     """Evaluate ``cases`` (grouped by compile key) for every kernel; journal each record under
     :func:`kernel_dir`; return each kernel's records in suite order.  The kernels take turns
-    case by case, so a case's inputs and FP64 reference are computed once for all of them.
+    case by case, so a case's inputs and FP64 reference are computed once for all of them; a
+    case outside a kernel's declared domain (``audits.kernels.kernel_domain``) is skipped for
+    that kernel without a call.
     ``resume``: keep the finished records of a journal written by this same run (kernel, suite,
     seed, thresholds, cases: ``journal.JournalMismatch`` otherwise).  ``isolate`` (a bool or a
     predicate on the kernel name): evaluate in a worker process, where a crash becomes the
@@ -394,6 +403,7 @@ def run_suites(
         iso = isolate(kern) if callable(isolate) else isolate
         state[kern]["iso"] = _Isolated(kern, device) if iso else None
         state[kern]["fn"] = state[kern]["iso"] or get_kernel(kern)
+        state[kern]["domain"] = kernel_domain(kern)  # resolved once, here: --jobs children decide alike
     order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
     try:
         _loop(order, cases, state, device, thresholds, progress, exitfirst, backward)
@@ -451,7 +461,7 @@ def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward
             if c.name in st["done"]:
                 rec = {**st["done"][c.name], "resumed": True}
             else:
-                rec = evaluate_case(kern, st["fn"], c, device, thresholds, backward)
+                rec = evaluate_case(kern, st["fn"], c, device, thresholds, backward, st["domain"])
                 rec["repro"] = st["repro"](c)
                 if rec["verdict"] in FAILING:
                     rec["repro_inputs"] = _save_inputs(st, c)

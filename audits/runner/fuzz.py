@@ -82,10 +82,10 @@ def fuzz(
     failure is the minimal case Hypothesis shrank to, with its verdict's reasons.  ``backward``
     (``audits.runner.backward.BackwardOptions``): audit the gradients too, and climb toward the
     largest error/bound over the output and the gradients."""
-    from audits.kernels import get_kernel
+    from audits.kernels import get_kernel, kernel_domain
     from audits.runner.engine import evaluate_case
 
-    fn = get_kernel(kernel)
+    fn, domain = get_kernel(kernel), kernel_domain(kernel)
     state = {"examples": 0, "best": (-1.0, None), "fail": None}
 
     @settings(
@@ -97,7 +97,7 @@ def fuzz(
     )
     @given(cases(max_seqlen=max_seqlen))
     def prop(case: Case) -> None:
-        rec = evaluate_case(kernel, fn, case, device, thresholds, backward)
+        rec = evaluate_case(kernel, fn, case, device, thresholds, backward, domain)  # outside it: skipped
         state["examples"] += 1
         grads = ((rec.get("backward") or {}).get("grads") or {}).values()
         tights = [(rec.get("bound") or {}).get("tightness")] + [(g.get("bound") or {}).get("tightness") for g in grads]
