@@ -337,6 +337,24 @@ def test_config_and_case_file_run_exactly_the_given_cases(tmp_path):
     assert report(again)["cases"][0]["case"] == rep["cases"][0]["case"]
 
 
+def test_config_and_case_file_run_with_jobs_and_resume(tmp_path):
+    """Given cases (two --config, one --case-file) split over --jobs 2; --resume redoes none."""
+    cfgs = [{"dtype": "float16", "seqlen_q": 40, "seqlen_k": 70, "family": f} for f in ("uniform", "flat")]
+    (tmp_path / "cases.json").write_text(json.dumps([{"d": 64, "dv": 64, "seqlen_q": 33, "family": "peaked"}]))
+    argv = ["--kernel", "fa4-model", "--case-file", str(tmp_path / "cases.json"), "--out", str(tmp_path / "o")]
+    for c in cfgs:
+        argv += ["--config", json.dumps(c)]
+    assert run(*argv, "--jobs", "2") == 0
+    rep = report(tmp_path / "o")
+    assert rep["suite"] == "config+cases.json" and len(rep["cases"]) == 3
+    journals = sorted((tmp_path / "o" / "jobs").glob("*/journal.jsonl"))
+    before = [j.read_text() for j in journals]
+    assert len(journals) == 2 and sum(t.count("\n") - 1 for t in before) == 3  # each case once, over 2 jobs
+    assert run(*argv, "--jobs", "2", "--resume") == 0
+    assert [j.read_text() for j in journals] == before  # nothing redone
+    assert [c["case"] for c in report(tmp_path / "o")["cases"]] == [c["case"] for c in rep["cases"]]
+
+
 # --- terminal output ---------------------------------------------------------------------------
 
 

@@ -139,6 +139,10 @@ def test_a_restricted_kernel_gets_smoke_built_in_its_domain(tmp_path, capsys):
     assert all(declared.refusal(case_from_dict(c["config"])) is None for c in rep["cases"])
     assert set(rep["domain"]["not_applicable"]) == {"nan_inf_masked"}
     assert "family nan_inf_masked not applicable in the kernels' domain" in capsys.readouterr().err
+    md = (out / "report.md").read_text()  # the Markdown report states the domain and the coverage too
+    assert "Suite built within the declared domain (single): dtypes ['float16']" in md
+    assert f"Pairs of supported axis values covered: {rep['domain']['pairs_covered']}." in md
+    assert "- family nan_inf_masked not applicable:" in md
     narrow = tmp_path / "d64.toml"
     narrow.write_text("head_dims = [[64, 64]]\ncausal = false\n")
     argv = ["run", "--kernel", kern, "--suite", "smoke", "--domain", str(narrow), "--out", str(tmp_path / "n")]

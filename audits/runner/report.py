@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from audits.common import atomic_write
+from audits.domain import Domain
 from audits.runner.report_html import case_cells, grad_cells, render_html
 
 __all__ = ["SCHEMA", "build_report", "write_report", "exit_code", "summary_line", "validate_report", "ReportError"]
@@ -112,6 +113,10 @@ def summary_line(report: dict) -> str:
     return f"{evaluated} of {s['cases']} cases evaluated ({v}){lse}"
 
 
+#: the unrestricted domain, against which a report's declared one is shown
+_UNRESTRICTED = Domain()
+
+
 class ReportError(ValueError):
     """A file that is not a valid fa4-audit report; the message names the field."""
 
@@ -149,6 +154,21 @@ def validate_report(rep, where: str) -> dict:
     return rep
 
 
+def _domain_lines(info: dict | None) -> list[str]:
+    """What the suite was built within (a declared domain), for the Markdown report."""
+    if not info:
+        return []
+    kept = {k: v for k, v in info["domain"].items() if v != getattr(_UNRESTRICTED, k)}
+    decl = ", ".join(f"{k} {v}" for k, v in kept.items()) or "no restriction"
+    L = [f"Suite built within the declared domain ({info.get('rule', 'single')}): {decl}."]
+    if info.get("pairs_covered") is not None:
+        L[-1] += f" Pairs of supported axis values covered: {info['pairs_covered']}."
+    L += [f"- family {f} not applicable: {why}" for f, why in (info.get("not_applicable") or {}).items()]
+    L += [f"- {k} skips {x['cases_outside']} cases outside its domain" for k, x in (info.get("kernels") or {}).items()
+          if x.get("cases_outside")]  # fmt: skip
+    return L + [""]
+
+
 def _markdown(rep: dict) -> str:
     s = rep["summary"]
     L = [
@@ -160,6 +180,7 @@ def _markdown(rep: dict) -> str:
         summary_line(rep) + ".",
         "",
     ]
+    L += _domain_lines(rep.get("domain"))
     for k, w in s["worst"].items():
         if w:
             L.append(f"- worst {k}: {w['value']:.3g} ({w['case']})")
