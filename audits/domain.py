@@ -324,6 +324,16 @@ def smoke_within(d: Domain) -> dict:
     return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": pairs, "not_applicable": missing}
 
 
+def named_suite_within(name: str, d: Domain) -> dict:
+    """:func:`suite_within`, or the named suite itself (as it is defined in ``audits.cases``)
+    when ``d`` restricts no case (``backward`` and ``deterministic`` choose no case)."""
+    from audits.cases import suite
+
+    if dataclasses.replace(d, backward=True, deterministic=True) == Domain():
+        return {"cases": suite(name), "axes": None, "pairs_covered": None, "not_applicable": {}}
+    return suite_within(name, d)
+
+
 def suite_within(name: str, d: Domain) -> dict:
     """A named suite built over the domain (``smoke``, ``release``, ``nightly``)."""
     if name == "smoke":

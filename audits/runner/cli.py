@@ -85,20 +85,16 @@ def _suite_cases(args: argparse.Namespace, label: str) -> list:
     the kernels are compared case by case on one suite, and none loses the cases only it
     supports (fa4's softcap and sink cases beside SDPA's).  The suite itself when the domain
     restricts no case.  What it built is kept in ``args.domain_info`` for the report."""
-    import dataclasses
     import functools
 
     from audits.cases import suite
-    from audits.domain import Domain, suite_within
+    from audits.domain import Domain, named_suite_within
 
     _, own = _kernels_domains(args)
     d = functools.reduce(Domain.widen, own.values())
     if all(x == Domain() for x in own.values()):
         return suite(label)
-    if dataclasses.replace(d, backward=True, deterministic=True) == Domain():  # the union restricts no case
-        built = {"cases": suite(label), "pairs_covered": None, "not_applicable": {}}
-    else:
-        built = suite_within(label, d)
+    built = named_suite_within(label, d)
     rule = "union" if len(own) > 1 else "single"
     args.domain_info = {"rule": rule, "domain": d.as_dict(), "pairs_covered": built["pairs_covered"],
                         "not_applicable": built["not_applicable"]}  # fmt: skip

@@ -24,7 +24,6 @@ def fa4_audit(tmp_path):
     calling test when any case fails.  ``backward``: audit the gradients too (``run --backward``)."""
     import torch
 
-    from audits.cases import suite as get_suite
     from audits.runner.engine import FAILING, run_suite
     from audits.runner.gate import load_thresholds
     from audits.runner.report import build_report, exit_code, summary_line, write_report
@@ -43,7 +42,7 @@ def fa4_audit(tmp_path):
     ) -> dict:
         from audits.runner.backward import BackwardOptions
 
-        cases = [c for c in get_suite(suite) if fnmatch.fnmatch(c.name, case)]
+        cases = [c for c in _cases(kernel, suite) if fnmatch.fnmatch(c.name, case)]
         th = load_thresholds(thresholds)
         out = tmp_path / f"fa4-audit-{suite}"
         bwd = BackwardOptions(repeat=repeat, deterministic=deterministic) if backward else None
@@ -81,3 +80,16 @@ def fa4_audit(tmp_path):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fa4_audit: a test that audits an attention kernel with fa4-audit")
+
+
+def _cases(kernel: str, suite: str) -> list:
+    """The suite's cases as ``fa4-audit run`` builds them for this one kernel: a named suite
+    (or a suite file, ``audits.suite_file``) within the kernel's declared domain."""
+    from audits.domain import Domain, named_suite_within
+    from audits.kernels import kernel_domain
+    from audits.suite_file import build, is_suite_file, load
+
+    d = kernel_domain(kernel)
+    if is_suite_file(suite):  # its [[case]]s outside the domain stay: the engine skips them, with the reason
+        return build(load(suite), d, cases_in=Domain())["cases"]
+    return named_suite_within(suite, d)["cases"]
