@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     from audits.bounds import cli as bounds_cli
     from audits.ex2 import cli as ex2_cli
     from audits.fidelity import cli as fidelity_cli
+    from audits.invariance import cli as invariance_cli
     from audits.runner import cli as runner_cli
     from audits.runner import cli_reports
     from audits.static import cli as static_cli
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for mod in (runner_cli, cli_reports, ex2_cli, fidelity_cli, static_cli, bounds_cli):
+    for mod in (runner_cli, cli_reports, ex2_cli, fidelity_cli, static_cli, bounds_cli, invariance_cli):
         mod.register(sub)
     return p
 

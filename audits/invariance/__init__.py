@@ -1,0 +1,1 @@
+"""``fa4-audit invariance``: batch and decode invariance of fixed-length kernels (docs/invariance.md)."""
