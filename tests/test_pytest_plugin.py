@@ -1,5 +1,7 @@
 """The pytest plugin: users audit their kernels inside their own test suites."""
 
+import pytest
+
 pytest_plugins = ["pytester"]
 
 
@@ -64,3 +66,36 @@ def test_fixture_builds_the_suite_in_the_kernels_domain_and_takes_suite_files(py
         """
     )
     pytester.runpytest().assert_outcomes(passed=2)
+
+
+def test_fixture_under_xdist_shards_the_cases_and_merges_one_report(pytester, monkeypatch):
+    """``pytest -n 2``: the test runs once per worker, each auditing its shard; the controller
+    merges the shards into one report holding every case once (the cases of the unsharded call)."""
+    import json
+    import pathlib
+    import re
+
+    pytest.importorskip("xdist")
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1]))
+    pytester.makepyfile(
+        """
+        def test_model(fa4_audit):
+            fa4_audit("fa4-model", case="*tile_step*")
+        """
+    )
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "xdist")
+    result.assert_outcomes(passed=2)  # shard0of2 and shard1of2
+    line = next(x for x in result.outlines if "merged report of the shards" in x)
+    merged = json.loads((pathlib.Path(re.search(r": (\S+)$", line).group(1)).parent / "report.json").read_text())
+    from audits.cases import smoke_suite
+
+    want = sorted(c.name for c in smoke_suite() if "tile_step" in c.name)
+    assert sorted(c["case"] for c in merged["cases"]) == want and len(want) >= 4
+    assert merged["summary"]["verdicts"]["pass"] == len(want)
+
+
+def test_worker_gpu_pins_round_robin():
+    from audits.runner.pytest_plugin import worker_gpu
+
+    assert [worker_gpu(f"gw{i}", 2) for i in range(4)] == ["0", "1", "0", "1"]
+    assert worker_gpu("gw3", 1) is None and worker_gpu("gw0", 0) is None and worker_gpu("master", 4) is None
