@@ -170,3 +170,26 @@ def print_table(console, title: str, columns: list[str], rows: list[list[str]]) 
     for r in rows:
         t.add_row(*map(str, r))
     console.print(t, crop=False)
+
+
+def gpu_list(spec: str | None) -> list[str]:
+    """The GPUs parallel jobs are spread over: ``--gpus 0,1,...`` when given (ids as
+    ``CUDA_VISIBLE_DEVICES`` takes them), else those this process sees (the entries of its own
+    ``CUDA_VISIBLE_DEVICES``, or 0..count-1); empty without CUDA.  ``UsageError`` for a
+    malformed ``--gpus``."""
+    import os
+
+    if spec is not None:
+        ids = [x.strip() for x in spec.split(",")]
+        if not ids or not all(x.isdigit() for x in ids) or len(set(ids)) != len(ids):
+            raise UsageError(f"--gpus {spec!r}: expected distinct GPU indices separated by commas, e.g. 0,1")
+        return ids
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if seen is not None:
+        return [x.strip() for x in seen.split(",") if x.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def pinned_env(env: dict, gpus: list[str], job: int) -> dict:
+    """``env`` with job ``job`` pinned to GPU ``gpus[job % len(gpus)]`` (unchanged without GPUs)."""
+    return {**env, "CUDA_VISIBLE_DEVICES": gpus[job % len(gpus)]} if gpus else dict(env)

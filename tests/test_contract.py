@@ -427,3 +427,18 @@ def test_a_closed_pipe_is_no_traceback(tmp_path):
         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
     )
     assert p.stdout.startswith("fa4 / release") and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr
+
+
+def test_gpu_list_and_pinning(monkeypatch):
+    """--gpus, or the GPUs this process sees (its own CUDA_VISIBLE_DEVICES entries), round robin."""
+    from audits.common import UsageError, gpu_list, pinned_env
+
+    assert gpu_list("0,1") == ["0", "1"]
+    for bad in ("0,0", "a", "", "1,,2"):
+        with pytest.raises(UsageError, match="expected distinct GPU indices"):
+            gpu_list(bad)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert gpu_list(None) == ["2", "3"]  # children address the physical GPUs the parent was given
+    env = {"X": "1"}
+    assert [pinned_env(env, ["2", "3"], j)["CUDA_VISIBLE_DEVICES"] for j in range(3)] == ["2", "3", "2"]
+    assert pinned_env(env, [], 5) == env

@@ -250,3 +250,26 @@ def test_a_failed_or_hung_compile_is_exit_2_never_a_pass(how, tmp_path, capsys, 
     want = "did not finish in 900 s" if how == "timeout" else "failed (exit 1):\ncompile failed: TypeError"
     assert want in err
     assert not (tmp_path / "static.json").exists()
+
+
+def test_static_jobs_spread_cuda_compiles_over_the_gpus(tmp_path, monkeypatch):
+    """static --jobs 2 --gpus 0,1 on CUDA: the compile children get one GPU each, round robin."""
+    import subprocess
+
+    from audits.static import cli as static_cli
+    from audits.static import core
+
+    monkeypatch.setattr(static_cli, "_production_versions", lambda: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
+    monkeypatch.setattr(static_cli, "_check_environment", lambda args: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
+    seen = []
+
+    def compile_child(cmd, **kw):
+        seen.append((json.loads(cmd[3])["d"], (kw.get("env") or {}).get("CUDA_VISIBLE_DEVICES")))
+        return subprocess.CompletedProcess(cmd, 3, "", "production refuses this configuration (test)")
+
+    monkeypatch.setattr(core.subprocess, "run", compile_child)
+    configs = [json.dumps({"d": d, "dv": d}) for d in (64, 96, 128)]
+    argv = ["static", "--jobs", "2", "--gpus", "0,1", "--out", str(tmp_path), "--quiet"]
+    cli.main([*argv, *(x for c in configs for x in ("--config", c))])
+    assert sorted(seen) == [(64, "0"), (96, "1"), (128, "0")]
+    assert cli.main(["static", "--jobs", "2", "--gpus", "0,x", "--config", configs[0], "--out", str(tmp_path)]) == 2

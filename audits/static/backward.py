@@ -133,12 +133,12 @@ def compare_backward_facts(f: dict, want: dict) -> list[dict]:
     return diffs
 
 
-def audit_backward_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver: bool) -> dict:
+def audit_backward_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver: bool, gpu: str | None = None) -> dict:
     """Compile (or reuse ``ptx_dir/bwd-<name>.ptx.gz``), extract, compare: one report record.  A
     configuration production compiles but the model does not take (``bwd_plan`` raises
     NotImplementedError) is a difference, fact ``supported``."""
     rec = {"group": c.name, "config": c.as_dict(), "cases": len(cases)}
-    got = cached_ptx(c, f"bwd-{c.name}", ptx_dir=ptx_dir, no_driver=no_driver, backward=True)
+    got = cached_ptx(c, f"bwd-{c.name}", ptx_dir=ptx_dir, no_driver=no_driver, backward=True, gpu=gpu)
     if isinstance(got, str):
         return {**rec, "verdict": "skipped", "reason": got}
     ptx, chosen, rec["compiled"] = got

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from audits.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, atomic_write, progress
+from audits.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, atomic_write, gpu_list, progress
 
 
 def _config_cases(configs: list[str]) -> list:
@@ -52,9 +52,12 @@ def _production_versions() -> dict | None:
     return versions
 
 
-def _audit_groups(groups: list, audit, *, ptx_dir, no_driver: bool, jobs: int, quiet: bool) -> list[dict]:
+def _audit_groups(
+    groups: list, audit, *, ptx_dir, no_driver: bool, jobs: int, quiet: bool, gpus: list[str] = ()
+) -> list[dict]:
     """Compile and audit (``audit``: ``core.audit_group`` or ``backward.audit_backward_group``)
-    every group, ``jobs`` at once; records in suite order (StaticError propagates)."""
+    every group, ``jobs`` at once, group i's compile on GPU ``gpus[i % len(gpus)]`` when compiling
+    on CUDA over several GPUs; records in suite order (StaticError propagates)."""
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -63,13 +66,14 @@ def _audit_groups(groups: list, audit, *, ptx_dir, no_driver: bool, jobs: int, q
         # each compile is its own process: threads are enough to run --jobs of them at once
         from concurrent.futures import ThreadPoolExecutor
 
-        def one(group):
-            rec = audit(group[0], group[1], ptx_dir=ptx_dir, no_driver=no_driver)
+        def one(i, group):
+            gpu = gpus[i % len(gpus)] if gpus and not no_driver else None
+            rec = audit(group[0], group[1], ptx_dir=ptx_dir, no_driver=no_driver, gpu=gpu)
             bar.advance(task)
             return rec
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            return list(pool.map(one, groups))  # suite order; the first StaticError propagates
+            return list(pool.map(one, range(len(groups)), groups))  # suite order; the first StaticError propagates
 
 
 def _print_outcome(counts: dict, records: list[dict], md) -> int:
@@ -135,7 +139,10 @@ def cmd_static(args: argparse.Namespace) -> int:
     ptx_dir = Path(args.ptx_dir) if args.ptx_dir else out / "ptx"
     no_driver = args.compile_on == "cpu"
     try:
-        records = _audit_groups(groups, audit, ptx_dir=ptx_dir, no_driver=no_driver, jobs=args.jobs, quiet=args.quiet)
+        records = _audit_groups(
+            groups, audit, ptx_dir=ptx_dir, no_driver=no_driver, jobs=args.jobs, quiet=args.quiet,
+            gpus=gpu_list(args.gpus) if args.jobs > 1 and not no_driver else [],
+        )  # fmt: skip
     except StaticError as exc:
         print(f"fa4-audit static: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -267,6 +274,11 @@ def register(sub) -> None:
     )
     st.add_argument(
         "--jobs", type=int, default=1, help="compiles at once (each is a single-threaded process; default 1)"
+    )
+    st.add_argument(
+        "--gpus",
+        default=None,
+        help="with --jobs and --compile-on cuda: the GPUs the compiles are spread over, e.g. 0,1 (default: all visible)",
     )
     st.add_argument("--ptx-dir", default=None, help="where compressed PTX is kept and reused (default OUT/ptx)")
     st.add_argument(

@@ -137,7 +137,9 @@ def compare_facts(facts: dict, want: dict, *, tile_n: int = 128) -> list[dict]:
     return diffs
 
 
-def _compile(c: Case, ptx_path: Path, *, no_driver: bool, backward: bool = False) -> tuple[str, dict] | str:
+def _compile(
+    c: Case, ptx_path: Path, *, no_driver: bool, backward: bool = False, gpu: str | None = None
+) -> tuple[str, dict] | str:
     """Compile in a fresh process; the PTX text and production's recorded choices, or the
     refusal message (str) when production does not support the configuration."""
     cfg = {k: v for k, v in c.as_dict().items() if k not in ("layout", "family", "seed")}
@@ -145,7 +147,8 @@ def _compile(c: Case, ptx_path: Path, *, no_driver: bool, backward: bool = False
     cmd = [sys.executable, "-m", "fa4.sm100_compile", json.dumps(cfg), str(ptx_path)] + flags
     what = "backward kernels" if backward else "forward kernel"
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}  # static --jobs: one GPU each
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired as exc:  # a hung compile proves nothing: exit 2, never a pass
         raise StaticError(f"compiling the SM100 {what} for {c.name} did not finish in {COMPILE_TIMEOUT_S} s") from exc
     if proc.returncode == 3:
@@ -156,7 +159,9 @@ def _compile(c: Case, ptx_path: Path, *, no_driver: bool, backward: bool = False
     return ptx_path.read_text(), json.loads(Path(str(ptx_path) + ".json").read_text())
 
 
-def cached_ptx(c: Case, stem: str, *, ptx_dir: Path, no_driver: bool, backward: bool = False) -> tuple | str:
+def cached_ptx(
+    c: Case, stem: str, *, ptx_dir: Path, no_driver: bool, backward: bool = False, gpu: str | None = None
+) -> tuple | str:
     """``(ptx, production's choices, "cached" | "<seconds> s")`` from ``ptx_dir/<stem>.ptx.gz``
     (and ``.ptx.json``), else compiled now and kept there; or the refusal message (str)."""
     ptx_dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +170,7 @@ def cached_ptx(c: Case, stem: str, *, ptx_dir: Path, no_driver: bool, backward: 
         return gzip.decompress(gz.read_bytes()).decode(), json.loads(side.read_text()), "cached"
     t0 = time.perf_counter()
     tmp = ptx_dir / f"{stem}.ptx"
-    got = _compile(c, tmp, no_driver=no_driver, backward=backward)
+    got = _compile(c, tmp, no_driver=no_driver, backward=backward, gpu=gpu)
     if isinstance(got, str):
         return got
     gz.write_bytes(gzip.compress(got[0].encode(), 9))
@@ -174,11 +179,11 @@ def cached_ptx(c: Case, stem: str, *, ptx_dir: Path, no_driver: bool, backward: 
     return (*got, f"{time.perf_counter() - t0:.1f} s")
 
 
-def audit_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver: bool) -> dict:
+def audit_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver: bool, gpu: str | None = None) -> dict:
     """Compile (or reuse ``ptx_dir/<name>.ptx.gz``), extract, compare: one report record."""
     rec = {"group": c.name, "config": c.as_dict(), "cases": len(cases), "model": dataclasses.asdict(_numerics(c))}
     rec["model"]["p_dtype"] = str(rec["model"]["p_dtype"])
-    got = cached_ptx(c, c.name, ptx_dir=ptx_dir, no_driver=no_driver)
+    got = cached_ptx(c, c.name, ptx_dir=ptx_dir, no_driver=no_driver, gpu=gpu)
     if isinstance(got, str):
         return {**rec, "verdict": "skipped", "reason": got}
     ptx, chosen, rec["compiled"] = got
