@@ -48,6 +48,7 @@ def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
     import fnmatch
 
     from audits.runner.engine import shard_cases
+    from audits.runner.shards import parse_shard
     from audits.suite_file import is_suite_file
 
     given = _given_cases(args)
@@ -69,12 +70,32 @@ def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
         if not cases:
             raise UsageError(f"--case {args.case!r} matches no case of {label!r}")
     if args.shard:
+        if args.shard == "auto":
+            args.shard = _auto_shard(args)
         try:
-            i, n = (int(x) for x in args.shard.split("/"))
+            i, n = parse_shard(args.shard)
+            whole = {c.name: k for k, c in enumerate(cases)}
             cases = shard_cases(cases, i, n, by=args.shard_by)
         except ValueError as exc:
-            raise UsageError(f"--shard {args.shard!r}: expected I/N with 0 <= I < N ({exc})") from exc
+            raise UsageError(f"--shard {args.shard!r}: expected I/N with 0 <= I < N, or auto ({exc})") from exc
+        # each case's place in the unsharded run, so that merge puts the shards back in its order
+        args.shard_order = {c.name: whole[c.name] for c in cases}
+    elif args.shards is not None:
+        raise UsageError("--shards N gives the shard count to --shard auto: add --shard auto")
     return cases, label
+
+
+def _auto_shard(args: argparse.Namespace) -> str:
+    """``--shard auto``: "I/N" from a Slurm array's or a Kubernetes Indexed Job's environment
+    (``audits.runner.shards``), said on stderr."""
+    from audits.runner.shards import ShardEnvError, shard_from_env
+
+    try:
+        i, n, src = shard_from_env(shards=args.shards)
+    except ShardEnvError as exc:
+        raise UsageError(f"--shard auto: {exc}") from exc
+    print(f"--shard auto: shard {i}/{n} from the {src}", file=sys.stderr)
+    return f"{i}/{n}"
 
 
 def _suite_cases(args: argparse.Namespace, label: str) -> list:
@@ -322,9 +343,10 @@ def _print_failing(kern: str, records: list[dict]) -> None:
 def _report_runs(args, runs, cases, label, th, device) -> int:
     """Write each kernel's report, print its verdicts and failing cases; the exit code."""
     from audits.runner.engine import kernel_dir
+    from audits.runner.journal import package_version
     from audits.runner.report import build_report, exit_code, summary_line, write_report
 
-    env = _environment(device)
+    env = {**_environment(device), "fa4_audit": package_version()}  # merge refuses shards of other versions
     created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
     code = 0
@@ -333,6 +355,8 @@ def _report_runs(args, runs, cases, label, th, device) -> int:
             kernel=kern, suite=label, seed=args.seed, device=str(device), environment=env, thresholds=th,
             records=records, command=command, created=created, shard=args.shard,
         )  # fmt: skip
+        if getattr(args, "shard_order", None):
+            rep["shard_order"] = {r["case"]: args.shard_order[r["case"]] for r in records}
         if getattr(args, "domain_info", None):
             rep["domain"] = args.domain_info  # the domain the suite was built in, its coverage
         paths = write_report(rep, kernel_dir(args.out, kern, len(runs) > 1))
@@ -407,7 +431,13 @@ def register(sub) -> None:
     r.add_argument("--resume", action="store_true", help="continue the run in OUT (refused if OUT holds another run)")
     r.add_argument("--overwrite", action="store_true", help="replace the run OUT holds (default: refuse, exit 2)")
     r.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing case")
-    r.add_argument("--shard", default=None, help="I/N: run a deterministic, balanced 1/N slice")
+    r.add_argument(
+        "--shard", default=None,
+        help="I/N: run a deterministic, balanced 1/N slice; auto: I and N from a Slurm array task "
+        "(SLURM_ARRAY_TASK_ID, _MIN, _COUNT or _MAX) or a Kubernetes Indexed Job (JOB_COMPLETION_INDEX with "
+        "--shards N or FA4_AUDIT_SHARDS)",
+    )  # fmt: skip
+    r.add_argument("--shards", type=int, default=None, help="N: the shard count for --shard auto (Kubernetes)")
     r.add_argument(
         "--shard-by", default="cost", choices=["cost", "key"],
         help="balance shards by case cost, or keep compile-key groups whole (default cost)",

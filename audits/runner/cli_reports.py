@@ -154,20 +154,70 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: what every shard of one run shares; merge refuses shards that differ in any (name, value of a report)
+SAME_RUN = (
+    ("kernel", lambda r: r["kernel"]),
+    ("suite", lambda r: r["suite"]),
+    ("seed", lambda r: r["seed"]),
+    ("thresholds", lambda r: _policy(r["thresholds"])),
+    ("fa4-audit version", lambda r: r["environment"].get("fa4_audit", "not recorded")),
+    ("shard count", lambda r: (r.get("shard") or "?/unsharded").split("/")[-1]),
+)
+
+
+def _policy(th: dict) -> str:
+    """A thresholds policy as a report records it: its content's digest (and where it was read)."""
+    from audits.runner.journal import thresholds_digest
+
+    return f"policy {thresholds_digest(th)} ({th.get('path', 'no path')})"
+
+
+def _check_shards(reps: list[dict], paths: list[str]) -> None:
+    """Refuse (exit 2) shard reports that are not slices of one run: any field of
+    :data:`SAME_RUN` differing (the field, each value and a report holding it), a case in two
+    shards, or a shard twice; warn of shards missing from the count."""
+    from audits.runner.journal import thresholds_digest
+
+    for name, get in SAME_RUN:
+        if name == "thresholds":  # the same policy read from another path is the same policy
+            vals = {thresholds_digest(r["thresholds"]): (get(r), p) for r, p in zip(reps, paths, strict=True)}
+        else:
+            vals = {}
+            for r, p in zip(reps, paths, strict=True):
+                vals.setdefault(get(r), (get(r), p))
+        if len(vals) > 1:
+            shown = "; ".join(f"{v!r} in {p}" for v, p in vals.values())
+            raise UsageError(f"shard reports of different runs: they differ in {name}: {shown}")
+    where: dict[str, str] = {}
+    for r, p in zip(reps, paths, strict=True):
+        for c in r["cases"]:
+            if c["case"] in where:
+                raise UsageError(f"case {c['case']} is in two shard reports: {where[c['case']]} and {p}")
+            where[c["case"]] = p
+    shards = [r["shard"] for r in reps if r.get("shard")]
+    if len(set(shards)) < len(shards):
+        twice = sorted({s for s in shards if shards.count(s) > 1})
+        raise UsageError(f"shard {', '.join(twice)} given twice")
+    if shards:
+        n = int(shards[0].split("/")[1])
+        missing = [f"{i}/{n}" for i in range(n) if f"{i}/{n}" not in shards]
+        if missing:
+            print(f"merge: shard {', '.join(missing)} not given: the merged report lacks its cases", file=sys.stderr)
+
+
 def cmd_merge(args: argparse.Namespace) -> int:
+    """Shard reports into the report of the unsharded run: its cases, in its order (each shard's
+    ``shard_order``), its summary; refused for shards of different runs (:func:`_check_shards`)."""
     from audits.runner.report import exit_code, write_report
 
     reps = [load_report(p) for p in args.reports]
-    keys = {(r["kernel"], r["suite"], r["seed"]) for r in reps}
-    if len(keys) != 1:
-        raise UsageError(f"shard reports must share kernel, suite and seed; got {sorted(keys)}")
-    seen, cases = set(), []
+    _check_shards(reps, args.reports)
+    cases = [c for r in reps for c in r["cases"]]
+    order = {}
     for r in reps:
-        for c in r["cases"]:
-            if c["case"] in seen:
-                raise UsageError(f"case {c['case']} appears in two shard reports")
-            seen.add(c["case"])
-            cases.append(c)
+        order.update(r.get("shard_order") or {})
+    if all(c["case"] in order for c in cases):  # else (older reports) in the order given
+        cases.sort(key=lambda c: order[c["case"]])
     command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
     merged = _summarize({**reps[0], "cases": cases, "shard": None, "command": command})
     paths = write_report(merged, args.out)

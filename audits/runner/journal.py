@@ -13,7 +13,17 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["SCHEMA", "run_identity", "append", "read_records", "read_header", "check_header", "JournalMismatch"]
+__all__ = [
+    "SCHEMA",
+    "run_identity",
+    "package_version",
+    "thresholds_digest",
+    "append",
+    "read_records",
+    "read_header",
+    "check_header",
+    "JournalMismatch",
+]
 
 SCHEMA = "fa4-audit/journal/1"
 
@@ -26,17 +36,26 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_identity(*, kernel: str, suite: str, seed: int, thresholds: dict, cases: list, backward=None) -> dict:
-    """What a journal's records belong to (the header's fields)."""
+def package_version() -> str:
+    """The installed fa4-audit's version; "unknown" run from a source tree never installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        ver = version("fa4-audit")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        ver = "unknown"
-    th = {k: v for k, v in thresholds.items() if k != "path"}  # the policy, not where it was read from
+        return version("fa4-audit")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def thresholds_digest(thresholds: dict) -> str:
+    """A digest of a thresholds policy: its content, not the path it was read from."""
+    return _digest({k: v for k, v in thresholds.items() if k != "path"})
+
+
+def run_identity(*, kernel: str, suite: str, seed: int, thresholds: dict, cases: list, backward=None) -> dict:
+    """What a journal's records belong to (the header's fields)."""
+    ver = package_version()
     return {
-        "journal": SCHEMA, "kernel": kernel, "suite": suite, "seed": seed, "thresholds": _digest(th),
+        "journal": SCHEMA, "kernel": kernel, "suite": suite, "seed": seed, "thresholds": thresholds_digest(thresholds),
         "cases": _digest([c.as_dict() for c in cases]), "n_cases": len(cases), "fa4_audit": ver,
         "backward": None if backward is None else {"repeat": backward.repeat, "deterministic": backward.deterministic},
     }  # fmt: skip

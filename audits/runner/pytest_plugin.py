@@ -155,10 +155,13 @@ def pytest_sessionfinish(session, exitstatus):
     root = _shard_dir(session.config)
     merged = []
     for d in sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []:
-        from audits import cli
+        import argparse
+
+        from audits.runner.cli_reports import cmd_merge
 
         shards = sorted(str(p) for p in d.glob("shard-*.json"))
-        cli.main(["merge", *shards, "--out", str(d / "merged")])
+        argv = ["merge", *shards, "--out", str(d / "merged")]
+        cmd_merge(argparse.Namespace(reports=shards, out=str(d / "merged"), argv=argv))
         merged.append(d / "merged" / "report.md")
     session.config._fa4_audit_merged = merged
 

@@ -278,7 +278,8 @@ def register(sub) -> None:
     st.add_argument(
         "--gpus",
         default=None,
-        help="with --jobs and --compile-on cuda: the GPUs the compiles are spread over, e.g. 0,1 (default: all visible)",
+        help="with --jobs and --compile-on cuda: the GPUs the compiles are spread over, e.g. 0,1 "
+        "(default: all visible)",
     )
     st.add_argument("--ptx-dir", default=None, help="where compressed PTX is kept and reused (default OUT/ptx)")
     st.add_argument(
