@@ -55,3 +55,10 @@ class _DoubleDq(torch.autograd.Function):
             out = attention(q, k, v, **ctx.kw)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
         return dq * 2, dk, dv, None
+
+
+def says_its_gpu(q, k, v, **kw):
+    """Refuses every case, naming the GPU its process was pinned to (run --jobs --gpus)."""
+    import os
+
+    raise NotImplementedError(f"pinned to CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}")

@@ -442,3 +442,17 @@ def test_gpu_list_and_pinning(monkeypatch):
     env = {"X": "1"}
     assert [pinned_env(env, ["2", "3"], j)["CUDA_VISIBLE_DEVICES"] for j in range(3)] == ["2", "3", "2"]
     assert pinned_env(env, [], 5) == env
+
+
+def test_run_jobs_pin_each_job_to_a_gpu(tmp_path, capsys):
+    """run --jobs 2 --gpus 0,1: job I runs with CUDA_VISIBLE_DEVICES = gpus[I mod 2] (shown here
+    through a kernel that names its pin); --gpus without --jobs, or malformed, is exit 2."""
+    argv = ["--kernel", "tests.fake_kernels:says_its_gpu", "--case", "*normal*", "--out", str(tmp_path / "o")]
+    run(*argv, "--jobs", "2", "--gpus", "0,1", "--isolate")
+    reasons = {r for c in report(tmp_path / "o")["cases"] for r in c["reasons"]}
+    pins = {x.rsplit(": ", 1)[-1] for x in reasons}
+    assert pins == {"pinned to CUDA_VISIBLE_DEVICES=0", "pinned to CUDA_VISIBLE_DEVICES=1"}
+    assert run(*argv, "--gpus", "0,1", "--overwrite") == 2
+    assert "it pins the processes of --jobs N" in capsys.readouterr().err
+    assert run(*argv, "--jobs", "2", "--gpus", "0,zero", "--overwrite") == 2
+    assert "expected distinct GPU indices" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from audits.common import EXIT_FAIL, EXIT_USAGE, UsageError, progress
+from audits.common import EXIT_FAIL, EXIT_USAGE, UsageError, gpu_list, progress
 from audits.common import device as _device
 from audits.common import environment as _environment
 from audits.kernels import usable_kernels
@@ -266,8 +266,10 @@ def _check_backward_args(args: argparse.Namespace, th: dict) -> None:
 
 def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
     """``run --jobs N``: N child processes ``run --shard I/N --shard-by key`` (each compiles
-    only its own compile keys, so JIT compilation runs N-wide), journals under OUT/jobs/I/,
-    logs in OUT/jobs/I/log.txt; returns each kernel's finished records in case order."""
+    only its own compile keys, so JIT compilation runs N-wide), job I pinned to GPU I mod G of
+    the G GPUs (``--gpus``, default all visible; ``audits.common.gpu_list``) on CUDA, journals
+    under OUT/jobs/I/, logs in OUT/jobs/I/log.txt; returns each kernel's finished records in
+    case order."""
     import json
     import os
     import subprocess
@@ -275,7 +277,7 @@ def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
 
     from rich.console import Console
 
-    from audits.common import atomic_write
+    from audits.common import atomic_write, gpu_list, pinned_env
     from audits.runner.engine import kernel_dir
     from audits.runner.journal import read_records
 
@@ -284,6 +286,7 @@ def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
     argv = _child_argv(args, kernels, jobs / "cases.json", label)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    gpus = gpu_list(args.gpus) if args.device == "cuda" or args.gpus else []
     journals = [kernel_dir(jobs / str(i), k, several) / "journal.jsonl" for i in range(n) for k in kernels]
     procs = []
     try:
@@ -292,7 +295,8 @@ def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
             d.mkdir(parents=True, exist_ok=True)
             with open(d / "log.txt", "a") as log:
                 cmd = [sys.executable, "-m", "audits", "run", *argv, "--shard", f"{i}/{n}", "--shard-by", "key"]
-                procs.append(subprocess.Popen([*cmd, "--out", str(d)], stdout=log, stderr=subprocess.STDOUT, env=env))
+                cmd += ["--out", str(d)]
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=pinned_env(env, gpus, i)))
         with progress(Console(stderr=True), quiet=args.quiet) as bar:
             task = bar.add_task(f"{', '.join(kernels)} / {label} ({n} jobs)", total=len(cases) * len(kernels))
             while any(p.poll() is None for p in procs):
@@ -380,6 +384,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--jobs {args.jobs}: expected a positive number of processes")
     if args.jobs > 1 and args.shard:
         raise UsageError("--jobs and --shard cannot be combined: --jobs N already runs N key shards")
+    if args.gpus is not None:
+        if args.jobs < 2:
+            raise UsageError(f"--gpus {args.gpus}: it pins the processes of --jobs N (N >= 2) to GPUs; add --jobs")
+        gpu_list(args.gpus)  # a malformed list is a usage error before anything starts
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the run in OUT, --overwrite replaces it: pass one of them")
     kernels = usable_kernels(args.kernel)
@@ -443,6 +451,11 @@ def register(sub) -> None:
         help="balance shards by case cost, or keep compile-key groups whole (default cost)",
     )  # fmt: skip
     r.add_argument("--jobs", type=int, default=1, help="N parallel processes, one compile-key shard each")
+    r.add_argument(
+        "--gpus", default=None,
+        help="with --jobs on CUDA: the GPUs the jobs are pinned to, job I on GPU I mod G, e.g. 0,1 "
+        "(default: all visible)",
+    )  # fmt: skip
     r.add_argument("--case", default=None, help="glob over case names")
     r.add_argument(
         "--isolate", action=argparse.BooleanOptionalAction, default=None,
