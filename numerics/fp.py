@@ -37,6 +37,9 @@ __all__ = [
     "to_f32",
     "f32_bits",
     "f32_from_bits",
+    "bit_view",
+    "ordered_bits",
+    "step_distance",
     "canonicalize_nan",
     "flush_to_zero",
     "add_rm",
@@ -267,11 +270,29 @@ def ulp_error(approx: torch.Tensor, exact: torch.Tensor, *, dtype: torch.dtype |
     return torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
 
 
-def _ordered(bits: torch.Tensor) -> torch.Tensor:
-    """Map float32 bit patterns to int64 so that the integer order is the float order and
-    +0 and -0 coincide."""
-    b = bits.to(torch.int64)
-    return torch.where(b < 0, -(b & 0x7FFFFFFF), b)
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_view(x: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a floating-point tensor of any width, as the signed integer type of
+    that width (a view: no copy).  Equal views mean equal bits, NaN payloads and -0 included."""
+    return x.view(_INT_OF_WIDTH[x.element_size()])
+
+
+def ordered_bits(x: torch.Tensor) -> torch.Tensor:
+    """int64 image of a floating-point tensor's bit patterns (any width) whose integer order is
+    the float order, +0 and -0 coinciding: adjacent representable values are 1 apart."""
+    b = bit_view(x).to(torch.int64)
+    mag = b & ((1 << (8 * x.element_size() - 1)) - 1)
+    return torch.where(b < 0, -mag, mag)
+
+
+def step_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable steps of their (shared) format separate ``a`` and ``b`` (int64;
+    +0 and -0 are 0 apart; -1 where either is NaN)."""
+    d = (ordered_bits(a) - ordered_bits(b)).abs()
+    nan = torch.isnan(a.float()) | torch.isnan(b.float())  # .float(): fp8 has no isnan kernel
+    return torch.where(nan, torch.full_like(d, -1), d)
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -279,5 +300,4 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (int64; +0 and -0 are 0 apart; -1 where either is NaN)."""
     _check_f32(a, "a")
     _check_f32(b, "b")
-    d = (_ordered(f32_bits(a)) - _ordered(f32_bits(b))).abs()
-    return torch.where(torch.isnan(a) | torch.isnan(b), torch.full_like(d, -1), d)
+    return step_distance(a, b)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from numerics.fp import format_of, ulp_error
+from numerics.fp import format_of, ordered_bits, ulp_error
 
 __all__ = [
     "output_errors", "lse_errors", "ulp_diff_histogram", "row_scaled_ulp_diff", "fa_criterion", "fa_floor",
@@ -91,15 +91,6 @@ def lse_errors(lse: torch.Tensor, ref: torch.Tensor) -> dict:
     }
 
 
-def _ordered_int(x: torch.Tensor) -> torch.Tensor:
-    """Integer image of a 16- or 8-bit float tensor's bit patterns, monotone in value, +0 = -0."""
-    width = {2: torch.int16, 1: torch.int8}[x.element_size()]
-    b = x.view(width).to(torch.int64)
-    sign_bit = 1 << (8 * x.element_size() - 1)
-    mag = b & (sign_bit - 1)
-    return torch.where(b < 0, -mag, mag)
-
-
 def ulp_diff_histogram(a: torch.Tensor, b: torch.Tensor) -> dict:
     """How many elements of two same-dtype low-precision tensors are 0, 1, 2, >2 ULP steps
     apart (integer steps of the format; NaN vs NaN counts as 0, NaN vs a number as >2)."""
@@ -107,7 +98,7 @@ def ulp_diff_histogram(a: torch.Tensor, b: torch.Tensor) -> dict:
         raise ValueError(f"need equal dtype and shape, got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}")
     if a.element_size() not in (1, 2):
         raise ValueError(f"ulp_diff_histogram takes 16- or 8-bit floats, got {a.dtype}")
-    d = (_ordered_int(a) - _ordered_int(b)).abs()
+    d = (ordered_bits(a) - ordered_bits(b)).abs()
     na, nb = torch.isnan(a.float()), torch.isnan(b.float())
     d = torch.where(na & nb, torch.zeros_like(d), d)
     d = torch.where(na ^ nb, torch.full_like(d, 1 << 20), d)

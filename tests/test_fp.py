@@ -158,3 +158,20 @@ def test_ulp_distance():
 def test_bad_dtype_message():
     with pytest.raises(TypeError, match="float32.*float64"):
         fp.add_rm(torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+
+
+def test_step_distance_counts_representable_steps_in_every_width():
+    """numerics.fp.step_distance, the one ordering of bit patterns (ulp_distance, the metrics'
+    16/8-bit histogram, the invariance audit): adjacent values 1 apart, +0 = -0, -1 at NaN."""
+    from numerics.fp import bit_view, step_distance
+
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+        one = torch.ones(1, dtype=dtype)
+        up = (bit_view(one) + 1).view(dtype)  # the next value above 1
+        neg = (-one.float()).to(dtype)
+        zero, nzero = torch.zeros(1, dtype=dtype), (-torch.zeros(1)).to(dtype)
+        assert int(step_distance(one, up)) == 1, dtype
+        assert int(step_distance(zero, nzero)) == 0, dtype
+        assert int(step_distance(one, neg)) == 2 * int(bit_view(one).to(torch.int64)), dtype
+    nan = torch.tensor([float("nan")], dtype=torch.bfloat16)
+    assert int(step_distance(nan, torch.ones(1, dtype=torch.bfloat16))) == -1

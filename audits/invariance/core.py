@@ -26,6 +26,9 @@ import traceback
 
 import torch
 
+from audits.kernels import contract_error
+from numerics.fp import bit_view, step_distance
+
 __all__ = ["PROPERTIES", "DECODE_ROWS", "run_case", "summarize", "markdown", "cell"]
 
 #: the properties this audit checks, with what each compares
@@ -45,7 +48,7 @@ class _Broken(Exception):
     """The kernel raised something else, or returned out/LSE breaking the contract."""
 
 
-def _call(fn, q, k, v, kw, want_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _call(fn, q, k, v, kw) -> tuple[torch.Tensor, torch.Tensor | None]:
     try:
         res = fn(q, k, v, return_lse=True, **kw)
     except NotImplementedError as exc:
@@ -54,30 +57,10 @@ def _call(fn, q, k, v, kw, want_rows: int) -> tuple[torch.Tensor, torch.Tensor |
         tb = traceback.format_exc(limit=2).strip().splitlines()[-1]
         raise _Broken(f"kernel raised {type(exc).__name__}: {exc} ({tb})") from exc
     out, lse = res if isinstance(res, tuple) else (res, None)
-    b, hq, dv = q.shape[0], q.shape[2], v.shape[3]
-    want_dt = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
-    if tuple(out.shape) != (b, want_rows, hq, dv) or out.dtype != want_dt:
-        raise _Broken(f"out is {out.dtype}{tuple(out.shape)}, expected {want_dt}{(b, want_rows, hq, dv)}")
-    if lse is not None and (tuple(lse.shape) != (b, hq, want_rows) or lse.dtype != torch.float32):
-        raise _Broken(f"lse is {lse.dtype}{tuple(lse.shape)}, expected torch.float32{(b, hq, want_rows)}")
+    bad = contract_error(q, v, out, lse)
+    if bad:
+        raise _Broken(bad)
     return out.detach(), (None if lse is None else lse.detach())
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
-
-
-def _steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in steps of the format (int64; +0 and -0 coincide; -1 where either is NaN):
-    ``numerics.fp.ulp_distance`` for float32, the same ordering of the bit patterns otherwise."""
-    if a.dtype == torch.float32:
-        from numerics.fp import ulp_distance
-
-        return ulp_distance(a.contiguous(), b.contiguous())
-    mag = (1 << (8 * a.element_size() - 1)) - 1
-    ordered = lambda t: (lambda x: torch.where(x < 0, -(x & mag), x))(_bits(t).to(torch.int64))
-    d = (ordered(a) - ordered(b)).abs()
-    return torch.where(torch.isnan(a.float()) | torch.isnan(b.float()), torch.full_like(d, -1), d)
 
 
 def _err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -94,11 +77,11 @@ def _fmax(t: torch.Tensor) -> float:
 
 
 def _compare(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor | None, bound: torch.Tensor | None) -> dict:
-    diff = _bits(a) != _bits(b)
+    diff = bit_view(a) != bit_view(b)
     n = int(diff.sum())
     rec = {"compared": a.numel(), "differ": n}
     if n:
-        st = _steps(a, b)[diff]
+        st = step_distance(a, b)[diff]
         rec["max_steps"] = int(st.max())  # -1: only NaN against a number differs
         rec["nan_mismatch"] = int((st < 0).sum())
         ea, eb = _err(a, ref), _err(b, ref)
@@ -135,7 +118,7 @@ class _Inputs:
         self.q, self.k, self.v, self.kw = x["q"], x["k"], x["v"], x["kw"]
         self._ref = self._bound = None
         self._nmf = bound_numerics
-        self.full = _call(fn, self.q, self.k, self.v, self.kw, case.seqlen_q)
+        self.full = _call(fn, self.q, self.k, self.v, self.kw)
 
     def ref(self):
         if self._ref is None:
@@ -155,8 +138,8 @@ class _Inputs:
             self._bound = forward_error_bound(self.q, self.k, self.v, nm, reference=self.ref(), **self.kw)
         return self._bound
 
-    def call(self, q, k, v, rows: int):
-        return _call(self.fn, q, k, v, self.kw, rows)
+    def call(self, q, k, v):
+        return _call(self.fn, q, k, v, self.kw)
 
 
 def _pair_compare(x: _Inputs, label: str, a, b, sel) -> dict:
@@ -164,7 +147,9 @@ def _pair_compare(x: _Inputs, label: str, a, b, sel) -> dict:
     the full call: ``sel = (batch slice, row slice)``."""
     bs, rs = sel
     (oa, la), (ob, lb) = a, b
-    same = bool((_bits(oa) == _bits(ob)).all()) and (la is None or lb is None or bool((_bits(la) == _bits(lb)).all()))
+    same = bool((bit_view(oa) == bit_view(ob)).all()) and (
+        la is None or lb is None or bool((bit_view(la) == bit_view(lb)).all())
+    )
     ref_o = ref_l = bo = bl = None
     if not same:  # the reference and the bound only where something differs
         ro, rl = x.ref()
@@ -185,11 +170,11 @@ def _batch(case, fn, device, nmf, domain) -> dict:
     x = _Inputs(case, fn, device, nmf)
     nb = case.batch
     perm = list(range(nb))[::-1]
-    rev = x.call(*(t[perm] for t in (x.q, x.k, x.v)), case.seqlen_q)
+    rev = x.call(*(t[perm] for t in (x.q, x.k, x.v)))
     comps = []
     for b in range(nb):
         sl = slice(b, b + 1)
-        alone = x.call(x.q[sl], x.k[sl], x.v[sl], case.seqlen_q)
+        alone = x.call(x.q[sl], x.k[sl], x.v[sl])
         pos = perm.index(b)
         sel = (sl, slice(None))
         inside = tuple(None if t is None else t[sl] for t in x.full)
@@ -224,7 +209,7 @@ def _decode(case, fn, device, nmf, domain, x: _Inputs | None) -> dict:
     comps = []
     for r in usable:
         rs = slice(case.seqlen_q - r, case.seqlen_q)
-        alone = x.call(x.q[:, rs], x.k, x.v, r)
+        alone = x.call(x.q[:, rs], x.k, x.v)
         inside = (x.full[0][:, rs], None if x.full[1] is None else x.full[1][:, :, rs])
         where = f"last {r} row(s): alone vs inside the full call"
         comps.append(_pair_compare(x, where, alone, inside, (slice(None), rs)))

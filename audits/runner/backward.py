@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from audits.cases import Case
-from numerics.fp import format_of, ulp_distance, ulp_of
+from numerics.fp import bit_view, format_of, ulp_distance, ulp_of
 from numerics.metrics import bound_check, fa_floor, output_errors, ulp_diff_histogram
 from numerics.reference import visible_mask
 
@@ -113,10 +113,6 @@ def _contract(name: str, got: torch.Tensor, leaf: torch.Tensor) -> str | None:
     return None
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def _steps(a: torch.Tensor, b: torch.Tensor) -> int:
     """Largest distance in integer ULP steps of the dtype (NaN against a number: 2**20)."""
     if a.element_size() in (1, 2):
@@ -135,7 +131,7 @@ def _spread(runs: list[dict]) -> dict:
         diff = torch.zeros(first.shape, dtype=torch.bool, device=first.device)
         worst = 0
         for other in runs[1:]:
-            d = _bits(first) != _bits(other[n])
+            d = bit_view(first) != bit_view(other[n])
             diff |= d
             if bool(d.any()):
                 worst = max(worst, _steps(first[d], other[n][d]))
