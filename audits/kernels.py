@@ -34,7 +34,7 @@ from fa4.production import REFUSALS, production_domain
 
 __all__ = [
     "KERNELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "production_arch",
-    "claims_nonfinite_inputs",
+    "claims_nonfinite_inputs", "contract_error",
 ]  # fmt: skip
 
 
@@ -284,3 +284,21 @@ def kernel_domain(spec: str):
     from audits.domain import domain_of
 
     return domain_of(get_kernel(spec))
+
+
+def contract_error(q: torch.Tensor, v: torch.Tensor, out, lse) -> str | None:
+    """Why a kernel's returned ``out``/``lse`` break the audited-callable contract (README):
+    out ``(batch, seqlen_q, heads_q, dv)`` in the input dtype (bfloat16 for fp8 inputs), lse
+    ``(batch, heads_q, seqlen_q)`` float32 when returned; None when they keep it."""
+    b, sq, hq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
+    want, want_dt = (b, sq, hq, dv), torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != want_dt:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"kernel returned {got}; expected shape {want} and dtype {want_dt}"
+    want_lse = (b, hq, sq)
+    if lse is not None and (
+        not isinstance(lse, torch.Tensor) or tuple(lse.shape) != want_lse or lse.dtype != torch.float32
+    ):
+        got = f"{tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(lse).__name__
+        return f"kernel returned an LSE of {got}; expected shape {want_lse} and float32"
+    return None

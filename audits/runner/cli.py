@@ -106,22 +106,15 @@ def _suite_cases(args: argparse.Namespace, label: str) -> list:
     the kernels are compared case by case on one suite, and none loses the cases only it
     supports (fa4's softcap and sink cases beside SDPA's).  The suite itself when the domain
     restricts no case.  What it built is kept in ``args.domain_info`` for the report."""
-    import functools
-
     from audits.cases import suite
     from audits.domain import Domain, named_suite_within
 
-    _, own = _kernels_domains(args)
-    d = functools.reduce(Domain.widen, own.values())
+    _, own, d = _kernels_domains(args)
     if all(x == Domain() for x in own.values()):
         return suite(label)
     built = named_suite_within(label, d)
-    rule = "union" if len(own) > 1 else "single"
-    args.domain_info = {"rule": rule, "domain": d.as_dict(), "pairs_covered": built["pairs_covered"],
-                        "not_applicable": built["not_applicable"]}  # fmt: skip
-    for fam, why in built["not_applicable"].items():
-        print(f"{label}: family {fam} not applicable in the kernels' domain: {why}", file=sys.stderr)
-    if rule == "union":  # the per-kernel domains and the cases each will skip
+    args.domain_info = _domain_info(own, d, built, label)
+    if len(own) > 1:  # the per-kernel domains and the cases each will skip
         outside = {k: sum(x.refusal(c) is not None for c in built["cases"]) for k, x in own.items()}
         args.domain_info["kernels"] = {k: {"domain": x.as_dict(), "cases_outside": outside[k]} for k, x in own.items()}
         for kern, n in outside.items():
@@ -132,16 +125,28 @@ def _suite_cases(args: argparse.Namespace, label: str) -> list:
 
 
 def _kernels_domains(args: argparse.Namespace) -> tuple:
-    """(the ``--domain`` file's domain, each kernel's declared domain narrowed by it): what
-    :func:`_suite_cases` and :func:`_suite_file_cases` build within."""
+    """(the ``--domain`` file's domain, each kernel's declared domain narrowed by it, their
+    union): what :func:`_suite_cases` and :func:`_suite_file_cases` build within."""
+    import functools
+
     from audits.domain import Domain, DomainError
     from audits.kernels import kernel_domain
 
     try:
         narrow = Domain.from_toml(args.domain) if args.domain else Domain()
-        return narrow, {kern: kernel_domain(kern).narrow(narrow) for kern in dict.fromkeys(args.kernel)}
+        own = {kern: kernel_domain(kern).narrow(narrow) for kern in dict.fromkeys(args.kernel)}
     except DomainError as exc:
         raise UsageError(str(exc)) from exc
+    return narrow, own, functools.reduce(Domain.widen, own.values())
+
+
+def _domain_info(own: dict, d, built: dict, label: str) -> dict:
+    """The report's ``domain``: the rule (one kernel's domain or several kernels' union), the
+    domain built within, the pairs covered, the families not applicable (also said on stderr)."""
+    for fam, why in built["not_applicable"].items():
+        print(f"{label}: family {fam} not applicable in the kernels' domain: {why}", file=sys.stderr)
+    return {"rule": "union" if len(own) > 1 else "single", "domain": d.as_dict(),
+            "pairs_covered": built["pairs_covered"], "not_applicable": built["not_applicable"]}  # fmt: skip
 
 
 def _suite_file_cases(args: argparse.Namespace, path: str) -> tuple[list, str]:
@@ -150,24 +155,18 @@ def _suite_file_cases(args: argparse.Namespace, path: str) -> tuple[list, str]:
     several kernels' union), and its ``[[case]]`` s as given: one outside a kernel's declared
     domain is that kernel's ``skipped`` case with the reason (``audits.runner.engine``), one
     outside the ``--domain`` file is not run, and listed (stderr, the report's ``domain``)."""
-    import functools
-
     from audits.domain import Domain
     from audits.suite_file import build, load
 
     sf = load(path)
-    narrow, own = _kernels_domains(args)
-    d = functools.reduce(Domain.widen, own.values())
+    narrow, own, d = _kernels_domains(args)
     built = build(sf, d, cases_in=narrow)
+    info = _domain_info(own, d, built, sf.name)  # says which families do not apply, restricted or not
     if any(x != Domain() for x in own.values()):
-        args.domain_info = {"rule": "union" if len(own) > 1 else "single", "domain": d.as_dict(),
-                            "pairs_covered": built["pairs_covered"], "not_applicable": built["not_applicable"],
-                            "axes_restricted": built["restricted"], "skipped": built["skipped"]}  # fmt: skip
+        args.domain_info = {**info, "axes_restricted": built["restricted"], "skipped": built["skipped"]}
     say = lambda msg: print(f"{sf.name}: {msg}", file=sys.stderr)
     for axis, why in built["restricted"].items():
         say(f"axis {axis}: {why}")
-    for fam, why in built["not_applicable"].items():
-        say(f"family {fam} not applicable in the kernels' domain: {why}")
     for s in built["skipped"]:
         say(f"[[case]] {s['case']} not run: outside the --domain file: {s['reason']}")
     for kern, x in own.items():

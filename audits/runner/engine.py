@@ -22,7 +22,7 @@ import torch
 
 from audits.cases import Case
 from audits.inputs import NotApplicable, make_grad_output, make_inputs
-from audits.kernels import claims_nonfinite_inputs, fa4_numerics, get_kernel, kernel_domain
+from audits.kernels import claims_nonfinite_inputs, contract_error, fa4_numerics, get_kernel, kernel_domain
 from audits.runner import journal
 from audits.runner.backward import BackwardOptions, _references, analyse_backward, grad_call
 from audits.runner.gate import judge
@@ -169,22 +169,6 @@ def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
     return {"status": "ran"}, (res if isinstance(res, tuple) else (res, None))
 
 
-def _contract_error(case: Case, q: torch.Tensor, out, lse) -> str | None:
-    """Why the returned out/LSE break the kernel contract (shape, dtype), or None."""
-    want = (case.batch, case.seqlen_q, case.heads_q, case.dv)
-    want_dt = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype  # fp8 inputs give a bf16 output
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != want_dt:
-        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-        return f"kernel returned {got}; expected shape {want} and dtype {want_dt}"
-    want_lse = (case.batch, case.heads_q, case.seqlen_q)
-    if lse is not None and (
-        not isinstance(lse, torch.Tensor) or tuple(lse.shape) != want_lse or lse.dtype != torch.float32
-    ):
-        got = f"{tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(lse).__name__
-        return f"kernel returned an LSE of {got}; expected shape {want_lse} and float32"
-    return None
-
-
 def _analyse_or_oom(rec: dict, kernel: str, case: Case, x: dict, out, lse, device) -> None:
     """:func:`_analyse`; an OOM in the audit's own FP64 work (not the kernel's) frees the caches
     and retries once, then becomes the case's error."""
@@ -253,7 +237,7 @@ def evaluate_case(
     if res is not None:
         out, lse = res
         rec["lse_returned"] = lse is not None  # judged by [policy] lse_missing: never silently unchecked
-        bad = _contract_error(case, x["q"], out, lse)
+        bad = contract_error(x["q"], x["v"], out, lse)
         if bad:
             rec.update(status="error", reason=bad)
         else:
