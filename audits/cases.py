@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["Case", "smoke_suite", "release_suite", "nightly_suite", "pairwise", "SUITES", "suite"]
+__all__ = ["Case", "varlen_case", "smoke_suite", "release_suite", "nightly_suite", "pairwise", "SUITES", "suite"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,18 @@ class Case:
     layout: str = "contiguous"
     family: str = "normal"
     seed: int = 0
+    #: varlen (the serving entry, ``docs/varlen.md``): per-sequence (seqlen_q, seqlen_k) as
+    #: allocated; empty for a fixed-length case.  batch / seqlen_q / seqlen_k then hold the
+    #: count and the largest lengths.
+    seqlens: tuple = ()
+    #: per-sequence keys used (``seqused_k``, each <= the allocated seqlen_k); empty: all
+    seqused_k: tuple = ()
+    #: keys per page of a paged KV cache (pages shuffled); 0: packed contiguous KV
+    page_size: int = 0
+    #: split-KV: the KV blocks of a tile split this many ways, then combined
+    num_splits: int = 1
+    #: pack_gqa: None = the kernel's default
+    pack_gqa: bool | None = None
 
     @property
     def local(self) -> bool:
@@ -56,8 +68,28 @@ class Case:
             parts.append("sink")
         if self.layout != "contiguous":
             parts.append(self.layout)
+        parts += self._varlen_parts()
         parts += [self.family, f"seed{self.seed}"]
         return "-".join(parts)
+
+    @property
+    def varlen(self) -> bool:
+        """A case of the varlen entry (``docs/varlen.md``)."""
+        return bool(self.seqlens)
+
+    def _varlen_parts(self) -> list[str]:
+        if not self.varlen:
+            return []
+        parts = ["vl" + ".".join(f"{a}x{b}" for a, b in self.seqlens)]
+        if self.seqused_k:
+            parts.append("used" + ".".join(str(u) for u in self.seqused_k))
+        if self.page_size:
+            parts.append(f"page{self.page_size}")
+        if self.num_splits != 1:
+            parts.append(f"split{self.num_splits}")
+        if self.pack_gqa is not None:
+            parts.append("packgqa" if self.pack_gqa else "nopackgqa")
+        return parts
 
     @property
     def compile_key(self) -> tuple:
@@ -71,11 +103,17 @@ class Case:
             self.softcap > 0,
             self.sink,
             self.heads_q // self.heads_kv,
+            self.varlen,
+            self.page_size,
+            self.num_splits,
+            self.pack_gqa,
         )
 
     @property
     def cost(self) -> int:
         """Expected work (multiply-adds), for balancing shards."""
+        if self.varlen:
+            return self.heads_q * sum(a * b for a, b in self.seqlens) * (self.d + self.dv)
         return self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * (self.d + self.dv)
 
     def as_dict(self) -> dict:
@@ -294,10 +332,57 @@ def case_from_dict(d: dict, *, where: str = "case") -> Case:
     for key, accepted in (("dtype", DTYPES), ("layout", LAYOUTS), ("family", tuple(FAMILIES))):
         if key in kw and kw[key] not in accepted:
             raise ValueError(f"{where}: {key} = {kw[key]!r} is not accepted; accepted: {', '.join(accepted)}")
+    _varlen_fields(kw, where)
     c = Case(**kw)
     if c.heads_q % c.heads_kv:
         raise ValueError(f"{where}: heads_q {c.heads_q} must be a multiple of heads_kv {c.heads_kv}")
     return c
+
+
+def _nonneg_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _varlen_fields(kw: dict, where: str) -> None:
+    """Validate (and turn JSON lists back into tuples) the varlen fields of a case dict."""
+    pairs = kw.get("seqlens", ())
+    if not isinstance(pairs, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(_nonneg_int(x) for x in p) for p in pairs
+    ):
+        raise ValueError(f"{where}: seqlens {pairs!r} must be a list of [seqlen_q, seqlen_k] pairs of integers >= 0")
+    kw["seqlens"] = tuple(tuple(p) for p in pairs)
+    used = kw.get("seqused_k", ())
+    if not isinstance(used, (list, tuple)) or not all(_nonneg_int(u) for u in used):
+        raise ValueError(f"{where}: seqused_k {used!r} must be a list of integers >= 0")
+    if used and (len(used) != len(pairs) or any(u > p[1] for u, p in zip(used, pairs))):
+        raise ValueError(f"{where}: seqused_k {list(used)} must give one count per sequence, each <= its seqlen_k")
+    kw["seqused_k"] = tuple(used)
+    if not _nonneg_int(kw.get("page_size", 0)):
+        raise ValueError(f"{where}: page_size = {kw['page_size']!r} must be an integer >= 0 (0: contiguous KV)")
+    splits = kw.get("num_splits", 1)
+    if not _nonneg_int(splits) or splits < 1:
+        raise ValueError(f"{where}: num_splits = {splits!r} must be an integer >= 1")
+    if kw.get("pack_gqa") not in (None, True, False):
+        raise ValueError(f"{where}: pack_gqa = {kw['pack_gqa']!r} must be true, false or null")
+    if not pairs and (used or kw.get("page_size", 0) or splits != 1 or kw.get("pack_gqa") is not None):
+        raise ValueError(f"{where}: seqused_k, page_size, num_splits and pack_gqa need a varlen case (seqlens)")
+    if pairs:
+        want = {"batch": len(pairs), "seqlen_q": max(p[0] for p in pairs), "seqlen_k": max(p[1] for p in pairs)}
+        bad = {k: v for k, v in want.items() if k in kw and kw[k] != v}
+        if bad:
+            raise ValueError(f"{where}: a varlen case has {want}, got {bad} (batch and lengths follow seqlens)")
+        kw.update(want)
+
+
+def varlen_case(*, seqlens, **kw) -> Case:
+    """A varlen :class:`Case`: ``seqlens`` per-sequence (seqlen_q, seqlen_k); batch and the
+    largest lengths are derived.  Other fields as :class:`Case`'s."""
+    pairs = tuple(tuple(p) for p in seqlens)
+    if not pairs:
+        raise ValueError("seqlens must name at least one sequence")
+    d = {"seqlens": pairs, **kw}
+    _varlen_fields(d, "varlen_case")
+    return Case(**d)
 
 
 def case_from_json(text: str, *, where: str, **overrides) -> Case:

@@ -22,7 +22,7 @@ import torch
 
 __all__ = [
     "Family", "FAMILIES", "SINK_PLACES", "TILE_STEPS_LOG2", "make_inputs", "DO_FAMILIES", "make_grad_output",
-    "NotApplicable",
+    "NotApplicable", "make_varlen_inputs",
 ]  # fmt: skip
 
 
@@ -348,3 +348,80 @@ def make_grad_output(case, *, device: str | torch.device = "cpu") -> tuple[torch
     dt = getattr(torch, case.dtype)
     dt = torch.bfloat16 if dt.itemsize == 1 else dt
     return do.to(dt).to(device), fam
+
+
+def _sequence_case(case, i: int, sq: int, sk: int):
+    """Sequence ``i`` of a varlen case as a batch-1 fixed-length case (its own seed), at least
+    one row and key long so that every family can draw (sliced back to the length after)."""
+    from dataclasses import replace
+
+    return replace(
+        case, batch=1, seqlen_q=max(sq, 1), seqlen_k=max(sk, 1), seed=case.seed * 7919 + i, layout="contiguous",
+        sink=False, seqlens=(), seqused_k=(), page_size=0, num_splits=1, pack_gqa=None,
+    )  # fmt: skip
+
+
+def _page_table(lengths: list[int], page: int, g: torch.Generator) -> torch.Tensor:
+    """(b, width) int32: sequence i's tokens in consecutive pages of row i, the pages a seeded
+    permutation of the pool (width: the longest sequence's page count)."""
+    width = max(1, max(-(-n // page) for n in lengths))
+    return torch.randperm(len(lengths) * width, generator=g).view(len(lengths), width).to(torch.int32)
+
+
+def _paged(ts: list[torch.Tensor], table: torch.Tensor, page: int) -> torch.Tensor:
+    """The pool (num_pages, page, h, d) holding the sequences' tokens ``ts`` (each (n, h, d))
+    where ``table`` puts them; slots past a sequence's tokens are zero."""
+    width = table.shape[1]
+    pool = torch.zeros(table.numel(), page, *ts[0].shape[1:], dtype=ts[0].dtype)
+    for i, t in enumerate(ts):
+        pad = torch.zeros(width * page, *t.shape[1:], dtype=t.dtype)
+        pad[: t.shape[0]] = t
+        pool[table[i].long()] = pad.view(width, page, *t.shape[1:])
+    return pool
+
+
+def make_varlen_inputs(case, *, device: str | torch.device = "cpu") -> dict:
+    """Inputs of a varlen case (``Case.seqlens``, ``docs/varlen.md``): each sequence drawn as a
+    batch-1 case of the family (its own seed), packed along the tokens: q (total_q, hq, d) with
+    ``cu_seqlens_q``; k, v packed with ``cu_seqlens_k``, or in a shuffled paged cache with
+    ``page_table`` (``page_size``); ``seqused_k`` when the case uses fewer keys than allocated
+    (the allocated tail holds the family's values: finite, never visible).  The learnable sink
+    is drawn against sequence 0.  Returns q, k, v, kw (the call's keywords) and ``parts``: per
+    sequence (q_i, k_i, v_i) with the used keys only, batch 1 — what the sequence computes."""
+    dt = getattr(torch, case.dtype)
+    g = torch.Generator().manual_seed(case.seed)
+    qs, ks, vs, parts, sink = [], [], [], [], None
+    for i, (sq, sk) in enumerate(case.seqlens):
+        sub = _sequence_case(case, i, sq, sk)
+        x = make_inputs(sub, device="cpu")
+        q, k, v = x["q"][0, :sq], x["k"][0, :sk], x["v"][0, :sk]
+        used = case.seqused_k[i] if case.seqused_k else sk
+        qs.append(q), ks.append(k), vs.append(v)
+        parts.append(tuple(t.unsqueeze(0).to(device) for t in (q, k[:used], v[:used])))
+        if case.sink and sink is None:
+            from dataclasses import replace
+
+            sink = _sink(x["q"], x["k"], replace(sub, sink=True), g)
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0).tolist()), dtype=torch.int32)
+    kw = {"causal": case.causal, "window_size": tuple(case.window), "softcap": case.softcap}
+    if sink is not None:
+        kw["learnable_sink"] = sink.to(device)
+    kw["cu_seqlens_q"] = cu([a for a, _ in case.seqlens]).to(device)
+    kw["max_seqlen_q"] = max(a for a, _ in case.seqlens)
+    used = [case.seqused_k[i] if case.seqused_k else b for i, (_, b) in enumerate(case.seqlens)]
+    if case.page_size:
+        table = _page_table([t.shape[0] for t in ks], case.page_size, g)
+        k, v = _paged(ks, table, case.page_size), _paged(vs, table, case.page_size)
+        kw["page_table"] = table.to(device)
+        kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device=device)
+    else:
+        k, v = torch.cat(ks), torch.cat(vs)
+        kw["cu_seqlens_k"] = cu([b for _, b in case.seqlens]).to(device)
+        if case.seqused_k:
+            kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device=device)
+    kw["max_seqlen_k"] = max(b for _, b in case.seqlens)
+    kw["num_splits"] = case.num_splits
+    if case.pack_gqa is not None:
+        kw["pack_gqa"] = case.pack_gqa
+    q = torch.cat(qs)
+    return {"q": q.to(device), "k": k.to(dt).to(device), "v": v.to(dt).to(device), "kw": kw, "parts": parts}

@@ -34,7 +34,8 @@ from fa4.production import REFUSALS, production_domain
 
 __all__ = [
     "KERNELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "production_arch",
-    "claims_nonfinite_inputs", "contract_error",
+    "claims_nonfinite_inputs", "contract_error", "VARLEN_KERNELS", "get_varlen_kernel", "per_sequence",
+    "varlen_contract_error",
 ]  # fmt: skip
 
 
@@ -301,4 +302,103 @@ def contract_error(q: torch.Tensor, v: torch.Tensor, out, lse) -> str | None:
     ):
         got = f"{tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(lse).__name__
         return f"kernel returned an LSE of {got}; expected shape {want_lse} and float32"
+    return None
+
+
+# ---- the varlen contract (docs/varlen.md) ----------------------------------------------------
+
+
+def _model_varlen(arch: str) -> Callable:
+    def run(q, k, v, **kw):
+        from fa4.varlen import varlen_attention
+
+        if arch == "sm90" and q.dtype.itemsize == 1:
+            raise NotImplementedError("the SM90 path supports only bf16 and fp16 (flash_fwd.py _check_type)")
+        return varlen_attention(q, k, v, arch=arch, **kw)
+
+    run.__name__ = f"fa4_model_varlen_{arch}"
+    run.fa4_audit_contract = "varlen"
+    run.fa4_audit_domain = _MODEL_DOMAINS[arch]
+    return run
+
+
+def _production_varlen(q, k, v, **kw):
+    from fa4.production import flash_attn_varlen
+
+    return flash_attn_varlen(q, k, v, **kw)
+
+
+_production_varlen.fa4_audit_refusals = REFUSALS
+_production_varlen.fa4_audit_domain = production_domain
+_production_varlen.fa4_audit_contract = "varlen"
+
+#: the built-in kernels' varlen entries: production's ``flash_attn_varlen_func`` and the models'
+#: ``fa4.varlen.varlen_attention``
+VARLEN_KERNELS: dict[str, Callable] = {
+    "fa4": _production_varlen,
+    "fa4-model": _model_varlen("sm100"),
+    "fa4-model-sm90": _model_varlen("sm90"),
+}
+
+
+def get_varlen_kernel(spec: str) -> Callable | None:
+    """The varlen entry of kernel ``spec``: the built-ins' (:data:`VARLEN_KERNELS`), or a user
+    callable that declares the varlen contract (``fn.fa4_audit_contract = "varlen"``); None for
+    a fixed-length kernel (audited on varlen cases only per sequence, when asked)."""
+    if spec in VARLEN_KERNELS:
+        return VARLEN_KERNELS[spec]
+    if spec in KERNELS:
+        return None
+    fn = get_kernel(spec)
+    return fn if getattr(fn, "fa4_audit_contract", None) == "varlen" else None
+
+
+def per_sequence(fn: Callable) -> Callable:
+    """A fixed-length kernel ``fn`` behind the varlen contract: each sequence called alone
+    (batch 1, its used rows and keys, pages gathered), the results packed back.  Only what the
+    user asked for (``--per-sequence``): it audits the sequences, not a varlen entry; split-KV
+    and pack_gqa are ignored (the fixed-length call has neither)."""
+
+    def run(q, k, v, *, return_lse=False, num_splits=1, pack_gqa=None, max_seqlen_q=None, max_seqlen_k=None, **kw):
+        from fa4.varlen import VARLEN_KEYWORDS, sequences
+
+        vk = {n: kw.pop(n) for n in VARLEN_KEYWORDS if n in kw}
+        packed = vk.get("cu_seqlens_q") is not None
+        seqs = sequences(q, k, **vk)
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype,
+                          device=q.device)  # fmt: skip
+        lse = torch.full((q.shape[-2], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1]), float("-inf"),
+                         device=q.device)  # fmt: skip
+        kf, vf = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
+        for s in seqs:
+            r0, r1 = s.q_rows
+            if r1 == r0:
+                continue
+            qs = (q[r0:r1] if packed else q[s.index, r0:r1]).unsqueeze(0)
+            res = fn(qs, kf[s.k_index].unsqueeze(0), vf[s.k_index].unsqueeze(0), return_lse=True, **kw)
+            o, lo = res if isinstance(res, tuple) else (res, None)
+            dst = out[r0:r1] if packed else out[s.index, r0:r1]
+            dst.copy_(o[0])
+            if lo is not None:
+                (lse[:, r0:r1] if packed else lse[s.index, :, r0:r1]).copy_(lo[0])
+        return (out, lse) if return_lse else out
+
+    run.fa4_audit_contract = "varlen"
+    return run
+
+
+def varlen_contract_error(q: torch.Tensor, v: torch.Tensor, out, lse, *, packed: bool) -> str | None:
+    """Why a varlen kernel's ``out``/``lse`` break the varlen contract: out shaped as q with v's
+    head dim, in the input dtype (bf16 for fp8); lse (heads_q, total_q) when q is packed, else
+    (batch, heads_q, seqlen_q), float32."""
+    want, want_dt = (*q.shape[:-1], v.shape[-1]), torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != want_dt:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"varlen kernel returned {got}; expected shape {want} and dtype {want_dt}"
+    want_lse = (q.shape[-2], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
+    if lse is not None and (
+        not isinstance(lse, torch.Tensor) or tuple(lse.shape) != want_lse or lse.dtype != torch.float32
+    ):
+        got = f"{tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(lse).__name__
+        return f"varlen kernel returned an LSE of {got}; expected shape {want_lse} and float32"
     return None

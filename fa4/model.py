@@ -290,25 +290,41 @@ def _check_dtype(dtype: torch.dtype) -> None:
 
 
 def _block_ranges(
-    sq: int, sk: int, nm: FA4Numerics, causal: bool, window: tuple, device
+    sq: int, sk: int, nm: FA4Numerics, causal: bool, window: tuple, device, *, heads: int = 1, pack: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per query row: [n_min, n_max) of the KV blocks its query tile visits
-    (``block_info.BlockInfo.get_n_block_min_max``), and the number of blocks."""
+    """Per (head, query row): [n_min, n_max) of the KV blocks its query tile visits
+    (``block_info.BlockInfo.get_n_block_min_max``), and the number of blocks.  ``pack`` > 1 is
+    pack_gqa: the ``pack`` query heads of a KV head share the M dimension of a tile, packed
+    index ``row * pack + head % pack`` (``pack_gqa.py``: the divmod by qhead_per_kvhead gives
+    (row, head)), and a tile's query rows are ``ceil``/``floor`` of its packed range / pack."""
     tm, tn = nm.tile_m, nm.tile_n
     left, right = window
     if causal:
         right = 0
     nblk = max(1, -(-sk // tn))
-    mb = torch.arange(sq, device=device) // tm
-    n_max = torch.full((sq,), nblk, dtype=torch.int64, device=device)
+    rows = torch.arange(sq, device=device).view(1, sq)
+    grp = (torch.arange(heads, device=device) % pack).view(heads, 1)
+    mb = (rows * pack + grp) // tm  # (heads, sq): the row's m_block
+    n_max = torch.full((heads, sq), nblk, dtype=torch.int64, device=device)
     if right is not None:
-        n_idx_right = torch.clamp((mb + 1) * tm + sk - sq + right, min=0)
+        m_idx_max = -(-((mb + 1) * tm) // pack)
+        n_idx_right = torch.clamp(m_idx_max + sk - sq + right, min=0)
         n_max = torch.minimum(n_max, -(-n_idx_right // tn))
-    n_min = torch.zeros(sq, dtype=torch.int64, device=device)
+    n_min = torch.zeros((heads, sq), dtype=torch.int64, device=device)
     if left is not None:
-        n_idx_left = mb * tm + sk - sq - left
+        n_idx_left = torch.div(mb * tm, pack, rounding_mode="floor") + sk - sq - left
         n_min = torch.clamp(torch.div(n_idx_left, tn, rounding_mode="floor"), min=0)
     return n_min, n_max, nblk
+
+
+def split_ranges(n_min: torch.Tensor, n_max: torch.Tensor, split: int, num_splits: int):
+    """Split ``split`` of ``num_splits`` of each row's block range (``block_info.py``
+    ``get_n_block_min_max`` under ``is_split_kv``): ``ceil((n_max - n_min) / num_splits)`` blocks
+    per split (0 for an empty range), split s taking the s-th run of them, cut at n_max.  A
+    split left with no block (n_min >= n_max) has no KV work (``BlockInfo.has_kv_work``)."""
+    per = torch.where(n_max <= n_min, torch.zeros_like(n_min), (n_max - n_min + num_splits - 1) // num_splits)
+    lo = n_min + split * per
+    return lo, torch.minimum(lo + per, n_max)
 
 
 def _exp2_mixed(t: torch.Tensor, nm: FA4Numerics) -> torch.Tensor:
@@ -380,6 +396,14 @@ class _RowState:
             partial=torch.zeros(shape + (4,), dtype=torch.float32, device=dev),
             acc_o=torch.zeros(shape + (dv,), dtype=torch.float32, device=dev),
         )
+
+    def final_row_sum(self, nm: FA4Numerics) -> torch.Tensor:
+        """The row sum the epilogue uses: SM100's running sum, SM90's four thread partials
+        reduced pairwise ((0+1) + (2+3), the quad shuffle of ``Softmax.finalize``)."""
+        if nm.arch == "sm90":
+            p = self.partial
+            return (p[..., 0] + p[..., 1]) + (p[..., 2] + p[..., 3])
+        return self.row_sum
 
 
 def _block_scores(q64, k64, vis, j0: int, j1: int, tn: int, scale: float, softcap: float) -> torch.Tensor:
@@ -472,38 +496,57 @@ def attention(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
         kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
         return _differentiable(q, k, v, learnable_sink, numerics, return_lse, kw)
+    nm = numerics if numerics is not None else FA4Numerics.for_inputs("sm100", q, k, v, causal, window_size)
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    st, sl2_t, off = forward_loop(q, k, v, nm, **kw)
+    out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
+    out, lse = _finalize(nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2_t, off, learnable_sink, out_dtype)
+    out = out.permute(0, 2, 1, 3).contiguous()
+    return (out, lse) if return_lse else out
+
+
+def forward_loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    nm: FA4Numerics,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+    ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[_RowState, torch.Tensor, torch.Tensor]:
+    """Steps 1-9 (module doc): the softmax loop over KV blocks from the last to the first, each
+    row visiting the blocks of its range.  ``ranges`` = per (head, row) [n_min, n_max) of shape
+    (heads_q, seqlen_q) (``fa4.varlen``: pack_gqa, split-KV); None: :func:`_block_ranges`.
+    Returns the loop's final state and the float32 scale_log2 and max_offset tensors."""
     b, sq, hq, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    left, right = window_size
-    nm = numerics if numerics is not None else FA4Numerics.for_inputs("sm100", q, k, v, causal, window_size)
     dev = q.device
-    out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
     p_dtype = nm.p_dtype or q.dtype
     scale, softcap, sl2 = _scales(d, softmax_scale, softcap)
     tn = nm.tile_n
-    n_min, n_max, nblk = _block_ranges(sq, sk, nm, causal, (left, right), dev)
+    n_min, n_max, nblk = _block_ranges(sq, sk, nm, causal, window_size, dev, heads=hq)
+    if ranges is not None:
+        n_min, n_max = ranges
     rep = hq // hk
     q64 = q.to(torch.float64)
     k64 = k.to(torch.float64).repeat_interleave(rep, dim=2)
     v64 = v.to(torch.float64).repeat_interleave(rep, dim=2)
-    vis = _visible(sq, sk, causal, (left, right), dev)
+    vis = _visible(sq, sk, causal, window_size, dev)
     shape = (b, hq, sq)
     st = _RowState.empty(shape, dv, dev)
     sl2_t = torch.tensor(sl2, dtype=torch.float32, device=dev)
     off = torch.tensor(float(nm.max_offset), dtype=torch.float32, device=dev)
     for n in range(nblk - 1, -1, -1):
-        active = ((n >= n_min) & (n < n_max)).view(1, 1, sq).expand(shape)
+        active = ((n >= n_min) & (n < n_max)).view(1, hq, sq).expand(shape)
         if not bool(active.any()):
             continue
         j0, j1 = n * tn, min((n + 1) * tn, sk)
         s = _block_scores(q64, k64, vis, j0, j1, tn, scale, softcap)  # steps 1-3
         _softmax_block(st, s, active, v64[:, j0:j1], nm, p_dtype, sl2_t, off)  # steps 4-9
-    row_sum = st.row_sum
-    if nm.arch == "sm90":
-        row_sum = (st.partial[..., 0] + st.partial[..., 1]) + (st.partial[..., 2] + st.partial[..., 3])
-    out, lse = _finalize(nm, st.row_max, row_sum, st.acc_o, sl2_t, off, learnable_sink, out_dtype)
-    out = out.permute(0, 2, 1, 3).contiguous()
-    return (out, lse) if return_lse else out
+    return st, sl2_t, off
 
 
 def _differentiable(q, k, v, sink, numerics, return_lse: bool, kw: dict):

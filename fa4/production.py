@@ -28,7 +28,7 @@ import torch
 
 __all__ = [
     "REFUSALS", "Refusal", "refusal_of", "SM100_HEAD_DIMS", "production_domain", "ProductionError",
-    "ProductionUnavailable", "INSTALL_HINT", "require_production", "ex2_kernel", "EX2_VARIANTS",
+    "ProductionUnavailable", "INSTALL_HINT", "require_production", "ex2_kernel", "EX2_VARIANTS", "flash_attn_varlen",
 ]  # fmt: skip
 
 INSTALL_HINT = (
@@ -70,6 +70,11 @@ REFUSALS: tuple[Refusal, ...] = (
         AssertionError,
         r"Unsupported compute capability",
         "flash_attn/cute/interface.py, _flash_attn_fwd: assert arch // 10 in [8, 9, 10, 11, 12]",
+    ),
+    Refusal(
+        AssertionError,
+        r"SplitKV not supported on SM 9\.0",
+        "flash_attn/cute/interface.py, _flash_attn_fwd: assert not is_split_kv on arch 9.x (num_splits > 1)",
     ),
     Refusal(
         NotImplementedError,
@@ -331,3 +336,41 @@ def flash_attn(
 flash_attn.fa4_audit_refusals = REFUSALS
 #: Its declared domain (``audits.domain.domain_of`` evaluates it when asked: it depends on the GPU).
 flash_attn.fa4_audit_domain = production_domain
+
+
+#: the varlen keywords production's ``flash_attn_varlen_func`` takes from the contract
+_VARLEN_KEYS = (
+    "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q", "seqused_k", "page_table",
+    "num_splits", "pack_gqa",
+)  # fmt: skip
+
+
+def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, **kw):
+    """The varlen-contract adapter (``docs/varlen.md``) of production
+    ``flash_attn.cute.flash_attn_varlen_func``: the contract's keywords passed through (the
+    forward ones and ``cu_seqlens_q/k``, ``max_seqlen_q/k``, ``seqused_q/k``, ``page_table``,
+    ``num_splits``, ``pack_gqa``); refusals mapped by :data:`REFUSALS` as in :func:`flash_attn`
+    (split-KV on SM90 among them)."""
+    require_production()
+    from flash_attn.cute import flash_attn_varlen_func
+
+    unknown = sorted(
+        set(kw) - set(_VARLEN_KEYS) - {"softmax_scale", "causal", "window_size", "softcap", "learnable_sink"}
+    )
+    if unknown:
+        raise TypeError(f"flash_attn_varlen: unknown keyword(s) {', '.join(unknown)}")
+    if "window_size" in kw:
+        kw["window_size"] = tuple(kw["window_size"])
+    try:
+        res = flash_attn_varlen_func(q, k, v, return_lse=return_lse, **kw)
+    except Exception as exc:
+        rule = refusal_of(exc)
+        if rule is None:
+            raise ProductionError(f"flash_attn_varlen_func raised {type(exc).__name__}: {exc}") from exc
+        raise NotImplementedError(f"production refuses this configuration ({rule.source}): {exc}") from exc
+    out, lse = res if isinstance(res, tuple) else (res, None)
+    return (out, lse) if return_lse else out
+
+
+flash_attn_varlen.fa4_audit_refusals = REFUSALS
+flash_attn_varlen.fa4_audit_contract = "varlen"

@@ -1,0 +1,290 @@
+"""The FA4 forward's serving entry (``interface.flash_attn_varlen_func``) as production computes
+it: packed variable-length batches, ``seqused``, a paged KV cache, split-KV and its combine,
+pack_gqa.  Each sequence runs the fixed-length model's loop (``fa4.model.forward_loop``) on its
+own rows and keys, with production's block ranges for it:
+
+* **varlen / seqused** (``seqlen_info.py`` ``SeqlenInfoQK``): sequence i's queries are rows
+  ``cu_seqlens_q[i] ..`` of the packed q, ``seqused_q[i]`` of them if given (else up to
+  ``cu_seqlens_q[i+1]``); its keys likewise.  Tiles and the causal / local alignment
+  (bottom-right) are per sequence: a sequence computes exactly what a batch-1 call on its rows
+  computes.
+* **paged KV** (``paged_kv.py``; SM90 ``paged_kv_non_tma`` when the page size is not tile_n):
+  k and v are (num_pages, page_size, heads_kv, d); sequence i's keys are its page-table row's
+  pages in order, ``seqused_k[i]`` of them (else the whole row).  Pages are gathered into the
+  logical sequence before tiling: KV blocks stay at multiples of tile_n in the sequence, so the
+  page size changes which memory is read, never the arithmetic.
+* **pack_gqa** (``pack_gqa.py``): the query heads of a KV head share the M dimension of a tile,
+  which changes the block range of a tile (``fa4.model._block_ranges``).  On finite inputs a
+  row's result does not depend on it (a block outside a row's visible keys adds exact zeros);
+  it moves the split boundaries and where masked non-finite values are read.
+* **split-KV** (``block_info.py`` ``get_n_block_min_max`` under ``is_split_kv``): split s of
+  ``num_splits`` runs the loop over its run of blocks and writes float32 partials; then
+  :func:`combine` (``flash_fwd_combine.py``) merges them.  Production's SM90 path refuses
+  splits (``interface.py``: "SplitKV not supported on SM 9.0"); the model runs them for both.
+
+The combine's arithmetic is modelled from ``FlashAttentionForwardCombine.kernel``: see
+:func:`combine`.  NaN and non-finite semantics follow the loop's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fa4._primitives import LOG2_E, fma, hardware_exp2
+from fa4.model import _FP8, FA4Numerics, _block_ranges, _finalize, _validate, forward_loop, split_ranges
+from numerics.fp import to_f32
+
+__all__ = ["varlen_attention", "combine", "Sequence", "sequences", "VARLEN_KEYWORDS"]
+
+#: the varlen keywords of the contract (``docs/varlen.md``), beyond the fixed-length ones
+VARLEN_KEYWORDS = (
+    "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q", "seqused_k",
+    "page_table", "num_splits", "pack_gqa",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """Where sequence ``i`` of a varlen call lives: its query rows in q's first (packed) or
+    second (batched) dimension, and its keys as indices into k's flattened token dimension."""
+
+    index: int
+    q_rows: tuple[int, int]  # [start, stop) in the packed q (or in batch row ``index``)
+    k_index: torch.Tensor  # (seqlen_k,) int64 token indices into k flattened to (tokens, hk, d)
+
+
+def _lengths(cu: torch.Tensor | None, used: torch.Tensor | None, n: int, static: int) -> list[tuple[int, int]]:
+    """(start, length) per sequence from cu_seqlens and seqused (``SeqlenInfoQK.create``:
+    seqused wins over the cu_seqlens difference; without cu_seqlens the start is 0 in the
+    sequence's own batch row and the length the static one)."""
+    out = []
+    for i in range(n):
+        start = int(cu[i]) if cu is not None else 0
+        length = int(cu[i + 1]) - start if cu is not None else static
+        if used is not None:
+            length = int(used[i])
+        out.append((start, length))
+    return out
+
+
+def sequences(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    seqused_q=None,
+    seqused_k=None,
+    page_table=None,
+) -> list[Sequence]:
+    """The sequences of a varlen call, validated against the contract (``docs/varlen.md``)."""
+    n = _batch_size(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table)
+    q_static = q.shape[1] if cu_seqlens_q is None else 0
+    rows = _lengths(cu_seqlens_q, seqused_q, n, q_static)
+    if page_table is not None:
+        page = k.shape[1]
+        ks = _lengths(None, seqused_k, n, page_table.shape[1] * page)
+        idx = [
+            (page_table[i].long().repeat_interleave(page) * page + torch.arange(page).repeat(page_table.shape[1]))[:ln]
+            for i, (_, ln) in enumerate(ks)
+        ]
+    else:
+        ks = _lengths(cu_seqlens_k, seqused_k, n, k.shape[1] if cu_seqlens_k is None else 0)
+        stride = 0 if cu_seqlens_k is not None else k.shape[1]
+        idx = [torch.arange(st, st + ln) + i * stride for i, (st, ln) in enumerate(ks)]
+    seqs = []
+    for i, ((qs, ql), ki) in enumerate(zip(rows, idx)):
+        seqs.append(Sequence(i, (qs, qs + ql), ki.to(torch.int64)))
+    return seqs
+
+
+def _batch_size(q, cu_q, cu_k, used_q, used_k, page_table) -> int:
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if t is not None:
+            if t.dim() != 1 or t.dtype != torch.int32:
+                raise ValueError(f"{name} must be a 1-d int32 tensor (batch + 1,), got {t.dtype} {tuple(t.shape)}")
+            return t.shape[0] - 1
+    if page_table is not None:
+        return page_table.shape[0]
+    for t in (used_q, used_k):
+        if t is not None:
+            return t.shape[0]
+    return q.shape[0]
+
+
+def _seq_tensors(q, k, v, seq: Sequence, packed_q: bool):
+    """Sequence ``seq``'s q (1, sq, hq, d), k, v (1, sk, hk, ·)."""
+    r0, r1 = seq.q_rows
+    qs = q[r0:r1] if packed_q else q[seq.index, r0:r1]
+    kf = k.reshape(-1, *k.shape[-2:])
+    vf = v.reshape(-1, *v.shape[-2:])
+    return qs.unsqueeze(0), kf[seq.k_index].unsqueeze(0), vf[seq.k_index].unsqueeze(0)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    num_splits: int = 1,
+    pack_gqa: bool | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    return_lse: bool = False,
+    numerics: FA4Numerics | None = None,
+    arch: str = "sm100",
+):
+    """The varlen entry as production computes it (module doc).
+
+    q: (total_q, hq, d) with ``cu_seqlens_q`` else (b, sq, hq, d); k, v: (total_k, hk, ·) with
+    ``cu_seqlens_k``, (num_pages, page_size, hk, ·) with ``page_table`` (b, pages) int32, else
+    (b, sk, hk, ·).  Returns out shaped as q with v's head dim (rows past ``seqused_q`` are 0)
+    and, with ``return_lse``, lse (hq, total_q) or (b, hq, sq) float32 (-inf past seqused_q).
+    ``numerics=None``: production's for ``arch`` per sequence (SM100: no 2-CTA on packed
+    queries, seqused_q, splits or pages other than 128, as ``interface._flash_attn_fwd``).
+    """
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1 (the model takes no heuristic 0), got {num_splits!r}")
+    packed_q = cu_seqlens_q is not None
+    if q.dim() != (3 if packed_q else 4):
+        raise ValueError(
+            f"q must be {'(total_q, heads, d)' if packed_q else '(batch, seqlen, heads, d)'}, got {tuple(q.shape)}"
+        )
+    seqs = sequences(
+        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        page_table=page_table,
+    )  # fmt: skip
+    hq, hk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    pack = pack_gqa if pack_gqa is not None else hq // hk > 1
+    out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
+    out = torch.zeros(*q.shape[:-1], dv, dtype=out_dtype, device=q.device)
+    lse = torch.full((hq, q.shape[0]) if packed_q else (q.shape[0], hq, q.shape[1]), -math.inf, device=q.device)
+    page_size = None if page_table is None else k.shape[1]
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    for seq in seqs:
+        qs, ks, vs = _seq_tensors(q, k, v, seq, packed_q)
+        if qs.shape[1] == 0:
+            continue
+        _validate(qs, ks, vs, learnable_sink)
+        nm = numerics or _numerics(arch, qs, ks, vs, causal, window_size, packed_q or seqused_q is not None,
+                                   num_splits > 1 or page_size not in (None, 128), max_seqlen_q)  # fmt: skip
+        o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, num_splits, out_dtype)
+        r0, r1 = seq.q_rows
+        if packed_q:
+            out[r0:r1], lse[:, r0:r1] = o[0], lo[0]
+        else:
+            out[seq.index, r0:r1], lse[seq.index, :, r0:r1] = o[0], lo[0]
+    return (out, lse) if return_lse else out
+
+
+def _numerics(arch, q, k, v, causal, window, varlen_q: bool, no_2cta: bool, max_seqlen_q) -> FA4Numerics:
+    """Production's numerics for one sequence of a varlen call: SM90's depend on head dims and
+    masks only; SM100's 2-CTA choice (which sets the exp2 interleave) is off for packed or
+    seqused queries (head dim 256 aside), splits and page sizes other than 128
+    (``interface.py`` ``use_2cta_instrs``), and its tile count follows ``max_seqlen_q``."""
+    if arch == "sm90":
+        return FA4Numerics.for_inputs("sm90", q, k, v, causal, window)
+    local = not causal and any(w is not None for w in window)
+    hd256 = q.shape[-1] == 256 and v.shape[-1] == 256
+    off = no_2cta or (varlen_q and not hd256)
+    return FA4Numerics.sm100(
+        q.dtype, q.shape[-1], causal, local,
+        seqlen_q=max_seqlen_q or q.shape[1], qhead_per_kvhead=q.shape[2] // k.shape[2], head_dim_v=v.shape[-1],
+        use_2cta=False if off else None,
+    )  # fmt: skip
+
+
+def _one_sequence(q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype):
+    """One sequence: the loop over each split's blocks, the epilogue, and (splits > 1) the
+    combine.  Returns out (1, sq, hq, dv) and lse (1, hq, sq)."""
+    sq, hq, sk = q.shape[1], q.shape[2], k.shape[1]
+    n_min, n_max, _ = _block_ranges(sq, sk, nm, kw["causal"], kw["window_size"], q.device, heads=hq, pack=pack)
+    if num_splits == 1:
+        st, sl2, off = forward_loop(q, k, v, nm, ranges=(n_min, n_max), **kw)
+        out, lse = _finalize(nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2, off, sink, out_dtype)
+        return out.permute(0, 2, 1, 3), lse
+    parts = [
+        _split_partial(q, k, v, nm, kw, sink, split_ranges(n_min, n_max, s, num_splits), s) for s in range(num_splits)
+    ]
+    o_part = torch.stack([p[0] for p in parts])  # (splits, 1, hq, sq, dv)
+    l_part = torch.stack([p[1] for p in parts])  # (splits, 1, hq, sq)
+    out, lse = combine(o_part, l_part, out_dtype)
+    return out.permute(0, 2, 1, 3), lse
+
+
+def _split_partial(q, k, v, nm, kw, sink, ranges, split: int):
+    """Split ``split``'s float32 partial O (normalised by its own row sum) and partial LSE, as
+    the epilogue writes them to ``out_partial`` / ``lse_partial``: the fixed-length epilogue
+    without the output cast.  A row whose split owns no block writes O = 0, LSE = -inf (the
+    kernel skips it and the host zero-fills the partials: ``interface.py``).  The learnable sink
+    enters split 0 only, so that the combine counts it once."""
+    st, sl2, off = forward_loop(q, k, v, nm, ranges=ranges, **kw)
+    o, lse = _finalize(
+        nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2, off, sink if split == 0 else None, torch.float32
+    )
+    work = (ranges[1] > ranges[0]).view(1, *ranges[0].shape)
+    return torch.where(work.unsqueeze(-1), o, torch.zeros_like(o)), torch.where(
+        work, lse, torch.full_like(lse, -math.inf)
+    )
+
+
+def combine(
+    o_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_fwd_combine.py`` ``FlashAttentionForwardCombine.kernel`` per row: o_partial
+    (splits, ..., dv) float32, lse_partial (splits, ...) float32 -> out (..., dv) in
+    ``out_dtype``, lse (...) float32.
+
+    1. ``lse_max`` = max over splits (NaN ignored: ``ReductionOp.MAX`` is ``fmax``);
+       ``lse_max_cur`` = 0 where every split is -inf.
+    2. ``scale_s = ex2.approx.ftz(lse_s * LOG2_E - lse_max_cur * LOG2_E)``: the second product
+       is loop-invariant, ptxas contracts the first with the subtraction into one FFMA (no
+       rounding modifier: ``fmad`` applies), as it does in the softmax (``fa4.model`` step 5).
+    3. ``sum`` = the scales added in split order from 0.0, per thread, then across the threads
+       of a column by the warp butterfly (:func:`_split_sum`).
+    4. ``lse = log(sum) + lse_max`` with ``log`` = ``lg2.approx.ftz * ln2`` fused with the
+       addition into one FFMA; ``inv = 1/sum`` (0 where sum is 0 or NaN); ``scale_s *= inv``.
+    5. ``O = sum_s scale_s * O_s`` from 0.0 in split order, one FFMA per split; splits with
+       scale 0 are skipped (so 0 * inf never enters); cast to ``out_dtype`` (rn).
+    """
+    l2e = torch.tensor(to_f32(LOG2_E), device=lse_partial.device)
+    ln2 = torch.tensor(to_f32(math.log(2.0)), device=lse_partial.device)
+    nan_free = torch.where(torch.isnan(lse_partial), torch.full_like(lse_partial, -math.inf), lse_partial)
+    lse_max = nan_free.amax(0)
+    cur = torch.where(lse_max == -math.inf, torch.zeros_like(lse_max), lse_max)
+    scales = hardware_exp2(fma(lse_partial, l2e, -(cur * l2e)))
+    total = _split_sum(scales)
+    lg2 = torch.log2(total.double()).float()  # lg2.approx.ftz, modelled correctly rounded
+    lse = fma(lg2, ln2, lse_max)
+    bad = (total == 0) | torch.isnan(total)
+    inv = torch.where(
+        bad, torch.zeros_like(total), (1.0 / torch.where(bad, torch.ones_like(total), total).double()).float()
+    )
+    scales = scales * inv
+    acc = torch.zeros_like(o_partial[0])
+    for s in range(o_partial.shape[0]):
+        w = scales[s].unsqueeze(-1).expand_as(acc)
+        upd = fma(w.contiguous(), o_partial[s].contiguous(), acc.contiguous()) if True else None
+        acc = torch.where(w > 0, upd, acc)
+    return acc.to(out_dtype), lse
+
+
+def _split_sum(scales: torch.Tensor) -> torch.Tensor:
+    """Step 3 of :func:`combine`: the sum of a row's split scales in the kernel's order."""
+    acc = torch.zeros_like(scales[0])
+    for s in range(scales.shape[0]):
+        acc = acc + scales[s]
+    return acc
