@@ -60,6 +60,7 @@ from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
 from fa4.model_bwd import attention_backward
 from numerics.fp import fma_f32, round_to
 from numerics.fp import to_f32 as _f32
+from numerics.tiles import block_ranges
 
 __all__ = ["FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES"]
 
@@ -292,39 +293,8 @@ def _check_dtype(dtype: torch.dtype) -> None:
 def _block_ranges(
     sq: int, sk: int, nm: FA4Numerics, causal: bool, window: tuple, device, *, heads: int = 1, pack: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per (head, query row): [n_min, n_max) of the KV blocks its query tile visits
-    (``block_info.BlockInfo.get_n_block_min_max``), and the number of blocks.  ``pack`` > 1 is
-    pack_gqa: the ``pack`` query heads of a KV head share the M dimension of a tile, packed
-    index ``row * pack + head % pack`` (``pack_gqa.py``: the divmod by qhead_per_kvhead gives
-    (row, head)), and a tile's query rows are ``ceil``/``floor`` of its packed range / pack."""
-    tm, tn = nm.tile_m, nm.tile_n
-    left, right = window
-    if causal:
-        right = 0
-    nblk = max(1, -(-sk // tn))
-    rows = torch.arange(sq, device=device).view(1, sq)
-    grp = (torch.arange(heads, device=device) % pack).view(heads, 1)
-    mb = (rows * pack + grp) // tm  # (heads, sq): the row's m_block
-    n_max = torch.full((heads, sq), nblk, dtype=torch.int64, device=device)
-    if right is not None:
-        m_idx_max = -(-((mb + 1) * tm) // pack)
-        n_idx_right = torch.clamp(m_idx_max + sk - sq + right, min=0)
-        n_max = torch.minimum(n_max, -(-n_idx_right // tn))
-    n_min = torch.zeros((heads, sq), dtype=torch.int64, device=device)
-    if left is not None:
-        n_idx_left = torch.div(mb * tm, pack, rounding_mode="floor") + sk - sq - left
-        n_min = torch.clamp(torch.div(n_idx_left, tn, rounding_mode="floor"), min=0)
-    return n_min, n_max, nblk
-
-
-def split_ranges(n_min: torch.Tensor, n_max: torch.Tensor, split: int, num_splits: int):
-    """Split ``split`` of ``num_splits`` of each row's block range (``block_info.py``
-    ``get_n_block_min_max`` under ``is_split_kv``): ``ceil((n_max - n_min) / num_splits)`` blocks
-    per split (0 for an empty range), split s taking the s-th run of them, cut at n_max.  A
-    split left with no block (n_min >= n_max) has no KV work (``BlockInfo.has_kv_work``)."""
-    per = torch.where(n_max <= n_min, torch.zeros_like(n_min), (n_max - n_min + num_splits - 1) // num_splits)
-    lo = n_min + split * per
-    return lo, torch.minimum(lo + per, n_max)
+    """``numerics.tiles.block_ranges`` with the tiles of ``nm``."""
+    return block_ranges(sq, sk, nm.tile_m, nm.tile_n, causal, window, device, heads=heads, pack=pack)
 
 
 def _exp2_mixed(t: torch.Tensor, nm: FA4Numerics) -> torch.Tensor:

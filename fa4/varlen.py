@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from fa4._primitives import LOG2_E, fma, hardware_exp2
-from fa4.model import _FP8, FA4Numerics, _block_ranges, _finalize, _validate, forward_loop, split_ranges
+from fa4.model import _FP8, FA4Numerics, _block_ranges, _finalize, _validate, forward_loop
 from numerics.fp import to_f32
+from numerics.tiles import split_ranges
 
 __all__ = ["varlen_attention", "combine", "Sequence", "sequences", "VARLEN_KEYWORDS"]
 

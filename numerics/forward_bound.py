@@ -65,7 +65,7 @@ import torch
 
 from numerics.fp import to_f32 as _f32
 
-__all__ = ["forward_error_bound", "MUFU"]
+__all__ = ["forward_error_bound", "split_error_bound", "MUFU"]
 
 #: MUFU accuracy measured over all 2**32 float32 inputs on the H200 (reports/fidelity,
 #: ``fa4-audit fidelity --mufu``), rounded up: ex2 relative 1.4584e-7; lg2 absolute 7.778e-6
@@ -263,19 +263,32 @@ def forward_error_bound(
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
     reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_splits: int = 1,
+    pack_gqa: bool = False,
+    key_mask: torch.Tensor | None = None,
+    partial: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_bound, lse_bound): float64 tensors shaped like the output (b, sq, hq, dv) and the
     LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc).
     ``reference``: the FP64 ``(out, lse)`` of ``numerics.reference.attention_reference`` for
-    these inputs, when the caller has it (computed here otherwise)."""
+    these inputs, when the caller has it (computed here otherwise).  ``num_splits`` > 1:
+    split-KV and its combine (:func:`split_error_bound`; ``pack_gqa`` moves the splits).
+    ``key_mask`` (heads_q, sq, sk) restricts each row to some keys and ``partial`` drops the
+    output cast (a split's float32 partial): the bound of one split's partial results."""
     from numerics.fp import format_of
     from numerics.reference import attention_reference, visible_mask
 
+    if num_splits > 1:
+        kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+        return split_error_bound(
+            q, k, v, numerics, num_splits=num_splits, pack_gqa=pack_gqa, learnable_sink=learnable_sink,
+            reference=reference, **kw,
+        )  # fmt: skip
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     nm = numerics
     fmt_p = format_of(nm.p_dtype or q.dtype)
-    fmt_o = format_of(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
+    fmt_o = format_of(torch.float32 if partial else torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
     thr, off = float(nm.rescale_threshold), float(nm.max_offset)
     l2e = math.log2(math.e)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -285,6 +298,8 @@ def forward_error_bound(
 
     dot, e_dot, v64 = _dot_products(q, k, v)
     vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev).view(1, 1, sq, sk)
+    if key_mask is not None:
+        vis = vis & key_mask.to(dev).view(1, hq, sq, sk)
     ninf = torch.tensor(-math.inf, dtype=torch.float64, device=dev)
 
     sl2, d_sl2, base, e_score = _step1_score(dot, e_dot, scale, scale32, softcap, l2e)
@@ -307,6 +322,7 @@ def forward_error_bound(
             softcap=softcap,
             learnable_sink=learnable_sink,
             return_lse=True,
+            key_mask=key_mask,
         )
     ref, ref_lse = reference
     o = ref.permute(0, 2, 1, 3)  # (b, h, i, c)
@@ -323,3 +339,113 @@ def forward_error_bound(
     w, rel_d = _lse_rel_d(e_full, vis, eps, low, p, alpha, p_s, eta_s, gam)
     lse_b = _lse_bound(w, rel_d, ref_lse, n_vis, learnable_sink, hq=hq, off=off, l2e=l2e)
     return out_b.permute(0, 2, 1, 3).contiguous(), lse_b
+
+
+def split_error_bound(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    numerics,
+    *,
+    num_splits: int,
+    pack_gqa: bool = False,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple = (None, None),
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""(out_bound, lse_bound) of split-KV: each split's float32 partials, then the combine
+    (``flash_fwd_combine.py``; ``fa4.varlen.combine``), for any order of its sums.
+
+    Split s of a row sees keys K_s (``numerics.tiles.split_key_masks``; the learnable sink
+    enters split 0).  Exactly, its partial output is ``o_s`` (softmax over K_s) and LSE ``L_s``;
+    the row's ``L = ln sum_s e^{L_s}`` and ``o = sum_s w_s o_s`` with ``w_s = e^{L_s - L}``.  The
+    kernel's partials satisfy ``|O^_s - o_s| <= B_s``, ``|L^_s - L_s| <= beta_s``: the bound
+    above on K_s with a float32 "cast" (``partial``).  Empty splits give O = 0, L = -inf exactly.
+
+    Combine: ``t_s = fma(L^_s, l2e_f, -fl(M l2e_f))`` with ``M = max L^_s``; against
+    ``(L^_s - M) log2 e`` its error is ``E_s <= u |M| l2e + u |t_s| + |L^_s - M| |l2e_f -
+    log2 e|`` (log2 units, each factor taken with a margin of 2**-20).  ``a_s = ex2(t_s)`` (MUFU
+    relative ``x``), their float32 sum (``gamma(S)``), the reciprocal (MUFU.RCP or a correctly
+    rounded division, both within ``r``) and the product with a_s (u): so ``w^_s = w~_s (1 +
+    theta_s)``, ``w~_s = e^{L^_s} / sum_t e^{L^_t}``, ``1 + |theta_s| <= 2**(E_s + E_max) (1 + x) /
+    (1 - x) (1 + r)(1 + u) / (1 - gamma(S))``.  And ``w~_s / w_s`` lies within
+    ``e^{+-(beta_s + beta_max)}``; so ``w^_s = w_s (1 + phi_s)`` with ``|phi_s| <=
+    e^{beta_s + beta_max} (1 + |theta_s|) - 1``.  The output ``O = fl(sum_s w^_s O^_s)`` (FFMAs,
+    ``gamma(S)``) then obeys
+
+    ``|O - o| <= sum_s w_s (1 + phi_s) B_s + sum_s w_s phi_s |o_s| + gamma(S) sum_s w_s (1 +
+    phi_s) (|o_s| + B_s)``,
+
+    and the cast to the output format adds ``u_out (|o| + that) + min_subnormal / 2``.
+
+    LSE: ``fl(lg2(sum a_s) ln2_f + M)``: the sum's relative error ``2**E_max (1 + x)(1 +
+    gamma(S)) - 1``, lg2.approx (``lg2_rel`` |y| or ``lg2_abs``), ``|ln2_f - ln2| |y|``, two
+    roundings (u each on |L| + beta_max), and ``beta_max`` from the partial LSEs (``ln sum e^{L^_s}``
+    moves by at most max_s beta_s).  Rows where every split is empty: out 0, LSE -inf, bound 0."""
+    from numerics.fp import format_of
+    from numerics.reference import attention_reference
+    from numerics.tiles import split_key_masks
+
+    b, sq, hq, d = q.shape
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    pack = hq // k.shape[2] if pack_gqa else 1
+    masks = split_key_masks(sq, k.shape[1], numerics.tile_m, numerics.tile_n, causal, window_size, q.device,
+                            heads=hq, pack=pack, num_splits=num_splits)  # fmt: skip
+    parts = []
+    for s, m in enumerate(masks):
+        sink = learnable_sink if s == 0 else None
+        ref_s = attention_reference(q, k, v, learnable_sink=sink, return_lse=True, key_mask=m, **kw)
+        ob, lb = forward_error_bound(q, k, v, numerics, learnable_sink=sink, reference=ref_s, key_mask=m, partial=True,
+                                     **kw)  # fmt: skip
+        parts.append((ref_s[0].permute(0, 2, 1, 3), ref_s[1], ob.permute(0, 2, 1, 3), lb))  # (b, h, i, ·)
+    if reference is None:
+        reference = attention_reference(q, k, v, learnable_sink=learnable_sink, return_lse=True, **kw)
+    o_full, lse_full = reference[0].permute(0, 2, 1, 3), reference[1]
+    fmt_o = format_of(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
+    out_b, lse_b = _combine_bound(parts, o_full, lse_full, num_splits)
+    out_b = out_b + fmt_o.unit_roundoff * (o_full.abs() + out_b) + fmt_o.smallest_subnormal / 2
+    empty = torch.isinf(lse_full) & (lse_full < 0)
+    out_b = torch.where(empty.unsqueeze(-1), torch.zeros_like(out_b), out_b)
+    lse_b = torch.where(empty, torch.zeros_like(lse_b), lse_b)
+    nan = lambda t: torch.where(torch.isnan(t), torch.full_like(t, math.inf), t)
+    return nan(out_b).permute(0, 2, 1, 3).contiguous(), nan(lse_b)
+
+
+def _combine_bound(parts, o_full, lse_full, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The combine's part of :func:`split_error_bound` (its docstring), before the output cast:
+    ``parts`` per split (o_s (b, h, i, c), L_s (b, h, i), B_s (b, h, i, c), beta_s (b, h, i))."""
+    margin = 1 + 2.0**-20
+    l2e, l2e_f, ln2 = math.log2(math.e), _f32(math.log2(math.e)), math.log(2)
+    fin = lambda t: torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+    betas = torch.stack([p[3] for p in parts])  # (S, b, h, i)
+    lses = torch.stack([p[1] for p in parts])
+    beta_max = betas.amax(0)
+    l_max = lses.amax(0)
+    m_abs = fin(l_max).abs() + beta_max
+    gam = _gamma(float(n) + 1)
+    x, r = MUFU["ex2_rel"], MUFU["rcp_rel"]
+    e = [
+        margin * (_U * m_abs * l2e + _U * (fin(lses[s] - l_max).abs() + 2 * beta_max) * l2e
+                  + (fin(lses[s] - l_max).abs() + 2 * beta_max) * abs(l2e_f - l2e))
+        for s in range(n)
+    ]  # fmt: skip
+    e_max = torch.stack(e).amax(0)
+    out_b = torch.zeros_like(o_full)
+    for s, (o_s, l_s, b_s, beta_s) in enumerate(parts):
+        theta = 2.0 ** (e[s] + e_max) * (1 + x) / (1 - x) * (1 + r) * (1 + _U) / (1 - gam) - 1
+        phi = (torch.exp(beta_s + beta_max) * (1 + theta) - 1).unsqueeze(-1)
+        w = torch.exp(l_s - lse_full).unsqueeze(-1)  # 0 for an empty split
+        w = torch.where(torch.isnan(w), torch.zeros_like(w), w)
+        term = w * (1 + phi) * b_s + w * phi * o_s.abs() + gam * w * (1 + phi) * (o_s.abs() + b_s)
+        out_b = out_b + torch.where(w > 0, term, torch.zeros_like(term))
+    y = fin(l_max - lse_full).abs() / ln2 + 1.0  # |lg2 of the sum| <= this
+    rel = 2.0**e_max * (1 + x) * (1 + gam) - 1
+    lg2_err = torch.maximum(MUFU["lg2_rel"] * y, torch.full_like(y, MUFU["lg2_abs"]))
+    lse_b = (
+        beta_max + ln2 * (-torch.log2((1 - rel).clamp(min=1e-300)) + lg2_err) + abs(_f32(ln2) - ln2) * y
+        + 2 * _U * margin * (fin(lse_full).abs() + beta_max + y)
+    )  # fmt: skip
+    return out_b, lse_b

@@ -70,13 +70,13 @@ def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
 def _masked_matmul(w: torch.Tensor, vis: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """sum_j w_ij v_jc over *visible* j only, with IEEE semantics for non-finite v at visible
     positions (w * inf = inf, 0 * inf = NaN, inf - inf = NaN) and none at masked ones — a plain
-    einsum would turn 0 * inf at a masked key into NaN.  w: (b, h, i, j); vis: (i, j);
+    einsum would turn 0 * inf at a masked key into NaN.  w: (b, h, i, j); vis: (i, j) or (h, i, j);
     v: (b, j, h, c); returns (b, i, h, c)."""
     fin = torch.isfinite(v)
     out = torch.einsum("bhij,bjhc->bihc", w, torch.where(fin, v, torch.zeros_like(v)))
     if bool(fin.all()):
         return out
-    visf = vis.to(w.dtype).view(1, 1, *vis.shape).expand_as(w)
+    visf = vis.to(w.dtype).reshape((1,) * (4 - vis.dim()) + tuple(vis.shape)).expand_as(w)
     pos = visf * (w > 0)
     zero = visf * (w == 0)
     cnt = lambda a, m: torch.einsum("bhij,bjhc->bihc", a, m.to(w.dtype))
@@ -99,9 +99,12 @@ def attention_reference(
     learnable_sink: torch.Tensor | None = None,
     return_lse: bool = False,
     dtype: torch.dtype = torch.float64,
+    key_mask: torch.Tensor | None = None,
 ):
     """Attention computed in ``dtype`` (float64) from the exact inputs; ``out`` (and ``lse``)
-    in ``dtype``.  Same signature and conventions as the audited callables (module doc)."""
+    in ``dtype``.  Same signature and conventions as the audited callables (module doc).
+    ``key_mask``: bool (heads_q, seqlen_q, seqlen_k), the keys each row may see besides the
+    masks (a split-KV split's share: ``numerics.tiles.split_key_masks``)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -114,6 +117,8 @@ def attention_reference(
     if softcap and softcap > 0:
         s.div_(softcap).tanh_().mul_(softcap)
     vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=q.device)
+    if key_mask is not None:
+        vis = vis.view(1, sq, sk) & key_mask.to(q.device)
     if not bool(vis.all()):
         s.masked_fill_(~vis, -math.inf)
     m = s.amax(dim=-1, keepdim=True)  # NaN-propagating, like the math
@@ -132,9 +137,10 @@ def attention_reference(
         out = _masked_matmul(p.div_(den), vis, v64)
     lse = (m_safe + torch.log(denom)).squeeze(-1)
     if learnable_sink is None:
-        empty = ~vis.any(dim=-1)  # (sq,)
-        out = out.masked_fill(empty.view(1, sq, 1, 1), 0.0)
-        lse = lse.masked_fill(empty.view(1, 1, sq), -math.inf)
+        empty = ~vis.any(dim=-1)  # (sq,) or (hq, sq)
+        e2 = empty.view(1, -1, sq) if empty.dim() == 2 else empty.view(1, 1, sq)
+        out = out.masked_fill(e2.permute(0, 2, 1).unsqueeze(-1), 0.0)
+        lse = lse.masked_fill(e2, -math.inf)
     return (out, lse) if return_lse else out
 
 

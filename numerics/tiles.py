@@ -1,0 +1,60 @@
+"""Which KV blocks a query row visits: production's block ranges (``block_info.py``), shared by
+the model (``fa4.model``, ``fa4.varlen``) and the split-KV error bound
+(``numerics.forward_bound``).  A tile is ``tm`` query rows by ``tn`` keys."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["block_ranges", "split_ranges", "split_key_masks"]
+
+
+def block_ranges(
+    sq: int, sk: int, tm: int, tn: int, causal: bool, window: tuple, device, *, heads: int = 1, pack: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per (head, query row): [n_min, n_max) of the KV blocks its query tile visits
+    (``block_info.BlockInfo.get_n_block_min_max``), and the number of blocks.  ``pack`` > 1 is
+    pack_gqa: the ``pack`` query heads of a KV head share the M dimension of a tile, packed
+    index ``row * pack + head % pack`` (``pack_gqa.py``: the divmod by qhead_per_kvhead gives
+    (row, head)), and a tile's query rows are ``ceil``/``floor`` of its packed range / pack."""
+    left, right = window
+    if causal:
+        right = 0
+    nblk = max(1, -(-sk // tn))
+    rows = torch.arange(sq, device=device).view(1, sq)
+    grp = (torch.arange(heads, device=device) % pack).view(heads, 1)
+    mb = (rows * pack + grp) // tm  # (heads, sq): the row's m_block
+    n_max = torch.full((heads, sq), nblk, dtype=torch.int64, device=device)
+    if right is not None:
+        m_idx_max = -(-((mb + 1) * tm) // pack)
+        n_idx_right = torch.clamp(m_idx_max + sk - sq + right, min=0)
+        n_max = torch.minimum(n_max, -(-n_idx_right // tn))
+    n_min = torch.zeros((heads, sq), dtype=torch.int64, device=device)
+    if left is not None:
+        n_idx_left = torch.div(mb * tm, pack, rounding_mode="floor") + sk - sq - left
+        n_min = torch.clamp(torch.div(n_idx_left, tn, rounding_mode="floor"), min=0)
+    return n_min, n_max, nblk
+
+
+def split_ranges(n_min: torch.Tensor, n_max: torch.Tensor, split: int, num_splits: int):
+    """Split ``split`` of ``num_splits`` of each row's block range (``block_info.py``
+    ``get_n_block_min_max`` under ``is_split_kv``): ``ceil((n_max - n_min) / num_splits)`` blocks
+    per split (0 for an empty range), split s taking the s-th run of them, cut at n_max.  A
+    split left with no block (n_min >= n_max) has no KV work (``BlockInfo.has_kv_work``)."""
+    per = torch.where(n_max <= n_min, torch.zeros_like(n_min), (n_max - n_min + num_splits - 1) // num_splits)
+    lo = n_min + split * per
+    return lo, torch.minimum(lo + per, n_max)
+
+
+def split_key_masks(
+    sq: int, sk: int, tm: int, tn: int, causal: bool, window: tuple, device, *, heads: int, pack: int, num_splits: int
+) -> list[torch.Tensor]:
+    """Per split: a bool (heads, sq, sk) mask of the keys each row's split visits (the keys of
+    its blocks; masking within them is the caller's)."""
+    n_min, n_max, _ = block_ranges(sq, sk, tm, tn, causal, window, device, heads=heads, pack=pack)
+    blk = (torch.arange(sk, device=device) // tn).view(1, 1, sk)
+    masks = []
+    for s in range(num_splits):
+        lo, hi = split_ranges(n_min, n_max, s, num_splits)
+        masks.append((blk >= lo.unsqueeze(-1)) & (blk < hi.unsqueeze(-1)))
+    return masks
