@@ -60,7 +60,7 @@ from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
 from fa4.model_bwd import attention_backward
 from numerics.fp import fma_f32, round_to
 from numerics.fp import to_f32 as _f32
-from numerics.tiles import block_ranges
+from numerics.tiles import block_ranges, masked_blocks
 
 __all__ = ["FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES"]
 
@@ -110,6 +110,12 @@ class FA4Numerics:
     ds_dtype: dtype dS is cast to before the dK / dQ MMAs (None: the input dtype).
     bwd_hd256_generic: production's ``FLASH_ATTENTION_HD256_GENERIC_BWD=1`` — SM100 head dim
     (256, 256) takes the generic backward (KV tile 64) instead of the dedicated kernels.
+
+    masked_exp2: ``"same"`` (4.0.0b36: a block's exp2 does not depend on masking) or
+    ``"hardware"``: the iterations that apply a mask (diagonal, window edge, the partial last
+    block) use MUFU.EX2 on every column — the behaviour flash-attention #2595 removed, which
+    broke decode/prefill bitwise consistency (#2596): a row's masked blocks differ between a
+    prefill tile and a decode step.
     """
 
     arch: Literal["sm100", "sm90"] = "sm100"
@@ -129,10 +135,13 @@ class FA4Numerics:
     bwd_deterministic: bool = False
     ds_dtype: torch.dtype | None = None
     bwd_hd256_generic: bool = False
+    masked_exp2: Literal["same", "hardware"] = "same"
 
     def __post_init__(self):
         if self.arch not in ("sm100", "sm90"):
             raise ValueError(f"arch must be 'sm100' or 'sm90', got {self.arch!r}")
+        if self.masked_exp2 not in ("same", "hardware"):
+            raise ValueError(f"masked_exp2 must be 'same' or 'hardware', got {self.masked_exp2!r}")
         if self.exp2 not in ("mixed", "emulated", "hardware"):
             raise ValueError(f"exp2 must be 'mixed', 'emulated' or 'hardware', got {self.exp2!r}")
         if self.poly_degree not in DEGREES:
@@ -181,6 +190,8 @@ class FA4Numerics:
         qhead_per_kvhead: int = 1,
         head_dim_v: int | None = None,
         use_2cta: bool | None = None,
+        pack_gqa: bool | None = None,
+        varlen_q: bool = False,
     ) -> FA4Numerics:
         """Production SM100 defaults, as ``interface._flash_attn_fwd`` and
         ``FlashAttentionForwardSm100.__init__``/``__call__`` choose them for these inputs:
@@ -191,16 +202,19 @@ class FA4Numerics:
         2-CTA (``interface.py``, ``use_2cta_instrs``): hd256, or non-causal non-local head dims
         128/192 with head_dim_v 128 — and more than one 128-row block of packed queries (unless
         hd256 decode) and ``128 % qhead_per_kvhead == 0`` when GQA is packed.  ``seqlen_q=None``
-        assumes a long sequence.  pack_gqa is production's default: ``qhead_per_kvhead > 1``.
+        assumes a long sequence.  ``pack_gqa=None`` is production's default: ``qhead_per_kvhead >
+        1``.  ``varlen_q`` (cu_seqlens_q or seqused_q given): packed GQA at padded head dim > 64
+        without masks interleaves every 32nd fragment instead of the tuned 10th
+        (``FlashAttentionForwardSm100.__call__``, after ``_setup_attributes``).
         """
         _check_dtype(dtype)
         fp8 = dtype in _FP8
         hdp = int(math.ceil(head_dim / 16) * 16)
         hdvp = int(math.ceil((head_dim if head_dim_v is None else head_dim_v) / 16) * 16)
-        pack_gqa = qhead_per_kvhead > 1
+        pack_gqa = qhead_per_kvhead > 1 if pack_gqa is None else pack_gqa
+        packed_rows = None if seqlen_q is None else seqlen_q * (qhead_per_kvhead if pack_gqa else 1)
+        q_stage = 2 if packed_rows is None or (packed_rows > 128 and hdvp != 256) else 1
         if use_2cta is None:
-            packed_rows = None if seqlen_q is None else seqlen_q * (qhead_per_kvhead if pack_gqa else 1)
-            q_stage = 2 if packed_rows is None or (packed_rows > 128 and hdvp != 256) else 1
             one_m_block = packed_rows is not None and packed_rows <= q_stage * 128
             use_2cta = (
                 (hdp == 256 or (not causal and not local and hdp in (128, 192) and hdvp == 128))
@@ -218,10 +232,10 @@ class FA4Numerics:
         )
         freq = tune.get("freq", 16) if enable else 0
         if enable and pack_gqa and hdp > 64 and not causal and not local:
-            freq = tune.get("freq", 10)
+            freq = 32 if varlen_q else tune.get("freq", 10)
         return FA4Numerics(
             arch="sm100",
-            tile_m=128,
+            tile_m=q_stage * 128 * (2 if use_2cta else 1),  # BlockInfo's tile: q_stage x 128 rows, a 2-CTA pair
             tile_n=128,
             exp2="mixed",
             poly_degree=3,
@@ -419,14 +433,17 @@ def _block_row_sum(p, first, row_sum, partial, acc_scale, nm: FA4Numerics):
     return blk_sum, new_partial
 
 
-def _softmax_block(st: _RowState, s, active, v_blk, nm: FA4Numerics, p_dtype, sl2_t, off) -> None:
+def _softmax_block(st: _RowState, s, active, v_blk, nm: FA4Numerics, p_dtype, sl2_t, off, hw_rows=None) -> None:
     """Steps 4-9 for one KV block of scores ``s`` (values ``v_blk``); updates ``st`` on the
-    ``active`` rows (those whose query tile visits the block)."""
+    ``active`` rows (those whose query tile visits the block); ``hw_rows``: rows whose exp2 is
+    the hardware's on every column (``FA4Numerics.masked_exp2``)."""
     first = ~st.started
     new_max, safe, acc_scale = _update_row_max(s, st.row_max, first, sl2_t, nm)  # step 4
     bias = _fma(-safe, sl2_t, off)  # step 5: ptxas fuses max_offset - max*scale_log2 (one rounding)
     t = _fma(s, sl2_t, bias.unsqueeze(-1))
     p = _exp2_mixed(t, nm)  # step 6
+    if hw_rows is not None:  # masked_exp2 = "hardware": this block's masked rows take MUFU.EX2 only
+        p = torch.where(hw_rows.unsqueeze(-1), hardware_exp2(t), p)
     blk_sum, new_partial = _block_row_sum(p, first, st.row_sum, st.partial, acc_scale, nm)  # step 7
     p_lp = round_to(p, p_dtype, saturate=p_dtype in _FP8)  # step 8
     pv = torch.einsum("bhij,bjhd->bhid", p_lp.double()[..., : v_blk.shape[1]], v_blk)  # the block's real columns
@@ -498,6 +515,7 @@ def forward_loop(
     scale, softcap, sl2 = _scales(d, softmax_scale, softcap)
     tn = nm.tile_n
     n_min, n_max, nblk = _block_ranges(sq, sk, nm, causal, window_size, dev, heads=hq)
+    m_hi, m_lo = masked_blocks(sq, sk, nm.tile_m, nm.tile_n, causal, window_size, dev, heads=hq)
     if ranges is not None:
         n_min, n_max = ranges
     rep = hq // hk
@@ -515,7 +533,10 @@ def forward_loop(
             continue
         j0, j1 = n * tn, min((n + 1) * tn, sk)
         s = _block_scores(q64, k64, vis, j0, j1, tn, scale, softcap)  # steps 1-3
-        _softmax_block(st, s, active, v64[:, j0:j1], nm, p_dtype, sl2_t, off)  # steps 4-9
+        hw = None
+        if nm.masked_exp2 == "hardware":
+            hw = ((n >= m_hi) | (n < m_lo) | (j1 - j0 < tn)).view(1, hq, sq).expand(shape)
+        _softmax_block(st, s, active, v64[:, j0:j1], nm, p_dtype, sl2_t, off, hw)  # steps 4-9
     return st, sl2_t, off
 
 

@@ -38,7 +38,7 @@ from fa4.model import _FP8, FA4Numerics, _block_ranges, _finalize, _validate, fo
 from numerics.fp import to_f32
 from numerics.tiles import split_ranges
 
-__all__ = ["varlen_attention", "combine", "Sequence", "sequences", "VARLEN_KEYWORDS"]
+__all__ = ["varlen_attention", "combine", "CombineOps", "Sequence", "sequences", "VARLEN_KEYWORDS"]
 
 #: the varlen keywords of the contract (``docs/varlen.md``), beyond the fixed-length ones
 VARLEN_KEYWORDS = (
@@ -180,8 +180,10 @@ def varlen_attention(
         if qs.shape[1] == 0:
             continue
         _validate(qs, ks, vs, learnable_sink)
-        nm = numerics or _numerics(arch, qs, ks, vs, causal, window_size, packed_q or seqused_q is not None,
-                                   num_splits > 1 or page_size not in (None, 128), max_seqlen_q)  # fmt: skip
+        nm = numerics or _numerics(
+            arch, qs, ks, vs, causal, window_size, packed_q or seqused_q is not None,
+            num_splits > 1 or page_size not in (None, 128), max_seqlen_q, pack,
+        )  # fmt: skip
         o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, num_splits, out_dtype)
         r0, r1 = seq.q_rows
         if packed_q:
@@ -191,11 +193,12 @@ def varlen_attention(
     return (out, lse) if return_lse else out
 
 
-def _numerics(arch, q, k, v, causal, window, varlen_q: bool, no_2cta: bool, max_seqlen_q) -> FA4Numerics:
+def _numerics(arch, q, k, v, causal, window, varlen_q: bool, no_2cta: bool, max_seqlen_q, pack) -> FA4Numerics:
     """Production's numerics for one sequence of a varlen call: SM90's depend on head dims and
     masks only; SM100's 2-CTA choice (which sets the exp2 interleave) is off for packed or
     seqused queries (head dim 256 aside), splits and page sizes other than 128
-    (``interface.py`` ``use_2cta_instrs``), and its tile count follows ``max_seqlen_q``."""
+    (``interface.py`` ``use_2cta_instrs``), its tile count follows ``max_seqlen_q``, and packed
+    GQA on varlen queries changes the interleave (``FA4Numerics.sm100`` ``varlen_q``)."""
     if arch == "sm90":
         return FA4Numerics.for_inputs("sm90", q, k, v, causal, window)
     local = not causal and any(w is not None for w in window)
@@ -204,7 +207,7 @@ def _numerics(arch, q, k, v, causal, window, varlen_q: bool, no_2cta: bool, max_
     return FA4Numerics.sm100(
         q.dtype, q.shape[-1], causal, local,
         seqlen_q=max_seqlen_q or q.shape[1], qhead_per_kvhead=q.shape[2] // k.shape[2], head_dim_v=v.shape[-1],
-        use_2cta=False if off else None,
+        use_2cta=False if off else None, pack_gqa=bool(pack), varlen_q=varlen_q,
     )  # fmt: skip
 
 
@@ -242,50 +245,96 @@ def _split_partial(q, k, v, nm, kw, sink, ranges, split: int):
     )
 
 
+@dataclass(frozen=True)
+class CombineOps:
+    """How :func:`combine` evaluates its steps.  The defaults are the model (MUFU stand-ins
+    correctly rounded, as in ``fa4.model``; the fusions ptxas applies); the H200 fidelity probe
+    (``benchmarks/combine_fidelity.py``) swaps in production's MUFU functions and the other
+    fusions to find which matches production's combine kernel bit for bit.
+
+    exp2, lg2: float32 -> float32 (``ex2.approx.ftz``, ``lg2.approx.ftz``).
+    scale_fma: step 2 as one FFMA (else two roundings: ``fl(fl(lse l2e) - fl(max l2e))``).
+    lse_fma: step 4's ``lg2 * ln2 + max`` as one FFMA (else ``fl(fl(lg2 * ln2) + max)``).
+    inv: ``"div"`` (``div.rn``, a correctly rounded 1/x) or ``"rcp"`` (``rcp.approx.ftz``; then
+    ``rcp`` is used)."""
+
+    exp2: object = None
+    lg2: object = None
+    rcp: object = None
+    scale_fma: bool = True
+    lse_fma: bool = True
+    inv: str = "div"
+
+
+def _lg2(x: torch.Tensor) -> torch.Tensor:
+    return torch.log2(x.double()).float()
+
+
+def _div(x: torch.Tensor) -> torch.Tensor:
+    return (1.0 / x.double()).float()
+
+
 def combine(
-    o_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype
+    o_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype, ops: CombineOps | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_fwd_combine.py`` ``FlashAttentionForwardCombine.kernel`` per row: o_partial
     (splits, ..., dv) float32, lse_partial (splits, ...) float32 -> out (..., dv) in
     ``out_dtype``, lse (...) float32.
 
-    1. ``lse_max`` = max over splits (NaN ignored: ``ReductionOp.MAX`` is ``fmax``);
-       ``lse_max_cur`` = 0 where every split is -inf.
+    1. ``lse_max`` = max over splits (``ReductionOp.MAX`` and ``warp_reduction_max``: fmax, NaN
+       ignored); ``lse_max_cur`` = 0 where every split is -inf.
     2. ``scale_s = ex2.approx.ftz(lse_s * LOG2_E - lse_max_cur * LOG2_E)``: the second product
-       is loop-invariant, ptxas contracts the first with the subtraction into one FFMA (no
-       rounding modifier: ``fmad`` applies), as it does in the softmax (``fa4.model`` step 5).
-    3. ``sum`` = the scales added in split order from 0.0, per thread, then across the threads
-       of a column by the warp butterfly (:func:`_split_sum`).
-    4. ``lse = log(sum) + lse_max`` with ``log`` = ``lg2.approx.ftz * ln2`` fused with the
-       addition into one FFMA; ``inv = 1/sum`` (0 where sum is 0 or NaN); ``scale_s *= inv``.
+       is loop-invariant; ptxas contracts the first with the subtraction into one FFMA (no
+       rounding modifier, so ``fmad`` applies), as in the softmax (``fa4.model`` step 5).
+    3. ``sum``: per thread its splits in order from 0.0, then the warp butterfly across the
+       threads of a row (:func:`_split_sum`).
+    4. ``lse = log(sum) + lse_max`` (``cute.math.log(fastmath=True)``: ``lg2.approx * ln2``; the
+       multiply and the add contracted); ``inv = 1 / sum`` (``div.rn``; 0 where sum is 0 or
+       NaN); ``scale_s *= inv``.
     5. ``O = sum_s scale_s * O_s`` from 0.0 in split order, one FFMA per split; splits with
-       scale 0 are skipped (so 0 * inf never enters); cast to ``out_dtype`` (rn).
+       scale 0 are skipped (0 * inf never enters); cast to ``out_dtype`` (rn).
     """
+    ops = ops or CombineOps()
+    ex2, lg2 = ops.exp2 or hardware_exp2, ops.lg2 or _lg2
     l2e = torch.tensor(to_f32(LOG2_E), device=lse_partial.device)
     ln2 = torch.tensor(to_f32(math.log(2.0)), device=lse_partial.device)
     nan_free = torch.where(torch.isnan(lse_partial), torch.full_like(lse_partial, -math.inf), lse_partial)
     lse_max = nan_free.amax(0)
     cur = torch.where(lse_max == -math.inf, torch.zeros_like(lse_max), lse_max)
-    scales = hardware_exp2(fma(lse_partial, l2e, -(cur * l2e)))
-    total = _split_sum(scales)
-    lg2 = torch.log2(total.double()).float()  # lg2.approx.ftz, modelled correctly rounded
-    lse = fma(lg2, ln2, lse_max)
+    if ops.scale_fma:
+        scales = ex2(fma(lse_partial, l2e, -(cur * l2e)))
+    else:
+        scales = ex2(lse_partial * l2e - cur * l2e)
+    total = _split_sum(scales, threads=32 if o_partial.shape[-1] > 64 else 16)
+    lse = fma(lg2(total), ln2, lse_max) if ops.lse_fma else lg2(total) * ln2 + lse_max
     bad = (total == 0) | torch.isnan(total)
-    inv = torch.where(
-        bad, torch.zeros_like(total), (1.0 / torch.where(bad, torch.ones_like(total), total).double()).float()
-    )
+    safe = torch.where(bad, torch.ones_like(total), total)
+    inv = torch.where(bad, torch.zeros_like(total), ops.rcp(safe) if ops.inv == "rcp" else _div(safe))
     scales = scales * inv
     acc = torch.zeros_like(o_partial[0])
     for s in range(o_partial.shape[0]):
-        w = scales[s].unsqueeze(-1).expand_as(acc)
-        upd = fma(w.contiguous(), o_partial[s].contiguous(), acc.contiguous()) if True else None
-        acc = torch.where(w > 0, upd, acc)
+        w = scales[s].unsqueeze(-1).expand_as(acc).contiguous()
+        acc = torch.where(w > 0, fma(w, o_partial[s].contiguous(), acc.contiguous()), acc)
     return acc.to(out_dtype), lse
 
 
-def _split_sum(scales: torch.Tensor) -> torch.Tensor:
-    """Step 3 of :func:`combine`: the sum of a row's split scales in the kernel's order."""
-    acc = torch.zeros_like(scales[0])
-    for s in range(scales.shape[0]):
-        acc = acc + scales[s]
-    return acc
+def _split_sum(scales: torch.Tensor, threads: int) -> torch.Tensor:
+    """Step 3 of :func:`combine`: the sum of a row's split scales in the kernel's order.  The
+    combine runs 256 threads on tiles of 8 rows (head dim > 64) or 16 (``interface.py``
+    ``_flash_attn_fwd_combine``), so ``threads`` = 32 or 16 threads share a row; the s2r copy
+    (``make_ordered_layout((threads, ·), order=(0, 1))``) gives thread t the splits t, t +
+    threads, ... (padding splits are -inf: scale 0).  Each thread adds its own from 0.0 in
+    order; ``warp_reduction_sum`` then adds ``shfl_bfly`` partners at offsets threads/2, ..., 1
+    (own value first; float addition is commutative, so every lane ends with lane 0's)."""
+    n = scales.shape[0]
+    pad = (-n) % threads
+    x = torch.cat([scales, torch.zeros(pad, *scales.shape[1:], dtype=scales.dtype, device=scales.device)])
+    x = x.view(-1, threads, *scales.shape[1:])  # (rounds, lanes, ...)
+    acc = torch.zeros_like(x[0])
+    for j in range(x.shape[0]):
+        acc = acc + x[j]
+    off = threads // 2
+    while off:
+        acc = acc[:off] + acc[off : 2 * off]
+        off //= 2
+    return acc[0]

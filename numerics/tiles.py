@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_ranges", "split_ranges", "split_key_masks"]
+__all__ = ["block_ranges", "split_ranges", "split_key_masks", "masked_blocks"]
 
 
 def block_ranges(
@@ -58,3 +58,29 @@ def split_key_masks(
         lo, hi = split_ranges(n_min, n_max, s, num_splits)
         masks.append((blk >= lo.unsqueeze(-1)) & (blk < hi.unsqueeze(-1)))
     return masks
+
+
+def masked_blocks(
+    sq: int, sk: int, tm: int, tn: int, causal: bool, window: tuple, device, *, heads: int = 1, pack: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (head, row): the blocks its query tile runs *with a mask* apply: blocks >= the first
+    value (the causal / right-window diagonal, ``BlockInfo.get_n_block_min_causal_local_mask``;
+    nblk when there is no right mask) and blocks < the second (the left window's edge,
+    ``get_n_block_min_before_local_mask``; 0 without one).  The last block is masked as well
+    when seqlen_k is not a multiple of tn (the seqlen mask of the first iteration)."""
+    left, right = window
+    if causal:
+        right = 0
+    nblk = max(1, -(-sk // tn))
+    rows = torch.arange(sq, device=device).view(1, sq)
+    grp = (torch.arange(heads, device=device) % pack).view(heads, 1)
+    mb = (rows * pack + grp) // tm
+    hi = torch.full((heads, sq), nblk, dtype=torch.int64, device=device)
+    if right is not None:
+        n_idx_right = torch.div(mb * tm, pack, rounding_mode="floor") + sk - sq + right
+        hi = torch.clamp(torch.div(n_idx_right, tn, rounding_mode="floor"), min=0)
+    lo = torch.zeros((heads, sq), dtype=torch.int64, device=device)
+    if left is not None:
+        n_idx_left = -(-((mb + 1) * tm) // pack) + sk - sq - left
+        lo = torch.clamp(-(-n_idx_left // tn), min=0)
+    return hi, lo
