@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, default=2048)
     args = ap.parse_args()
-    from flash_attn.cute import flash_attn_combine
+    from flash_attn.cute.interface import flash_attn_combine
 
     dev = torch.device("cuda")
     mufu = dict(exp2=_mufu("hardware"), lg2=_mufu("lg2"), rcp=_mufu("rcp"))

@@ -88,17 +88,15 @@ def sequences(
     if page_table is not None:
         page = k.shape[1]
         ks = _lengths(None, seqused_k, n, page_table.shape[1] * page)
-        idx = [
-            (page_table[i].long().repeat_interleave(page) * page + torch.arange(page).repeat(page_table.shape[1]))[:ln]
-            for i, (_, ln) in enumerate(ks)
-        ]
+        slot = torch.arange(page, device=page_table.device).repeat(page_table.shape[1])
+        idx = [(page_table[i].long().repeat_interleave(page) * page + slot)[:ln] for i, (_, ln) in enumerate(ks)]
     else:
         ks = _lengths(cu_seqlens_k, seqused_k, n, k.shape[1] if cu_seqlens_k is None else 0)
         stride = 0 if cu_seqlens_k is not None else k.shape[1]
-        idx = [torch.arange(st, st + ln) + i * stride for i, (st, ln) in enumerate(ks)]
+        idx = [torch.arange(st, st + ln, device=k.device) + i * stride for i, (st, ln) in enumerate(ks)]
     seqs = []
     for i, ((qs, ql), ki) in enumerate(zip(rows, idx)):
-        seqs.append(Sequence(i, (qs, qs + ql), ki.to(torch.int64)))
+        seqs.append(Sequence(i, (qs, qs + ql), ki.to(device=k.device, dtype=torch.int64)))
     return seqs
 
 
