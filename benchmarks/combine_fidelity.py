@@ -49,22 +49,24 @@ def _mufu(variant: str):
 
 
 def _partials(splits: int, rows: int, heads: int, dv: int, g: torch.Generator, dev):
-    """(o_partial (S, 1, rows, H, dv), lse_partial (S, 1, rows, H)), production's batched
-    layout: LSEs ~ 5 + 3 N(0,1), a tenth of
+    """(o_partial (S, 1, rows, H, dv), lse_partial (S, 1, rows, H), rows contiguous), the
+    layout production's forward hands its combine: LSEs ~ 5 + 3 N(0,1), a tenth of
     the rows spread 60 nats (weights below 2**-126 flush), a fifth of the splits empty (-inf),
     one row in 64 with every split empty."""
-    lse = 5 + 3 * torch.randn(splits, rows, heads, generator=g)
-    far = torch.rand(1, rows, 1, generator=g) < 0.1
+    lse = 5 + 3 * torch.randn(splits, heads, rows, generator=g)
+    far = torch.rand(1, 1, rows, generator=g) < 0.1
     lse = torch.where(far, lse * 20, lse)
-    lse = torch.where(torch.rand(splits, rows, heads, generator=g) < 0.2, torch.full_like(lse, -math.inf), lse)
-    lse[:, ::64] = -math.inf
+    lse = torch.where(torch.rand(splits, heads, rows, generator=g) < 0.2, torch.full_like(lse, -math.inf), lse)
+    lse[:, :, ::64] = -math.inf
     o = torch.randn(splits, rows, heads, dv, generator=g)
-    return o.unsqueeze(1).to(dev), lse.unsqueeze(1).to(dev)
+    # the forward writes lse_partial as (S, B, H, seqlen) and hands the combine its transpose
+    # (interface.py: ``lse_partial.transpose(-1, -2)``): the sequence dimension stays contiguous
+    return o.unsqueeze(1).to(dev), lse.unsqueeze(1).to(dev).transpose(-1, -2)
 
 
 def _compare(got: tuple, want: tuple) -> dict:
-    o, lse = got
-    po, plse = want
+    o, lse = (t.contiguous() for t in got)
+    po, plse = (t.contiguous() for t in want)
     ob = o.view(torch.int16) != po.view(torch.int16)
     lb = lse.view(torch.int32) != plse.view(torch.int32)
     return {
@@ -100,7 +102,7 @@ def main() -> None:
                 po, plse = flash_attn_combine(o, lse, out_dtype=dt, return_lse=True)
                 plse = plse.float()
                 for name, ops in variants.items():
-                    mo, ml = combine(o, lse, dt, ops)
+                    mo, ml = combine(o, lse.contiguous(), dt, ops)
                     rec = {"splits": splits, "dv": dv, "dtype": str(dt).removeprefix("torch."), "variant": name}
                     results.append({**rec, **_compare((mo, ml), (po, plse))})
     summary = {}

@@ -24,7 +24,7 @@ def block_ranges(
     rows = torch.arange(sq, device=device).view(1, sq)
     grp = (torch.arange(heads, device=device) % pack).view(heads, 1)
     mb = (rows * pack + grp) // tm  # (heads, sq): the row's m_block
-    n_max = torch.full((heads, sq), nblk, dtype=torch.int64, device=device)
+    n_max = torch.full((heads, sq), -(-sk // tn), dtype=torch.int64, device=device)  # 0 blocks when sk = 0
     if right is not None:
         m_idx_max = -(-((mb + 1) * tm) // pack)
         n_idx_right = torch.clamp(m_idx_max + sk - sq + right, min=0)

@@ -202,3 +202,53 @@ def test_numerics_knob_reaches_every_sequence():
     a = varlen_attention(x["q"], x["k"], x["v"], numerics=base, **x["kw"])
     b = varlen_attention(x["q"], x["k"], x["v"], numerics=dataclasses.replace(base, tile_n=64), **x["kw"])
     assert not torch.equal(_bits(a), _bits(b))
+
+
+def _decode_vs_prefill(numerics_of) -> bool:
+    """Whether the last query row computed in a causal prefill (sq = sk = 200) equals the same row
+    computed as a decode step (q = that row, same KV), bitwise on out and LSE, under production
+    SM100 numerics for each call's shape (``numerics_of(nm)`` adjusts them)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 200, 2, 64, generator=g).bfloat16() for _ in range(3))
+    nm_p = numerics_of(FA4Numerics.sm100(torch.bfloat16, 64, True, seqlen_q=200))
+    nm_d = numerics_of(FA4Numerics.sm100(torch.bfloat16, 64, True, seqlen_q=1))
+    op, lp = attention(q, k, v, causal=True, return_lse=True, numerics=nm_p)
+    od, ld = attention(q[:, -1:], k, v, causal=True, return_lse=True, numerics=nm_d)
+    return torch.equal(_bits(op[:, -1:]), _bits(od)) and torch.equal(lp[..., -1:], ld)
+
+
+def test_reproduces_flash_attention_2596():
+    """flash-attention #2596 (fixed by #2595): when the exp2 choice depended on whether a block
+    was masked, decode and prefill disagreed bitwise.  Row 199 of a 200-row prefill sits in a
+    256-row tile (q_stage 2) whose diagonal mask starts at block 0; as a decode step its mask
+    starts at block 1, so block 0 is masked in one and not the other.  With 4.0.0b36's knobs
+    (``masked_exp2="same"``) the row is the same; with the pre-fix choice it is not."""
+    assert _decode_vs_prefill(lambda nm: nm)
+    assert not _decode_vs_prefill(lambda nm: dataclasses.replace(nm, masked_exp2="hardware"))
+
+
+def test_reproduces_flash_attention_2752():
+    """flash-attention PR #2752 (SM80/SM120 sink support) saw an all-NaN LSE for
+    ``seqused_k = 0`` and an inf LSE for a sink logit of 100.  With 4.0.0b36's SM100 and SM90
+    knobs the model predicts: no keys gives out 0 and LSE = the sink (finite, not NaN), except
+    under split-KV, where an empty split writes -inf and the sink (split 0's) is lost; a sink of
+    100 against logits near 0 overflows the float32 row sum (2**(100 log2 e) = 2**144) to an inf
+    LSE on both paths."""
+    g = torch.Generator().manual_seed(0)
+    q = (0.01 * torch.randn(3, 2, 64, generator=g)).bfloat16()
+    kv = (0.01 * torch.randn(8, 2, 64, generator=g)).bfloat16()
+    cu_q = torch.tensor([0, 3], dtype=torch.int32)
+    cu_k = torch.tensor([0, 8], dtype=torch.int32)
+    sink = torch.tensor([0.5, 100.0])
+    for arch in ("sm100", "sm90"):
+        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, learnable_sink=sink, return_lse=True, arch=arch)
+        out, lse = varlen_attention(q, kv, kv, seqused_k=torch.tensor([0], dtype=torch.int32), **kw)
+        assert bool((out == 0).all()) and bool(torch.isfinite(lse).all()), arch
+        assert abs(float(lse[0, 0]) - 0.5) < 1e-6 and abs(float(lse[1, 0]) - 100.0) < 1e-4, arch
+        _, lse = varlen_attention(q, kv, kv, **kw)
+        assert bool(torch.isinf(lse[1]).all()) and bool(torch.isfinite(lse[0]).all()), arch
+    out, lse = varlen_attention(
+        q, kv, kv, seqused_k=torch.tensor([0], dtype=torch.int32), num_splits=2,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, learnable_sink=sink, return_lse=True,
+    )  # fmt: skip
+    assert bool((lse == -math.inf).all()) and bool((out == 0).all())
