@@ -9,6 +9,14 @@ import torch
 __all__ = ["block_ranges", "split_ranges", "split_key_masks", "masked_blocks"]
 
 
+def _m_blocks(sq: int, tm: int, device, heads: int, pack: int) -> torch.Tensor:
+    """(heads, sq): each row's m_block; with pack_gqa (``pack`` > 1) the packed index is
+    ``row * pack + head % pack`` (``pack_gqa.py``: divmod by qhead_per_kvhead gives (row, head))."""
+    rows = torch.arange(sq, device=device).view(1, sq)
+    grp = (torch.arange(heads, device=device) % pack).view(heads, 1)
+    return (rows * pack + grp) // tm
+
+
 def block_ranges(
     sq: int, sk: int, tm: int, tn: int, causal: bool, window: tuple, device, *, heads: int = 1, pack: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -21,9 +29,7 @@ def block_ranges(
     if causal:
         right = 0
     nblk = max(1, -(-sk // tn))
-    rows = torch.arange(sq, device=device).view(1, sq)
-    grp = (torch.arange(heads, device=device) % pack).view(heads, 1)
-    mb = (rows * pack + grp) // tm  # (heads, sq): the row's m_block
+    mb = _m_blocks(sq, tm, device, heads, pack)
     n_max = torch.full((heads, sq), -(-sk // tn), dtype=torch.int64, device=device)  # 0 blocks when sk = 0
     if right is not None:
         m_idx_max = -(-((mb + 1) * tm) // pack)
@@ -72,9 +78,7 @@ def masked_blocks(
     if causal:
         right = 0
     nblk = max(1, -(-sk // tn))
-    rows = torch.arange(sq, device=device).view(1, sq)
-    grp = (torch.arange(heads, device=device) % pack).view(heads, 1)
-    mb = (rows * pack + grp) // tm
+    mb = _m_blocks(sq, tm, device, heads, pack)
     hi = torch.full((heads, sq), nblk, dtype=torch.int64, device=device)
     if right is not None:
         n_idx_right = torch.div(mb * tm, pack, rounding_mode="floor") + sk - sq + right
