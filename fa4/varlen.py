@@ -19,7 +19,8 @@ own rows and keys, with production's block ranges for it:
   it moves the split boundaries and where masked non-finite values are read.
 * **split-KV** (``block_info.py`` ``get_n_block_min_max`` under ``is_split_kv``): split s of
   ``num_splits`` runs the loop over its run of blocks and writes float32 partials; then
-  :func:`combine` (``flash_fwd_combine.py``) merges them.  Production's SM90 path refuses
+  :func:`combine` (``flash_fwd_combine.py``) merges them.  On SM100 a call with varlen queries
+  gets a split count per sequence from the prepare scheduler (:func:`dynamic_splits`).  Production's SM90 path refuses
   splits (``interface.py``: "SplitKV not supported on SM 9.0"); the model runs them for both.
 
 The combine's arithmetic is modelled from ``FlashAttentionForwardCombine.kernel``: see
@@ -38,7 +39,16 @@ from fa4.model import _FP8, FA4Numerics, _block_ranges, _finalize, _validate, fo
 from numerics.fp import to_f32
 from numerics.tiles import split_ranges
 
-__all__ = ["varlen_attention", "combine", "CombineOps", "Sequence", "sequences", "VARLEN_KEYWORDS"]
+__all__ = [
+    "varlen_attention",
+    "combine",
+    "CombineOps",
+    "dynamic_splits",
+    "split_counts",
+    "Sequence",
+    "sequences",
+    "VARLEN_KEYWORDS",
+]
 
 #: the varlen keywords of the contract (``docs/varlen.md``), beyond the fixed-length ones
 VARLEN_KEYWORDS = (
@@ -145,6 +155,7 @@ def varlen_attention(
     return_lse: bool = False,
     numerics: FA4Numerics | None = None,
     arch: str = "sm100",
+    num_sms: int = 148,
 ):
     """The varlen entry as production computes it (module doc).
 
@@ -154,6 +165,8 @@ def varlen_attention(
     and, with ``return_lse``, lse (hq, total_q) or (b, hq, sq) float32 (-inf past seqused_q).
     ``numerics=None``: production's for ``arch`` per sequence (SM100: no 2-CTA on packed
     queries, seqused_q, splits or pages other than 128, as ``interface._flash_attn_fwd``).
+    ``num_sms``: the GPU's SM count (148: B200), which sets SM100's per-sequence split counts on
+    varlen queries (:func:`dynamic_splits`).
     """
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1 (the model takes no heuristic 0), got {num_splits!r}")
@@ -173,7 +186,8 @@ def varlen_attention(
     lse = torch.full((hq, q.shape[0]) if packed_q else (q.shape[0], hq, q.shape[1]), -math.inf, device=q.device)
     page_size = None if page_table is None else k.shape[1]
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
-    for seq in seqs:
+    splits = _splits(seqs, num_splits, arch, packed_q or seqused_q is not None, hq, hk, pack, num_sms)
+    for seq, n_split in zip(seqs, splits):
         qs, ks, vs = _seq_tensors(q, k, v, seq, packed_q)
         if qs.shape[1] == 0:
             continue
@@ -182,13 +196,66 @@ def varlen_attention(
             arch, qs, ks, vs, causal, window_size, packed_q or seqused_q is not None,
             num_splits > 1 or page_size not in (None, 128), max_seqlen_q, pack,
         )  # fmt: skip
-        o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, num_splits, out_dtype)
+        o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, n_split, out_dtype)
         r0, r1 = seq.q_rows
         if packed_q:
             out[r0:r1], lse[:, r0:r1] = o[0], lo[0]
         else:
             out[seq.index, r0:r1], lse[seq.index, :, r0:r1] = o[0], lo[0]
     return (out, lse) if return_lse else out
+
+
+def _splits(seqs, num_splits: int, arch: str, varlen_q: bool, hq: int, hk: int, pack: bool, num_sms: int) -> list[int]:
+    if arch == "sm100" and num_splits > 1 and varlen_q:
+        lens = [(s.q_rows[1] - s.q_rows[0], s.k_index.numel()) for s in seqs]
+        return dynamic_splits(lens, num_splits, heads=hq, heads_kv=hk, pack=pack, num_sms=num_sms)
+    return [num_splits] * len(seqs)
+
+
+def split_counts(q: torch.Tensor, k: torch.Tensor, *, arch: str = "sm100", num_sms: int = 148, **kw) -> list[int]:
+    """The split count :func:`varlen_attention` uses for each sequence of a call with these
+    arguments (``kw``: the varlen keywords; others ignored): the static ``num_splits``, or
+    SM100's per-sequence counts on varlen queries.  The split-KV bound needs the same."""
+    keys = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "page_table")
+    seqs = sequences(q, k, **{n: kw.get(n) for n in keys})
+    hq, hk = q.shape[-2], k.shape[-2]
+    pack = kw.get("pack_gqa") if kw.get("pack_gqa") is not None else hq // hk > 1
+    varlen_q = kw.get("cu_seqlens_q") is not None or kw.get("seqused_q") is not None
+    return _splits(seqs, kw.get("num_splits", 1), arch, varlen_q, hq, hk, pack, num_sms)
+
+
+def dynamic_splits(
+    lengths: list[tuple[int, int]],
+    num_splits: int,
+    *,
+    heads: int,
+    heads_kv: int,
+    pack: bool,
+    num_sms: int = 148,
+    tile_m: int = 128,
+    tile_n: int = 128,
+) -> list[int]:
+    """SM100's split count per sequence of a split-KV call on varlen queries
+    (``prepare_scheduler.py`` ``FlashPrepareScheduler``, run by ``interface._flash_attn_fwd``
+    through ``_get_scheduler_metadata`` when ``is_split_kv and is_varlen_q``): with
+    ``m_b = ceil(seqlen_q (x qhead_per_kvhead under pack_gqa) / tile_m)``, ``n_b =
+    ceil(seqlen_k / tile_n)`` and ``total = sum m_b n_b``, blocks per SM ``bps = max(int(total *
+    margin * H / num_sms), 1)`` in float32 (``margin = max(num_sms / 128 + 0.001, 1.1)``, H the
+    KV heads under pack_gqa, else the query heads), and ``max(1, min(ceil(n_b / bps),
+    num_splits))`` per sequence (``zfill_padded_output``: at least 1).  More than 992 sequences
+    (a second CTA in the prepare grid) give 1 each.  The combine reads that many splits."""
+    import numpy as np
+
+    f32 = np.float32
+    if len(lengths) > 992 or num_splits == 1:
+        return [1] * len(lengths)
+    rep = heads // heads_kv if pack else 1
+    m = [-(-sq * rep // tile_m) for sq, _ in lengths]
+    n = [-(-sk // tile_n) for _, sk in lengths]
+    total = sum(a * b for a, b in zip(m, n))
+    margin = max(f32(num_sms) / f32(128) + f32(0.001), f32(1.1))
+    bps = max(int(f32(f32(f32(total) * margin) * f32(heads_kv if pack else heads)) / f32(num_sms)), 1)
+    return [max(1, min(-(-nb // bps), num_splits)) for nb in n]
 
 
 def _numerics(arch, q, k, v, causal, window, varlen_q: bool, no_2cta: bool, max_seqlen_q, pack) -> FA4Numerics:

@@ -252,3 +252,28 @@ def test_reproduces_flash_attention_2752():
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, learnable_sink=sink, return_lse=True,
     )  # fmt: skip
     assert bool((lse == -math.inf).all()) and bool((out == 0).all())
+
+
+def test_sm100_dynamic_splits_follow_the_prepare_scheduler():
+    """``prepare_scheduler.py`` by hand: 3 sequences (2, 900), (77, 600), (128, 384), 6 query
+    heads on 2 KV heads, pack_gqa: m = 1, 2, 3 and n = 8, 5, 3 blocks, total 27; bps =
+    int(27 * 1.157 * 2 / 148) = 0 -> 1, so min(n, 3) = 3 each.  Long sequences fill the GPU:
+    (2048, 2048), (1000, 4096), (4224, 4224) on 8/2 heads give m = 64, 32, 132 and n = 16, 32,
+    33: total 6,404, bps = int(6404 * 1.157 * 2 / 148) = 100 > every n_b, so none splits.  The model then runs
+    sequence by sequence with those counts (an unsplit sequence is bit-identical to num_splits 1)."""
+    from fa4.varlen import dynamic_splits, split_counts
+
+    assert dynamic_splits([(2, 900), (77, 600), (128, 384)], 3, heads=6, heads_kv=2, pack=True) == [3, 3, 3]
+    long = [(2048, 2048), (1000, 4096), (4224, 4224)]
+    assert dynamic_splits(long, 4, heads=8, heads_kv=2, pack=True) == [1, 1, 1]
+    # ten (64, 4096) on 8 heads: m 1, n 32, total 320, bps = int(320 * 1.15703 * 8 / 148) = 20 -> 2
+    assert dynamic_splits([(64, 4096)] * 10, 4, heads=8, heads_kv=8, pack=False) == [2] * 10
+    assert dynamic_splits([(64, 4096)], 4, heads=8, heads_kv=8, pack=False) == [4]  # bps 2 -> 16 -> 4
+    c = varlen_case(seqlens=((4, 600), (1, 300)), heads_q=2, heads_kv=2, d=64, dv=64, num_splits=3)
+    x = make_varlen_inputs(c)
+    assert split_counts(x["q"], x["k"], **x["kw"]) == [3, 3]
+    assert split_counts(x["q"], x["k"], arch="sm90", **x["kw"]) == [3, 3]
+    one = varlen_attention(x["q"], x["k"], x["v"], return_lse=True, **{**x["kw"], "num_splits": 1})
+    few = varlen_attention(x["q"], x["k"], x["v"], return_lse=True, num_sms=1, **x["kw"])  # 1 SM: no split
+    assert split_counts(x["q"], x["k"], num_sms=1, **x["kw"]) == [1, 1]
+    assert torch.equal(_bits(one[0]), _bits(few[0])) and torch.equal(one[1], few[1])
