@@ -16,7 +16,16 @@ so fixed absolute errors weigh most here); ``o = sum p_j v_j / sum p_j`` (+ sink
 
 1. Score.  The float32 dot of d exactly representable products, summed in any order, is within
    ``E_dot = gamma(d) sum_k |q_k k_jk|`` of q.k (Higham, Accuracy and Stability, 3.1); the model's
-   single rounding is a special case.  Softcap: ``fl(s*scale)``, ``div.rn``, MUFU.TANH
+   single rounding is a special case.  The tensor cores do not round to nearest: per k16
+   instruction they truncate the m <= 16 products and the accumulator C to multiples of
+   ``2**(emax - 25)`` and truncate the exact sum to float32 (``numerics.tensor_core``, measured on
+   the H200).  Since ``2**emax <= max |term|`` (a product's significand is >= 1), one instruction
+   errs by at most ``(m + 1) 2**-25 max|term| + 2**-23 |sum| <= ((m + 1)/2 + 2) u sum|terms|``,
+   and K = m_1 + ... products over ceil(K/16) instructions by at most ``sum_i ((m_i + 1)/2 + 2) u``
+   times the running sum of |terms| (first order), which is below ``gamma(K) sum|terms|`` for
+   every K >= 8 (K = 8: 6.5 u against 8 u; K = 16: 10.5 u against 16 u; then 10.5 u per 16).  So
+   the bound covers production's tensor cores for every head dim FA4 accepts (>= 8), and step 6's
+   gamma for the P V sums likewise.  Softcap: ``fl(s*scale)``, ``div.rn``, MUFU.TANH
    (absolute error <= TANH_ABS), ``fl(*softcap)`` add u-relative roundings and TANH_ABS*softcap.
 2. Exponent.  The kernel computes ``t_j = fma(s^_j, sl2, fma(-m_ref, sl2, offset))`` with
    ``sl2 = fl32(fl32(scale) fl32(log2 e))``.  A shift common to the row cancels in the output,
