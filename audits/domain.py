@@ -112,17 +112,14 @@ class Domain:
         )  # fmt: skip
 
     def refusal(self, case: Case) -> str | None:
-        """Why ``case`` lies outside the domain (the first reason found), None when inside."""
+        """Why ``case`` lies outside the domain (the first reason found), None when inside.  A
+        varlen case's lengths are checked per sequence (:meth:`_lengths_refusal`)."""
+        lengths = self._lengths_refusal(case)
         checks = (
             (self.dtypes is not None and case.dtype not in self.dtypes, f"dtype {case.dtype} not in {self.dtypes}"),
             (self.head_dims is not None and (case.d, case.dv) not in self.head_dims,
              f"head dims ({case.d}, {case.dv}) not in {self.head_dims}"),
-            (case.seqlen_q % self.seqlen_multiple or case.seqlen_k % self.seqlen_multiple,
-             f"seqlens {case.seqlen_q}x{case.seqlen_k} not multiples of {self.seqlen_multiple}"),
-            (self.equal_seqlens and case.seqlen_q != case.seqlen_k, "seqlen_q != seqlen_k"),
-            (min(case.seqlen_q, case.seqlen_k) < self.min_seqlen, f"a seqlen below {self.min_seqlen}"),
-            (self.max_seqlen is not None and max(case.seqlen_q, case.seqlen_k) > self.max_seqlen,
-             f"a seqlen above {self.max_seqlen}"),
+            (lengths is not None, lengths),
             (case.causal and not self.causal, "causal masking unsupported"),
             (case.local and not self.local, "local windows unsupported"),
             (case.softcap > 0 and not self.softcap, "softcap unsupported"),
@@ -132,6 +129,31 @@ class Domain:
              f"layout {case.layout} not in {self.layouts}"),
         )  # fmt: skip
         return next((why for bad, why in checks if bad), None)
+
+    def _length_refusal(self, sq: int, sk: int) -> str | None:
+        """Why lengths ``sq`` x ``sk`` lie outside the domain's length keys, or None."""
+        checks = (
+            (sq % self.seqlen_multiple or sk % self.seqlen_multiple,
+             f"seqlens {sq}x{sk} not multiples of {self.seqlen_multiple}"),
+            (self.equal_seqlens and sq != sk, "seqlen_q != seqlen_k"),
+            (min(sq, sk) < self.min_seqlen, f"a seqlen below {self.min_seqlen}"),
+            (self.max_seqlen is not None and max(sq, sk) > self.max_seqlen, f"a seqlen above {self.max_seqlen}"),
+        )  # fmt: skip
+        return next((why for bad, why in checks if bad), None)
+
+    def _lengths_refusal(self, case: Case) -> str | None:
+        """The length keys on ``case``: a fixed-length case's lengths; a varlen case's per sequence
+        with queries and keys (its rows and used keys: what a sequence computes), each as a call
+        of those lengths would be judged.  Sequences without queries or keys are the varlen
+        entry's business (rows of no sequence; rows with no key): no length key speaks of them."""
+        if not case.varlen:
+            return self._length_refusal(case.seqlen_q, case.seqlen_k)
+        for i, (sq, sk) in enumerate(case.seqlens):
+            used = case.seqused_k[i] if case.seqused_k else sk
+            why = self._length_refusal(sq, used) if sq and used else None
+            if why is not None:
+                return f"sequence {i}: {why}"
+        return None
 
     def as_dict(self) -> dict:
         """The declaration in the dict form (lists for tuples), for reports."""
@@ -269,8 +291,9 @@ def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: lis
     supported axis values (:func:`axes_within`) times every input family.  Returns ``{"cases",
     "axes", "pairs_covered", "not_applicable": {family: reason}}`` — a family none of whose cases
     fits the domain (``nan_inf_masked`` needs keys no query sees: a left window and unequal
-    lengths) is listed with the reason, never a case outside the domain."""
-    from audits.cases import pairwise
+    lengths) is listed with the reason, never a case outside the domain.  Then release's varlen
+    cases that lie inside the domain (:func:`_varlen_within`)."""
+    from audits.cases import pairwise, release_varlen
     from audits.inputs import FAMILIES
 
     axes = axes_within(d)
@@ -287,7 +310,14 @@ def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: lis
         cases += ok
     names = list(axes)
     pairs = sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
+    cases += _varlen_within(d, release_varlen(seeds))
     return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": pairs, "not_applicable": missing}
+
+
+def _varlen_within(d: Domain, cases: list[Case]) -> list[Case]:
+    """A suite's varlen cases (``audits.cases.smoke_varlen``, ``release_varlen``) that lie inside
+    the domain, as they are: their sequences' lengths are the serving mix, not axis values."""
+    return [c for c in cases if d.refusal(c) is None]
 
 
 def _smoke_case_within(d: Domain, row: dict, family: str) -> tuple[Case | None, str | None]:
@@ -301,8 +331,9 @@ def _smoke_case_within(d: Domain, row: dict, family: str) -> tuple[Case | None, 
 def smoke_within(d: Domain) -> dict:
     """``smoke`` over the domain: the pairwise rows of its axes with short lengths (up to five
     blocks), each input family on one row (families and rows taken in turn until both are used
-    up), as :func:`release_within` reports them.  The unrestricted domain gives smoke itself."""
-    from audits.cases import pairwise, smoke_suite
+    up), as :func:`release_within` reports them, then smoke's varlen cases inside the domain.  The
+    unrestricted domain gives smoke itself."""
+    from audits.cases import pairwise, smoke_suite, smoke_varlen
     from audits.inputs import FAMILIES
 
     if d == Domain():
@@ -321,6 +352,7 @@ def smoke_within(d: Domain) -> dict:
             cases.append(case)
     names = list(axes)
     pairs = sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
+    cases += _varlen_within(d, smoke_varlen())
     return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": pairs, "not_applicable": missing}
 
 

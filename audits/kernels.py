@@ -35,7 +35,7 @@ from fa4.production import REFUSALS, production_domain
 __all__ = [
     "KERNELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "production_arch",
     "claims_nonfinite_inputs", "contract_error", "VARLEN_KERNELS", "get_varlen_kernel", "per_sequence",
-    "varlen_contract_error",
+    "varlen_contract_error", "fa4_varlen_numerics", "fa4_varlen_splits",
 ]  # fmt: skip
 
 
@@ -186,13 +186,53 @@ def fa4_numerics(name: str):
     numerics (held to the forward-pass bound); None for the others."""
     from fa4.model import FA4Numerics
 
-    if name == "fa4":  # on this machine's GPU generation
-        arch = production_arch()
-    else:
-        arch = {"fa4-model": "sm100", "fa4-model-sm90": "sm90"}.get(name)
+    arch = _fa4_arch(name)
     if arch is None:
         return None
     return lambda q, k, v, causal, window: FA4Numerics.for_inputs(arch, q, k, v, causal, window)
+
+
+def _fa4_arch(name: str) -> str | None:
+    """The FA4Numerics family of a built-in FA4 kernel (production: this machine's GPU's)."""
+    if name == "fa4":  # on this machine's GPU generation
+        return production_arch()
+    return {"fa4-model": "sm100", "fa4-model-sm90": "sm90"}.get(name)
+
+
+def fa4_varlen_numerics(name: str):
+    """Callable (q, k, v, causal, window, *, num_splits, page_size, pack_gqa, max_seqlen_q) -> the
+    FA4Numerics of one sequence (batch-1 tensors) of a varlen call with packed queries, as the
+    kernel's varlen entry chooses them (``fa4.varlen``: SM100 without 2-CTA for packed queries,
+    splits and pages other than 128; tiles from ``max_seqlen_q``; the interleave of packed GQA);
+    ``page_size`` 0: no page table; ``pack_gqa`` None: the default (on for GQA).  None for
+    kernels that do not implement FA4's numerics."""
+    from fa4.varlen import _numerics
+
+    arch = _fa4_arch(name)
+    if arch is None:
+        return None
+
+    def nm(q, k, v, causal, window, *, num_splits: int, page_size: int, pack_gqa, max_seqlen_q: int):
+        no_2cta = num_splits > 1 or page_size not in (0, 128)
+        pack = pack_gqa if pack_gqa is not None else q.shape[2] // k.shape[2] > 1
+        return _numerics(arch, q, k, v, causal, window, True, no_2cta, max_seqlen_q, pack)
+
+    return nm
+
+
+def fa4_varlen_splits(name: str):
+    """Callable (q, k, kw) -> the split count of each sequence of a varlen call with keywords
+    ``kw``, as the kernel's varlen entry runs it (``fa4.varlen.split_counts``: the static
+    ``num_splits``, or SM100's per-sequence counts on varlen queries, which follow the GPU's SM
+    count: production's own GPU's, the model's 148 of a B200); None for kernels that do not
+    implement FA4's numerics."""
+    from fa4.varlen import split_counts
+
+    arch = _fa4_arch(name)
+    if arch is None:
+        return None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if name == "fa4" else 148
+    return lambda q, k, kw: split_counts(q, k, arch=arch, num_sms=sms, **kw)
 
 
 def _package_root(path: Path) -> tuple[Path, str]:

@@ -15,7 +15,10 @@ import torch
 from numerics.fp import CANONICAL_NAN_BITS, fma_f32
 from numerics.fp import to_f32 as _f32
 
-__all__ = ["LOG2_E", "fma", "hardware_exp2", "scales", "visible"]
+__all__ = [
+    "LOG2_E", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh", "scales", "visible",
+    "visible_bounds",
+]  # fmt: skip
 
 #: math.log2(math.e); a Float32 constant in the kernels, rounded to float32 where they use it
 LOG2_E = 1.4426950408889634
@@ -30,10 +33,68 @@ def hardware_exp2(t: torch.Tensor) -> torch.Tensor:
     The forward's hardware exp2 (``fa4.model`` step 6, the accumulator rescale, the sink) and
     the backward's P and dsink (``flash_bwd_sm90.py`` ``mma_one_m_block``, ``flash_bwd_sm100.py``
     ``compute_loop``, ``flash_bwd_postprocess.py``: always MUFU.EX2, never the polynomial)."""
+    if t.is_cuda and _on_gpu(t):  # the instruction itself (fa4.mufu)
+        return _gpu("ex2", t)
     y = t.to(torch.float64, copy=True).exp2_().float()
     y.masked_fill_(y < 2.0**-126, 0.0)
     y.view(torch.int32).masked_fill_(torch.isnan(t), CANONICAL_NAN_BITS)
     return y
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    from fa4 import mufu
+
+    return mufu.available(t.device)
+
+
+def _gpu(op: str, t: torch.Tensor) -> torch.Tensor:
+    from fa4 import mufu
+
+    return mufu.apply(op, t.float())
+
+
+def hardware_rcp(x: torch.Tensor) -> torch.Tensor:
+    """``rcp.approx.ftz.f32`` (MUFU.RCP): the instruction on CUDA (``fa4.mufu``), else 1/x
+    correctly rounded (MUFU.RCP's relative error: at most 9.83e-8, measured on the H200)."""
+    if x.is_cuda and _on_gpu(x):
+        return _gpu("rcp", x)
+    return (1.0 / x.double()).float()
+
+
+def hardware_lg2(x: torch.Tensor) -> torch.Tensor:
+    """``lg2.approx.ftz.f32`` (MUFU.LG2): the instruction on CUDA, else log2 correctly rounded
+    (MUFU.LG2: absolute error at most 7.78e-6, relative 2.3e-7 where |log2 x| >= 1, measured)."""
+    if x.is_cuda and _on_gpu(x):
+        return _gpu("lg2", x)
+    return torch.log2(x.double()).float()
+
+
+def hardware_tanh(x: torch.Tensor) -> torch.Tensor:
+    """``tanh.approx.f32`` (MUFU.TANH): the instruction on CUDA, else tanh correctly rounded
+    (MUFU.TANH: absolute error at most 7.99e-6, measured)."""
+    if x.is_cuda and _on_gpu(x):
+        return _gpu("tanh", x)
+    return torch.tanh(x.double()).float()
+
+
+def visible_bounds(
+    sq: int, sk: int, causal: bool, window: tuple, device, *, rows: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: the keys production keeps are the columns in [lo, hi) (int64 tensors of
+    shape (rows,); ``mask.py`` ``AttentionMask.apply_mask``, in global indices; the forward and
+    backward kernels share it): with ``offset = sk - sq``, causal keeps ``col < row + offset +
+    1``; a local window keeps ``row + offset - left <= col < row + offset + 1 + right``; a side
+    given as None is unbounded (lo 0, hi sk).  ``rows`` = (start, stop): those rows only.
+    Written from production's column limits, independently of ``numerics.reference`` (which
+    states the same rule mathematically) so that the audit compares two implementations."""
+    left, right = window
+    if causal:
+        right = 0
+    r0, r1 = rows or (0, sq)
+    row = torch.arange(r0, r1, device=device)
+    hi = torch.full_like(row, sk) if right is None else row + (sk - sq) + 1 + right
+    lo = torch.zeros_like(row) if left is None else row + (sk - sq) - left
+    return lo, hi
 
 
 def visible(
@@ -46,26 +107,13 @@ def visible(
     rows: tuple[int, int] | None = None,
     cols: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """(sq, sk) bool, True where production keeps the score (``mask.py``
-    ``AttentionMask.apply_mask``, in global indices; the forward and backward kernels share it):
-    with ``offset = sk - sq``, causal keeps ``col < row + offset + 1``; a local window keeps
-    ``row + offset - left <= col < row + offset + 1 + right`` (a side given as None is
-    unbounded).  ``rows`` / ``cols`` = (start, stop) return that block of it only.  Written from
-    production's column limits, independently of ``numerics.reference`` (which states the same
-    rule mathematically) so that the audit compares two implementations."""
-    left, right = window
-    if causal:
-        right = 0
-    r0, r1 = rows or (0, sq)
+    """(sq, sk) bool, True where production keeps the score: the columns in
+    :func:`visible_bounds`'s [lo, hi) of each row.  ``rows`` / ``cols`` = (start, stop) return
+    that block of it only."""
+    lo, hi = visible_bounds(sq, sk, causal, window, device, rows=rows)
     c0, c1 = cols or (0, sk)
-    row = torch.arange(r0, r1, device=device).view(-1, 1)
     col = torch.arange(c0, c1, device=device).view(1, -1)
-    keep = torch.ones(r1 - r0, c1 - c0, dtype=torch.bool, device=device)
-    if right is not None:
-        keep &= col < row + (sk - sq) + 1 + right
-    if left is not None:
-        keep &= col >= row + (sk - sq) - left
-    return keep
+    return (col >= lo.view(-1, 1)) & (col < hi.view(-1, 1))
 
 
 def scales(d: int, softmax_scale: float | None, softcap: float) -> tuple[float, float, float]:

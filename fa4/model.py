@@ -37,6 +37,16 @@ where it happens (flash-attn-4 4.0.0b36, ``flash_attn/cute``):
 NaN semantics come along: a NaN score is ignored by the row max, swallowed (P = 0) where the
 polynomial exp2 handles it and propagated by the hardware exp2.
 
+On CPU (with numba) the loop runs fast and gives the bits of the plain loop — every row of
+every block through the torch functions of steps 3-9, S and P V by einsums over all rows: a
+block's float64 GEMMs cover only a window of the rows that visit it (:func:`_row_window`; MKL
+gives each row the same float64 sum then), steps 3-8 and step 9's accumulator run as compiled
+loops (``fa4._ex2_cpu.softmax_block`` and ``o_update``) that hand back to the torch functions
+every row they cannot decide exactly (a NaN; a float64 intermediate within a few ulps of a
+float32 rounding boundary), and a block's softmax step runs on a background thread beside its
+neighbours' GEMMs (:func:`_run_fast`).  ``docs/performance.md``: the profile and the argument;
+``tests/test_model_speed_bits.py``: the fast loop against the plain one, bit for bit.
+
 When an input requires grad, ``attention`` runs under an autograd function whose backward is
 ``fa4.model_bwd.attention_backward`` (production's backward kernels, modelled the same way).
 The primitives both share — :func:`hardware_exp2`, the mask rule, the float32 scales, the
@@ -46,20 +56,24 @@ broadcasting FFMA — live in ``fa4._primitives`` (re-exported here under their 
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
+from fa4 import _ex2_cpu
 from fa4._primitives import LOG2_E as _LOG2_E
 from fa4._primitives import fma as _fma
-from fa4._primitives import hardware_exp2
+from fa4._primitives import hardware_exp2, hardware_lg2, hardware_rcp, hardware_tanh, visible_bounds
 from fa4._primitives import scales as _scales
-from fa4._primitives import visible as _visible
 from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
 from fa4.model_bwd import attention_backward
-from numerics.fp import fma_f32, round_to
+from numerics.fp import fma_f32, format_of, round_to
 from numerics.fp import to_f32 as _f32
+from numerics.tensor_core import tc_dot
 from numerics.tiles import block_ranges, masked_blocks
 
 __all__ = ["FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES"]
@@ -111,6 +125,14 @@ class FA4Numerics:
     bwd_hd256_generic: production's ``FLASH_ATTENTION_HD256_GENERIC_BWD=1`` — SM100 head dim
     (256, 256) takes the generic backward (KV tile 64) instead of the dedicated kernels.
 
+    mma: ``"exact"`` (products exact, the sum rounded once: the model's assumption, fast) or
+    ``"tensor_core"``: S = Q K^T and O += P V summed as the H200's wgmma does, measured
+    (``numerics.tensor_core``, ``docs/tensor-cores.md``): k16 instructions in order, products and
+    the accumulator truncated 2 bits below float32's significand at the largest exponent, the
+    sum truncated to float32; the P V instruction takes fl32(O * acc_scale) as its accumulator.
+    Measured for SM90's wgmma (bf16/fp16); for SM100's tcgen05 the published B200 parameters
+    (the same) are unverified here.
+
     masked_exp2: ``"same"`` (4.0.0b36: a block's exp2 does not depend on masking) or
     ``"hardware"``: the iterations that apply a mask (diagonal, window edge, the partial last
     block) use MUFU.EX2 on every column — the behaviour flash-attention #2595 removed, which
@@ -136,10 +158,13 @@ class FA4Numerics:
     ds_dtype: torch.dtype | None = None
     bwd_hd256_generic: bool = False
     masked_exp2: Literal["same", "hardware"] = "same"
+    mma: Literal["exact", "tensor_core"] = "exact"
 
     def __post_init__(self):
         if self.arch not in ("sm100", "sm90"):
             raise ValueError(f"arch must be 'sm100' or 'sm90', got {self.arch!r}")
+        if self.mma not in ("exact", "tensor_core"):
+            raise ValueError(f"mma must be 'exact' or 'tensor_core', got {self.mma!r}")
         if self.masked_exp2 not in ("same", "hardware"):
             raise ValueError(f"masked_exp2 must be 'same' or 'hardware', got {self.masked_exp2!r}")
         if self.exp2 not in ("mixed", "emulated", "hardware"):
@@ -390,16 +415,19 @@ class _RowState:
         return self.row_sum
 
 
-def _block_scores(q64, k64, vis, j0: int, j1: int, tn: int, scale: float, softcap: float) -> torch.Tensor:
-    """Steps 1-3 for KV columns [j0, j1): the float32 scores, softcapped, padded to ``tn`` columns
-    and masked with -inf."""
-    s = torch.einsum("bihd,bjhd->bhij", q64, k64[:, j0:j1]).float()  # step 1
-    if softcap > 0:  # step 2
-        s = (s * scale) / softcap
-        s = torch.tanh(s.double()).float() * _f32(softcap)
-    s = torch.nn.functional.pad(s, (0, tn - (j1 - j0)), value=-math.inf)
-    mask = torch.nn.functional.pad(vis[:, j0:j1], (0, tn - (j1 - j0)), value=False)
-    return s.masked_fill(~mask, -math.inf)  # step 3
+def _softcap(s: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Step 2 on float32 scores: ``utils.create_softcap_scoremod`` via ``apply_score_mod_inner``
+    (``s*scale``, ``/ softcap`` (div.rn), tanh (MUFU.TANH, modelled correctly rounded), ``* softcap``)."""
+    s = (s * scale) / softcap
+    return hardware_tanh(s) * _f32(softcap)
+
+
+def _pad_mask(s: torch.Tensor, vis: torch.Tensor, tn: int) -> torch.Tensor:
+    """Step 3: a block's float32 scores (..., nc) padded to ``tn`` columns and masked with -inf
+    where ``vis`` (..., nc) is False (``mask.py`` ``AttentionMask.apply_mask``) and beyond seqlen_k."""
+    s = torch.nn.functional.pad(s, (0, tn - s.shape[-1]), value=-math.inf)
+    mask = torch.nn.functional.pad(vis, (0, tn - vis.shape[-1]), value=False)
+    return s.masked_fill(~mask, -math.inf)
 
 
 def _update_row_max(s, row_max, first, sl2_t, nm: FA4Numerics):
@@ -433,29 +461,339 @@ def _block_row_sum(p, first, row_sum, partial, acc_scale, nm: FA4Numerics):
     return blk_sum, new_partial
 
 
-def _softmax_block(st: _RowState, s, active, v_blk, nm: FA4Numerics, p_dtype, sl2_t, off, hw_rows=None) -> None:
-    """Steps 4-9 for one KV block of scores ``s`` (values ``v_blk``); updates ``st`` on the
-    ``active`` rows (those whose query tile visits the block); ``hw_rows``: rows whose exp2 is
-    the hardware's on every column (``FA4Numerics.masked_exp2``)."""
-    first = ~st.started
-    new_max, safe, acc_scale = _update_row_max(s, st.row_max, first, sl2_t, nm)  # step 4
+def _softmax_rows(s, m_old, started, l_old, part_old, hw, nm: FA4Numerics, p_dtype, sl2_t, off):
+    """Steps 4-8 in torch on a set of rows (``s``: (rows, tile_n) masked float32 scores, the
+    rows' state before the block; ``hw``: rows whose exp2 is the hardware's on every column,
+    ``FA4Numerics.masked_exp2``).  Returns their new row max, row sum, SM90 partials, the
+    accumulator scale, ``first`` and P rounded to p_dtype, as float64 (the P V MMA's operand)."""
+    first = ~started
+    new_max, safe, acc_scale = _update_row_max(s, m_old, first, sl2_t, nm)  # step 4
     bias = _fma(-safe, sl2_t, off)  # step 5: ptxas fuses max_offset - max*scale_log2 (one rounding)
     t = _fma(s, sl2_t, bias.unsqueeze(-1))
     p = _exp2_mixed(t, nm)  # step 6
-    if hw_rows is not None:  # masked_exp2 = "hardware": this block's masked rows take MUFU.EX2 only
-        p = torch.where(hw_rows.unsqueeze(-1), hardware_exp2(t), p)
-    blk_sum, new_partial = _block_row_sum(p, first, st.row_sum, st.partial, acc_scale, nm)  # step 7
+    if hw is not None:  # masked_exp2 = "hardware": this block's masked rows take MUFU.EX2 only
+        p = torch.where(hw.unsqueeze(-1), hardware_exp2(t), p)
+    blk_sum, new_partial = _block_row_sum(p, first, l_old, part_old, acc_scale, nm)  # step 7
     p_lp = round_to(p, p_dtype, saturate=p_dtype in _FP8)  # step 8
-    pv = torch.einsum("bhij,bjhd->bhid", p_lp.double()[..., : v_blk.shape[1]], v_blk)  # the block's real columns
-    o_new = torch.where(
-        first.unsqueeze(-1), pv.float(), (st.acc_o * acc_scale.unsqueeze(-1)).double().add(pv).float()
-    )  # step 9
-    a3 = active
-    st.row_max = torch.where(a3, new_max, st.row_max)
-    st.row_sum = torch.where(a3, blk_sum, st.row_sum)
-    st.partial = torch.where(a3.unsqueeze(-1), new_partial, st.partial)
-    st.acc_o = torch.where(a3.unsqueeze(-1), o_new, st.acc_o)
-    st.started = st.started | a3
+    return new_max, blk_sum, new_partial, acc_scale, first, p_lp.double()
+
+
+def _o_rows(acc_o, acc_scale, pv, first):
+    """Step 9's accumulator on a set of rows: fl32(P V) on a row's first block, else
+    fl32(O * acc_scale + P V) with the product rounded to float32 first (FMUL, then the MMA
+    accumulating onto it)."""
+    return torch.where(first.unsqueeze(-1), pv.float(), (acc_o * acc_scale.unsqueeze(-1)).double().add(pv).float())
+
+
+#: CPU: the fast loop (row windows, the compiled softmax step of ``fa4._ex2_cpu``); tests turn it
+#: off to compare with the plain loop, which runs every row of every block through torch
+_FAST_CPU = True
+#: a block's row window starts and ends at multiples of this (or at seqlen_q): see :func:`_row_window`
+_ROW_GRANULE = 192
+
+
+@dataclass
+class _Loop:
+    """What the KV blocks of :func:`forward_loop` share.  ``fast``: q, k, v held head-major
+    (b, heads, seqlen, d) for ``torch.matmul`` over row windows and the compiled softmax step;
+    else (b, seqlen, heads, d) for the einsums over all rows, and the softmax step in torch."""
+
+    nm: FA4Numerics
+    fast: bool
+    q64: torch.Tensor
+    k64: torch.Tensor
+    v64: torch.Tensor
+    vis: tuple  # (lo, hi), each (sq,) int64: the keys [lo, hi) a row may see (visible_bounds)
+    sk: int
+    ranges: tuple  # n_min, n_max, m_hi, m_lo: (heads_q, sq) int64
+    scale: float
+    softcap: float
+    sl2_t: torch.Tensor
+    off: torch.Tensor
+    p_dtype: torch.dtype
+    compiled: dict | None = None  # fast: the block-independent arguments of the compiled step
+    bufs: dict | None = None  # fast: flat float64 storage reused by every block (no page faults)
+
+    def buffer(self, name: str, shape: tuple) -> torch.Tensor:
+        """A contiguous float64 tensor of ``shape`` (fast: carved from the reused storage)."""
+        if self.bufs is None:
+            return torch.zeros(shape, dtype=torch.float64, device=self.q64.device)
+        return self.bufs[name][: math.prod(shape)].view(shape)
+
+    def scores(self, j0: int, j1: int, r0: int, r1: int, slot: int = 0) -> torch.Tensor:
+        """Steps 1-2 for keys [j0, j1) and rows [r0, r1): (b, heads_q, rows, nc), float64 S (its
+        float32 rounding is the consumer's) or, with softcap, float32."""
+        if self.nm.mma == "tensor_core":  # the plain loop's layout (b, seqlen, heads, d)
+            q_ = self.q64.permute(0, 2, 1, 3).unsqueeze(3)
+            k_ = self.k64[:, j0:j1].permute(0, 2, 1, 3).unsqueeze(2)
+            s = tc_dot(q_, k_).double()  # step 1 as the tensor cores sum it
+        elif self.fast:
+            q, k = self.q64[:, :, r0:r1], self.k64[:, :, j0:j1].transpose(-1, -2)
+            s = torch.matmul(q, k, out=self.buffer(f"s{slot}", (*q.shape[:3], j1 - j0)))  # step 1
+        else:
+            s = torch.einsum("bihd,bjhd->bhij", self.q64, self.k64[:, j0:j1])  # step 1
+        return _softcap(s.float(), self.scale, self.softcap) if self.softcap > 0 else s  # step 2
+
+    def pv(self, p64: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
+        """Step 9's MMA, the block's real columns: (b, heads_q, rows, dv) float64."""
+        if self.fast:
+            out = self.buffer("pv", (*p64.shape[:3], self.v64.shape[-1]))
+            return torch.matmul(p64[..., : j1 - j0], self.v64[:, :, j0:j1], out=out)
+        return torch.einsum("bhij,bjhd->bhid", p64[..., : j1 - j0], self.v64[:, j0:j1])
+
+
+def _row_window(act: torch.Tensor, sq: int, fast: bool) -> tuple[int, int]:
+    """The rows [r0, r1) a block computes: all of them (the plain loop), or (fast) a window
+    around the rows of any head that visit it, its ends at multiples of ``_ROW_GRANULE`` or at
+    seqlen_q and at least that many rows from the end.  Why: MKL's float64 GEMM sums a row's
+    d products in an order that can depend on where the row sits in the call (rows in groups
+    from the call's first one; a final partial group, M < 4 taken apart) and on the thread
+    split, and S is its float64 result rounded once.  A window whose ends fall on multiples of
+    192 (= 3 * 64) reproduced every float64 bit of the all-rows call on adversarial inputs (wide
+    exponent ranges, inexact sums) under 1 to 16 threads on AMD EPYC and Intel Xeon;
+    ``tests/test_model_speed_bits.py`` checks the fast loop against the plain one where it runs."""
+    if not fast:
+        return 0, sq
+    rows = act.any(0).nonzero()
+    g = _ROW_GRANULE
+    r0, r1 = int(rows[0]) // g * g, min(sq, -(-(int(rows[-1]) + 1) // g) * g)
+    if r1 == sq and 0 < r0 and sq - r0 < g:
+        r0 -= g
+    return r0, r1
+
+
+@dataclass(frozen=True)
+class _Block:
+    """KV block ``n`` (keys [j0, j1)) on the window of rows [r0, r1)."""
+
+    n: int
+    j0: int
+    j1: int
+    r0: int
+    r1: int
+
+    def rows_of(self, idx: torch.Tensor, hq: int, sq: int):
+        """For window rows ``idx`` (flat over (b, heads_q, window)): their flat state row
+        (b * heads_q * sq), flat (head, row) index and row within the window."""
+        bh, r = idx // (self.r1 - self.r0), idx % (self.r1 - self.r0)
+        return bh * sq + self.r0 + r, (bh % hq) * sq + self.r0 + r, r
+
+
+def _torch_rows(st: _RowState, lp: _Loop, s: torch.Tensor, blk: _Block, idx, p64, acc, first) -> None:
+    """Steps 3-8 in torch on window rows ``idx`` (the plain loop: every active row; the fast
+    loop: those its compiled step left), written into the state and the block's buffers."""
+    nm, tn = lp.nm, lp.nm.tile_n
+    nc = blk.j1 - blk.j0
+    f, hr, r = blk.rows_of(idx, st.row_max.shape[1], st.row_max.shape[2])
+    col = torch.arange(blk.j0, blk.j1, device=s.device)
+    vis = (col >= lp.vis[0][blk.r0 + r, None]) & (col < lp.vis[1][blk.r0 + r, None])  # visible_bounds' rule
+    sc = _pad_mask(s.reshape(-1, nc)[idx].float(), vis, tn)  # step 3
+    hw = None
+    if nm.masked_exp2 == "hardware":
+        m_hi, m_lo = (x.reshape(-1)[hr] for x in lp.ranges[2:])
+        hw = (blk.n >= m_hi) | (blk.n < m_lo) | (nc < tn)
+    rm, rs, pt, sd = st.row_max.view(-1), st.row_sum.view(-1), st.partial.view(-1, 4), st.started.view(-1)
+    out = _softmax_rows(sc, rm[f], sd[f], rs[f], pt[f], hw, nm, lp.p_dtype, lp.sl2_t, lp.off)  # steps 4-8
+    rm[f], rs[f], pt[f], acc[idx], first[idx] = out[:5]
+    sd[f] = True
+    p64.view(-1, tn)[idx] = out[5]
+
+
+def _compiled_args(nm: FA4Numerics, p_dtype, sl2: float, vis, ranges) -> dict:
+    """The block-independent arguments of ``fa4._ex2_cpu.softmax_block`` for these numerics."""
+    emu = nm.emulated_mask()
+    fmt = format_of(p_dtype)
+    lp = [p_dtype != torch.bfloat16, fmt.p, fmt.emin, p_dtype in _FP8, p_dtype != torch.float8_e4m3fn]
+    return dict(
+        tab=tuple(x.contiguous().numpy() for x in (*vis, *ranges)),
+        poly=(emu.nonzero().flatten().numpy(), _ex2_cpu.padded(POLY_EX2[nm.poly_degree])),
+        fp=np.array([sl2, nm.max_offset, -nm.rescale_threshold], dtype=np.float32),
+        lp=np.array(lp, dtype=np.int64),
+        maxv=float(fmt.max),
+        flags=(nm.masked_exp2 == "hardware", nm.rescale_threshold > 0, nm.arch == "sm90", not emu.any(), not emu.all()),
+    )
+
+
+@dataclass
+class _Job:
+    """A block's compiled softmax step (steps 3-8), running on ``fa4._ex2_cpu``'s background
+    thread, and the buffers it fills: P, the accumulator scale, first, each row's status (1
+    done, 2 left to :func:`_torch_rows`)."""
+
+    blk: _Block
+    s: torch.Tensor
+    p64: torch.Tensor
+    acc: torch.Tensor
+    first: torch.Tensor
+    geo: np.ndarray
+    status: torch.Tensor
+    future: object
+
+
+def _launch(st: _RowState, lp: _Loop, blk: _Block, s: torch.Tensor, slot: int) -> _Job:
+    """Start ``fa4._ex2_cpu.softmax_block`` on the block's window (P into buffer ``slot``)."""
+    b, hq, sq = st.row_max.shape
+    tn, nc, nr = lp.nm.tile_n, blk.j1 - blk.j0, blk.r1 - blk.r0
+    kw = lp.compiled
+    masked_hw, lazy, sm90, no_emu, some_hw = kw["flags"]
+    geo = np.array([nr, blk.r0, hq, blk.n, masked_hw, nc < tn, lazy, sm90, no_emu, some_hw, blk.j0], dtype=np.int64)
+    p64 = lp.buffer(f"p{slot}", (b, hq, nr, tn))  # every row the GEMM reads is written
+    acc, first = torch.empty(b * hq * nr, dtype=torch.float32), torch.empty(b * hq * nr, dtype=torch.bool)
+    status = torch.empty(b * hq * nr, dtype=torch.uint8)
+    state = (st.row_max.view(-1, sq), st.row_sum.view(-1, sq), st.started.view(-1, sq), st.partial.view(-1, sq, 4))
+    fut = _ex2_cpu.submit(
+        _ex2_cpu.softmax_block, s.reshape(-1, nc).numpy(), geo, kw["tab"], kw["poly"], kw["fp"], kw["lp"],
+        kw["maxv"], tuple(x.numpy() for x in state),
+        (p64.view(-1, tn).numpy(), acc.numpy(), first.numpy(), status.numpy()), max(1, torch.get_num_threads() // 2),
+        background=b * hq * nr >= 1024,  # less is not worth a thread hand-over
+    )  # fmt: skip
+    return _Job(blk, s, p64, acc, first, geo, status, fut)
+
+
+def _accumulate(st: _RowState, pv, blk: _Block, acc, first, geo, status, idx) -> None:
+    """Step 9's accumulator on the block's rows: compiled (``geo`` given) on the rows it
+    completed, torch on ``idx`` and on the rows the compiled update leaves (a NaN)."""
+    hq, sq, dv = st.row_max.shape[1], st.row_max.shape[2], st.acc_o.shape[-1]
+    pv = pv.reshape(-1, dv)
+    if geo is not None:
+        ao = st.acc_o.view(-1, sq, dv)
+        args = (pv.numpy(), ao.numpy(), geo, acc.numpy(), first.numpy(), status.numpy())
+        _ex2_cpu.o_update(*args, threads=max(1, torch.get_num_threads() // 2))
+        idx = (status >= 2).nonzero().flatten()
+    if idx.numel():
+        f = blk.rows_of(idx, hq, sq)[0]
+        ao = st.acc_o.view(-1, dv)
+        ao[f] = _o_rows(ao[f], acc[idx], pv[idx], first[idx])
+
+
+def _accumulate_tc(st: _RowState, lp: _Loop, p64, blk: _Block, acc, first, idx) -> None:
+    """Step 9 with ``mma="tensor_core"``: the P V MMA takes the rescaled accumulator
+    fl32(O * acc_scale) (0 on a row's first block) as its C, and sums C and the block's products
+    in k16 instructions as measured on the H200 (``numerics.tensor_core``)."""
+    hq, sq, dv = st.row_max.shape[1], st.row_max.shape[2], st.acc_o.shape[-1]
+    f = blk.rows_of(idx, hq, sq)[0]
+    ao = st.acc_o.view(-1, dv)
+    c = torch.where(first[idx].unsqueeze(-1), torch.zeros_like(ao[f]), ao[f] * acc[idx].unsqueeze(-1))
+    bh = idx // (blk.r1 - blk.r0)
+    nc = blk.j1 - blk.j0
+    p = p64.view(-1, p64.shape[-1])[idx, :nc]  # (rows, nc)
+    v = lp.v64[:, blk.j0 : blk.j1].permute(0, 2, 3, 1).reshape(-1, dv, nc)[bh]  # (rows, dv, nc)
+    ao[f] = tc_dot(p.unsqueeze(1), v, c)
+
+
+def _run_block(st: _RowState, lp: _Loop, n: int) -> None:
+    """Steps 1-9 for KV block ``n`` on the rows whose query tile visits it (``active``)."""
+    active = (n >= lp.ranges[0]) & (n < lp.ranges[1])  # (heads_q, sq)
+    if not bool(active.any()):
+        return
+    b, hq, sq = st.row_max.shape
+    tn, sk = lp.nm.tile_n, lp.sk
+    r0, r1 = _row_window(active, sq, lp.fast)
+    blk = _Block(n, n * tn, min((n + 1) * tn, sk), r0, r1)
+    s = lp.scores(blk.j0, blk.j1, r0, r1)  # steps 1-2
+    p64 = lp.buffer("p", (b, hq, r1 - r0, tn))
+    acc = torch.empty(b * hq * (r1 - r0), dtype=torch.float32, device=s.device)
+    first = torch.empty(b * hq * (r1 - r0), dtype=torch.bool, device=s.device)
+    idx = active.expand(b, hq, sq).reshape(-1).nonzero().flatten()
+    if idx.numel():
+        _torch_rows(st, lp, s, blk, idx, p64, acc, first)  # steps 3-8
+    if lp.nm.mma == "tensor_core":
+        _accumulate_tc(st, lp, p64, blk, acc, first, idx)  # step 9 as the tensor cores sum it
+    else:
+        _accumulate(st, lp.pv(p64, blk.j0, blk.j1), blk, acc, first, None, None, idx)  # step 9
+
+
+_SCRATCH = threading.local()
+_SCRATCH_KEEP = 1 << 28  # bytes of float64 scratch a thread keeps from one call to the next
+
+
+def _scratch(n: int, slot: str) -> torch.Tensor:
+    """n float64 of CPU scratch: the calling thread's kept storage ``slot`` when large enough
+    (fresh pages cost their first touch: 80 MB took 26-30 ms to fill the first time, 5 ms the
+    next)."""
+    buf = getattr(_SCRATCH, slot, None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n, dtype=torch.float64)
+        if n * 8 <= _SCRATCH_KEEP:
+            setattr(_SCRATCH, slot, buf)
+    return buf[:n]
+
+
+def _fast_blocks(lp: _Loop, sq: int, nblk: int) -> list[_Block]:
+    """The blocks some row visits, from the last to the first, each with its row window."""
+    out = []
+    for n in range(nblk - 1, -1, -1):
+        active = (n >= lp.ranges[0]) & (n < lp.ranges[1])  # (heads_q, sq)
+        if bool(active.any()):
+            out.append(_Block(n, n * lp.nm.tile_n, min((n + 1) * lp.nm.tile_n, lp.sk), *_row_window(active, sq, True)))
+    return out
+
+
+def _run_fast(st: _RowState, lp: _Loop, blocks: list[_Block]) -> None:
+    """Steps 1-9 of the fast loop, pipelined: block i+1's compiled softmax step (steps 3-8, on
+    the background thread) runs while this thread does block i's P V and accumulator (step 9)
+    and block i+2's S = Q K^T (steps 1-2).  Every step sees the state it sees in the plain loop:
+    the softmax steps run in block order, each after the torch rows of the block before."""
+    b, hq, sq = st.row_max.shape
+    rows = b * hq * max(blk.r1 - blk.r0 for blk in blocks)
+    widths = {"s0": lp.nm.tile_n, "s1": lp.nm.tile_n, "p0": lp.nm.tile_n, "p1": lp.nm.tile_n, "pv": st.acc_o.shape[-1]}
+    flat, at, lp.bufs = _scratch(rows * sum(widths.values()), "loop"), 0, {}
+    for x, w in widths.items():
+        lp.bufs[x], at = flat[at : at + rows * w], at + rows * w
+
+    def scores(i: int) -> torch.Tensor:
+        return lp.scores(blocks[i].j0, blocks[i].j1, blocks[i].r0, blocks[i].r1, slot=i % 2)  # steps 1-2
+
+    job = _launch(st, lp, blocks[0], scores(0), 0)
+    try:
+        s_next = scores(1) if len(blocks) > 1 else None
+        for i, blk in enumerate(blocks):
+            cur = job
+            cur.future.result()
+            idx = (cur.status == 2).nonzero().flatten()
+            if idx.numel():
+                _torch_rows(st, lp, cur.s, blk, idx, cur.p64, cur.acc, cur.first)  # steps 3-8 of the rows left
+            if i + 1 < len(blocks):
+                job = _launch(st, lp, blocks[i + 1], s_next, (i + 1) % 2)  # steps 3-8 of the next block, beside:
+            pv = lp.pv(cur.p64, blk.j0, blk.j1)  # step 9: the MMA, then the accumulator
+            _accumulate(st, pv, blk, cur.acc, cur.first, cur.geo, cur.status, idx)
+            if i + 2 < len(blocks):
+                s_next = scores(i + 2)  # into block i's S buffer, free now
+    finally:
+        wait([job.future])  # nothing left writing into the kept scratch, even after an exception
+
+
+def _make_loop(q, k, v, nm: FA4Numerics, vis, ranges, scales: tuple) -> _Loop:
+    """The inputs exactly in float64 (k, v repeated per query head), laid out for the loop."""
+    scale, softcap, sl2 = scales
+    fast = _FAST_CPU and q.device.type == "cpu" and _ex2_cpu.available() and nm.mma == "exact"
+    rep = q.shape[2] // k.shape[2]
+    if fast:  # head-major, converted in one pass, into the thread's kept scratch
+        sizes = [x.numel() * (rep if x is not q else 1) for x in (q, k, v)]
+        flat = _scratch(sum(sizes), "inputs").split(sizes)
+        q64, k64, v64 = (_head_major64(x, rep if x is not q else 1, o) for x, o in zip((q, k, v), flat))
+    else:
+        q64 = q.to(torch.float64)
+        k64 = k.to(torch.float64).repeat_interleave(rep, dim=2)
+        v64 = v.to(torch.float64).repeat_interleave(rep, dim=2)
+    p_dtype = nm.p_dtype or q.dtype
+    lp = _Loop(
+        nm, fast, q64, k64, v64, vis, k.shape[1], ranges, scale, softcap,
+        torch.tensor(sl2, dtype=torch.float32, device=q.device),
+        torch.tensor(float(nm.max_offset), dtype=torch.float32, device=q.device), p_dtype,
+    )  # fmt: skip
+    if fast:
+        lp.compiled = _compiled_args(nm, p_dtype, sl2, vis, ranges)
+    return lp
+
+
+def _head_major64(x: torch.Tensor, rep: int, flat: torch.Tensor) -> torch.Tensor:
+    """(b, s, h, d) -> (b, h * rep, s, d) float64 in ``flat``'s storage, each head repeated
+    ``rep`` times in place (``repeat_interleave`` on the head axis), the values exact."""
+    b, s, h, d = x.shape
+    out = flat.view(b, h, rep, s, d)
+    out.copy_(x.permute(0, 2, 1, 3).unsqueeze(2).expand(b, h, rep, s, d))
+    return out.view(b, h * rep, s, d)
 
 
 def attention(
@@ -509,35 +847,22 @@ def forward_loop(
     (heads_q, seqlen_q) (``fa4.varlen``: pack_gqa, split-KV); None: :func:`_block_ranges`.
     Returns the loop's final state and the float32 scale_log2 and max_offset tensors."""
     b, sq, hq, d = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    sk, dv = k.shape[1], v.shape[-1]
     dev = q.device
-    p_dtype = nm.p_dtype or q.dtype
-    scale, softcap, sl2 = _scales(d, softmax_scale, softcap)
-    tn = nm.tile_n
     n_min, n_max, nblk = _block_ranges(sq, sk, nm, causal, window_size, dev, heads=hq)
     m_hi, m_lo = masked_blocks(sq, sk, nm.tile_m, nm.tile_n, causal, window_size, dev, heads=hq)
     if ranges is not None:
         n_min, n_max = ranges
-    rep = hq // hk
-    q64 = q.to(torch.float64)
-    k64 = k.to(torch.float64).repeat_interleave(rep, dim=2)
-    v64 = v.to(torch.float64).repeat_interleave(rep, dim=2)
-    vis = _visible(sq, sk, causal, window_size, dev)
-    shape = (b, hq, sq)
-    st = _RowState.empty(shape, dv, dev)
-    sl2_t = torch.tensor(sl2, dtype=torch.float32, device=dev)
-    off = torch.tensor(float(nm.max_offset), dtype=torch.float32, device=dev)
-    for n in range(nblk - 1, -1, -1):
-        active = ((n >= n_min) & (n < n_max)).view(1, hq, sq).expand(shape)
-        if not bool(active.any()):
-            continue
-        j0, j1 = n * tn, min((n + 1) * tn, sk)
-        s = _block_scores(q64, k64, vis, j0, j1, tn, scale, softcap)  # steps 1-3
-        hw = None
-        if nm.masked_exp2 == "hardware":
-            hw = ((n >= m_hi) | (n < m_lo) | (j1 - j0 < tn)).view(1, hq, sq).expand(shape)
-        _softmax_block(st, s, active, v64[:, j0:j1], nm, p_dtype, sl2_t, off, hw)  # steps 4-9
-    return st, sl2_t, off
+    vis = visible_bounds(sq, sk, causal, window_size, dev)
+    lp = _make_loop(q, k, v, nm, vis, (n_min, n_max, m_hi, m_lo), _scales(d, softmax_scale, softcap))
+    st = _RowState.empty((b, hq, sq), dv, dev)
+    blocks = _fast_blocks(lp, sq, nblk) if lp.fast else []
+    if blocks:
+        _run_fast(st, lp, blocks)
+    elif not lp.fast:
+        for n in range(nblk - 1, -1, -1):
+            _run_block(st, lp, n)
+    return st, lp.sl2_t, lp.off
 
 
 def _differentiable(q, k, v, sink, numerics, return_lse: bool, kw: dict):
@@ -590,9 +915,9 @@ def _finalize(nm, row_max, row_sum, acc_o, sl2, off, sink, out_dtype):
             rms = torch.where(empty, s * l2e, row_max * sl2)
             row_sum = row_sum + hardware_exp2(_fma(s, l2e, -rms))
     bad = (row_sum == 0) | torch.isnan(row_sum)
-    rcp = (1.0 / torch.where(bad, torch.ones_like(row_sum), row_sum).double()).float()  # rcp.approx.ftz
+    rcp = hardware_rcp(torch.where(bad, torch.ones_like(row_sum), row_sum))  # rcp.approx.ftz
     out = (acc_o * rcp.unsqueeze(-1)).to(out_dtype)
-    lg2 = torch.log2(row_sum.double()).float()  # lg2.approx.ftz
+    lg2 = hardware_lg2(row_sum)  # lg2.approx.ftz
     if nm.arch == "sm90" and sink is not None:
         lse = (rms + lg2) * ln2
     else:  # FFMA(row_max, scale_log2, lg2 - max_offset) * LN2

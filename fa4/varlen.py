@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fa4._primitives import LOG2_E, fma, hardware_exp2
+from fa4._primitives import LOG2_E, fma, hardware_exp2, hardware_lg2
 from fa4.model import _FP8, FA4Numerics, _block_ranges, _finalize, _validate, forward_loop
 from numerics.fp import to_f32
 from numerics.tiles import split_ranges
@@ -196,7 +196,8 @@ def varlen_attention(
             arch, qs, ks, vs, causal, window_size, packed_q or seqused_q is not None,
             num_splits > 1 or page_size not in (None, 128), max_seqlen_q, pack,
         )  # fmt: skip
-        o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, n_split, out_dtype)
+        o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, n_split, out_dtype,
+                              split_kv=num_splits > 1)  # fmt: skip
         r0, r1 = seq.q_rows
         if packed_q:
             out[r0:r1], lse[:, r0:r1] = o[0], lo[0]
@@ -276,12 +277,15 @@ def _numerics(arch, q, k, v, causal, window, varlen_q: bool, no_2cta: bool, max_
     )  # fmt: skip
 
 
-def _one_sequence(q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype):
-    """One sequence: the loop over each split's blocks, the epilogue, and (splits > 1) the
-    combine.  Returns out (1, sq, hq, dv) and lse (1, hq, sq)."""
+def _one_sequence(q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype, *, split_kv: bool = False):
+    """One sequence: the loop over each split's blocks, the epilogue, and (``split_kv``) the
+    combine.  A split-KV call stays one when a sequence gets a single split (SM100's per-sequence
+    counts): the kernel still writes partials (an empty range: LSE -inf, no sink) and the combine
+    still weighs them (a weight of ex2(0) * 1/sum, not always exactly 1).  Returns out (1, sq,
+    hq, dv) and lse (1, hq, sq)."""
     sq, hq, sk = q.shape[1], q.shape[2], k.shape[1]
     n_min, n_max, _ = _block_ranges(sq, sk, nm, kw["causal"], kw["window_size"], q.device, heads=hq, pack=pack)
-    if num_splits == 1:
+    if not split_kv:
         st, sl2, off = forward_loop(q, k, v, nm, ranges=(n_min, n_max), **kw)
         out, lse = _finalize(nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2, off, sink, out_dtype)
         return out.permute(0, 2, 1, 3), lse
@@ -332,7 +336,7 @@ class CombineOps:
 
 
 def _lg2(x: torch.Tensor) -> torch.Tensor:
-    return torch.log2(x.double()).float()
+    return hardware_lg2(x)
 
 
 def _div(x: torch.Tensor) -> torch.Tensor:

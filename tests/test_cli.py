@@ -141,7 +141,7 @@ def test_fidelity_without_production_exits_2(capsys):
 def test_list_names_kernels_suites_and_families(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
-    assert "fa4-model-sm90" in out and "release   2419 cases, 142 compile keys" in out and "nan_inf_masked" in out
+    assert "fa4-model-sm90" in out and "release   2485 cases, 208 compile keys" in out and "nan_inf_masked" in out
 
 
 def test_fidelity_mufu_on_cpu_is_refused_before_any_case_runs(capsys, monkeypatch):

@@ -149,8 +149,10 @@ def test_static_groups_cover_the_suite_once():
 
     cases = smoke_suite()
     groups = static_groups(cases)
-    assert sorted(n for _, names in groups for n in names) == sorted(c.name for c in cases)
-    assert len(groups) == len({(c.compile_key, str(c.seqlen_q <= 128)) for c in cases}) or len(groups) <= len(cases)
+    fixed = [c for c in cases if not c.varlen]  # the static audit compiles flash_attn_func only
+    assert len(fixed) < len(cases)
+    assert sorted(n for _, names in groups for n in names) == sorted(c.name for c in fixed)
+    assert len(groups) < len(fixed)  # cases sharing a compile key and numerics share a group
 
 
 def test_static_bad_input_exits_2(tmp_path, capsys, monkeypatch):

@@ -260,7 +260,7 @@ def test_cli_backward_divergence_exits_1_naming_fact_values_and_group(tmp_path, 
 
 
 def test_backward_groups_of_the_release_suite():
-    cases = release_suite()
+    cases = [c for c in release_suite() if not c.varlen]  # varlen cases: forward only (docs/varlen.md)
     groups = backward_groups(cases)
     names = sorted(n for _, ns in groups for n in ns)
     assert names == sorted(c.name for c in cases if not c.dtype.startswith("float8"))

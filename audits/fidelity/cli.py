@@ -29,7 +29,7 @@ def _production(spec: str):
         raise UsageError(str(exc)) from exc
 
 
-def _run_cases(cases, production, device, quiet: bool) -> list[dict]:
+def _run_cases(cases, production, device, quiet: bool, mma: str = "exact") -> list[dict]:
     from rich.console import Console
 
     from audits.fidelity import core as fidelity
@@ -38,7 +38,7 @@ def _run_cases(cases, production, device, quiet: bool) -> list[dict]:
     with progress(Console(stderr=True), quiet=quiet) as bar:
         task = bar.add_task("fidelity", total=len(cases))
         for label, c in cases:
-            results.append(fidelity.run_case(label, c, production, device))
+            results.append(fidelity.run_case(label, c, production, device, mma=mma))
             bar.advance(task)
     return results
 
@@ -57,7 +57,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     cases = [(n, c) for n, c in fidelity.CASES.items() if fnmatch.fnmatch(n, args.cases)]
     if not cases:
         raise UsageError(f"--cases {args.cases!r} matches none of: {', '.join(fidelity.CASES)}")
-    results = _run_cases(cases, production, device, args.quiet)
+    results = _run_cases(cases, production, device, args.quiet, args.mma)
     report = {
         "schema": "fa4-audit/fidelity/1",
         "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
@@ -78,7 +78,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     s = report["summary"]
     print(
         f"{s['cases_ok']}/{s['cases']} cases ok; {100 * s['fraction_within_1']:.3f}% of outputs identical "
-        f"or 1 ULP apart, {s['outputs']['>2']} beyond 2 ULP; report: {out / 'fidelity.md'}"
+        f"or 1 ULP apart ({100 * s['fraction_identical']:.3f}% identical), {s['outputs']['>2']} beyond 2 ULP; "
+        f"LSE {100 * s['lse_fraction_identical']:.3f}% identical; report: {out / 'fidelity.md'}"
     )
     return EXIT_OK if s["cases_ok"] == s["cases"] else EXIT_FAIL
 
@@ -105,6 +106,13 @@ def register(sub) -> None:
         "--mufu",
         action="store_true",
         help="also compare MUFU.EX2 with the model's hardware exp2 over all 2^32 inputs (cuda)",
+    )
+    f.add_argument(
+        "--mma",
+        default="exact",
+        choices=["exact", "tensor_core"],
+        help="the model's MMA summation: exact products summed and rounded once (default), or the "
+        "tensor cores' as measured on the H200 (numerics.tensor_core, docs/tensor-cores.md)",
     )
     f.add_argument("--quiet", action="store_true")
     f.set_defaults(func=cmd_fidelity)

@@ -9,6 +9,7 @@ seqlen_q != seqlen_k, a local window, softcap, a learnable sink, fp16 and drifti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -59,10 +60,10 @@ def _cases() -> dict[str, Case]:
 CASES = _cases()
 
 
-def run_case(label: str, c: Case, production, device) -> dict:
+def run_case(label: str, c: Case, production, device, *, mma: str = "exact") -> dict:
     """Production vs model vs FP64 on one case; the model in the configuration of this GPU's
     production path (``audits.kernels.production_arch``: SM90 on an H200, SM100 on Blackwell;
-    SM90 for CPU stand-ins)."""
+    SM90 for CPU stand-ins), its MMA summation ``mma`` (``FA4Numerics.mma``)."""
     x = make_inputs(c, device=device)
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
     t0 = time.perf_counter()
@@ -70,6 +71,7 @@ def run_case(label: str, c: Case, production, device) -> dict:
     nm = FA4Numerics.for_inputs(
         production_arch() if torch.device(device).type == "cuda" else "sm90", q, k, v, c.causal, c.window
     )
+    nm = dataclasses.replace(nm, mma=mma)
     mo, ml = attention(q, k, v, return_lse=True, numerics=nm, **kw)
     ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
     hist = ulp_diff_histogram(mo, po)
@@ -89,6 +91,8 @@ def run_case(label: str, c: Case, production, device) -> dict:
         "max_abs_diff": float((mo.double() - po.double()).abs().nan_to_num(math.inf).max()),
         "lse_max_abs_diff": float(dl[fin].abs().max()) if bool(fin.any()) else 0.0,
         "lse_nonfinite_agree": bool(torch.equal(torch.isfinite(pl), torch.isfinite(ml))),
+        "lse_identical": int((pl.contiguous().view(torch.int32) == ml.contiguous().view(torch.int32)).sum()),
+        "lse_values": pl.numel(),
         "production_vs_fp64": output_errors(po, ref),
         "model_vs_fp64": output_errors(mo, ref),
         "production_lse_vs_fp64": lse_errors(pl, rl),
@@ -112,6 +116,8 @@ def summarize(results: list[dict]) -> dict:
         "outputs": tot,
         "fraction_identical": tot["0"] / tot["total"],
         "fraction_within_1": (tot["0"] + tot["1"]) / tot["total"],
+        "lse_fraction_identical": sum(r.get("lse_identical", 0) for r in results)
+        / max(sum(r.get("lse_values", 0) for r in results), 1),
         "max_ulp_diff": max(r["ulp_diff"]["max"] for r in results),
         "row_scaled": {k: sum(r["row_scaled_ulp_diff"][k] for r in results) for k in ("le_1", "le_2", "gt_2", "total")},
         "row_scaled_max": max(r["row_scaled_ulp_diff"]["max"] for r in results),

@@ -1,1 +1,2 @@
-"""``fa4-audit invariance``: batch and decode invariance of fixed-length kernels (docs/invariance.md)."""
+"""``fa4-audit invariance``: batch, decode, split-KV, paged-KV and pack_gqa invariance of a kernel's
+output and LSE, measured and predicted by a model (docs/invariance.md)."""

@@ -1,8 +1,8 @@
-"""``fa4-audit invariance``: batch and decode invariance of fixed-length kernels, bitwise on out
-and LSE (``audits.invariance.core``); one report per kernel; results on stdout, progress on
-stderr.  Exit 0 when every required property holds wherever applicable and something was
-compared, 1 when a required property differs (or errors) or nothing was compared, 2 for usage
-errors."""
+"""``fa4-audit invariance``: batch, decode, split-KV, paged-KV and pack_gqa invariance of a kernel
+on out and LSE (``audits.invariance.core``), measured and, with a model, predicted; one report per
+kernel; results on stdout, progress on stderr.  Exit 0 when every required property holds
+wherever applicable and something was compared, 1 when a required property differs (or errors)
+or nothing was compared, 2 for usage errors."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, progress
 from audits.common import device as _device
 from audits.common import environment as _environment
 
-SCHEMA = "fa4-audit/invariance/1"
+SCHEMA = "fa4-audit/invariance/2"
 
 
 def _required(text: str | None) -> list[str]:
@@ -60,59 +60,98 @@ def _out_dir(out: Path, kern: str, several: bool) -> Path:
     return out / re.sub(r"[^A-Za-z0-9_.-]+", "_", kern).strip("_") if several else out
 
 
-def cmd_invariance(args: argparse.Namespace) -> int:
+def _targets(kernels: list[str], predict: str | None) -> list[tuple]:
+    """(kernel target, model target or None) per kernel: ``--predict none`` turns prediction
+    off, a name sets the model of every kernel (none for the model itself), absent: each
+    kernel's default (``core.default_model``)."""
+    from audits.invariance import core
+    from audits.kernels import usable_kernels
+
+    out = []
+    for kern in kernels:
+        try:
+            model = core.default_model(kern) if predict is None else (None if predict == "none" else predict)
+            if model is not None and model != kern:
+                try:
+                    usable_kernels([model])
+                except UsageError as exc:
+                    raise UsageError(f"--predict {model}: {exc}") from exc
+            out.append((core.target(kern), None if model in (None, kern) else core.target(model)))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    return out
+
+
+def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
     from rich.console import Console
 
     from audits.invariance import core
-    from audits.kernels import fa4_numerics, get_kernel, kernel_domain, usable_kernels
 
-    required = _required(args.require)
+    t0 = time.perf_counter()
+    records = []
+    with progress(Console(stderr=True), quiet=args.quiet) as bar:
+        task = bar.add_task(f"invariance {t.name} / {label}", total=len(cases))
+        for c in cases:
+            records.append(core.run_case(c, t, device=device, model=model))
+            bar.advance(task)
+    mname = None if model is None else model.name
+    summary = core.summarize(records, _required(args.require), mname)
+    return {
+        "schema": SCHEMA, "kernel": t.name, "predict": mname, "suite": label, **meta, "device": str(device),
+        "seconds": round(time.perf_counter() - t0, 2), "properties": core.PROPERTIES, "summary": summary,
+        "cases": records,
+    }  # fmt: skip
+
+
+def cmd_invariance(args: argparse.Namespace) -> int:
+    from audits.invariance.report import markdown
+    from audits.kernels import usable_kernels
+
+    _required(args.require)
     kernels = usable_kernels(args.kernel)
+    targets = _targets(kernels, args.predict)
     cases, label = _cases(args)
     device = _device(args.device)
-    env = ", ".join(f"{k} {v}" for k, v in _environment(device).items())
-    command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
-    created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    meta = {
+        "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "environment": ", ".join(f"{k} {v}" for k, v in _environment(device).items()),
+    }
     code = EXIT_OK
-    for kern in kernels:
-        fn, domain, nmf = get_kernel(kern), kernel_domain(kern), fa4_numerics(kern)
-        t0 = time.perf_counter()
-        records = []
-        with progress(Console(stderr=True), quiet=args.quiet) as bar:
-            task = bar.add_task(f"invariance {kern} / {label}", total=len(cases))
-            for c in cases:
-                records.append(core.run_case(c, fn, device=device, bound_numerics=nmf, domain=domain))
-                bar.advance(task)
-        summary = core.summarize(records, required)
-        report = {
-            "schema": SCHEMA, "kernel": kern, "suite": label, "command": command, "created": created,
-            "environment": env, "device": str(device), "seconds": round(time.perf_counter() - t0, 2),
-            "properties": core.PROPERTIES, "summary": summary, "cases": records,
-        }  # fmt: skip
-        d = _out_dir(Path(args.out), kern, len(kernels) > 1)
+    for t, model in targets:
+        report = _run_kernel(args, t, model, cases, label, device, meta)
+        d = _out_dir(Path(args.out), t.name, len(kernels) > 1)
         atomic_write(d / "invariance.json", json.dumps(report, indent=1) + "\n")
-        atomic_write(d / "invariance.md", core.markdown(report))
+        atomic_write(d / "invariance.md", markdown(report))
         _print_summary(report, d)
-        if not summary["passed"]:
+        if not report["summary"]["passed"]:
             code = EXIT_FAIL
-            if not summary["compared"]:
-                print(f"{kern}: nothing was compared: every property was skipped or not applicable", file=sys.stderr)
+            if not report["summary"]["compared"]:
+                print(f"{t.name}: nothing was compared: every property was skipped or not applicable", file=sys.stderr)
     return code
 
 
 def _print_summary(report: dict, d: Path) -> None:
-    from audits.invariance.core import cell
+    from audits.invariance.report import cell
 
     s = report["summary"]
     kern = report["kernel"]
+    pred = s.get("prediction")
     for p, n in s["counts"].items():
         req = " (required)" if p in s["required"] else ""
         print(f"{kern} {p}{req}: {n['holds']} hold, {n['differs']} differ, {n['not applicable']} n.a., "
               f"{n['skipped']} skipped, {n['error']} error")  # fmt: skip
+        if pred:
+            a = pred["per_property"][p]
+            print(f"  predicted by {pred['model']}: {a['agree']} agree, {a['disagree']} disagree, "
+                  f"{a['not compared']} not compared")  # fmt: skip
         for r in report["cases"]:
             res = r["properties"][p]
             if res["result"] in ("differs", "error") and p in s["required"]:
                 print(f"  {res['result'].upper()} {r['case']}: {cell(res)}")
+    if pred:
+        for x in pred["disagreements"]:
+            print(f"  DISAGREE {x['case']} {x['property']}: measured {x['measured']}, predicted {x['predicted']}")
     verdict = "pass" if s["passed"] else "FAIL (" + (", ".join(s["failing"]) or "nothing compared") + ")"
     print(f"{kern}: {verdict} in {report['seconds']:.1f} s; report: {d / 'invariance.md'}")
 
@@ -123,12 +162,14 @@ def register(sub) -> None:
 
     r = sub.add_parser(
         "invariance",
-        help="batch and decode invariance of a fixed-length kernel, bitwise on out and LSE",
-        description="For each case: a sequence alone vs inside the batch (and the batch reversed); the last "
-        "rows alone vs inside the prefill; bitwise on out and LSE.  Each property holds, differs (count, steps, "
-        "error against FP64, bound), is not applicable (why) or skipped.  Writes OUT/invariance.{json,md} "
-        "(OUT/<kernel>/ with several kernels).  Exit 0 when every --require'd property holds and something was "
-        "compared, 1 otherwise, 2 for usage errors.",
+        help="batch, decode, split-KV, paged-KV and pack_gqa invariance of a kernel on out and LSE",
+        description="For each case: a sequence alone vs inside the batch (the batch reversed; varlen: beside "
+        "shorter sequences); the last rows alone vs inside the prefill; for a kernel with a varlen entry also "
+        "num_splits 1 vs N (holds when within the forward bound), paged vs contiguous KV and pack_gqa on vs off; "
+        "bitwise on out and LSE otherwise.  Each property holds, differs (count, steps, error against FP64, "
+        "bound), is not applicable (why) or skipped; --predict runs the same on a model beside it.  Writes "
+        "OUT/invariance.{json,md} (OUT/<kernel>/ with several kernels).  Exit 0 when every --require'd property "
+        "holds and something was compared, 1 otherwise, 2 for usage errors.",
     )
     r.add_argument(
         "--kernel", required=True, action="append",
@@ -140,6 +181,11 @@ def register(sub) -> None:
     r.add_argument("--require", default=None,
                    help=f"comma-separated properties that gate the exit code ({', '.join(PROPERTIES)}); "
                    "the others are reported only")  # fmt: skip
+    r.add_argument("--predict", default=None, metavar="MODEL",
+                   help="run the same properties on MODEL (a kernel name) with the same inputs and report its "
+                   "verdicts beside the measured ones; 'none': no prediction; default: for fa4 the model of this "
+                   "machine's production arch (fa4-model-sm90 on Hopper, fa4-model otherwise), none for "
+                   "others")  # fmt: skip
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     r.add_argument("--out", default="reports/invariance-latest",
                    help="report directory (default reports/invariance-latest)")  # fmt: skip

@@ -217,6 +217,7 @@ def _run_here(args, kernels, cases, label, th, device) -> dict[str, list[dict]]:
                 kernels, cases, device=device, out_dir=args.out, thresholds=th, suite=label, seed=args.seed,
                 resume=args.resume, exitfirst=args.exitfirst, isolate=isolate,
                 progress=lambda kern, r: bar.advance(task), backward=_backward_options(args),
+                per_sequence=args.per_sequence,
             )  # fmt: skip
         except JournalMismatch as exc:
             raise UsageError(f"--resume refused: {exc}") from exc
@@ -233,6 +234,7 @@ def _child_argv(args: argparse.Namespace, kernels: list[str], case_file: Path, l
     argv += [] if args.isolate is None else (["--isolate"] if args.isolate else ["--no-isolate"])
     argv += ["--backward", "--repeat", str(args.repeat)] if args.backward else []
     argv += ["--deterministic"] if args.deterministic else []
+    argv += ["--per-sequence"] if args.per_sequence else []
     return argv
 
 
@@ -480,5 +482,11 @@ def register(sub) -> None:
     r.add_argument(
         "--deterministic", action="store_true",
         help="with --backward: pass deterministic=True to kernels that take it and fail any run-to-run difference",
+    )  # fmt: skip
+    r.add_argument(
+        "--per-sequence", action="store_true",
+        help="audit a fixed-length kernel on varlen cases (docs/varlen.md) one sequence at a time: a batch-1 call per "
+        "sequence on its rows and used keys (without it, such a kernel skips varlen cases; kernels with a varlen "
+        "entry, fn.fa4_audit_contract = 'varlen', run them through it either way)",
     )  # fmt: skip
     r.set_defaults(func=cmd_run)

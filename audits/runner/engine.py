@@ -7,11 +7,19 @@ Every finished case is appended to ``OUT/journal.jsonl`` (flushed and fsynced) s
 Cases run grouped by compile key, so a JIT kernel compiles each variant once.
 :func:`shard_cases` cuts a deterministic 1/n slice balanced by expected cost.  Failing cases get a reproducer:
 their inputs saved under ``OUT/repro/`` and a one-line command in the report.
+
+A varlen case (``Case.seqlens``, ``docs/varlen.md``) runs through the kernel's varlen entry
+(``audits.kernels.get_varlen_kernel``), or with ``per_sequence`` through a fixed-length kernel
+called once per sequence (``audits.kernels.per_sequence``); each sequence is referenced and
+bounded as the fixed-length call on its rows and used keys, and the sequences' results are
+measured together, packed along the tokens as the kernel returns them.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
+import inspect
 import math
 import time
 import traceback
@@ -21,8 +29,21 @@ from pathlib import Path
 import torch
 
 from audits.cases import Case
-from audits.inputs import NotApplicable, make_grad_output, make_inputs
-from audits.kernels import claims_nonfinite_inputs, contract_error, fa4_numerics, get_kernel, kernel_domain
+from audits.inputs import NotApplicable, make_grad_output, make_inputs, make_varlen_inputs
+from audits.kernels import (
+    KERNELS,
+    VARLEN_KERNELS,
+    claims_nonfinite_inputs,
+    contract_error,
+    fa4_numerics,
+    fa4_varlen_numerics,
+    fa4_varlen_splits,
+    get_kernel,
+    get_varlen_kernel,
+    kernel_domain,
+    per_sequence,
+    varlen_contract_error,
+)  # fmt: skip
 from audits.runner import journal
 from audits.runner.backward import BackwardOptions, _references, analyse_backward, grad_call
 from audits.runner.gate import judge
@@ -67,11 +88,10 @@ def shard_cases(cases: list[Case], index: int, count: int, *, by: str = "cost") 
     return [c for i, c in enumerate(cases) if owner[i] == index]
 
 
-def _certify(x: dict, ref: torch.Tensor, rl: torch.Tensor, case: Case) -> float | None:
-    """Largest |FP64 reference - exact| over one deterministic row's outputs and LSE (the exact
-    row from ``numerics.reference.exact_attention_rows``, ~1e-23 relative); None when the row
-    is not certifiable (non-finite inputs reach it: the semantics rules judge it)."""
-    row = (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1)
+def _certify(x: dict, ref: torch.Tensor, rl: torch.Tensor, row: tuple[int, int, int]) -> float | None:
+    """Largest |FP64 reference - exact| over one row's (batch, head, query) outputs and LSE (the
+    exact row from ``numerics.reference.exact_attention_rows``, ~1e-23 relative); None when the
+    row is not certifiable (non-finite inputs reach it: the semantics rules judge it)."""
     (got,) = exact_attention_rows(x["q"], x["k"], x["v"], [row], **x["kw"])
     if got is None:
         return None
@@ -92,7 +112,7 @@ def _reference(case: Case, device: str) -> tuple:
     x = make_inputs(case, device=device)
     ref, rl = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
     low = attention_lowprec(x["q"], x["k"], x["v"], **x["kw"])
-    return ref, rl, low, _certify(x, ref, rl, case)
+    return ref, rl, low, _certify(x, ref, rl, (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1))
 
 
 @functools.lru_cache(maxsize=4)
@@ -133,16 +153,24 @@ def _peer_numerics(q: torch.Tensor):
 def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device) -> None:
     """Reference, metrics, bound and criteria of a kernel result, into ``rec``."""
     q, k, v = x["q"], x["k"], x["v"]
-    ref, rl, low, cert = _reference(case, str(device))
+    nmf = fa4_numerics(kernel)
+    nm = nmf(q, k, v, case.causal, tuple(case.window)) if nmf is not None else _peer_numerics(q)
+    refs, bounds = _reference(case, str(device)), _bound(case, str(device), nm)
+    _measure(rec, kernel, case, x, out, lse, refs, bounds, ("fa4" if nmf is not None else "peer", nm))
+
+
+def _measure(rec: dict, kernel: str, case: Case, x: dict, out, lse, refs: tuple, bounds: tuple, nm: tuple) -> None:
+    """The measurements of a result against its references ``refs`` (FP64 out and LSE, the
+    low-precision result, the certification) and its per-element ``bounds`` (out, LSE) under
+    numerics ``nm`` ((kind, FA4Numerics)), into ``rec``."""
+    q, k, v = x["q"], x["k"], x["v"]
+    ref, rl, low, cert = refs
     rec["out"] = output_errors(out, ref)
     if lse is not None:
         rec["lse"] = lse_errors(lse, rl)
-    nmf = fa4_numerics(kernel)
-    nm = nmf(q, k, v, case.causal, tuple(case.window)) if nmf is not None else _peer_numerics(q)
-    if nm is not None:
-        ob, lb = _bound(case, str(device), nm)
-        rec["bound"] = {"kind": "fa4" if nmf is not None else "peer", **bound_check(out, ref, ob, lse, rl, lb)}
-    rec["out_of_domain"] = _domain(q, k, v, case, nm)
+    ob, lb = bounds
+    rec["bound"] = {"kind": nm[0], **bound_check(out, ref, ob, lse, rl, lb)}
+    rec["out_of_domain"] = _domain(q, k, v, case, nm[1])
     if (
         rec["out_of_domain"] is None
         and not claims_nonfinite_inputs(kernel)
@@ -170,20 +198,179 @@ def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
 
 
 def _analyse_or_oom(rec: dict, kernel: str, case: Case, x: dict, out, lse, device) -> None:
-    """:func:`_analyse`; an OOM in the audit's own FP64 work (not the kernel's) frees the caches
-    and retries once, then becomes the case's error."""
+    """:func:`_analyse` (:func:`_analyse_varlen` for a varlen case); an OOM in the audit's own
+    FP64 work (not the kernel's) frees the caches and retries once, then becomes the case's error."""
+    analyse = _analyse_varlen if case.varlen else _analyse
     try:
-        _analyse(rec, kernel, case, x, out, lse, device)
+        analyse(rec, kernel, case, x, out, lse, device)
     except torch.OutOfMemoryError:
-        _reference.cache_clear()
-        _bound.cache_clear()
+        for cached in (_reference, _bound, _varlen_reference, _varlen_bound):
+            cached.cache_clear()
         torch.cuda.empty_cache()
         try:
-            _analyse(rec, kernel, case, x, out, lse, device)
+            analyse(rec, kernel, case, x, out, lse, device)
         except torch.OutOfMemoryError as exc:
             why = str(exc).splitlines()[0]
             rec.update(status="error", reason=f"the audit's FP64 reference or bound ran out of GPU memory: {why}")
             rec["audit_error"] = True  # the audit's failure, not the kernel's: --resume redoes it
+
+
+# ---- varlen cases (docs/varlen.md) ---------------------------------------------------------
+
+#: the fixed-length call's keywords among a varlen call's (the others place the sequences)
+_FORWARD_KEYS = ("softmax_scale", "causal", "window_size", "softcap", "learnable_sink")
+#: a varlen case's backward half under ``run --backward``
+_VARLEN_BACKWARD = {
+    "status": "skipped",
+    "reason": "varlen cases audit the forward pass only (no backward through the varlen entry, docs/varlen.md)",
+}
+
+
+def _sequence(x: dict, i: int) -> tuple:
+    """Sequence ``i`` of varlen inputs ``x`` as the fixed-length call it computes: (q, k, v, its
+    keywords), batch 1, its used keys only, the forward keywords only.  A sequence with queries
+    and no key gets one zero key that no row sees (the window's right edge at -1): the FP64
+    reference, the low-precision result and the bound then give FA's convention for rows with no
+    visible key (out 0; LSE -inf, or the sink) from their own code, which needs a key."""
+    q, k, v = x["parts"][i]
+    kw = {n: x["kw"][n] for n in _FORWARD_KEYS if n in x["kw"]}
+    if k.shape[1] == 0:
+        k, v = k.new_zeros(1, 1, *k.shape[2:]), v.new_zeros(1, 1, *v.shape[2:])
+        kw["window_size"] = (tuple(kw.get("window_size", (None, None)))[0], -1)
+    return q, k, v, kw
+
+
+def _used_k(case: Case, i: int) -> int:
+    return case.seqused_k[i] if case.seqused_k else case.seqlens[i][1]
+
+
+@functools.lru_cache(maxsize=4)
+def _varlen_reference(case: Case, device: str) -> tuple:
+    """:func:`_reference` of a varlen case: per sequence (:func:`_sequence`) the FP64 reference,
+    its LSE and the low-precision result, concatenated along the tokens into batch-1 tensors
+    (1, total_q, hq, dv) and (1, hq, total_q), as the kernel packs them; the certification of
+    the last row of the last sequence with queries and keys (None without one)."""
+    x = make_varlen_inputs(case, device=device)
+    refs, rls, lows, cert = [], [], [], None
+    for i, (sq, _) in enumerate(case.seqlens):
+        if sq == 0:
+            continue
+        q, k, v, kw = _sequence(x, i)
+        ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
+        refs.append(ref)
+        rls.append(rl)
+        lows.append(attention_lowprec(q, k, v, **kw))
+        if _used_k(case, i):
+            cert = ({"q": q, "k": k, "v": v, "kw": kw}, ref, rl, (0, case.heads_q - 1, sq - 1))
+    cert = None if cert is None else _certify(*cert)  # the last sequence with queries and keys
+    if not refs:  # no sequence has a query: nothing to compare, empty tensors of the right shapes
+        q = x["q"]
+        refs = [torch.zeros(1, 0, case.heads_q, case.dv, dtype=torch.float64, device=q.device)]
+        rls = [torch.zeros(1, case.heads_q, 0, dtype=torch.float64, device=q.device)]
+        lows = [refs[0].to(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)]
+    return torch.cat(refs, 1), torch.cat(rls, 2), torch.cat(lows, 1), cert
+
+
+def _split_keywords(case: Case, splits: int) -> tuple[dict, str | None]:
+    """The bound's split-KV keywords for a sequence of ``case`` run in ``splits`` splits
+    (num_splits, and pack_gqa as the kernel runs it: the case's, else the default, on for GQA),
+    those ``forward_error_bound`` takes, and a note naming any it lacks (the bound then covers
+    the unsplit computation only)."""
+    if splits == 1:
+        return {}, None
+    pack = case.pack_gqa if case.pack_gqa is not None else case.heads_q > case.heads_kv
+    want = {"num_splits": splits, "pack_gqa": pack}
+    params = inspect.signature(forward_error_bound).parameters
+    missing = [n for n in want if n not in params]
+    note = f"forward_error_bound takes no {', '.join(missing)}: bounded as the unsplit computation" if missing else None
+    return {n: val for n, val in want.items() if n in params}, note
+
+
+@functools.lru_cache(maxsize=4)
+def _varlen_bound(case: Case, device: str, nms: tuple, splits: tuple) -> tuple:
+    """:func:`_bound` of a varlen case: per sequence with queries, the bound of its fixed-length
+    call under its numerics ``nms[i]``, in ``splits[i]`` splits (:func:`_split_keywords`),
+    packed as :func:`_varlen_reference`."""
+    x = make_varlen_inputs(case, device=device)
+    ref, rl = _varlen_reference(case, device)[:2]
+    obs, lbs, row = [ref[:, :0]], [rl[:, :, :0]], 0
+    for i, (sq, _) in enumerate(case.seqlens):
+        if sq == 0:
+            continue
+        q, k, v, kw = _sequence(x, i)
+        seq_ref = (ref[:, row : row + sq], rl[:, :, row : row + sq])
+        extra = _split_keywords(case, splits[i])[0]
+        ob, lb = forward_error_bound(q, k, v, nms[i], reference=seq_ref, **kw, **extra)
+        obs.append(ob)
+        lbs.append(lb)
+        row += sq
+    return torch.cat(obs, 1), torch.cat(lbs, 2)
+
+
+def _varlen_numerics(kernel: str, case: Case, x: dict) -> tuple[str, tuple, tuple]:
+    """(the bound's kind, per sequence the numerics it holds the kernel to, per sequence its
+    split count): an FA4 kernel's own for each sequence of its varlen entry
+    (``audits.kernels.fa4_varlen_numerics``, ``fa4_varlen_splits``: SM100 splits each sequence
+    its own way), or generic flash-attention numerics (:func:`_peer_numerics`) with the case's
+    ``num_splits`` for every sequence."""
+    nmf, spf = fa4_varlen_numerics(kernel), fa4_varlen_splits(kernel)
+    if nmf is None:
+        return "peer", tuple(_peer_numerics(x["q"]) for _ in case.seqlens), (case.num_splits,) * len(case.seqlens)
+    kw = {"num_splits": case.num_splits, "page_size": case.page_size, "pack_gqa": case.pack_gqa,
+          "max_seqlen_q": x["kw"]["max_seqlen_q"]}  # fmt: skip
+    nms = []
+    for i in range(len(case.seqlens)):
+        q, k, v, _ = _sequence(x, i)
+        nms.append(nmf(q, k, v, case.causal, tuple(case.window), **kw))
+    return "fa4", tuple(nms), tuple(spf(x["q"], x["k"], x["kw"]))
+
+
+def _analyse_varlen(rec: dict, kernel: str, case: Case, x: dict, out, lse, device: torch.device) -> None:
+    """:func:`_analyse` of a varlen result (out (total_q, hq, dv), lse (hq, total_q)): measured
+    as one batch-1 result against the sequences' packed references and bounds; the record's
+    ``varlen`` names the sequence of the largest output error."""
+    kind, nms, splits = _varlen_numerics(kernel, case, x)
+    refs, bounds = _varlen_reference(case, str(device)), _varlen_bound(case, str(device), nms, splits)
+    lse1 = None if lse is None else lse.unsqueeze(0)
+    _measure(rec, kernel, case, x, out.unsqueeze(0), lse1, refs, bounds, (kind, nms[0]))
+    cu = x["kw"]["cu_seqlens_q"].tolist()
+    if cu[-1]:
+        rec["varlen"]["worst_sequence"] = bisect.bisect_right(cu, rec["out"]["argmax"][1]) - 1
+    if case.num_splits > 1:
+        rec["varlen"]["splits"] = list(splits)  # per sequence, as the kernel's entry splits it
+        note = _split_keywords(case, max(splits))[1]
+        if note:
+            rec["varlen"]["bound_note"] = note
+
+
+def _varlen_record(case: Case, per_seq: bool) -> dict:
+    """The record's ``varlen``: sequence count, tokens (queries, keys used), the run's
+    ``--per-sequence``; the entry that ran is added once known."""
+    used = sum(_used_k(case, i) for i in range(len(case.seqlens)))
+    return {"sequences": len(case.seqlens), "total_q": sum(a for a, _ in case.seqlens), "total_k": used,
+            "per_sequence": per_seq}  # fmt: skip
+
+
+def _varlen_entry(kernel: str, fn: Callable, per_seq: bool) -> tuple[Callable | None, str | None]:
+    """(the callable that runs a varlen case, "varlen" | "per-sequence"), or (None, None): the
+    kernel's varlen entry (a built-in's, or ``fn`` itself when it declares the varlen contract),
+    else with ``per_seq`` the fixed-length ``fn`` once per sequence."""
+    if isinstance(fn, _Isolated):
+        return fn.varlen_entry(per_seq)
+    entry = fn if getattr(fn, "fa4_audit_contract", None) == "varlen" else None
+    if entry is None and kernel in VARLEN_KERNELS and KERNELS.get(kernel) is fn:
+        entry = VARLEN_KERNELS[kernel]
+    if entry is not None:
+        return entry, "varlen"
+    return (per_sequence(fn), "per-sequence") if per_seq else (None, None)
+
+
+def _no_varlen_entry(kernel: str) -> str:
+    return (
+        f"{kernel} is a fixed-length kernel with no varlen entry (a kernel declares the varlen contract with "
+        "fn.fa4_audit_contract = 'varlen', docs/varlen.md); run with --per-sequence to audit it on varlen cases, "
+        "one fixed-length call per sequence"
+    )
 
 
 def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.device, opts: BackwardOptions) -> dict:
@@ -215,35 +402,43 @@ def evaluate_case(
     thresholds: dict,
     backward: BackwardOptions | None = None,
     domain=None,
+    per_sequence: bool = False,
 ) -> dict:
     """Measurements and verdict of one case (a JSON-able dict); with ``backward``, its gradients
     too (``rec["backward"]``).  ``domain`` (``audits.domain.Domain``, the kernel's declared one):
-    a case outside it is ``skipped`` with the reason, decided before the kernel is called."""
+    a case outside it is ``skipped`` with the reason, decided before the kernel is called.  A
+    varlen case runs through the kernel's varlen entry, else with ``per_sequence`` through ``fn``
+    once per sequence, else is ``skipped`` (the reason names ``--per-sequence``)."""
     rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
     t0 = time.perf_counter()
+    if case.varlen:
+        rec["varlen"] = _varlen_record(case, per_sequence)
     why = domain.refusal(case) if domain is not None else None
     if why is not None:  # never called: the kernel said up front it does not support this
-        rec.update(status="skipped", reason=f"outside the kernel's declared domain: {why}", verdict="skipped")
-        rec["reasons"], rec["seconds"] = [rec["reason"]], time.perf_counter() - t0
-        return rec
+        return _skipped(rec, f"outside the kernel's declared domain: {why}", t0)
+    if case.varlen:
+        fn, rec["varlen"]["entry"] = _varlen_entry(kernel, fn, per_sequence)
+        if fn is None:
+            return _skipped(rec, _no_varlen_entry(kernel), t0)
     try:
-        x = make_inputs(case, device=device)
+        x = make_varlen_inputs(case, device=device) if case.varlen else make_inputs(case, device=device)
     except NotApplicable as exc:  # a family's precondition: this case is reported, the run goes on
-        rec.update(status="skipped", reason=f"input family not applicable here: {exc}", verdict="skipped")
-        rec["reasons"], rec["seconds"] = [rec["reason"]], time.perf_counter() - t0
-        return rec
+        return _skipped(rec, f"input family not applicable here: {exc}", t0)
     status, res = _call(fn, x)
     rec.update(status)
     if res is not None:
         out, lse = res
         rec["lse_returned"] = lse is not None  # judged by [policy] lse_missing: never silently unchecked
-        bad = contract_error(x["q"], x["v"], out, lse)
+        if case.varlen:
+            bad = varlen_contract_error(x["q"], x["v"], out, lse, packed=True)
+        else:
+            bad = contract_error(x["q"], x["v"], out, lse)
         if bad:
             rec.update(status="error", reason=bad)
         else:
             _analyse_or_oom(rec, kernel, case, x, out, lse, device)
     if backward is not None and rec["status"] == "ran":
-        rec["backward"] = _backward(kernel, fn, case, x, device, backward)
+        rec["backward"] = dict(_VARLEN_BACKWARD) if case.varlen else _backward(kernel, fn, case, x, device, backward)
         if rec["backward"].get("audit_error"):
             rec["audit_error"] = True
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
@@ -251,19 +446,37 @@ def evaluate_case(
     return rec
 
 
+def _skipped(rec: dict, reason: str, t0: float) -> dict:
+    """``rec`` as a case skipped for ``reason``, the kernel not called."""
+    rec.update(status="skipped", reason=reason, verdict="skipped")
+    rec["reasons"], rec["seconds"] = [reason], time.perf_counter() - t0
+    return rec
+
+
 class WorkerCrashed(RuntimeError):
     """The kernel's worker process died during a call."""
+
+
+def _entry_of(kernel: str, entry: str | None) -> Callable:
+    """The kernel's callable for ``entry``: None the fixed-length one, "varlen" its varlen
+    entry, "per-sequence" the fixed-length one once per sequence."""
+    if entry == "varlen":
+        return get_varlen_kernel(kernel)
+    return per_sequence(get_kernel(kernel)) if entry == "per-sequence" else get_kernel(kernel)
 
 
 def _worker(conn, kernel: str) -> None:  # pragma: no cover - runs in the child process
     """Call the kernel on inputs sent over ``conn`` until None arrives (see :class:`_Isolated`).
     Replies ("ok", result) or ("raise", exception)."""
-    fn = get_kernel(kernel)
+    fns = {}
     while True:
         msg = conn.recv()
         if msg is None:
             return
-        (q, k, v, kw), device, bwd = msg
+        (q, k, v, kw), device, bwd, entry = msg
+        if entry not in fns:
+            fns[entry] = _entry_of(kernel, entry)
+        fn = fns[entry]
         dev = torch.device(device)
         kw = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
         try:
@@ -308,11 +521,11 @@ class _Isolated:
         self.proc.start()
         child.close()
 
-    def _ask(self, q, k, v, kw, bwd):
+    def _ask(self, q, k, v, kw, bwd, entry=None):
         if self.proc is None or not self.proc.is_alive():
             self._start()
         try:
-            self.conn.send(((_to(q, "cpu"), _to(k, "cpu"), _to(v, "cpu"), _to(kw, "cpu")), self.device, bwd))
+            self.conn.send(((_to(q, "cpu"), _to(k, "cpu"), _to(v, "cpu"), _to(kw, "cpu")), self.device, bwd, entry))
             status, payload = self.conn.recv()
         except (EOFError, ConnectionError, BrokenPipeError):
             self.proc.join(timeout=5)
@@ -325,6 +538,14 @@ class _Isolated:
 
     def __call__(self, q, k, v, *, return_lse=True, **kw):
         return self._ask(q, k, v, kw, None)
+
+    def varlen_entry(self, per_seq: bool) -> tuple[Callable | None, str | None]:
+        """:func:`_varlen_entry` in the worker: its varlen entry, else (``per_seq``) the
+        fixed-length kernel once per sequence, else (None, None)."""
+        entry = "varlen" if get_varlen_kernel(self.kernel) is not None else "per-sequence" if per_seq else None
+        if entry is None:
+            return None, None
+        return (lambda q, k, v, *, return_lse=True, **kw: self._ask(q, k, v, kw, None, entry)), entry
 
     def grad(self, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dict, tuple | None]:
         """``audits.runner.backward.grad_call`` in the worker; a crash there is the case's."""
@@ -369,6 +590,7 @@ def run_suites(
     isolate: bool | Callable[[str], bool] = False,
     progress: Callable[[str, dict], None] | None = None,
     backward: BackwardOptions | None = None,
+    per_sequence: bool = False,
 ) -> dict[str, list[dict]]:
     """Evaluate ``cases`` (grouped by compile key) for every kernel; journal each record under
     :func:`kernel_dir`; return each kernel's records in suite order.  The kernels take turns
@@ -379,9 +601,12 @@ def run_suites(
     seed, thresholds, cases: ``journal.JournalMismatch`` otherwise).  ``isolate`` (a bool or a
     predicate on the kernel name): evaluate in a worker process, where a crash becomes the
     case's verdict.  ``backward``: audit the gradients too (``audits.runner.backward``).
+    ``per_sequence``: a fixed-length kernel runs varlen cases one sequence at a time (else they
+    are skipped for it); a resumed record made otherwise is redone.
     KeyboardInterrupt propagates after the journals hold what finished."""
     state = {}
-    run = {"suite": suite, "seed": seed, "resume": resume, "several": len(kernels) > 1, "backward": backward}
+    run = {"suite": suite, "seed": seed, "resume": resume, "several": len(kernels) > 1, "backward": backward,
+           "per_sequence": per_sequence}  # fmt: skip
     for kern in kernels:
         state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, run)
         iso = isolate(kern) if callable(isolate) else isolate
@@ -414,10 +639,22 @@ def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
     if not path.exists():
         journal.append(path, ident)
     done = journal.read_records(path) if run["resume"] else {}
-    done = {n: r for n, r in done.items() if not _audit_error(r)}  # the audit's own failures are redone
+    per_seq = run["per_sequence"]
+    # the audit's own failures are redone, and varlen records of a run with another --per-sequence
+    done = {n: r for n, r in done.items() if not _audit_error(r) and _same_entry(r, per_seq)}
     th_path = thresholds.get("path")
-    repro = lambda c: reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd)
-    return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro}
+
+    def repro(c: Case) -> str:
+        cmd = reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd)
+        return cmd + " --per-sequence" if per_seq and c.varlen else cmd
+
+    return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro, "per_sequence": per_seq}
+
+
+def _same_entry(rec: dict, per_seq: bool) -> bool:
+    """Whether a journal record stands for a run with ``--per-sequence`` = ``per_seq`` (a
+    fixed-length case always does)."""
+    return rec.get("varlen") is None or rec["varlen"].get("per_sequence") == per_seq
 
 
 def _audit_error(rec: dict) -> bool:
@@ -431,7 +668,7 @@ def _save_inputs(st: dict, c: Case) -> str:
     """The failing case's inputs as a torch file beside the report (``repro/<case>.pt``)."""
     rdir = st["out"] / "repro"
     rdir.mkdir(exist_ok=True)
-    x = make_inputs(c, device="cpu")
+    x = make_varlen_inputs(c, device="cpu") if c.varlen else make_inputs(c, device="cpu")
     tensors = {n: x[n].contiguous() for n in ("q", "k", "v")}
     torch.save({**tensors, "kw": x["kw"], "case": c.as_dict()}, rdir / f"{c.name}.pt")
     return f"repro/{c.name}.pt"
@@ -445,7 +682,7 @@ def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward
             if c.name in st["done"]:
                 rec = {**st["done"][c.name], "resumed": True}
             else:
-                rec = evaluate_case(kern, st["fn"], c, device, thresholds, backward, st["domain"])
+                rec = evaluate_case(kern, st["fn"], c, device, thresholds, backward, st["domain"], st["per_sequence"])
                 rec["repro"] = st["repro"](c)
                 if rec["verdict"] in FAILING:
                     rec["repro_inputs"] = _save_inputs(st, c)

@@ -121,6 +121,11 @@ class ReportError(ValueError):
     """A file that is not a valid fa4-audit report; the message names the field."""
 
 
+#: Case fields younger than the report schema (the varlen ones, docs/varlen.md): a report written
+#: before them holds fixed-length cases only, for which they take their defaults
+_LATER_FIELDS = ("seqlens", "seqused_k", "page_size", "num_splits", "pack_gqa")
+
+
 def validate_report(rep, where: str) -> dict:
     """``rep`` if it is a report of a ``READABLE`` schema, checked field by field against
     ``audits.runner.schema`` (top level, summary, every case and its config), else
@@ -143,7 +148,7 @@ def validate_report(rep, where: str) -> dict:
             raise ReportError(f"{where}: {err}")
         if c["verdict"] not in VERDICTS:
             raise ReportError(f"{where}: case {c['case']} has verdict {c['verdict']!r}; known: {', '.join(VERDICTS)}")
-        missing = [k for k in CASE_FIELDS if k not in c["config"]]
+        missing = [k for k in CASE_FIELDS if k not in c["config"] and k not in _LATER_FIELDS]
         if missing:
             lacks = ", ".join(missing)
             raise ReportError(f"{where}: cases[{i}].config lacks {lacks} (a report holds every Case field)")

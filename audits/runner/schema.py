@@ -88,7 +88,15 @@ _BACKWARD = [
 ]
 #: one case record (the Case fields of ``config`` are checked by ``audits.cases.case_from_dict``)
 CASE = [
-    {"case": str, "config": dict, "verdict": str, "reasons": Each(str), "status": str},
+    {
+        "case": str,
+        "config": dict,
+        "verdict": str,
+        "reasons": Each(str),
+        "status": str,
+        # a varlen case's (audits.runner.engine, docs/varlen.md)
+        "varlen": Opt({"sequences": int, "total_q": int, "total_k": int, "per_sequence": bool, "entry": Opt(str)}),
+    },
     When(
         "status",
         ("ran",),

@@ -1,0 +1,134 @@
+"""``batch`` and ``decode`` of a fixed-length kernel (no varlen entry), bitwise on out and LSE.
+
+* ``batch``: each sequence of a batch computed alone (batch 1, sliced inputs) against the same
+  sequence inside the full batch, and inside the batch reversed (another position).  A batch-1
+  case is widened to a batch of 2 (the case's family at batch 2) so that there is a batch.
+* ``decode``: the last r query rows (r in ``DECODE_ROWS``, r < seqlen_q) computed with q
+  restricted to those rows, against the same KV, versus those rows inside the full call.  The
+  masks are bottom-right aligned, so the restricted call gives those rows the same visible keys;
+  this is checked (``numerics.reference.visible_mask``) and the property is not applicable where
+  it would not hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from audits.invariance.compare import call_fixed, pair, verdict
+
+__all__ = ["DECODE_ROWS", "FixedInputs", "batch", "decode", "decode_rows"]
+
+DECODE_ROWS = (1, 4)
+
+
+class FixedInputs:
+    """A case's inputs, shared by every kernel audited on it (the measured one and its model):
+    each kernel's full call, the FP64 reference and each kernel's forward bound, made lazily."""
+
+    def __init__(self, case, device):
+        from audits.inputs import make_inputs
+
+        self.case = case
+        x = make_inputs(case, device=device)
+        self.q, self.k, self.v, self.kw = x["q"], x["k"], x["v"], x["kw"]
+        self._ref = None
+        self._bounds: dict = {}
+        self._full: dict = {}
+
+    def ref(self):
+        if self._ref is None:
+            from numerics.reference import attention_reference
+
+            self._ref = attention_reference(self.q, self.k, self.v, return_lse=True, **self.kw)
+        return self._ref
+
+    def bound(self, t):
+        """(out_bound, lse_bound) of target ``t``'s numerics (``numerics.forward_bound``), or
+        (None, None) for a kernel without FA4 numerics."""
+        if t.nmf is None:
+            return None, None
+        if t.name not in self._bounds:
+            from numerics.forward_bound import forward_error_bound
+
+            nm = t.nmf(self.q, self.k, self.v, self.case.causal, tuple(self.case.window))
+            self._bounds[t.name] = forward_error_bound(self.q, self.k, self.v, nm, reference=self.ref(), **self.kw)
+        return self._bounds[t.name]
+
+    def full(self, t):
+        if t.name not in self._full:
+            self._full[t.name] = call_fixed(t.fn, self.q, self.k, self.v, self.kw)
+        return self._full[t.name]
+
+    def call(self, t, q, k, v):
+        return call_fixed(t.fn, q, k, v, self.kw)
+
+    def lazy(self, t, bs: slice, rs: slice):
+        """The reference and the bound of batch rows ``bs``, query rows ``rs``, when asked."""
+
+        def get():
+            ro, rl = self.ref()
+            fo, fl = self.bound(t)
+            bo, bl = (None, None) if fo is None else (fo[bs, rs], fl[bs, :, rs])
+            return ro[bs, rs], rl[bs, :, rs], bo, bl
+
+        return get
+
+
+def _rows(res, bs: slice, rs: slice = slice(None)):
+    out, lse = res
+    return out[bs, rs], None if lse is None else lse[bs, :, rs]
+
+
+def batch(x: FixedInputs, t, note: str | None) -> dict:
+    nb = x.case.batch
+    perm = list(range(nb))[::-1]
+    rev = x.call(t, *(u[perm] for u in (x.q, x.k, x.v)))
+    comps = []
+    for b in range(nb):
+        sl = slice(b, b + 1)
+        alone = x.call(t, x.q[sl], x.k[sl], x.v[sl])
+        pos = perm.index(b)
+        lazy = x.lazy(t, sl, slice(None))
+        comps.append(pair(f"sequence {b}: alone vs inside the batch", alone, _rows(x.full(t), sl), lazy))
+        where = f"sequence {b}: alone vs at position {pos} of the reversed batch"
+        comps.append(pair(where, alone, _rows(rev, slice(pos, pos + 1)), lazy))
+    return verdict(comps, note)
+
+
+def decode_rows(case, sq: int, sk: int, domain) -> tuple[list[int], list[str]]:
+    """(the usable r of ``DECODE_ROWS`` for a sequence of sq rows and sk keys, why the others
+    are not): the restricted call must give the last r rows the same visible keys, and r rows
+    must lie in the kernel's declared domain."""
+    from numerics.reference import visible_mask
+
+    why, usable = [], []
+    win = tuple(case.window)
+    vis = visible_mask(sq, sk, causal=case.causal, window_size=win)
+    for r in (r for r in DECODE_ROWS if r < sq):
+        sub = visible_mask(r, sk, causal=case.causal, window_size=win)
+        if not torch.equal(sub, vis[-r:]):
+            why.append(f"r={r}: the restricted call would give the last rows other visible keys")
+        elif domain is not None and (no := domain.refusal(dataclasses.replace(case, seqlen_q=r))):
+            why.append(f"r={r}: seqlen_q {r} is outside the kernel's declared domain ({no})")
+        else:
+            usable.append(r)
+    return usable, why
+
+
+def decode(x: FixedInputs, t) -> dict:
+    case = x.case
+    if case.seqlen_q <= min(DECODE_ROWS):
+        return {"result": "not applicable",
+                "reason": f"seqlen_q {case.seqlen_q}: the last row alone is the full call"}  # fmt: skip
+    usable, why = decode_rows(case, case.seqlen_q, case.seqlen_k, t.domain)
+    if not usable:
+        return {"result": "not applicable", "reason": "; ".join(why)}
+    comps = []
+    for r in usable:
+        rs = slice(case.seqlen_q - r, case.seqlen_q)
+        alone = x.call(t, x.q[:, rs], x.k, x.v)
+        where = f"last {r} row(s): alone vs inside the full call"
+        comps.append(pair(where, alone, _rows(x.full(t), slice(None), rs), x.lazy(t, slice(None), rs)))
+    return verdict(comps, "; ".join(why) or None)
