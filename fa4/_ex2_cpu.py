@@ -35,9 +35,10 @@ numba compiles without ``fastmath``: no reassociation, no contraction of a*b + c
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -46,7 +47,7 @@ try:  # optional: without numba the torch path is used
 except ImportError:  # pragma: no cover - exercised when numba is absent
     numba = None
 
-__all__ = ["available", "ex2_fast", "padded", "softmax_block", "o_update", "submit"]
+__all__ = ["available", "ex2_fast", "padded", "softmax_block", "o_update"]
 
 _FAST_LIMIT = np.float32(2.0**22)
 _FLT_MIN = np.float32(2.0**-126)
@@ -70,6 +71,7 @@ def available() -> bool:
 
 
 if numba is not None:
+    from llvmlite import ir
     from numba.core import types
     from numba.extending import intrinsic
 
@@ -464,6 +466,73 @@ if numba is not None:
             else:
                 acc_o[bh, row, :] = obuf
 
+    # ---- running the softmax step's loops on torch's OpenMP team ----
+
+    @intrinsic
+    def _call_i32(typingctx, addr):  # pragma: no cover - compiled
+        """Call the C function ``int f(void)`` at address ``addr`` (omp_get_thread_num & co.)."""
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(ir.IntType(32), [])
+            return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [])
+
+        return types.int32(types.int64), codegen
+
+    @intrinsic
+    def _voidptr(typingctx, addr):  # pragma: no cover - compiled
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+        return types.voidptr(types.int64), codegen
+
+    @numba.njit(cache=True, nogil=True)
+    def _arg1(a, k, dtype):  # pragma: no cover - compiled
+        """Array k of an argument block (``_Team.run``), 1-d C-contiguous."""
+        return numba.carray(_voidptr(a[3 + 4 * k]), (a[4 + 4 * k],), dtype=dtype)
+
+    @numba.njit(cache=True, nogil=True)
+    def _arg2(a, k, dtype):  # pragma: no cover - compiled
+        return numba.carray(_voidptr(a[3 + 4 * k]), (a[4 + 4 * k], a[5 + 4 * k]), dtype=dtype)
+
+    @numba.njit(cache=True, nogil=True)
+    def _arg3(a, k, dtype):  # pragma: no cover - compiled
+        return numba.carray(_voidptr(a[3 + 4 * k]), (a[4 + 4 * k], a[5 + 4 * k], a[6 + 4 * k]), dtype=dtype)
+
+    @numba.njit(cache=True, nogil=True)
+    def _my_rows(a):  # pragma: no cover - compiled
+        """This thread's share [lo, hi) of the a[2] rows."""
+        tid, nth = np.int64(_call_i32(a[0])), np.int64(_call_i32(a[1]))
+        return a[2] * tid // nth, a[2] * (tid + 1) // nth
+
+    @numba.njit(cache=True, nogil=True)
+    def _softmax_team(a, s):  # pragma: no cover - compiled
+        i64, f32, f64, b1 = np.int64, np.float32, np.float64, np.bool_
+        tab = (_arg1(a, 2, i64), _arg1(a, 3, i64), _arg2(a, 4, i64), _arg2(a, 5, i64),
+               _arg2(a, 6, i64), _arg2(a, 7, i64))  # fmt: skip
+        poly = (_arg1(a, 8, i64), _arg1(a, 9, f64))
+        state = (_arg2(a, 12, f32), _arg2(a, 13, f32), _arg2(a, 14, b1), _arg3(a, 15, f32))
+        out = (_arg2(a, 16, f64), _arg1(a, 17, f32), _arg1(a, 18, b1), _arg1(a, 19, np.uint8))
+        lo, hi = _my_rows(a)
+        maxv = _float64(a[3 + 4 * 20])
+        _softmax_kernel(lo, hi, s, _arg1(a, 1, i64), tab, poly, _arg1(a, 10, f32), _arg1(a, 11, i64), maxv,
+                        state, out)  # fmt: skip
+
+    def _softmax_team64(data):  # pragma: no cover - compiled
+        a = numba.carray(data, 3 + 4 * 20 + 1, dtype=np.int64)  # 20 arrays, maxv
+        _softmax_team(a, _arg2(a, 0, np.float64))
+
+    def _softmax_team32(data):  # pragma: no cover - compiled
+        a = numba.carray(data, 3 + 4 * 20 + 1, dtype=np.int64)  # 20 arrays, maxv
+        _softmax_team(a, _arg2(a, 0, np.float32))
+
+    def _o_team(data):  # pragma: no cover - compiled
+        a = numba.carray(data, 3 + 4 * 6, dtype=np.int64)
+        lo, hi = _my_rows(a)
+        _o_kernel(
+            lo, hi, _arg2(a, 0, np.float64), _arg3(a, 1, np.float32), _arg1(a, 2, np.int64),
+            _arg1(a, 3, np.float32), _arg1(a, 4, np.bool_), _arg1(a, 5, np.uint8),
+        )  # fmt: skip
+
 
 def padded(coeffs) -> np.ndarray:
     """The polynomial's coefficients as float64, zero-padded to degree 5 (``_horner_splice``)."""
@@ -484,46 +553,66 @@ def ex2_fast(x: np.ndarray, out: np.ndarray, coeffs: tuple[float, ...], ftz: boo
     return flags.astype(bool)
 
 
-_POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
+class _Team:
+    """The OpenMP runtime torch loaded (its libgomp), to run a compiled loop on torch's own
+    thread team: right after a torch GEMM that team's threads spin for some milliseconds
+    (libgomp's default wait policy), so any other thread found the cores taken — measured, a
+    2-thread pool ran no faster than 1 thread within ~10 ms of a GEMM, while a parallel region
+    of torch's team ran twice as fast."""
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        self.parallel = lib.GOMP_parallel
+        self.parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        self.parallel.restype = None
+        self.tid = ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value
+        self.nth = ctypes.cast(lib.omp_get_num_threads, ctypes.c_void_p).value
+        sig = types.void(types.voidptr)
+        self.bodies = {
+            "softmax64": numba.cfunc(sig, cache=True)(_softmax_team64),
+            "softmax32": numba.cfunc(sig, cache=True)(_softmax_team32),
+            "o": numba.cfunc(sig, cache=True)(_o_team),
+        }
+
+    def run(self, body: str, nrow: int, arrays: tuple, scalars: tuple = ()) -> None:
+        """bodies[body] on every thread of the team, rows split evenly: the argument block is
+        (omp_get_thread_num, omp_get_num_threads, rows, then address and shape of each array,
+        then each float64 scalar's bits)."""
+        slots = [self.tid, self.nth, nrow]
+        for x in arrays:
+            slots += [x.ctypes.data, *x.shape, *[0] * (3 - x.ndim)]
+        slots += [int(np.float64(v).view(np.int64)) for v in scalars]
+        argv = np.array(slots, dtype=np.int64)
+        self.parallel(self.bodies[body].address, argv.ctypes.data, 0, 0)
 
 
-def _pool(name: str, workers: int) -> ThreadPoolExecutor:
-    """A kept thread pool (recreated after a fork, whose child has none of its threads)."""
-    pid, pool = _POOLS.get(name, (None, None))
-    if pid != os.getpid() or pool._max_workers < workers:
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"fa4-model-{name}")
-        _POOLS[name] = (os.getpid(), pool)
-    return pool
+_TEAM: list = []
 
 
-def submit(fn, *args, background: bool = True) -> Future:
-    """fn(*args) on the background thread (one): ``fa4.model`` runs a block's softmax step
-    there while its own thread does the GEMMs (torch releases the GIL, the compiled loops too).
-    ``background=False``: run it now, in this thread (work too small to hand over)."""
-    if background:
-        return _pool("background", 1).submit(fn, *args)
-    done: Future = Future()
-    done.set_result(fn(*args))
-    return done
+def _team() -> _Team | None:
+    """The team runner when torch's OpenMP library is a libgomp found in torch's own lib folder
+    (a Linux pip wheel), else None: the loops then run in the calling thread."""
+    if not _TEAM:
+        path = None
+        with contextlib.suppress(OSError):
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libgomp" in line}
+            path = next((x for x in sorted(paths) if f"{os.sep}torch{os.sep}lib{os.sep}" in x), None)
+        _TEAM.append(_Team(path) if path and numba is not None else None)
+    return _TEAM[0]
 
 
-def _rows_parallel(kernel, nrow: int, args: tuple, threads: int) -> None:
-    """kernel(lo, hi, *args) over [0, nrow), split among ``threads``: serial compiled loops
-    (nogil) on a thread pool.  Not numba's ``prange``: its OpenMP pool runs beside torch's, and
-    right after a torch GEMM the two fought over the cores (the accumulator update took 6.8 ns
-    per element under ``prange``, 0.2-0.3 on plain threads, 2 cores)."""
-    n = max(1, min(threads, nrow // 256))
-    if n == 1:
+def _run(kernel, body: str, nrow: int, args: tuple, arrays: tuple, scalars: tuple = ()) -> None:
+    """kernel(0, nrow, *args) — on torch's OpenMP team when there is one and the work is worth
+    it (``arrays``: the same arguments flattened, every one C-contiguous), else here."""
+    team = _team() if nrow >= 512 else None
+    if team is None or not all(x.flags.c_contiguous for x in arrays):
         kernel(0, nrow, *args)
-        return
-    cuts = [nrow * k // n for k in range(n + 1)]
-    jobs = [_pool("rows", n).submit(kernel, cuts[k], cuts[k + 1], *args) for k in range(1, n)]
-    kernel(cuts[0], cuts[1], *args)
-    for j in jobs:
-        j.result()
+    else:
+        team.run(body, nrow, arrays, scalars)
 
 
-def softmax_block(s, geo, tab, poly, fp, lp, maxv: float, state, out, threads: int = 1) -> None:
+def softmax_block(s, geo, tab, poly, fp, lp, maxv: float, state, out) -> None:
     """The forward model's steps 1-8 for one KV block on the rows of a window (``fa4.model``).
 
     s: (rows, nc) float64 S, or float32 softcapped scores, rows flat over (b, heads_q, window).
@@ -538,11 +627,14 @@ def softmax_block(s, geo, tab, poly, fp, lp, maxv: float, state, out, threads: i
     place on the rows it completes.  out: (P as float64 (rows, tile_n), accumulator scale,
     first, status), status 0 for inactive rows, 1 done, 2 for the rows the caller must redo
     (a NaN, a rounding too close to call)."""
-    _rows_parallel(_softmax_kernel, s.shape[0], (s, geo, tab, poly, fp, lp, maxv, state, out), threads)
+    arrays = (s, geo, *tab, *poly, fp, lp, *state, *out)
+    body = "softmax64" if s.dtype == np.float64 else "softmax32"
+    _run(_softmax_kernel, body, s.shape[0], (s, geo, tab, poly, fp, lp, maxv, state, out), arrays, (maxv,))
 
 
-def o_update(pv, acc_o, geo, acc_scale, first, status, threads: int = 1) -> None:
+def o_update(pv, acc_o, geo, acc_scale, first, status) -> None:
     """Step 9's accumulator update in place on the status-1 rows of a window (acc_o: (b * heads_q,
     seqlen_q, dv) float32; pv: (rows, dv) float64); a row whose result has a NaN gets status 3
     and is left to the caller."""
-    _rows_parallel(_o_kernel, pv.shape[0], (pv, acc_o, geo, acc_scale, first, status), threads)
+    args = (pv, acc_o, geo, acc_scale, first, status)
+    _run(_o_kernel, "o", pv.shape[0], args, args)

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import math
 import threading
-from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Literal
 
@@ -520,7 +519,7 @@ class _Loop:
             return torch.zeros(shape, dtype=torch.float64, device=self.q64.device)
         return self.bufs[name][: math.prod(shape)].view(shape)
 
-    def scores(self, j0: int, j1: int, r0: int, r1: int, slot: int = 0) -> torch.Tensor:
+    def scores(self, j0: int, j1: int, r0: int, r1: int) -> torch.Tensor:
         """Steps 1-2 for keys [j0, j1) and rows [r0, r1): (b, heads_q, rows, nc), float64 S (its
         float32 rounding is the consumer's) or, with softcap, float32."""
         if self.nm.mma == "tensor_core":  # the plain loop's layout (b, seqlen, heads, d)
@@ -529,7 +528,7 @@ class _Loop:
             s = tc_dot(q_, k_).double()  # step 1 as the tensor cores sum it
         elif self.fast:
             q, k = self.q64[:, :, r0:r1], self.k64[:, :, j0:j1].transpose(-1, -2)
-            s = torch.matmul(q, k, out=self.buffer(f"s{slot}", (*q.shape[:3], j1 - j0)))  # step 1
+            s = torch.matmul(q, k, out=self.buffer("s", (*q.shape[:3], j1 - j0)))  # step 1
         else:
             s = torch.einsum("bihd,bjhd->bhij", self.q64, self.k64[:, j0:j1])  # step 1
         return _softcap(s.float(), self.scale, self.softcap) if self.softcap > 0 else s  # step 2
@@ -614,40 +613,24 @@ def _compiled_args(nm: FA4Numerics, p_dtype, sl2: float, vis, ranges) -> dict:
     )
 
 
-@dataclass
-class _Job:
-    """A block's compiled softmax step (steps 3-8), running on ``fa4._ex2_cpu``'s background
-    thread, and the buffers it fills: P, the accumulator scale, first, each row's status (1
-    done, 2 left to :func:`_torch_rows`)."""
-
-    blk: _Block
-    s: torch.Tensor
-    p64: torch.Tensor
-    acc: torch.Tensor
-    first: torch.Tensor
-    geo: np.ndarray
-    status: torch.Tensor
-    future: object
-
-
-def _launch(st: _RowState, lp: _Loop, blk: _Block, s: torch.Tensor, slot: int) -> _Job:
-    """Start ``fa4._ex2_cpu.softmax_block`` on the block's window (P into buffer ``slot``)."""
+def _compiled_rows(st: _RowState, lp: _Loop, blk: _Block, s: torch.Tensor):
+    """Steps 3-8 for the block's window in ``fa4._ex2_cpu.softmax_block``.  Returns the block's
+    geometry (for :func:`_accumulate`), P (float64, the MMA's operand), the accumulator scale,
+    first and each row's status (1 done, 2 left to :func:`_torch_rows`)."""
     b, hq, sq = st.row_max.shape
     tn, nc, nr = lp.nm.tile_n, blk.j1 - blk.j0, blk.r1 - blk.r0
     kw = lp.compiled
     masked_hw, lazy, sm90, no_emu, some_hw = kw["flags"]
     geo = np.array([nr, blk.r0, hq, blk.n, masked_hw, nc < tn, lazy, sm90, no_emu, some_hw, blk.j0], dtype=np.int64)
-    p64 = lp.buffer(f"p{slot}", (b, hq, nr, tn))  # every row the GEMM reads is written
+    p64 = lp.buffer("p", (b, hq, nr, tn))  # every row the GEMM reads is written
     acc, first = torch.empty(b * hq * nr, dtype=torch.float32), torch.empty(b * hq * nr, dtype=torch.bool)
     status = torch.empty(b * hq * nr, dtype=torch.uint8)
     state = (st.row_max.view(-1, sq), st.row_sum.view(-1, sq), st.started.view(-1, sq), st.partial.view(-1, sq, 4))
-    fut = _ex2_cpu.submit(
-        _ex2_cpu.softmax_block, s.reshape(-1, nc).numpy(), geo, kw["tab"], kw["poly"], kw["fp"], kw["lp"],
-        kw["maxv"], tuple(x.numpy() for x in state),
-        (p64.view(-1, tn).numpy(), acc.numpy(), first.numpy(), status.numpy()), max(1, torch.get_num_threads() // 2),
-        background=b * hq * nr >= 1024,  # less is not worth a thread hand-over
+    _ex2_cpu.softmax_block(
+        s.reshape(-1, nc).numpy(), geo, kw["tab"], kw["poly"], kw["fp"], kw["lp"], kw["maxv"],
+        tuple(x.numpy() for x in state), (p64.view(-1, tn).numpy(), acc.numpy(), first.numpy(), status.numpy()),
     )  # fmt: skip
-    return _Job(blk, s, p64, acc, first, geo, status, fut)
+    return geo, p64, acc, first, status
 
 
 def _accumulate(st: _RowState, pv, blk: _Block, acc, first, geo, status, idx) -> None:
@@ -658,7 +641,7 @@ def _accumulate(st: _RowState, pv, blk: _Block, acc, first, geo, status, idx) ->
     if geo is not None:
         ao = st.acc_o.view(-1, sq, dv)
         args = (pv.numpy(), ao.numpy(), geo, acc.numpy(), first.numpy(), status.numpy())
-        _ex2_cpu.o_update(*args, threads=max(1, torch.get_num_threads() // 2))
+        _ex2_cpu.o_update(*args)
         idx = (status >= 2).nonzero().flatten()
     if idx.numel():
         f = blk.rows_of(idx, hq, sq)[0]
@@ -730,37 +713,22 @@ def _fast_blocks(lp: _Loop, sq: int, nblk: int) -> list[_Block]:
 
 
 def _run_fast(st: _RowState, lp: _Loop, blocks: list[_Block]) -> None:
-    """Steps 1-9 of the fast loop, pipelined: block i+1's compiled softmax step (steps 3-8, on
-    the background thread) runs while this thread does block i's P V and accumulator (step 9)
-    and block i+2's S = Q K^T (steps 1-2).  Every step sees the state it sees in the plain loop:
-    the softmax steps run in block order, each after the torch rows of the block before."""
+    """Steps 1-9 of the fast loop for its blocks: the GEMMs on the row windows into reused
+    storage, steps 3-8 and step 9's accumulator compiled (on torch's OpenMP team), the rows
+    they leave through the torch functions."""
     b, hq, sq = st.row_max.shape
     rows = b * hq * max(blk.r1 - blk.r0 for blk in blocks)
-    widths = {"s0": lp.nm.tile_n, "s1": lp.nm.tile_n, "p0": lp.nm.tile_n, "p1": lp.nm.tile_n, "pv": st.acc_o.shape[-1]}
+    widths = {"s": lp.nm.tile_n, "p": lp.nm.tile_n, "pv": st.acc_o.shape[-1]}
     flat, at, lp.bufs = _scratch(rows * sum(widths.values()), "loop"), 0, {}
     for x, w in widths.items():
         lp.bufs[x], at = flat[at : at + rows * w], at + rows * w
-
-    def scores(i: int) -> torch.Tensor:
-        return lp.scores(blocks[i].j0, blocks[i].j1, blocks[i].r0, blocks[i].r1, slot=i % 2)  # steps 1-2
-
-    job = _launch(st, lp, blocks[0], scores(0), 0)
-    try:
-        s_next = scores(1) if len(blocks) > 1 else None
-        for i, blk in enumerate(blocks):
-            cur = job
-            cur.future.result()
-            idx = (cur.status == 2).nonzero().flatten()
-            if idx.numel():
-                _torch_rows(st, lp, cur.s, blk, idx, cur.p64, cur.acc, cur.first)  # steps 3-8 of the rows left
-            if i + 1 < len(blocks):
-                job = _launch(st, lp, blocks[i + 1], s_next, (i + 1) % 2)  # steps 3-8 of the next block, beside:
-            pv = lp.pv(cur.p64, blk.j0, blk.j1)  # step 9: the MMA, then the accumulator
-            _accumulate(st, pv, blk, cur.acc, cur.first, cur.geo, cur.status, idx)
-            if i + 2 < len(blocks):
-                s_next = scores(i + 2)  # into block i's S buffer, free now
-    finally:
-        wait([job.future])  # nothing left writing into the kept scratch, even after an exception
+    for blk in blocks:
+        s = lp.scores(blk.j0, blk.j1, blk.r0, blk.r1)  # steps 1-2
+        geo, p64, acc, first, status = _compiled_rows(st, lp, blk, s)  # steps 3-8
+        idx = (status == 2).nonzero().flatten()
+        if idx.numel():
+            _torch_rows(st, lp, s, blk, idx, p64, acc, first)  # steps 3-8 of the rows left
+        _accumulate(st, lp.pv(p64, blk.j0, blk.j1), blk, acc, first, geo, status, idx)  # step 9
 
 
 def _make_loop(q, k, v, nm: FA4Numerics, vis, ranges, scales: tuple) -> _Loop:
