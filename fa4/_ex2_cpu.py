@@ -602,14 +602,29 @@ def _team() -> _Team | None:
     return _TEAM[0]
 
 
+_I, _F, _D, _B = (np.dtype(x) for x in (np.int64, np.float32, np.float64, np.bool_))
+#: the (dtype, ndim) of each array a team body reads from its argument block, in order
+_LAYOUT = {
+    "softmax": [(_I, 1)] * 3 + [(_I, 2)] * 4 + [(_I, 1), (_D, 1), (_F, 1), (_I, 1)]
+    + [(_F, 2), (_F, 2), (_B, 2), (_F, 3), (_D, 2), (_F, 1), (_B, 1), (np.dtype(np.uint8), 1)],
+    "o": [(_D, 2), (_F, 3), (_I, 1), (_F, 1), (_B, 1), (np.dtype(np.uint8), 1)],
+}  # fmt: skip
+
+
 def _run(kernel, body: str, nrow: int, args: tuple, arrays: tuple, scalars: tuple = ()) -> None:
-    """kernel(0, nrow, *args) — on torch's OpenMP team when there is one and the work is worth
-    it (``arrays``: the same arguments flattened, every one C-contiguous), else here."""
+    """kernel(0, nrow, *args) — on torch's OpenMP team when there is one, the work is worth it
+    and ``arrays`` (the same arguments flattened) are C-contiguous with the dtypes and ranks
+    the team body reads them as (``_LAYOUT``; the first softmax array, S, is checked by the
+    body's name); else here."""
     team = _team() if nrow >= 512 else None
-    if team is None or not all(x.flags.c_contiguous for x in arrays):
-        kernel(0, nrow, *args)
-    else:
+    layout = _LAYOUT["o" if body == "o" else "softmax"]
+    rest = arrays if body == "o" else arrays[1:]
+    ok = team is not None and all(x.flags.c_contiguous for x in arrays)
+    ok = ok and [(x.dtype, x.ndim) for x in rest] == layout
+    if ok:
         team.run(body, nrow, arrays, scalars)
+    else:
+        kernel(0, nrow, *args)
 
 
 def softmax_block(s, geo, tab, poly, fp, lp, maxv: float, state, out) -> None:
