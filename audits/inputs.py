@@ -22,7 +22,7 @@ import torch
 
 __all__ = [
     "Family", "FAMILIES", "SINK_PLACES", "TILE_STEPS_LOG2", "make_inputs", "DO_FAMILIES", "make_grad_output",
-    "NotApplicable", "make_varlen_inputs",
+    "NotApplicable", "make_varlen_inputs", "page_table", "paged",
 ]  # fmt: skip
 
 
@@ -361,14 +361,14 @@ def _sequence_case(case, i: int, sq: int, sk: int):
     )  # fmt: skip
 
 
-def _page_table(lengths: list[int], page: int, g: torch.Generator) -> torch.Tensor:
+def page_table(lengths: list[int], page: int, g: torch.Generator) -> torch.Tensor:
     """(b, width) int32: sequence i's tokens in consecutive pages of row i, the pages a seeded
     permutation of the pool (width: the longest sequence's page count)."""
     width = max(1, max(-(-n // page) for n in lengths))
     return torch.randperm(len(lengths) * width, generator=g).view(len(lengths), width).to(torch.int32)
 
 
-def _paged(ts: list[torch.Tensor], table: torch.Tensor, page: int) -> torch.Tensor:
+def paged(ts: list[torch.Tensor], table: torch.Tensor, page: int) -> torch.Tensor:
     """The pool (num_pages, page, h, d) holding the sequences' tokens ``ts`` (each (n, h, d))
     where ``table`` puts them; slots past a sequence's tokens are zero."""
     width = table.shape[1]
@@ -410,8 +410,8 @@ def make_varlen_inputs(case, *, device: str | torch.device = "cpu") -> dict:
     kw["max_seqlen_q"] = max(a for a, _ in case.seqlens)
     used = [case.seqused_k[i] if case.seqused_k else b for i, (_, b) in enumerate(case.seqlens)]
     if case.page_size:
-        table = _page_table([t.shape[0] for t in ks], case.page_size, g)
-        k, v = _paged(ks, table, case.page_size), _paged(vs, table, case.page_size)
+        table = page_table([t.shape[0] for t in ks], case.page_size, g)
+        k, v = paged(ks, table, case.page_size), paged(vs, table, case.page_size)
         kw["page_table"] = table.to(device)
         kw["seqused_k"] = torch.tensor(used, dtype=torch.int32, device=device)
     else:

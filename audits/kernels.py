@@ -206,16 +206,16 @@ def fa4_varlen_numerics(name: str):
     splits and pages other than 128; tiles from ``max_seqlen_q``; the interleave of packed GQA);
     ``page_size`` 0: no page table; ``pack_gqa`` None: the default (on for GQA).  None for
     kernels that do not implement FA4's numerics."""
-    from fa4.varlen import _numerics
+    from fa4.varlen import sequence_numerics
 
     arch = _fa4_arch(name)
     if arch is None:
         return None
 
     def nm(q, k, v, causal, window, *, num_splits: int, page_size: int, pack_gqa, max_seqlen_q: int):
-        no_2cta = num_splits > 1 or page_size not in (0, 128)
         pack = pack_gqa if pack_gqa is not None else q.shape[2] // k.shape[2] > 1
-        return _numerics(arch, q, k, v, causal, window, True, no_2cta, max_seqlen_q, pack)
+        return sequence_numerics(arch, q, k, v, causal, window, varlen_q=True, num_splits=num_splits,
+                                 page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q)  # fmt: skip
 
     return nm
 
@@ -400,15 +400,12 @@ def per_sequence(fn: Callable) -> Callable:
     and pack_gqa are ignored (the fixed-length call has neither)."""
 
     def run(q, k, v, *, return_lse=False, num_splits=1, pack_gqa=None, max_seqlen_q=None, max_seqlen_k=None, **kw):
-        from fa4.varlen import VARLEN_KEYWORDS, sequences
+        from fa4.varlen import VARLEN_KEYWORDS, empty_outputs, sequences
 
         vk = {n: kw.pop(n) for n in VARLEN_KEYWORDS if n in kw}
         packed = vk.get("cu_seqlens_q") is not None
         seqs = sequences(q, k, **vk)
-        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype,
-                          device=q.device)  # fmt: skip
-        lse = torch.full((q.shape[-2], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1]), float("-inf"),
-                         device=q.device)  # fmt: skip
+        out, lse = empty_outputs(q, v, packed=packed)
         kf, vf = k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
         for s in seqs:
             r0, r1 = s.q_rows
@@ -417,10 +414,7 @@ def per_sequence(fn: Callable) -> Callable:
             qs = (q[r0:r1] if packed else q[s.index, r0:r1]).unsqueeze(0)
             res = fn(qs, kf[s.k_index].unsqueeze(0), vf[s.k_index].unsqueeze(0), return_lse=True, **kw)
             o, lo = res if isinstance(res, tuple) else (res, None)
-            dst = out[r0:r1] if packed else out[s.index, r0:r1]
-            dst.copy_(o[0])
-            if lo is not None:
-                (lse[:, r0:r1] if packed else lse[s.index, :, r0:r1]).copy_(lo[0])
+            s.place(out, lse, o, lo, packed=packed)
         return (out, lse) if return_lse else out
 
     run.fa4_audit_contract = "varlen"

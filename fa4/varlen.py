@@ -45,6 +45,8 @@ __all__ = [
     "CombineOps",
     "dynamic_splits",
     "split_counts",
+    "sequence_numerics",
+    "empty_outputs",
     "Sequence",
     "sequences",
     "VARLEN_KEYWORDS",
@@ -65,6 +67,24 @@ class Sequence:
     index: int
     q_rows: tuple[int, int]  # [start, stop) in the packed q (or in batch row ``index``)
     k_index: torch.Tensor  # (seqlen_k,) int64 token indices into k flattened to (tokens, hk, d)
+
+    def place(self, out, lse, o, lo, *, packed: bool) -> None:
+        """Write this sequence's batch-1 result (o (1, sq, hq, dv); lo (1, hq, sq) or None) into
+        the call's ``out`` and ``lse`` (:func:`empty_outputs`)."""
+        r0, r1 = self.q_rows
+        (out[r0:r1] if packed else out[self.index, r0:r1]).copy_(o[0])
+        if lo is not None:
+            (lse[:, r0:r1] if packed else lse[self.index, :, r0:r1]).copy_(lo[0])
+
+
+def empty_outputs(q: torch.Tensor, v: torch.Tensor, *, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A varlen call's out (shaped as q with v's head dim; bf16 for fp8 inputs) and lse ((hq,
+    total_q) packed, else (b, hq, sq)), before any sequence is written: rows no sequence owns
+    (past ``seqused_q``) stay out 0, lse -inf."""
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.bfloat16 if q.dtype in _FP8 else q.dtype,
+                      device=q.device)  # fmt: skip
+    shape = (q.shape[-2], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
+    return out, torch.full(shape, -math.inf, device=q.device)
 
 
 def _lengths(cu: torch.Tensor | None, used: torch.Tensor | None, n: int, static: int) -> list[tuple[int, int]]:
@@ -179,11 +199,9 @@ def varlen_attention(
         q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         page_table=page_table,
     )  # fmt: skip
-    hq, hk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    hq, hk = q.shape[-2], k.shape[-2]
     pack = pack_gqa if pack_gqa is not None else hq // hk > 1
-    out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
-    out = torch.zeros(*q.shape[:-1], dv, dtype=out_dtype, device=q.device)
-    lse = torch.full((hq, q.shape[0]) if packed_q else (q.shape[0], hq, q.shape[1]), -math.inf, device=q.device)
+    out, lse = empty_outputs(q, v, packed=packed_q)
     page_size = None if page_table is None else k.shape[1]
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
     splits = _splits(seqs, num_splits, arch, packed_q or seqused_q is not None, hq, hk, pack, num_sms)
@@ -192,17 +210,13 @@ def varlen_attention(
         if qs.shape[1] == 0:
             continue
         _validate(qs, ks, vs, learnable_sink)
-        nm = numerics or _numerics(
-            arch, qs, ks, vs, causal, window_size, packed_q or seqused_q is not None,
-            num_splits > 1 or page_size not in (None, 128), max_seqlen_q, pack,
+        nm = numerics or sequence_numerics(
+            arch, qs, ks, vs, causal, window_size, varlen_q=packed_q or seqused_q is not None,
+            num_splits=num_splits, page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q,
         )  # fmt: skip
-        o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, n_split, out_dtype,
+        o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, n_split, out.dtype,
                               split_kv=num_splits > 1)  # fmt: skip
-        r0, r1 = seq.q_rows
-        if packed_q:
-            out[r0:r1], lse[:, r0:r1] = o[0], lo[0]
-        else:
-            out[seq.index, r0:r1], lse[seq.index, :, r0:r1] = o[0], lo[0]
+        seq.place(out, lse, o, lo, packed=packed_q)
     return (out, lse) if return_lse else out
 
 
@@ -259,17 +273,21 @@ def dynamic_splits(
     return [max(1, min(-(-nb // bps), num_splits)) for nb in n]
 
 
-def _numerics(arch, q, k, v, causal, window, varlen_q: bool, no_2cta: bool, max_seqlen_q, pack) -> FA4Numerics:
-    """Production's numerics for one sequence of a varlen call: SM90's depend on head dims and
-    masks only; SM100's 2-CTA choice (which sets the exp2 interleave) is off for packed or
-    seqused queries (head dim 256 aside), splits and page sizes other than 128
-    (``interface.py`` ``use_2cta_instrs``), its tile count follows ``max_seqlen_q``, and packed
-    GQA on varlen queries changes the interleave (``FA4Numerics.sm100`` ``varlen_q``)."""
+def sequence_numerics(
+    arch: str, q, k, v, causal: bool, window: tuple, *, varlen_q: bool, num_splits: int, page_size: int | None,
+    pack: bool, max_seqlen_q: int | None,
+) -> FA4Numerics:  # fmt: skip
+    """Production's numerics for one sequence (batch-1 q, k, v) of a varlen call: SM90's depend
+    on head dims and masks only; SM100's 2-CTA choice (which sets the exp2 interleave) is off for
+    packed or seqused queries (``varlen_q``; head dim 256 aside), splits and page sizes other than
+    128 (``page_size`` None or 0: no page table; ``interface.py`` ``use_2cta_instrs``), its tile
+    count follows ``max_seqlen_q``, and packed GQA on varlen queries changes the interleave
+    (``FA4Numerics.sm100`` ``varlen_q``)."""
     if arch == "sm90":
         return FA4Numerics.for_inputs("sm90", q, k, v, causal, window)
     local = not causal and any(w is not None for w in window)
     hd256 = q.shape[-1] == 256 and v.shape[-1] == 256
-    off = no_2cta or (varlen_q and not hd256)
+    off = num_splits > 1 or page_size not in (None, 0, 128) or (varlen_q and not hd256)
     return FA4Numerics.sm100(
         q.dtype, q.shape[-1], causal, local,
         seqlen_q=max_seqlen_q or q.shape[1], qhead_per_kvhead=q.shape[2] // k.shape[2], head_dim_v=v.shape[-1],
@@ -335,10 +353,6 @@ class CombineOps:
     inv: str = "div"
 
 
-def _lg2(x: torch.Tensor) -> torch.Tensor:
-    return hardware_lg2(x)
-
-
 def _div(x: torch.Tensor) -> torch.Tensor:
     return (1.0 / x.double()).float()
 
@@ -364,7 +378,7 @@ def combine(
        scale 0 are skipped (0 * inf never enters); cast to ``out_dtype`` (rn).
     """
     ops = ops or CombineOps()
-    ex2, lg2 = ops.exp2 or hardware_exp2, ops.lg2 or _lg2
+    ex2, lg2 = ops.exp2 or hardware_exp2, ops.lg2 or hardware_lg2
     l2e = torch.tensor(to_f32(LOG2_E), device=lse_partial.device)
     ln2 = torch.tensor(to_f32(math.log(2.0)), device=lse_partial.device)
     nan_free = torch.where(torch.isnan(lse_partial), torch.full_like(lse_partial, -math.inf), lse_partial)

@@ -25,8 +25,6 @@ at most 26 significant bits each).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 __all__ = ["tc_dot", "rz_to_f32", "TC_BLOCK", "TC_EXTRA_BITS"]
@@ -78,8 +76,3 @@ def tc_dot(
     for k0 in range(0, a.shape[-1], block):
         acc = _chunk(acc, a[..., k0 : k0 + block], b[..., k0 : k0 + block], extra_bits)
     return acc
-
-
-def _check_exact_bits() -> None:  # pragma: no cover - documentation of the float64 claim
-    """17 terms of < 2**(emax + 1), multiples of 2**(emax - 25): at most 2**31 units, exact."""
-    assert 17 * 2 ** (1 + 25) < 2**53 and math.isfinite(2.0**53)

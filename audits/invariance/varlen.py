@@ -126,12 +126,12 @@ class VarlenInputs:
         cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
         kw = dict(self.common, cu_seqlens_q=cu(lq).to(self.device), max_seqlen_q=max(lq), max_seqlen_k=max(lk))
         if spec.page:
-            from audits.inputs import _page_table, _paged
+            from audits import inputs  # its ``paged`` pool builder, not this module's property
 
             g = torch.Generator().manual_seed(self.case.seed * 1009 + spec.page)
-            table = _page_table(lk, spec.page, g)
-            k = _paged([t.cpu() for t in ks], table, spec.page).to(self.device)
-            v = _paged([t.cpu() for t in vs], table, spec.page).to(self.device)
+            table = inputs.page_table(lk, spec.page, g)
+            k = inputs.paged([t.cpu() for t in ks], table, spec.page).to(self.device)
+            v = inputs.paged([t.cpu() for t in vs], table, spec.page).to(self.device)
             kw["page_table"] = table.to(self.device)
             kw["seqused_k"] = torch.tensor(lk, dtype=torch.int32, device=self.device)
         else:
@@ -197,17 +197,16 @@ class VarlenInputs:
         of ``call``, or None for a kernel without FA4 numerics."""
         if t.arch is None:
             return None
-        from fa4.varlen import _numerics
+        from fa4.varlen import sequence_numerics
         from numerics.forward_bound import forward_error_bound
 
         q, k, v = self.parts[i]
         spec = call.spec
         pack = spec.pack_gqa if spec.pack_gqa is not None else self.hq // self.hk > 1
         # the numerics fa4.varlen.varlen_attention picks for this sequence of a packed call
-        nm = _numerics(
+        nm = sequence_numerics(
             t.arch, q, k, v, self.common["causal"], self.common["window_size"], varlen_q=True,
-            no_2cta=spec.num_splits > 1 or spec.page not in (0, 128), max_seqlen_q=call.kw["max_seqlen_q"],
-            pack=pack,
+            num_splits=spec.num_splits, page_size=spec.page, pack=pack, max_seqlen_q=call.kw["max_seqlen_q"],
         )  # fmt: skip
         # split-KV: until forward_error_bound takes num_splits, the unsplit bound (docs/invariance.md)
         extra = bound_keywords(call.splits(t.arch, j), pack)
