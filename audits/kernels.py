@@ -4,6 +4,9 @@
 * ``fa4``: production ``flash_attn.cute.flash_attn_func`` (CUDA + the ``gpu`` extra).
 * ``fa4-model``: ``fa4.model.attention`` with production SM100 numerics for the inputs.
 * ``fa4-model-sm90``: the model's Hopper configuration.
+* ``fa4-model-sm90-tc``: the same with the H200's measured tensor-core summation
+  (``FA4Numerics.mma="tensor_core"``, docs/tensor-cores.md): with MUFU itself on CUDA, the
+  closest model of production on Hopper; on the CPU it costs about 900x the default.
 * ``sdpa-math``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: PyTorch's SDPA backends
   as peers.  SDPA has no softcap, sink, fp8 or LSE output: the first three are outside its
   declared domain (the runner skips them before calling); what a domain cannot say raises
@@ -33,15 +36,24 @@ import torch
 from fa4.production import REFUSALS, production_domain
 
 __all__ = [
-    "KERNELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "production_arch",
+    "KERNELS", "MODELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "production_arch",
     "claims_nonfinite_inputs", "contract_error", "VARLEN_KERNELS", "get_varlen_kernel", "per_sequence",
     "varlen_contract_error", "fa4_varlen_numerics", "fa4_varlen_splits",
 ]  # fmt: skip
 
 
-def _model_of(arch: str):
-    """The model with production's ``arch`` numerics for the inputs; ``deterministic`` is
-    production's flag (the backward's semaphore-ordered dQ: ``FA4Numerics.bwd_deterministic``)."""
+#: the models by name: (FA4Numerics family, its ``mma``)
+MODELS = {
+    "fa4-model": ("sm100", "exact"),
+    "fa4-model-sm90": ("sm90", "exact"),
+    "fa4-model-sm90-tc": ("sm90", "tensor_core"),
+}
+
+
+def _model_of(arch: str, mma: str = "exact"):
+    """The model with production's ``arch`` numerics for the inputs and MMA summation ``mma``;
+    ``deterministic`` is production's flag (the backward's semaphore-ordered dQ:
+    ``FA4Numerics.bwd_deterministic``)."""
 
     def run(q, k, v, *, causal=False, window_size=(None, None), return_lse=False, deterministic=False, **kw):
         import dataclasses
@@ -49,7 +61,7 @@ def _model_of(arch: str):
         from fa4.model import FA4Numerics, attention
 
         nm = FA4Numerics.for_inputs(arch, q, k, v, causal, window_size)
-        nm = dataclasses.replace(nm, bwd_deterministic=bool(deterministic))
+        nm = dataclasses.replace(nm, bwd_deterministic=bool(deterministic), mma=mma)
         return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
 
     run.fa4_audit_domain = _MODEL_DOMAINS[arch]
@@ -151,8 +163,7 @@ def _sdpa_domain(backend: str) -> dict:
 
 KERNELS: dict[str, Callable] = {
     "fa4": _production,
-    "fa4-model": _model_of("sm100"),
-    "fa4-model-sm90": _model_of("sm90"),
+    **{name: _model_of(*family) for name, family in MODELS.items()},
     "sdpa-math": _sdpa("math"),
     "sdpa-flash": _sdpa("flash"),
     "sdpa-efficient": _sdpa("efficient"),
@@ -196,7 +207,7 @@ def _fa4_arch(name: str) -> str | None:
     """The FA4Numerics family of a built-in FA4 kernel (production: this machine's GPU's)."""
     if name == "fa4":  # on this machine's GPU generation
         return production_arch()
-    return {"fa4-model": "sm100", "fa4-model-sm90": "sm90"}.get(name)
+    return MODELS[name][0] if name in MODELS else None
 
 
 def fa4_varlen_numerics(name: str):
@@ -348,15 +359,15 @@ def contract_error(q: torch.Tensor, v: torch.Tensor, out, lse) -> str | None:
 # ---- the varlen contract (docs/varlen.md) ----------------------------------------------------
 
 
-def _model_varlen(arch: str) -> Callable:
+def _model_varlen(arch: str, mma: str = "exact") -> Callable:
     def run(q, k, v, **kw):
         from fa4.varlen import varlen_attention
 
         if arch == "sm90" and q.dtype.itemsize == 1:
             raise NotImplementedError("the SM90 path supports only bf16 and fp16 (flash_fwd.py _check_type)")
-        return varlen_attention(q, k, v, arch=arch, **kw)
+        return varlen_attention(q, k, v, arch=arch, mma=mma, **kw)
 
-    run.__name__ = f"fa4_model_varlen_{arch}"
+    run.__name__ = f"fa4_model_varlen_{arch}" + ("_tc" if mma == "tensor_core" else "")
     run.fa4_audit_contract = "varlen"
     run.fa4_audit_domain = _MODEL_DOMAINS[arch]
     return run
@@ -376,8 +387,7 @@ _production_varlen.fa4_audit_contract = "varlen"
 #: ``fa4.varlen.varlen_attention``
 VARLEN_KERNELS: dict[str, Callable] = {
     "fa4": _production_varlen,
-    "fa4-model": _model_varlen("sm100"),
-    "fa4-model-sm90": _model_varlen("sm90"),
+    **{name: _model_varlen(*family) for name, family in MODELS.items()},
 }
 
 

@@ -2,12 +2,16 @@
 model with SM90 knobs on identical inputs and identical dO, both against the FP64 gradients;
 and production with ``deterministic=True`` run twice.
 
-    python benchmarks/h200_backward.py --out DIR [--stand-in]
+    python benchmarks/h200_backward.py --out DIR [--model fa4-model-sm90-tc] [--deterministic] [--stand-in]
 
 Per case and gradient (dq, dk, dv, dsink): the share of elements bit-identical and within 1
 integer ULP step of the gradient's dtype, the share within 1 ULP at the row's largest |FP64|
 (row-scaled, as the forward fidelity report), and both kernels' max |error| against FP64.
-``--stand-in`` runs the model in place of production (to try the script without a GPU).
+``--model``: the model compared (default ``fa4-model-sm90``; ``fa4-model-sm90-tc`` sums the
+MMAs as the H200's tensor cores do).  ``--deterministic``: both backwards with
+``deterministic=True`` (production's semaphore-ordered dQ and dK/dV reductions; the model's
+``bwd_deterministic``), so that the atomics' order is no longer a difference.  ``--stand-in`` runs the model in place of production (to
+try the script without a GPU).
 """
 
 from __future__ import annotations
@@ -89,15 +93,15 @@ def _production_bounds(x: dict, do, pg: dict, ref: dict) -> dict:
     return res
 
 
-def run_case(name: str, case: Case, production, model, device) -> dict:
+def run_case(name: str, case: Case, production, model, device, deterministic: bool = False) -> dict:
     from numerics.grad_reference import attention_grad_reference
 
     x = make_inputs(case, device=device)
     g = torch.Generator().manual_seed(case.seed + 1000)
     do = torch.randn(case.batch, case.seqlen_q, case.heads_q, case.dv, generator=g).to(x["q"].dtype).to(device)
     t0 = time.perf_counter()
-    pg = _grads(production, x, do)
-    mg = _grads(model, x, do)
+    pg = _grads(production, x, do, deterministic=deterministic)
+    mg = _grads(model, x, do, deterministic=deterministic)
     ref = attention_grad_reference(x["q"], x["k"], x["v"], do, **x["kw"])
     rec = {"case": name, "config": case.as_dict(), "seconds": None, "grads": {}}
     bounds = _production_bounds(x, do, pg, ref)
@@ -133,23 +137,25 @@ def determinism(production, device) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="fa4-model-sm90", choices=["fa4-model-sm90", "fa4-model-sm90-tc"])
+    ap.add_argument("--deterministic", action="store_true", help="both with deterministic=True")
     ap.add_argument("--stand-in", action="store_true", help="the SM90 model stands in for production")
     args = ap.parse_args()
     from audits.kernels import get_kernel
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = get_kernel("fa4-model-sm90")
+    model = get_kernel(args.model)
     if args.stand_in:
         production = lambda *a, deterministic=False, **kw: model(*a, **kw)
     else:
         from flash_attn.cute import flash_attn_func as production
-    res = {"cases": [], "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    res = {"cases": [], "model": args.model, "deterministic": args.deterministic, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     out = Path(args.out) / "backward.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     res["determinism"] = determinism(production, device)
     print("determinism (elements differing between two runs):", res["determinism"], flush=True)
     for name, case in _cases().items():  # written after each case: a call cut short keeps what finished
-        rec = run_case(name, case, production, model, device)
+        rec = run_case(name, case, production, model, device, args.deterministic)
         res["cases"].append(rec)
         out.write_text(json.dumps(res, indent=1) + "\n")
         print(

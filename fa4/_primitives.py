@@ -16,7 +16,7 @@ from numerics.fp import CANONICAL_NAN_BITS, fma_f32
 from numerics.fp import to_f32 as _f32
 
 __all__ = [
-    "LOG2_E", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh", "scales", "visible",
+    "LOG2_E", "div_rn", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh", "scales", "visible",
     "visible_bounds",
 ]  # fmt: skip
 
@@ -75,6 +75,19 @@ def hardware_tanh(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda and _on_gpu(x):
         return _gpu("tanh", x)
     return torch.tanh(x.double()).float()
+
+
+def div_rn(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``div.rn.f32`` of float32 ``x`` by a float32 constant ``c``: the IEEE quotient, computed
+    in float64 and rounded once (correct: float64's 53 bits are at least 2 * 24 + 2, so the
+    double rounding of a quotient is innocuous).  Not ``x / c``: torch on CUDA divides by a
+    Python scalar as ``x * (1 / c)`` (``BinaryDivTrueKernel.cu``, ``div_true_kernel_cuda``: "may
+    lose one bit of precision"), which production does not do: its softcap division
+    (``utils.create_softcap_scoremod``) is ``div.rn.f32`` in the PTX and the full-range
+    FCHK / FFMA sequence with the ``div_rn_noftz`` slow path in the SASS (sm_90a, compiled on
+    2026-12-01).  That reciprocal was the model's one difference from production on the H200's
+    softcap case (docs/model-and-fidelity.md)."""
+    return (x.double() / float(c)).float()
 
 
 def visible_bounds(

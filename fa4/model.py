@@ -11,7 +11,8 @@ where it happens (flash-attn-4 4.0.0b36, ``flash_attn/cute``):
    internal summation order and truncation are not specified by the source and cannot be
    reproduced on a CPU; the fidelity report measures the consequence.
 2. softcap (``utils.create_softcap_scoremod`` via ``apply_score_mod_inner``): ``s*scale``,
-   ``/ softcap`` (``div.rn``), ``tanh`` (MUFU.TANH, modelled correctly rounded), ``* softcap``;
+   ``/ softcap`` (``div.rn``, :func:`fa4._primitives.div_rn`), ``tanh`` (MUFU.TANH: the
+   instruction on CUDA, else modelled correctly rounded), ``* softcap``, each rounded (SASS);
    then ``scale_log2 = log2(e)``.  Without softcap ``scale_log2 = fl32(scale * log2(e))``.
 3. Masks (``mask.py`` ``AttentionMask.apply_mask``): -inf outside the causal / local window
    (bottom-right aligned) and beyond seqlen_k.  KV blocks run from the last to the first
@@ -65,8 +66,8 @@ import torch
 
 from fa4 import _ex2_cpu
 from fa4._primitives import LOG2_E as _LOG2_E
+from fa4._primitives import div_rn, hardware_exp2, hardware_lg2, hardware_rcp, hardware_tanh, visible_bounds
 from fa4._primitives import fma as _fma
-from fa4._primitives import hardware_exp2, hardware_lg2, hardware_rcp, hardware_tanh, visible_bounds
 from fa4._primitives import scales as _scales
 from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
 from fa4.model_bwd import attention_backward
@@ -416,9 +417,9 @@ class _RowState:
 
 def _softcap(s: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
     """Step 2 on float32 scores: ``utils.create_softcap_scoremod`` via ``apply_score_mod_inner``
-    (``s*scale``, ``/ softcap`` (div.rn), tanh (MUFU.TANH, modelled correctly rounded), ``* softcap``)."""
-    s = (s * scale) / softcap
-    return hardware_tanh(s) * _f32(softcap)
+    (``s*scale`` FMUL, ``/ softcap`` div.rn, tanh (MUFU.TANH: the instruction on CUDA, else
+    correctly rounded), ``* softcap`` FMUL; no FFMA: the SASS rounds each)."""
+    return hardware_tanh(div_rn(s * scale, softcap)) * _f32(softcap)
 
 
 def _pad_mask(s: torch.Tensor, vis: torch.Tensor, tn: int) -> torch.Tensor:
@@ -879,9 +880,12 @@ def _finalize(nm, row_max, row_sum, acc_o, sl2, off, sink, out_dtype):
             u = _fma(s, l2e, -(row_max * sl2)) + off  # FMUL, FFMA, FADD
             row_sum = torch.where(empty, torch.full_like(row_sum, 2.0**nm.max_offset), row_sum + hardware_exp2(u))
             row_max = torch.where(empty, s * (l2e / sl2), row_max)  # div.rn, FMUL
-        else:  # Softmax.finalize
-            rms = torch.where(empty, s * l2e, row_max * sl2)
-            row_sum = row_sum + hardware_exp2(_fma(s, l2e, -rms))
+        else:  # Softmax.finalize: FMUL sink*LOG2_E, FSEL, then FADD (no FFMA: the SASS rounds
+            # the product first, as it feeds both the select and the subtraction; sm_90a SASS
+            # of the b36 kernel with a learnable sink, compiled 2026-12-01)
+            s_l2 = s * l2e
+            rms = torch.where(empty, s_l2, row_max * sl2)
+            row_sum = row_sum + hardware_exp2(s_l2 - rms)
     bad = (row_sum == 0) | torch.isnan(row_sum)
     rcp = hardware_rcp(torch.where(bad, torch.ones_like(row_sum), row_sum))  # rcp.approx.ftz
     out = (acc_o * rcp.unsqueeze(-1)).to(out_dtype)

@@ -11,7 +11,9 @@ calls it from its autograd hook (``interface.FlashAttnFunc.backward``: the saved
    column order, the ``threads_per_row`` partials are combined by ``utils.warp_reduce``
    (butterfly, offsets 1, 2, 4, ...); D' = D - dLSE; ``lse_log2 = lse * log2(e)`` with an
    LSE of -inf (a row that saw no key) mapped to 0; dq_accum zeroed.
-2. S = Q K^T in float32 (exact products, one rounding: the forward model's MMA assumption).
+2. S = Q K^T in float32 (exact products, one rounding: the forward model's MMA assumption; with
+   ``FA4Numerics.mma="tensor_core"`` this and the other four MMAs — dP, dV, dK, dQ — are summed
+   as the H200's wgmma sums them, accumulators taken as C: ``_mm``).
 3. softcap (``utils.create_softcap_scoremod`` via ``apply_score_mod_inner``): ``s*scale``,
    ``/ softcap``, tanh.approx, ``* softcap``, as in the forward; ``scale_log2 = log2(e)``.
 4. Masks (``mask.py`` ``AttentionMask.apply_mask``): -inf outside the causal / local window
@@ -65,8 +67,9 @@ on the device.  The model streams one query block at a time over chunks of (batc
 Unspecified by the source, assumed here (each named where it is used): the MMA's internal
 summation (as in the forward model), the order ``TensorSSA.reduce`` folds a thread's elements
 (sequential), and which mul/add pairs ptxas contracts into FFMA (those a ``mul`` feeds an
-``add`` directly, the forward model's convention).  MUFU.EX2 / MUFU.TANH are not correctly
-rounded (about 2 ULP), so the model can differ from the device by that much per element.
+``add`` directly, the forward model's convention).  MUFU.EX2 / MUFU.TANH are the instructions
+themselves on CUDA (``fa4.mufu``); on the CPU they are modelled correctly rounded, and they are
+not (about 2 ULP), so there the model can differ from the device by that much per element.
 
 This module does not import ``fa4.model`` (which imports it): the primitives it shares with
 the forward — the exp2 model, the mask rule, the float32 scales and the broadcasting FFMA —
@@ -81,12 +84,13 @@ from dataclasses import dataclass
 import torch
 
 from fa4._primitives import LOG2_E as _LOG2_E
+from fa4._primitives import div_rn, hardware_exp2, hardware_tanh
 from fa4._primitives import fma as _fma
-from fa4._primitives import hardware_exp2
 from fa4._primitives import scales as _scales
 from fa4._primitives import visible as _visible
 from numerics.fp import flush_to_zero, round_to
 from numerics.fp import to_f32 as _f32
+from numerics.tensor_core import tc_dot
 
 __all__ = ["attention_backward", "bwd_plan", "BwdPlan", "reduce_add"]
 
@@ -242,48 +246,70 @@ class _Inputs:
     neg_lse_log2: torch.Tensor
 
 
-def _p_and_ds(x: _Inputs, blk: _MBlock, vis, scale: float, softcap: float, sl2: float):
+def _mm(a64: torch.Tensor, b64: torch.Tensor, mma: str, c: torch.Tensor | None = None) -> torch.Tensor:
+    """One MMA, a64 (n, r, k) @ b64 (n, k, m) on exact float64 copies of 16-bit values:
+    ``mma="exact"`` the exact float64 sum (its consumer rounds once, and adds ``c`` itself);
+    ``"tensor_core"`` float32 as the H200's wgmma sums it (``numerics.tensor_core``: k16
+    instructions over k in order, the accumulator ``c`` (zeros when None) aligned with each
+    instruction's products), the forward model's ``mma`` knob on the backward's five MMAs."""
+    if mma == "tensor_core":
+        return tc_dot(a64.unsqueeze(-2), b64.mT.unsqueeze(-3), c)
+    return a64 @ b64
+
+
+def _p_and_ds(x: _Inputs, blk: _MBlock, vis, scale: float, softcap: float, sl2: float, mma: str = "exact"):
     """Steps 2-6 on one block: P and dS (float32).  S = Q K^T and dP = dO V^T are MMAs (exact
     products, one rounding); softcap as the forward model's ``_block_scores``
-    (``apply_score_mod_inner``: FMUL, div.rn, tanh.approx modelled correctly rounded, FMUL);
+    (``apply_score_mod_inner``: FMUL, div.rn, tanh.approx, FMUL);
     P = ex2.approx(fma(S, scale_log2, -lse_log2)); dS = P * (dP - D') (FSUB, FMUL); softcap
     backward (``create_softcap_scoremod_bwd``): dS * (1 - t*t), ``1 - t*t`` one FFMA."""
     rows, keys = slice(blk.i0, blk.i1), slice(blk.j0, blk.j1)
-    s = (x.q[:, rows] @ x.k[:, keys].mT).float()
+    s = _mm(x.q[:, rows], x.k[:, keys].mT, mma).float()
     t = None
     if softcap > 0:
-        t = torch.tanh(((s * scale) / softcap).double()).float()
+        t = hardware_tanh(div_rn(s * scale, softcap))
         s = t * _f32(softcap)
     if vis is not None:
         s.masked_fill_(~vis, -math.inf)
     p = hardware_exp2(_fma(s, sl2, x.neg_lse_log2[:, rows, None]))
-    dp = (x.do[:, rows] @ x.v[:, keys].mT).float().sub_(x.d_prime[:, rows, None])
+    dp = _mm(x.do[:, rows], x.v[:, keys].mT, mma).float().sub_(x.d_prime[:, rows, None])
     ds = torch.mul(p, dp, out=dp)
     if t is not None:
         ds = ds * _fma(-t, t, 1.0)
     return p, ds
 
 
-def _accumulate_keys(acc: torch.Tensor, rows, blk_sum: torch.Tensor, blk: _MBlock, first: bool = True) -> None:
-    """Step 8 for one query block: the block's exact MMA sum (float64, keys j0..j1) into the
-    float32 accumulator rows ``rows``, one rounding (``acc + sum``); keys first met here start
-    from the sum (``zero_init``) — unless ``first`` is False (a later head of an hd256 GQA
-    chain: every key has its accumulator already)."""
+def _accumulate_keys(acc: torch.Tensor, rows, ab: tuple, blk: _MBlock, first: bool = True, mma: str = "exact") -> None:
+    """Step 8 for one query block: the block's MMA ``ab`` = (a64 (n, keys, rows), b64 (n, rows,
+    c)) into the float32 accumulator rows ``rows``: its exact sum added with one rounding (``acc
+    + sum``), or with ``mma="tensor_core"`` the accumulator as the wgmma's C; keys first met here
+    start from the MMA alone (``zero_init``) — unless ``first`` is False (a later head of an
+    hd256 GQA chain: every key has its accumulator already)."""
     jn = blk.jn if first else blk.j1
     old = jn - blk.j0
+    if mma == "tensor_core":
+        c = acc[rows, blk.j0 : blk.j1].clone()
+        c[:, old:] = 0.0
+        acc[rows, blk.j0 : blk.j1] = _mm(*ab, mma, c)
+        return
+    blk_sum = ab[0] @ ab[1]
     if old:
         acc[rows, blk.j0 : jn] = (acc[rows, blk.j0 : jn].double() + blk_sum[:, :old]).float()
     if jn < blk.j1:
         acc[rows, jn : blk.j1] = blk_sum[:, old:].float()
 
 
-def _dq_chain(ds64: torch.Tensor, k64: torch.Tensor, plan: BwdPlan) -> torch.Tensor:
+def _dq_chain(ds64: torch.Tensor, k64: torch.Tensor, plan: BwdPlan, mma: str = "exact") -> torch.Tensor:
     """Step 9 of the hd256 dQ kernel: one TMEM accumulator per query block, each KV block's MMA
-    adding into it (its exact sum rounded once with the accumulator), ascending, no atomics."""
+    adding into it (its exact sum rounded once with the accumulator, or the accumulator as the
+    MMA's C), ascending, no atomics."""
     acc = None
     for j in range(0, ds64.shape[-1], plan.dq_keys):
-        blk = ds64[..., j : j + plan.dq_keys] @ k64[:, j : j + plan.dq_keys]
-        acc = blk.float() if acc is None else (acc.double() + blk).float()
+        a, b = ds64[..., j : j + plan.dq_keys], k64[:, j : j + plan.dq_keys]
+        if mma == "tensor_core":
+            acc = _mm(a, b, mma, acc)
+        else:
+            acc = (a @ b).float() if acc is None else (acc.double() + a @ b).float()
     return acc
 
 
@@ -296,14 +322,14 @@ def reduce_add(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return flush_to_zero(flush_to_zero(acc) + flush_to_zero(x))
 
 
-def _dq_block(ds64: torch.Tensor, k64: torch.Tensor, plan: BwdPlan) -> torch.Tensor:
+def _dq_block(ds64: torch.Tensor, k64: torch.Tensor, plan: BwdPlan, mma: str = "exact") -> torch.Tensor:
     """Step 9 for one query block: per key group of ``dq_keys`` the dQ MMA's float32 tile, added
     into the zeroed float32 dq_accum rows (``reduce_add``) in the model's order (module doc).
     ds64: (n, rows, keys); k64: (n, keys, d) -> (n, rows, d) float32 (unscaled)."""
     starts = range(0, ds64.shape[-1], plan.dq_keys)
     acc = torch.zeros(*ds64.shape[:2], k64.shape[-1], dtype=torch.float32, device=ds64.device)
     for j in reversed(starts) if plan.dq_descending else starts:
-        acc = reduce_add(acc, (ds64[..., j : j + plan.dq_keys] @ k64[:, j : j + plan.dq_keys]).float())
+        acc = reduce_add(acc, _mm(ds64[..., j : j + plan.dq_keys], k64[:, j : j + plan.dq_keys], mma).float())
     return acc
 
 
@@ -380,6 +406,7 @@ def attention_backward(
     sched = _schedule(plan, sq, sk, causal, window_size)
     masks = [_block_mask(blk, sq, sk, causal, window_size, q.device) for blk in sched]
     ds_dtype = numerics.ds_dtype or q.dtype
+    mma = numerics.mma
     chain = plan.hd256 and hq > hk  # GQA summed in one MMA chain, head-major
     n_acc = b * hk if chain else b * hq
     acc = {n: torch.zeros(n_acc, sk, c, dtype=torch.float32, device=q.device) for n, c in (("dk", d), ("dv", dv_))}
@@ -388,18 +415,18 @@ def attention_backward(
     for rows_q, rows_acc, first in _row_chunks(b, hq, hk, step, chain, q.device):
         x = _heads_major(q, k, v, do, d_prime, lse_log2, rows_q)
         for blk, vis in zip(sched, masks):
-            p, ds = _p_and_ds(x, blk, vis, scale, softcap, sl2)  # steps 2-6
+            p, ds = _p_and_ds(x, blk, vis, scale, softcap, sl2, mma)  # steps 2-6
             p64 = round_to(p, q.dtype).double()  # step 7
             ds_k = ds.masked_fill(~vis, 0.0) if plan.hd256 and causal and vis is not None else ds
             ds64 = round_to(ds_k, ds_dtype, saturate=ds_dtype in _FP8).double()
             rows, keys = slice(blk.i0, blk.i1), slice(blk.j0, blk.j1)
-            _accumulate_keys(acc["dv"], rows_acc, p64.mT @ x.do[:, rows], blk, first)  # step 8
-            _accumulate_keys(acc["dk"], rows_acc, ds64.mT @ x.q[:, rows], blk, first)
+            _accumulate_keys(acc["dv"], rows_acc, (p64.mT, x.do[:, rows]), blk, first, mma)  # step 8
+            _accumulate_keys(acc["dk"], rows_acc, (ds64.mT, x.q[:, rows]), blk, first, mma)
             if plan.hd256:  # the dQ kernel scales dS in float32 before its cast, and chains
                 ds_q = round_to(ds * _f32(scale), ds_dtype, saturate=ds_dtype in _FP8).double()
-                dq[rows_q, rows] = _dq_chain(ds_q, x.k[:, keys], plan)
+                dq[rows_q, rows] = _dq_chain(ds_q, x.k[:, keys], plan, mma)
             else:
-                dq[rows_q, rows] = _dq_block(ds64, x.k[:, keys], plan)  # step 9
+                dq[rows_q, rows] = _dq_block(ds64, x.k[:, keys], plan, mma)  # step 9
     h_acc = hk if chain else hq
     dv = _reduce_heads(acc["dv"].view(b, h_acc, sk, dv_), hk, 1.0, q.dtype)
     dk = _reduce_heads(acc["dk"].view(b, h_acc, sk, d), hk, scale, q.dtype)

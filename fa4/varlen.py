@@ -30,7 +30,7 @@ The combine's arithmetic is modelled from ``FlashAttentionForwardCombine.kernel`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -176,6 +176,7 @@ def varlen_attention(
     numerics: FA4Numerics | None = None,
     arch: str = "sm100",
     num_sms: int = 148,
+    mma: str = "exact",
 ):
     """The varlen entry as production computes it (module doc).
 
@@ -186,7 +187,8 @@ def varlen_attention(
     ``numerics=None``: production's for ``arch`` per sequence (SM100: no 2-CTA on packed
     queries, seqused_q, splits or pages other than 128, as ``interface._flash_attn_fwd``).
     ``num_sms``: the GPU's SM count (148: B200), which sets SM100's per-sequence split counts on
-    varlen queries (:func:`dynamic_splits`).
+    varlen queries (:func:`dynamic_splits`).  ``mma``: ``FA4Numerics.mma`` of those per-sequence
+    numerics (ignored with ``numerics``).
     """
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1 (the model takes no heuristic 0), got {num_splits!r}")
@@ -210,10 +212,10 @@ def varlen_attention(
         if qs.shape[1] == 0:
             continue
         _validate(qs, ks, vs, learnable_sink)
-        nm = numerics or sequence_numerics(
+        nm = numerics or replace(sequence_numerics(
             arch, qs, ks, vs, causal, window_size, varlen_q=packed_q or seqused_q is not None,
             num_splits=num_splits, page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q,
-        )  # fmt: skip
+        ), mma=mma)  # fmt: skip
         o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, n_split, out.dtype,
                               split_kv=num_splits > 1)  # fmt: skip
         seq.place(out, lse, o, lo, packed=packed_q)

@@ -73,3 +73,73 @@ def test_production_refusals_match_the_rules_and_everything_else_is_judged():
         assert rec["verdict"] == "skipped" and "production refuses this configuration" in rec["reasons"][0]
     rec = evaluate_case("fa4", flash_attn, Case(d=64, dv=64, causal=True, sink=True), dev, th)
     assert rec["verdict"] == "pass" and rec["lse_returned"] and rec["lse"]["max_abs"] < 1e-3, rec["reasons"]
+
+
+def test_tc_model_with_mufu_reproduces_the_recorded_production_samples():
+    """``fa4-model-sm90-tc`` on CUDA (the H200's wgmma summation, MUFU itself) against the
+    production SM90 outputs recorded on the H200 (tests/data/fa4_sm90_samples.*): every output
+    and every LSE bit, on all eight cases — softcap (``div_rn``) and the sink (SM90's FMUL, FADD
+    fold) included."""
+    from audits.kernels import get_kernel
+    from tests.test_model import CASES, load_case
+
+    run = get_kernel("fa4-model-sm90-tc")
+    differ = {}
+    for name in CASES:
+        _, q, k, v, o, lse, kw = load_case(name)
+        kw = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+        mo, ml = run(q.cuda(), k.cuda(), v.cuda(), return_lse=True, **kw)
+        n_o = int((mo.cpu().view(torch.int16) != o.view(torch.int16)).sum())
+        n_l = int((ml.cpu().view(torch.int32) != lse.view(torch.int32)).sum())
+        if n_o or n_l:
+            differ[name] = (n_o, n_l)
+    assert differ == {}, f"(outputs, LSE values) differing per case: {differ}"
+
+
+def test_softcap_division_on_cuda_is_ieee():
+    """The softcap's ``div.rn`` on CUDA equals the CPU's IEEE quotient bit for bit, where torch's
+    own ``x / c`` on CUDA (a multiply by 1/c) does not (fa4._primitives.div_rn)."""
+    from fa4._primitives import div_rn
+
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)) * 40
+    ieee = (x.double() / 15.0).float()
+    assert torch.equal(div_rn(x.cuda(), 15.0).cpu().view(torch.int32), ieee.view(torch.int32))
+    assert not torch.equal((x.cuda() / 15.0).cpu(), ieee)  # why div_rn exists
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(d=64),
+        dict(d=128, causal=True, hq=8, hk=2),
+        dict(d=128, softcap=15.0),
+        dict(d=128, sink=True, dtype="float16"),
+    ],
+    ids=["d64", "d128_causal_gqa", "d128_softcap", "d128_sink_fp16"],
+)
+def test_tc_backward_matches_production_deterministic_bitwise(kw):
+    """``fa4-model-sm90-tc``'s backward against production's SM90 backward, both with
+    ``deterministic=True`` (the dQ / dK / dV reductions in the semaphores' order): every
+    gradient bit (measured: 9 of the 10 cases of benchmarks/h200_backward.py; head dim 256 is the
+    exception, docs/backward.md)."""
+    from audits.cases import Case
+    from audits.inputs import make_inputs
+    from audits.kernels import get_kernel
+
+    kw = dict(kw)
+    d, hq, hk = kw.pop("d"), kw.pop("hq", 4), kw.pop("hk", 4)
+    case = Case(kw.pop("dtype", "bfloat16"), d, d, 2, hq, hk, 256, 384, seed=21, **kw)
+    x = make_inputs(case, device="cuda")
+    do = torch.randn(2, 256, hq, d, generator=torch.Generator().manual_seed(22)).to(x["q"].dtype).cuda()
+    grads = {}
+    for name in ("fa4", "fa4-model-sm90-tc"):
+        q, k, v = (x[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
+        args = dict(x["kw"])
+        wrt = [q, k, v]
+        if args.get("learnable_sink") is not None:
+            args["learnable_sink"] = args["learnable_sink"].detach().clone().requires_grad_(True)
+            wrt.append(args["learnable_sink"])
+        out = get_kernel(name)(q, k, v, deterministic=True, **args)
+        grads[name] = torch.autograd.grad(out, wrt, do)
+    for n, a, b in zip(("dq", "dk", "dv", "dsink"), grads["fa4"], grads["fa4-model-sm90-tc"], strict=False):
+        assert torch.equal(a, b), f"{n}: {int((a != b).sum())} of {a.numel()} differ"

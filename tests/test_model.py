@@ -164,8 +164,9 @@ def test_tensor_core_mode_on_recorded_samples():
     """``mma="tensor_core"`` (the H200's wgmma summation, numerics.tensor_core) against the recorded
     production SM90 samples, on the CPU (MUFU by its correctly rounded stand-ins): measured
     245,181 of 245,504 outputs and 1,448 of 2,000 LSE values bit-identical, against 244,832 and
-    1,149 with the exact-sum assumption.  On the H200, with MUFU itself (fa4.mufu), 31 of the 33
-    fidelity cases are identical in every output and LSE bit (docs/tensor-cores.md)."""
+    1,150 with the exact-sum assumption.  The rest is MUFU: on the H200, with MUFU itself
+    (fa4.mufu), all of them are identical, and every output and LSE bit of the 33 fidelity cases
+    (tests/test_gpu.py, docs/tensor-cores.md)."""
     counts = {}
     for mode in ("exact", "tensor_core"):
         same_o = same_l = 0
@@ -176,9 +177,47 @@ def test_tensor_core_mode_on_recorded_samples():
             same_o += int((mo.view(torch.int16) == o.view(torch.int16)).sum())
             same_l += int((ml.view(torch.int32) == lse.view(torch.int32)).sum())
         counts[mode] = (same_o, same_l)
-    assert counts == {"exact": (244832, 1149), "tensor_core": (245181, 1448)}
+    assert counts == {"exact": (244832, 1150), "tensor_core": (245181, 1448)}
 
 
 def test_mma_knob_is_validated():
     with pytest.raises(ValueError, match="mma must be 'exact' or 'tensor_core'"):
         FA4Numerics(mma="wgmma")
+
+
+def test_sm90_sink_fold_rounds_the_product_before_the_subtraction(monkeypatch):
+    """SM90 ``Softmax.finalize`` with a learnable sink: exp2's argument is ``fl(fl(sink * LOG2_E)
+    - row_max_scaled)`` — FMUL, then FADD — not one FFMA (the sm_90a SASS: the product also
+    feeds the select for rows that saw no key).  The fused form differs on these inputs; on the
+    H200 this step took d128_sink's LSE from 93.0% to 100% bit-identical."""
+    import fa4.model as fm
+    from numerics.fp import fma_f32
+
+    g = torch.Generator().manual_seed(2)
+    sink = torch.randn(64, generator=g) * 4
+    row_max = torch.randn(1, 64, 1, generator=g) * 4
+    sl2 = torch.tensor(fm._f32(0.125 * fm._LOG2_E))
+    seen = []
+    real = fm.hardware_exp2
+    monkeypatch.setattr(fm, "hardware_exp2", lambda t: seen.append(t.clone()) or real(t))
+    nm = FA4Numerics.sm90(torch.bfloat16, 64)
+    fm._finalize(
+        nm, row_max, torch.ones(1, 64, 1), torch.ones(1, 64, 1, 8), sl2, torch.tensor(0.0), sink, torch.bfloat16
+    )
+    s_l2 = sink.view(1, -1, 1) * torch.tensor(fm._f32(fm._LOG2_E))
+    want = s_l2 - row_max * sl2
+    assert torch.equal(seen[0].view(torch.int32), want.view(torch.int32))
+    fused = fma_f32(sink.view(1, -1, 1), torch.tensor(fm._f32(fm._LOG2_E)), -(row_max * sl2))
+    assert not torch.equal(fused, want)
+
+
+def test_div_rn_is_the_ieee_quotient():
+    """``fa4._primitives.div_rn`` (the softcap's div.rn.f32): the float32 quotient correctly
+    rounded — numpy's float32 division — on random values, and not the reciprocal product torch's
+    CUDA division by a scalar computes (tests/test_gpu.py checks it on the device)."""
+    from fa4._primitives import div_rn
+
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(4)) * 40
+    want = torch.from_numpy(x.numpy() / np.float32(15.0))
+    assert torch.equal(div_rn(x, 15.0).view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(x * torch.tensor(1 / 15.0, dtype=torch.float32), want)

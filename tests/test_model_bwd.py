@@ -412,3 +412,40 @@ def test_accumulator_reductions_flush_subnormals():
     sub = torch.full((1, 2, 1, 1), 2.0**-130)
     assert float(mb._reduce_heads(sub, 1, 1.0, torch.float32).sum()) == 0.0  # GQA: reduced, flushed
     assert float(mb._reduce_heads(sub, 2, 1.0, torch.float32)[0, 0, 0, 0]) == 2.0**-130  # MHA: kept
+
+
+def test_tensor_core_backward_chains_dv_through_the_mma():
+    """``mma="tensor_core"``: dV over two query blocks is the wgmma chain ``tc_dot(P2^T, dO2,
+    C=tc_dot(P1^T, dO1))`` (``flash_bwd_sm90.py``: ``zero_init=not dKV_accumulate``), with S
+    summed by the tensor cores and P = ex2(fma(S, scale_log2, -lse_log2)) cast to bf16 — the
+    accumulator goes into the second MMA as its C, not added after it.  Measured on the H200
+    with this knob and MUFU: every dQ/dK/dV bit of production's deterministic SM90 backward on
+    9 of 10 cases (docs/backward.md)."""
+    from fa4._primitives import LOG2_E, fma, hardware_exp2, scales
+    from numerics.fp import to_f32
+    from numerics.tensor_core import tc_dot
+
+    g = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(1, 256, 1, 64, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, 64, 1, 64, generator=g).bfloat16() for _ in range(2))
+    nm = dataclasses.replace(FA4Numerics.sm90(torch.bfloat16, 64), mma="tensor_core")
+    assert bwd_plan(nm, 64, 64, False, False).tile_m == 128  # two query blocks
+    out, lse = attention(q, k, v, return_lse=True, numerics=nm)
+    dv = attention_backward(q, k, v, out, lse, do, numerics=nm)[2][0, :, 0]
+    s = tc_dot(q[0, :, 0].double().unsqueeze(1), k[0, :, 0].double().unsqueeze(0))  # (rows, keys)
+    sl2 = scales(64, None, 0.0)[2]
+    pt = hardware_exp2(fma(s, sl2, -(lse[0, 0] * to_f32(LOG2_E)).unsqueeze(1))).bfloat16().double().T
+    dot = do[0, :, 0].double().T  # (d, rows)
+    first = tc_dot(pt[:, None, :128], dot[None, :, :128])
+    want = tc_dot(pt[:, None, 128:], dot[None, :, 128:], first).bfloat16()
+    assert torch.equal(dv.view(torch.int16), want.view(torch.int16))
+    # the chain itself, in float32 (``_accumulate_keys``): what an add after the MMA would break
+    acc = torch.zeros(1, 64, 64)
+    for i0, jn in ((0, 0), (128, 64)):  # every key first met in block 0: zero_init there
+        blk = mb._MBlock(i0, i0 + 128, 0, 64, jn)
+        ab = (pt[None, :, i0 : i0 + 128], do[:, i0 : i0 + 128, 0].double())
+        mb._accumulate_keys(acc, slice(0, 1), ab, blk, True, "tensor_core")
+    chain = tc_dot(pt[:, None, 128:], dot[None, :, 128:], first)
+    assert torch.equal(acc[0].view(torch.int32), chain.view(torch.int32))
+    added = (first.double() + tc_dot(pt[:, None, 128:], dot[None, :, 128:]).double()).float()
+    assert not torch.equal(added, chain)

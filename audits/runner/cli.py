@@ -420,8 +420,8 @@ def register(sub) -> None:
     )
     r.add_argument(
         "--kernel", required=True, action="append",
-        help="fa4, fa4-model, fa4-model-sm90, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, module:attr or "
-        "path/to/file.py:fn; repeat to audit several kernels on shared inputs and references",
+        help="fa4, fa4-model, fa4-model-sm90, fa4-model-sm90-tc, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, "
+        "module:attr or path/to/file.py:fn; repeat to audit several kernels on shared inputs and references",
     )  # fmt: skip
     r.add_argument(
         "--suite", default=None,
