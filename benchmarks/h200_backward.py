@@ -10,8 +10,8 @@ integer ULP step of the gradient's dtype, the share within 1 ULP at the row's la
 ``--model``: the model compared (default ``fa4-model-sm90``; ``fa4-model-sm90-tc`` sums the
 MMAs as the H200's tensor cores do).  ``--deterministic``: both backwards with
 ``deterministic=True`` (production's semaphore-ordered dQ and dK/dV reductions; the model's
-``bwd_deterministic``), so that the atomics' order is no longer a difference.  ``--stand-in`` runs the model in place of production (to
-try the script without a GPU).
+``bwd_deterministic``), so that the atomics' order is no longer a difference.  ``--stand-in``
+runs the model in place of production (to try the script without a GPU).
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def main() -> None:
         production = lambda *a, deterministic=False, **kw: model(*a, **kw)
     else:
         from flash_attn.cute import flash_attn_func as production
-    res = {"cases": [], "model": args.model, "deterministic": args.deterministic, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    res = {"cases": [], "model": args.model, "deterministic": args.deterministic, "device": gpu}
     out = Path(args.out) / "backward.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     res["determinism"] = determinism(production, device)

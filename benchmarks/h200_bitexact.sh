@@ -4,7 +4,8 @@
 # sink fold corrected, the GPU tests (fa4-model-sm90-tc on the recorded production samples, every
 # bit), the backward fidelity with each MMA mode, and the smoke suite's time with each mode on
 # the H200 (part 1); the GPU tests' log and the backward fidelity with deterministic=True on
-# both sides (part 2: the atomics' order out of the comparison).  Results in $OUT.
+# both sides (part 2: the atomics' order out of the comparison; run again after the
+# preprocess-order fix of benchmarks/h200_preprocess_order.py).  Results in $OUT.
 #   bash benchmarks/h200_bitexact.sh 1|2
 set -uo pipefail
 . benchmarks/h200_env.sh

@@ -114,14 +114,15 @@ def test_softcap_division_on_cuda_is_ieee():
         dict(d=128, causal=True, hq=8, hk=2),
         dict(d=128, softcap=15.0),
         dict(d=128, sink=True, dtype="float16"),
+        dict(d=256),
     ],
-    ids=["d64", "d128_causal_gqa", "d128_softcap", "d128_sink_fp16"],
+    ids=["d64", "d128_causal_gqa", "d128_softcap", "d128_sink_fp16", "d256"],
 )
 def test_tc_backward_matches_production_deterministic_bitwise(kw):
     """``fa4-model-sm90-tc``'s backward against production's SM90 backward, both with
     ``deterministic=True`` (the dQ / dK / dV reductions in the semaphores' order): every
-    gradient bit (measured: 9 of the 10 cases of benchmarks/h200_backward.py; head dim 256 is the
-    exception, docs/backward.md)."""
+    gradient bit (benchmarks/h200_backward.py --deterministic, docs/backward.md; head dim 256
+    since the preprocess's element-major order, fa4.model_bwd._row_dot)."""
     from audits.cases import Case
     from audits.inputs import make_inputs
     from audits.kernels import get_kernel

@@ -333,16 +333,6 @@ def test_report_schema(tmp_path, capsys):
     assert rep["cases"][1]["properties"]["pack_gqa"]["result"] == "not applicable"  # one head
 
 
-def test_split_bound_keywords_follow_the_bound_signature(monkeypatch):
-    """The split-KV bound is used when numerics.forward_bound takes num_splits, else the unsplit one."""
-    import numerics.forward_bound as fb
-
-    monkeypatch.setattr(fb, "forward_error_bound", lambda q, k, v, nm, *, num_splits=1, pack_gqa=False: None)
-    assert varlen.bound_keywords(3, True) == {"num_splits": 3, "pack_gqa": True}
-    monkeypatch.setattr(fb, "forward_error_bound", lambda q, k, v, nm, *, reference=None: None)
-    assert varlen.bound_keywords(3, True) == {}
-
-
 def test_a_varlen_case_needs_a_varlen_entry(tmp_path, capsys):
     rc = run("invariance", "--kernel", f"{BUGS}:plain", "--config", VARLEN_CASE, "--out", str(tmp_path), "--quiet")
     assert rc == 1  # nothing compared

@@ -420,7 +420,7 @@ def test_tensor_core_backward_chains_dv_through_the_mma():
     summed by the tensor cores and P = ex2(fma(S, scale_log2, -lse_log2)) cast to bf16 — the
     accumulator goes into the second MMA as its C, not added after it.  Measured on the H200
     with this knob and MUFU: every dQ/dK/dV bit of production's deterministic SM90 backward on
-    9 of 10 cases (docs/backward.md)."""
+    all 10 backward fidelity cases (docs/backward.md)."""
     from fa4._primitives import LOG2_E, fma, hardware_exp2, scales
     from numerics.fp import to_f32
     from numerics.tensor_core import tc_dot
@@ -449,3 +449,24 @@ def test_tensor_core_backward_chains_dv_through_the_mma():
     assert torch.equal(acc[0].view(torch.int32), chain.view(torch.int32))
     added = (first.double() + tc_dot(pt[:, None, 128:], dot[None, :, 128:]).double()).float()
     assert not torch.equal(added, chain)
+
+
+@pytest.mark.parametrize("dv, multiple, chunks", [(256, 64, 2), (192, 64, 3), (128, 32, 1)])
+def test_preprocess_folds_a_threads_chunks_element_major(dv, multiple, chunks):
+    """D = rowsum(O * dO) as the preprocess kernel folds it: each thread's chunks of 8 columns,
+    element 0 of every chunk, then element 1, ... (production's sm_90a PTX at head dims 192 and
+    256: columns 0, 128, 1, 129, ...), then the warp butterfly.  The chunk-major order left 2 dQ
+    and 12 dK elements of the H200's head-dim-256 backward different (docs/backward.md)."""
+    g = torch.Generator().manual_seed(9)
+    out, do = (torch.randn(2, 3, 5, dv, generator=g).bfloat16() for _ in range(2))
+    prod = out.float() * do.float()
+    threads = dv // chunks // 8
+    lanes = []
+    for t in range(threads):
+        cols = [c * (dv // chunks) + t * 8 + e for e in range(8) for c in range(chunks)]
+        acc = prod[..., cols[0]].clone()
+        for col in cols[1:]:
+            acc = acc + prod[..., col]
+        lanes.append(acc)
+    want = mb._butterfly(torch.stack(lanes, -1))
+    assert torch.equal(mb._row_dot(out, do, multiple).view(torch.int32), want.view(torch.int32))

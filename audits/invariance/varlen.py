@@ -21,7 +21,6 @@ property varies.  A fixed-length case becomes a varlen call of its batch rows (e
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import torch
 
@@ -72,15 +71,9 @@ class Call:
 
 
 def bound_keywords(num_splits: int, pack_gqa: bool) -> dict:
-    """The split-KV keywords ``numerics.forward_bound.forward_error_bound`` takes, if it takes
-    them (checked when called): without them, split variants are held to the unsplit bound."""
-    from numerics.forward_bound import forward_error_bound
-
-    params = inspect.signature(forward_error_bound).parameters
-    kw = {"num_splits": num_splits} if "num_splits" in params else {}
-    if "pack_gqa" in params:
-        kw["pack_gqa"] = pack_gqa
-    return kw
+    """``numerics.forward_bound.forward_error_bound``'s split-KV keywords for a call in
+    ``num_splits`` splits run with ``pack_gqa``."""
+    return {"num_splits": num_splits, "pack_gqa": pack_gqa}
 
 
 def _offsets(cu: torch.Tensor) -> list[tuple[int, int]]:
@@ -208,8 +201,7 @@ class VarlenInputs:
             t.arch, q, k, v, self.common["causal"], self.common["window_size"], varlen_q=True,
             num_splits=spec.num_splits, page_size=spec.page, pack=pack, max_seqlen_q=call.kw["max_seqlen_q"],
         )  # fmt: skip
-        # split-KV: until forward_error_bound takes num_splits, the unsplit bound (docs/invariance.md)
-        extra = bound_keywords(call.splits(t.arch, j), pack)
+        extra = bound_keywords(call.splits(t.arch, j), pack)  # split-KV: numerics.forward_bound.split_error_bound
         key = (i, nm, tuple(sorted(extra.items())))  # calls of the same numerics share one
         if key not in self._bounds:
             self._bounds[key] = forward_error_bound(q, k, v, nm, reference=self.ref(i), **self.common, **extra)
@@ -326,10 +318,8 @@ def split(x: VarlenInputs, t) -> dict:
         comps += _against(x, t, f"num_splits 1 vs {n}", a, (call, res))
     if t.arch is None:
         note = "no forward bound for this kernel's numerics: split holds only where the results are equal bitwise"
-    elif "num_splits" in bound_keywords(2, False):
-        note = "bound: numerics.forward_bound with its split-KV terms"
     else:
-        note = "bound: numerics.forward_bound without split-KV terms (it takes no num_splits yet)"
+        note = "bound: numerics.forward_bound with its split-KV terms"
     return verdict(comps, _note_or_skip(refused, comps, note), within_bound_holds=True)
 
 

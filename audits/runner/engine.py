@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import inspect
 import math
 import time
 import traceback
@@ -271,19 +270,14 @@ def _varlen_reference(case: Case, device: str) -> tuple:
     return torch.cat(refs, 1), torch.cat(rls, 2), torch.cat(lows, 1), cert
 
 
-def _split_keywords(case: Case, splits: int) -> tuple[dict, str | None]:
-    """The bound's split-KV keywords for a sequence of ``case`` run in ``splits`` splits
-    (num_splits, and pack_gqa as the kernel runs it: the case's, else the default, on for GQA),
-    those ``forward_error_bound`` takes, and a note naming any it lacks (the bound then covers
-    the unsplit computation only)."""
+def _split_keywords(case: Case, splits: int) -> dict:
+    """``forward_error_bound``'s split-KV keywords for a sequence of ``case`` run in ``splits``
+    splits: num_splits, and pack_gqa as the kernel runs it (the case's, else the default, on for
+    GQA); none for an unsplit sequence."""
     if splits == 1:
-        return {}, None
+        return {}
     pack = case.pack_gqa if case.pack_gqa is not None else case.heads_q > case.heads_kv
-    want = {"num_splits": splits, "pack_gqa": pack}
-    params = inspect.signature(forward_error_bound).parameters
-    missing = [n for n in want if n not in params]
-    note = f"forward_error_bound takes no {', '.join(missing)}: bounded as the unsplit computation" if missing else None
-    return {n: val for n, val in want.items() if n in params}, note
+    return {"num_splits": splits, "pack_gqa": pack}
 
 
 @functools.lru_cache(maxsize=4)
@@ -299,7 +293,7 @@ def _varlen_bound(case: Case, device: str, nms: tuple, splits: tuple) -> tuple:
             continue
         q, k, v, kw = _sequence(x, i)
         seq_ref = (ref[:, row : row + sq], rl[:, :, row : row + sq])
-        extra = _split_keywords(case, splits[i])[0]
+        extra = _split_keywords(case, splits[i])
         ob, lb = forward_error_bound(q, k, v, nms[i], reference=seq_ref, **kw, **extra)
         obs.append(ob)
         lbs.append(lb)
@@ -338,9 +332,6 @@ def _analyse_varlen(rec: dict, kernel: str, case: Case, x: dict, out, lse, devic
         rec["varlen"]["worst_sequence"] = bisect.bisect_right(cu, rec["out"]["argmax"][1]) - 1
     if case.num_splits > 1:
         rec["varlen"]["splits"] = list(splits)  # per sequence, as the kernel's entry splits it
-        note = _split_keywords(case, max(splits))[1]
-        if note:
-            rec["varlen"]["bound_note"] = note
 
 
 def _varlen_record(case: Case, per_seq: bool) -> dict:
