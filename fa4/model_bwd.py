@@ -7,8 +7,9 @@ calls it from its autograd hook (``interface.FlashAttnFunc.backward``: the saved
 *returned* out, the float32 LSE, dO and dLSE when the LSE output receives a gradient).
 
 1. Preprocess (``flash_bwd_preprocess.py`` ``FlashAttentionBackwardPreprocess.kernel``):
-   D = rowsum(fp32(O) * fp32(dO)) from the rounded O — each thread sums its 8-column chunks in
-   column order, the ``threads_per_row`` partials are combined by ``utils.warp_reduce``
+   D = rowsum(fp32(O) * fp32(dO)) from the rounded O — each thread sums its 8-column chunks
+   element-major (element 0 of each chunk, then element 1, ...: ``_row_dot``), the
+   ``threads_per_row`` partials are combined by ``utils.warp_reduce``
    (butterfly, offsets 1, 2, 4, ...); D' = D - dLSE; ``lse_log2 = lse * log2(e)`` with an
    LSE of -inf (a row that saw no key) mapped to 0; dq_accum zeroed.
 2. S = Q K^T in float32 (exact products, one rounding: the forward model's MMA assumption; with
