@@ -1,6 +1,7 @@
 """The static fidelity audit: PTX fact extraction (on excerpts written here and on production's
 real sm_100a PTX in tests/data/ptx), the comparison with FA4Numerics.sm100, and bad input."""
 
+import dataclasses
 import gzip
 import json
 import sys
@@ -53,7 +54,7 @@ def excerpt(
         L += ["\tmul.f32 \t%r20, %r21, %r22;"] + (
             [f"\tmov.b32 \t%r23, {f32_hex(max_offset)};", "\tsub.f32 \t%r24, %r23, %r20;"] if max_offset else []
         )
-        L += ["\ttanh.approx.f32 \t%r30, %r31;"] * (tanh // steps)
+        L += ["\tdiv.rn.f32 \t%r32, %r33, 0f41700000;", "\ttanh.approx.f32 \t%r30, %r32;"] * (tanh // steps)
     L += ["\tsub.f32 \t%r40, %r41, %r42;", "\tmul.f32 \t%r43, %r44, %r40;", f"\t{ex2} \t%r45, %r43;"]
     if threshold:
         L += [f"\tsetp.ge.f32 \t%p1, %r43, {f32_hex(-threshold)};"]
@@ -91,11 +92,26 @@ def test_excerpt_matches_the_model():
         ({"extra": "\tadd.rn.ftz.f32 \t%r60, %r61, %r62;"}, "arith.nonstandard"),
         ({"extra": "\tadd.rm.ftz.f32 \t%r60, %r61, %r62;"}, "exp2.emulated_scalar"),  # the scalar emulation appears
         ({"tanh": 256}, "tanh"),
+        ({"extra": "\tdiv.full.f32 \t%r60, %r61, 0f41700000;"}, "arith.nonstandard"),  # approximate division
+        ({"extra": "\tdiv.full.f32 \t%r60, %r61, 0f41700000;"}, "division"),
     ],
 )
 def test_each_changed_fact_is_reported(change, fact):
     diffs = compare_facts(kernel_facts(excerpt(**change), tile_n=128), expected_facts(BF16))
     assert fact in {d["fact"] for d in diffs}, diffs
+
+
+def test_softcap_division_must_be_ieee_one_per_score():
+    """Softcap's ``acc_S / softcap`` is ``div.rn.f32`` once per score (what ``div_rn`` models);
+    the same count of scores divided by a multiply with the reciprocal — the form torch's CUDA
+    division takes, which the model once had — is reported."""
+    cap = dataclasses.replace(BF16, softcap=15.0)
+    good = kernel_facts(excerpt(tanh=256), tile_n=128)
+    assert good["division"] == {"div.rn.f32": 256}
+    assert [d for d in compare_facts(good, expected_facts(cap)) if d["fact"] in ("tanh", "division")] == []
+    recip = excerpt(tanh=256).replace("div.rn.f32 \t%r32, %r33, 0f41700000", "mul.f32 \t%r32, %r33, 0f3D888889")
+    diffs = compare_facts(kernel_facts(recip, tile_n=128), expected_facts(cap))
+    assert [d["fact"] for d in diffs] == ["division"], diffs
 
 
 def test_fp8_expectations_and_saturating_conversion():

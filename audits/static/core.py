@@ -102,6 +102,7 @@ def expected_facts(c: Case) -> dict:
         "p_convert": P_CONVERT[nm.p_dtype or dt],
         "reciprocal": ["rcp.approx.ftz.f32"],  # the finalize's rcp_approx
         "tanh": c.softcap > 0,
+        "division": "div.rn.f32",  # fa4._primitives.div_rn: softcap, one per score; the sink's
     }
 
 
@@ -136,6 +137,11 @@ def compare_facts(facts: dict, want: dict, *, tile_n: int = 128) -> list[dict]:
         differ("reciprocal", facts["reciprocal"], want["reciprocal"])
     if bool(facts["tanh"]) != want["tanh"] or (want["tanh"] and facts["tanh"] != steps * tile_n):
         differ("tanh", facts["tanh"], f"{steps * tile_n} tanh.approx (steps * tile_n)" if want["tanh"] else 0)
+    div = facts["division"]
+    if set(div) - {want["division"]} or (want["tanh"] and div.get(want["division"], 0) < facts["tanh"]):
+        differ(
+            "division", div, f"only {want['division']}" + (", one per tanh.approx (softcap)" if want["tanh"] else "")
+        )
     return diffs
 
 

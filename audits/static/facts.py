@@ -22,9 +22,14 @@ of ``FlashAttentionForwardSm100`` (flash-attn-4 4.0.0b36, cutlass-dsl 4.8.1, tes
   no such comparison means threshold 0 (the max moves at every block).
 * ``max_offset``: the bias ``max_offset - max * scale_log2`` is ``mov.b32 %r, 0f<offset>``
   then ``sub.f32 %s, %r, ...``; absent means 0.
-* ``arith.nonstandard``: f32 add/sub/mul/fma with a rounding other than ``.rn`` or with
-  ``.ftz``, other than the emulation's round-down adds (the model assumes IEEE round to nearest
-  and no flush everywhere else on the softmax path).
+* ``arith.nonstandard``: f32 add/sub/mul/fma/div with a rounding other than ``.rn`` or with
+  ``.ftz``, and approximate divisions (``div.approx`` / ``div.full``), other than the
+  emulation's round-down adds (the model assumes IEEE round to nearest and no flush everywhere
+  else on the softmax path).
+* ``division``: the ``div`` instructions with their counts.  Softcap's ``acc_S / softcap`` is
+  ``div.rn.f32``, one per score (``fa4._primitives.div_rn``); the learnable sink adds one or
+  two (``LOG2_E / scale_log2``).  A division by a constant is not turned into a multiply by
+  its reciprocal (the form torch's CUDA division takes, which the model once had).
 * ``p_convert``: float32 -> P-dtype conversions (``cvt.rn.bf16x2.f32``, ``cvt.rn.satfinite
   .e4m3x2.f32``...), with counts.
 * ``reciprocal``: ``rcp`` variants (the epilogue's 1/row_sum).  ``tanh``: ``tanh.approx``
@@ -160,7 +165,7 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
     fma2 = ops.get("fma.rn.f32x2", 0)
     thresholds = _rescale_thresholds(ins)
     offsets = _max_offsets(ptx)
-    nonstd = _nonstandard_arith(ops)
+    nonstd = _nonstandard_arith(ops, kinds=("add", "sub", "mul", "fma", "div"))
     cvt = _p_conversions(ops)
     return {
         "target": target.group(1) if target else None,
@@ -180,4 +185,5 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
         "p_convert": dict(sorted(cvt.items())),
         "reciprocal": dict(sorted((op, n) for op, n in ops.items() if op.startswith("rcp."))),
         "tanh": sum(n for op, n in ops.items() if op.startswith("tanh.")),
+        "division": dict(sorted((op, n) for op, n in ops.items() if op.startswith("div."))),
     }
