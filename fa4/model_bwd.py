@@ -93,7 +93,7 @@ from numerics.fp import flush_to_zero, round_to
 from numerics.fp import to_f32 as _f32
 from numerics.tensor_core import tc_dot
 
-__all__ = ["attention_backward", "bwd_plan", "BwdPlan", "reduce_add"]
+__all__ = ["attention_backward", "bwd_plan", "BwdPlan", "reduce_add", "fold_order"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -162,22 +162,35 @@ def _butterfly(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
+def _preprocess_geometry(dv: int, hdimv_multiple: int) -> tuple[int, int]:
+    """(head_dim_v padded to ``hdimv_multiple``, ``gmem_k_block_size``: the columns one row's
+    threads cover per pass, 8 per thread) of ``FlashAttentionBackwardPreprocess``."""
+    dvp = -(-dv // hdimv_multiple) * hdimv_multiple
+    return dvp, next(g for g in (128, 64, 32, 16) if dvp % g == 0)
+
+
+def fold_order(dv: int, hdimv_multiple: int) -> list[int]:
+    """The columns a preprocess thread folds for D, as offsets from its first column, in its
+    order: element-major over its chunks of 8 (chunk c starts ``c * gmem_k_block_size`` columns
+    on) — element 0 of every chunk, then element 1, ... (the ``reduce`` over modes (0, 2) as
+    compiled: sm_90a PTX at head dims 192 and 256, sm_100a at 256; the static backward audit
+    checks it).  One chunk: column order."""
+    dvp, gk = _preprocess_geometry(dv, hdimv_multiple)
+    return [c * gk + e for e in range(8) for c in range(dvp // gk)]
+
+
 def _row_dot(out: torch.Tensor, do: torch.Tensor, hdimv_multiple: int) -> torch.Tensor:
     """Step 1, D = rowsum(fp32(O) * fp32(dO)) in the preprocess kernel's order: head_dim_v padded
     to ``hdimv_multiple`` (zeros), copied in 8-element (16-byte) vectors by ``threads_per_row =
-    gmem_k_block_size / 8`` threads, so a thread holds ``dvp / gmem_k_block_size`` chunks of 8
-    columns; it folds them in one FFMA chain, element-major with the chunks inner (element 0 of
-    every chunk, then element 1, ...: the ``reduce`` over modes (0, 2) as compiled, read from the
-    sm_90a PTX of the preprocess at head dims 192 and 256; with one chunk, column order), then
-    the warp butterfly.  The products are exact in float32, so FFMA and FADD chains agree.
-    Measured: the chunk-major order left 2 dQ and 12 dK elements of the H200's head-dim-256
-    backward different; this order, none.  out, do: (b, h, sq, dv) -> (b, h, sq)."""
+    gmem_k_block_size / 8`` threads; each thread folds its columns in :func:`fold_order` in one
+    FFMA chain (the products are exact in float32, so FFMA and FADD chains agree), then the warp
+    butterfly.  Measured: the chunk-major order left 2 dQ and 12 dK elements of the H200's
+    head-dim-256 backward different; this order, none.  out, do: (b, h, sq, dv) -> (b, h, sq)."""
     dv = out.shape[-1]
-    dvp = -(-dv // hdimv_multiple) * hdimv_multiple
-    gk = next(g for g in (128, 64, 32, 16) if dvp % g == 0)
+    dvp, gk = _preprocess_geometry(dv, hdimv_multiple)
     prod = torch.nn.functional.pad(out.float() * do.float(), (0, dvp - dv))
-    per = prod.reshape(*prod.shape[:-1], dvp // gk, gk // 8, 8).permute(*range(prod.dim() - 1), -2, -1, -3)
-    per = per.reshape(*per.shape[:-2], -1)  # (..., thread, element x chunk)
+    order = torch.tensor(fold_order(dv, hdimv_multiple), device=prod.device)
+    per = prod[..., torch.arange(0, gk, 8, device=prod.device).unsqueeze(1) + order]  # (..., thread, fold)
     acc = per[..., 0].clone()
     for i in range(1, per.shape[-1]):
         acc = acc + per[..., i]

@@ -56,8 +56,27 @@ def _softmax_pair(i: int, ex2: str, p_cvt: str, ds_cvt: str, softcap: bool) -> l
     return L + [f"\tmov.b64 \t{{{r(10)}, {r(11)}}}, {ds};", f"\t{ds_cvt} {r(12)}, {r(11)}, {r(10)};"]
 
 
+def _preprocess_fold(fold: list[int]) -> list[str]:
+    """The preprocess's D = rowsum(O * dO) for one thread: 128-bit loads of the columns in
+    ``fold``, unpacked, then one FFMA chain from 0 in ``fold``'s order."""
+    blocks = sorted({c // 8 for c in fold})
+    L = []
+    for j, blk in enumerate(blocks):
+        regs = [f"%r{100 + 4 * j + w}" for w in range(4)]
+        L.append(f"\tld.global.v4.b32 \t{{{', '.join(regs)}}}, [%rd1+{blk * 16}];")
+        L += [f"\tmov.b32 \t{{%rs{200 + 8 * j + 2 * w}, %rs{201 + 8 * j + 2 * w}}}, {regs[w]};" for w in range(4)]
+    L.append("\tmov.b32 \t%r399, 0f00000000;")
+    acc = "%r399"
+    for i, c in enumerate(fold):
+        rs = f"%rs{200 + 8 * blocks.index(c // 8) + c % 8}"
+        L.append(f"\tfma.rn.f32.bf16 \t%r{400 + i}, {rs}, {rs}, {acc};")
+        acc = f"%r{400 + i}"
+    return L
+
+
 def bwd_excerpt(
     *,
+    fold=tuple(range(8)),
     pairs=4,
     ex2="ex2.approx.ftz.f32",
     p_cvt="cvt.rn.bf16x2.f32",
@@ -74,11 +93,7 @@ def bwd_excerpt(
     dQ; 3: dQ, dK, dV with GQA) and, without GQA, the in-kernel dK / dV cast ``out_cvt``."""
     head = [".version 8.8", ".target sm_100a", ".address_size 64"]
     pre = head + [ENTRY.format("flash_bwd_preprocessFlashAttentionBackwardPreprocess")]
-    pre += [
-        "\tfma.rn.f32.bf16 \t%r1, %rs1, %rs2, %r2;",
-        "\tadd.f32 \t%r3, %r1, %r4;",
-        "\tmul.f32 \t%r5, %r6, 0f3FB8AA3B;",
-    ]
+    pre += _preprocess_fold(list(fold)) + ["\tmul.f32 \t%r5, %r6, 0f3FB8AA3B;"]
     main = head + [ENTRY.format("flash_bwd_sm100FlashAttentionBackwardSm100")]
     for t in range(targets):
         main += [
@@ -173,11 +188,26 @@ EMULATION = "\n".join(
         ({"targets": 1}, GQA, {"reduce.targets", "out_convert"}),  # GQA dK / dV not through f32 adds
         ({}, CAP, {"tanh"}),  # softcap without tanh
         ({"post_cvt": "cvt.rz.bf16x2.f32"}, MHA, {"postprocess.convert"}),
+        ({"fold": tuple(range(7, -1, -1))}, MHA, {"preprocess.fold"}),  # D summed in another order
     ],
 )
 def test_each_seeded_wrong_fact_is_reported(change, case, facts):
     tiles = {**TILES, "dq_keys": 128} if case is GQA else TILES
     assert differing(facts_of(bwd_excerpt(**change), tiles), case) == facts | FLUSH
+
+
+def test_preprocess_fold_is_element_major_across_chunks():
+    """Head dim 256: a thread's two chunks are folded 0, 128, 1, 129, ... (production's PTX,
+    ``fa4.model_bwd.fold_order``); the chunk-major order is reported."""
+    from fa4.model_bwd import fold_order
+
+    d256 = Case("bfloat16", 256, 256, 1, 4, 4, 512, 512)
+    want = fold_order(256, 32)
+    assert want[:4] == [0, 128, 1, 129]
+    assert backward_facts(bwd_excerpt(fold=want))["preprocess.fold"] == [want]
+    chunk_major = [c * 128 + e for c in range(2) for e in range(8)]
+    assert "preprocess.fold" in differing(facts_of(bwd_excerpt(fold=chunk_major)), d256)
+    assert "preprocess.fold" not in differing(facts_of(bwd_excerpt(fold=want)), d256)
 
 
 def test_tiles_and_unsupported_configurations_are_differences():

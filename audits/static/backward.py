@@ -29,7 +29,7 @@ from audits.cases import Case
 from audits.static.core import P_CONVERT, StaticError, _numerics, cached_ptx
 from audits.static.facts import PtxFormatError
 from audits.static.facts_bwd import backward_facts
-from fa4.model_bwd import bwd_plan
+from fa4.model_bwd import bwd_plan, fold_order
 
 __all__ = ["backward_groups", "expected_backward_facts", "compare_backward_facts", "audit_backward_group"]
 
@@ -79,6 +79,7 @@ def expected_backward_facts(c: Case) -> dict:
         "reduce.flush": "all",  # model_bwd.reduce_add: the accumulators' adds flush subnormals
         "tanh": c.softcap > 0,  # step 3
         "postprocess": not plan.hd256,  # step 9: dq_accum * scale, cast (hd256: no postprocess)
+        "preprocess.fold": [fold_order(c.dv, plan.hdimv_multiple)],  # step 1: _row_dot
     }
 
 
@@ -128,6 +129,7 @@ def compare_backward_facts(f: dict, want: dict) -> list[dict]:
     post = f["postprocess.convert"]
     post_ok = _cvt_ok(post, want["p_convert"]) if want["postprocess"] else not post
     check("postprocess.convert", post_ok, f"only {want['p_convert']}" if want["postprocess"] else "no postprocess")
+    check("preprocess.fold", f["preprocess.fold"] == want["preprocess.fold"], want["preprocess.fold"])
     reads_ok = all(op.startswith("mul.") and "f32" in op for op in f["postprocess.convert_reads"])
     check("postprocess.convert_reads", reads_ok, "a float32 multiply (accumulator * scale)")
     return diffs

@@ -41,6 +41,12 @@ holds two ``.entry`` kernels, dQ and dK/dV) and the postprocesses (``flash_bwd_p
 * ``postprocess.convert`` / ``postprocess.convert_reads``: the postprocesses' 16-bit conversions
   and the float32 operation feeding them (``FlashAttentionBackwardPostprocess``: ``acc * scale``
   then the cast).
+* ``preprocess.fold``: the order in which a preprocess thread folds its products for D =
+  rowsum(O * dO) — each distinct order of its FFMA chains (``fma.rn.f32`` from 0), as the
+  column offsets from the thread's first column, traced from the 128-bit loads (``[ptr+bytes]``,
+  word, low/high half) through the ``mov.b32 {lo, hi}`` unpacking and the ``cvt.f32`` to each
+  FFMA operand.  Production's is element-major across a thread's 8-column chunks (0, 128, 1,
+  129, ... at head dim 256), which ``fa4.model_bwd._row_dot`` models.
 * ``arith.nonstandard``: every float32 add/sub/mul/fma/div (packed and mixed-precision forms
   included) of any kernel with a rounding other than ``.rn`` (no modifier means ``.rn``), with
   ``.ftz`` or ``.sat``, or an approximate division (``div.approx`` / ``div.full``).  Unlike the
@@ -220,6 +226,55 @@ def _main_facts(modules: list[tuple[str, str]]) -> dict:
     }
 
 
+_LOAD4 = re.compile(r"ld\.global[.\w]*\.v4\.b32\s+\{(%r\d+), (%r\d+), (%r\d+), (%r\d+)\}, \[%rd\d+(?:\+(\d+))?\]")
+_UNPACK = re.compile(r"mov\.b32\s+\{(%rs\d+), (%rs\d+)\}, (%r\d+)")
+_WIDEN = re.compile(r"cvt\.f32\.b?f16\s+(%r\d+), (%rs\d+)")
+_ZERO = re.compile(r"mov\.[bf]32\s+(%r\d+), 0f00000000;")
+
+
+def _fold_orders(ptx: str) -> list[list[int]]:
+    """The preprocess's accumulation chains, each as the column offsets of its products in order
+    (16-bit elements: a load's byte offset / 2, two per 32-bit word, low half first).  A chain
+    starts from 0 (an immediate, or a register moved from one) and takes a product per step,
+    either fused (``fma.rn.f32.bf16`` on the 16-bit halves, or ``fma.rn.f32`` on their
+    ``cvt.f32`` widenings) or as ``mul.f32`` then ``add.f32`` (the same sum: a product of two
+    16-bit values is exact in float32)."""
+    word = {}
+    for m in _LOAD4.finditer(ptx):
+        for w in range(4):
+            word[m.group(w + 1)] = int(m.group(5) or 0) // 2 + 2 * w
+    col = {}
+    for m in _UNPACK.finditer(ptx):
+        if m.group(3) in word:
+            col[m.group(1)], col[m.group(2)] = word[m.group(3)], word[m.group(3)] + 1
+    col.update({m.group(1): col[m.group(2)] for m in _WIDEN.finditer(ptx) if m.group(2) in col})
+    zero = {"0f00000000"} | {m.group(1) for m in _ZERO.finditer(ptx)}
+    prod, chains = {}, {}
+    for op, args in _instructions(ptx):
+        regs = [x.strip() for x in args.rstrip(";").split(",")]
+        kind = op.split(".")[0]
+        if kind == "mul" and "f32" in op and len(regs) == 3 and regs[1] in col:
+            prod[regs[0]] = col[regs[1]]
+        elif kind in ("fma", "add") and "f32" in op.split("."):
+            d, terms, acc = regs[0], regs[1:-1] if kind == "fma" else regs[1:], regs[-1]
+            if kind == "fma":
+                step = col.get(terms[0])
+            else:
+                acc, step = (terms[1], prod.get(terms[0])) if terms[0] in prod else (terms[0], prod.get(terms[1]))
+            if step is None:
+                continue
+            if acc in chains:
+                chains[d] = chains.pop(acc) + [step]
+            elif acc in zero:
+                chains[d] = [step]
+    orders = sorted({tuple(v) for v in chains.values()})
+    if not orders:
+        raise PtxFormatError(
+            "no accumulation chain over loaded O * dO products in the preprocess: a form the extractor lacks"
+        )
+    return [list(o) for o in orders]
+
+
 def _postprocess_facts(modules: list[tuple[str, str]]) -> dict:
     """The postprocesses' conversions and the operations whose results they convert."""
     conv, reads = Counter(), set()
@@ -240,6 +295,9 @@ def backward_facts(text: str) -> dict:
     kernels = split_kernels(text)
     main = [(c, p) for c, p in kernels if c not in AUX_KERNELS]
     post = [(c, p) for c, p in kernels if c == AUX_KERNELS[1]]
+    pre = [p for c, p in kernels if c == AUX_KERNELS[0]]
+    if len(pre) != 1:
+        raise PtxFormatError(f"expected one {AUX_KERNELS[0]}, got {len(pre)}")
     if len(main) != 1:
         raise PtxFormatError(f"expected one main backward kernel, got {[c for c, _ in main]}")
     ops = Counter(op for _, p in kernels for op, _ in _instructions(p))
@@ -254,6 +312,7 @@ def backward_facts(text: str) -> dict:
         "arith.nonstandard": dict(sorted(_nonstandard_arith(ops, exempt=None, kinds=_ARITH).items())),
         **_main_facts(main),
         **_postprocess_facts(post),
+        "preprocess.fold": _fold_orders(pre[0]),
     }
     if not facts["main.ex2"]:
         raise PtxFormatError(f"no ex2 in {main[0][0]}: not an attention backward, or a form the extractor lacks")
