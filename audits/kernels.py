@@ -6,7 +6,8 @@
 * ``fa4-model-sm90``: the model's Hopper configuration.
 * ``fa4-model-sm90-tc``: the same with the H200's measured tensor-core summation
   (``FA4Numerics.mma="tensor_core"``, docs/tensor-cores.md): with MUFU itself on CUDA, the
-  closest model of production on Hopper; on the CPU it costs about 900x the default.
+  closest model of production on Hopper; on the CPU it costs about 60x the default at b1 h8
+  s512 (docs/performance.md).
 * ``sdpa-math``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: PyTorch's SDPA backends
   as peers.  SDPA has no softcap, sink, fp8 or LSE output: the first three are outside its
   declared domain (the runner skips them before calling); what a domain cannot say raises

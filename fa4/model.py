@@ -658,11 +658,16 @@ def _accumulate_tc(st: _RowState, lp: _Loop, p64, blk: _Block, acc, first, idx) 
     f = blk.rows_of(idx, hq, sq)[0]
     ao = st.acc_o.view(-1, dv)
     c = torch.where(first[idx].unsqueeze(-1), torch.zeros_like(ao[f]), ao[f] * acc[idx].unsqueeze(-1))
-    bh = idx // (blk.r1 - blk.r0)
     nc = blk.j1 - blk.j0
     p = p64.view(-1, p64.shape[-1])[idx, :nc]  # (rows, nc)
-    v = lp.v64[:, blk.j0 : blk.j1].permute(0, 2, 3, 1).reshape(-1, dv, nc)[bh]  # (rows, dv, nc)
-    ao[f] = tc_dot(p.unsqueeze(1), v, c)
+    v = lp.v64[:, blk.j0 : blk.j1].permute(0, 2, 3, 1).reshape(-1, dv, nc)  # (b * heads, dv, nc)
+    # idx is ascending, so each (batch, head)'s rows are one run: one MMA call per run, V shared
+    ends = torch.searchsorted(idx // (blk.r1 - blk.r0), torch.arange(v.shape[0] + 1, device=idx.device)).tolist()
+    out = torch.empty_like(c)
+    for g, (e0, e1) in enumerate(zip(ends[:-1], ends[1:])):
+        if e1 > e0:
+            out[e0:e1] = tc_dot(p[e0:e1].unsqueeze(1), v[g], c[e0:e1])
+    ao[f] = out
 
 
 def _run_block(st: _RowState, lp: _Loop, n: int) -> None:

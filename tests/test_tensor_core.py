@@ -64,3 +64,35 @@ def test_rz_to_f32():
     y = rz_to_f32(x)
     assert y[0].item() == 1.0 and y[1].item() == -1.0 and torch.isnan(y[3])
     assert y[2].item() == float(torch.finfo(torch.float32).max)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_compiled_cpu_loop_equals_the_torch_form(dtype, monkeypatch):
+    """The compiled CPU loop (``_tc_compiled``) gives the torch form's bits: exponent spreads up
+    to 2**60, zeros and -0, a subnormal and a -0 accumulator, broadcast operands, and (fp16)
+    inf / NaN, which take the torch form's IEEE path."""
+    import numerics.tensor_core as tc
+
+    g = torch.Generator().manual_seed(11)
+
+    def gen(shape, spread):
+        return torch.randn(shape, generator=g) * torch.exp2(
+            torch.randint(-spread, spread + 1, shape, generator=g).float()
+        )
+
+    got, want = [], []
+    for spread in (0, 4, 12, 30, 60):
+        a, b = gen((3, 5, 7, 1, 48), spread).to(dtype), gen((3, 5, 1, 9, 48), spread).to(dtype)
+        if dtype != torch.float8_e4m3fn:
+            a[0, 0, 0, 0, :5], b[1, 1, 0, 2, 3] = 0.0, -0.0
+        c = gen((3, 5, 7, 9), spread).float()
+        c[0, 0, 0, 0], c[0, 0, 0, 1] = -0.0, 1e-40
+        if dtype == torch.float16:
+            a[2, 2, 2, 0, 7], c[1, 1, 1, 1] = float("inf"), float("nan")
+        for cc in (c, None):
+            got.append(tc.tc_dot(a, b, cc).view(torch.int32))
+            with monkeypatch.context() as m:
+                m.setattr(tc, "_compiled", None)
+                want.append(tc.tc_dot(a, b, cc).view(torch.int32))
+    assert tc._compiled is not None  # the compiled loop ran above
+    assert torch.equal(torch.cat([x.flatten() for x in got]), torch.cat([x.flatten() for x in want]))
