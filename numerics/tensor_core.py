@@ -28,6 +28,8 @@ this 2-core machine, 2026-12-01) and equal to it in every bit (``tests/test_tens
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 __all__ = ["tc_dot", "rz_to_f32", "TC_BLOCK", "TC_EXTRA_BITS"]
@@ -102,7 +104,8 @@ def _tc_compiled(a, b, c, shape, block: int, extra_bits: int) -> torch.Tensor:
     cn = (torch.zeros(shape) if c is None else c).reshape(*pad, *shape).numpy()
     out = torch.empty(shape, dtype=torch.float32)
     bad = torch.zeros(shape, dtype=torch.bool)
-    _compiled(*ab, cn, out.view(*pad, *shape).numpy(), bad.view(*pad, *shape).numpy(), block, extra_bits)
+    with _COMPILED_LOCK:  # numba's default threading layer (workqueue) takes one caller at a time
+        _compiled(*ab, cn, out.view(*pad, *shape).numpy(), bad.view(*pad, *shape).numpy(), block, extra_bits)
     if bool(bad.any()):
         idx = bad.nonzero(as_tuple=True)
         acc = torch.zeros_like(out[idx]) if c is None else c[idx].clone()
@@ -119,6 +122,7 @@ except ImportError:  # pragma: no cover - exercised when numba is absent
     numba = None
 
 _compiled = None
+_COMPILED_LOCK = threading.Lock()
 if numba is not None:
     import math
 
