@@ -218,14 +218,14 @@ def fa4_varlen_numerics(name: str):
     splits and pages other than 128; tiles from ``max_seqlen_q``; the interleave of packed GQA);
     ``page_size`` 0: no page table; ``pack_gqa`` None: the default (on for GQA).  None for
     kernels that do not implement FA4's numerics."""
-    from fa4.varlen import sequence_numerics
+    from fa4.varlen import packs_gqa, sequence_numerics
 
     arch = _fa4_arch(name)
     if arch is None:
         return None
 
     def nm(q, k, v, causal, window, *, num_splits: int, page_size: int, pack_gqa, max_seqlen_q: int):
-        pack = pack_gqa if pack_gqa is not None else q.shape[2] // k.shape[2] > 1
+        pack = packs_gqa(pack_gqa, q.shape[2], k.shape[2])
         return sequence_numerics(arch, q, k, v, causal, window, varlen_q=True, num_splits=num_splits,
                                  page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q)  # fmt: skip
 

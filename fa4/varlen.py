@@ -46,6 +46,7 @@ __all__ = [
     "dynamic_splits",
     "split_counts",
     "sequence_numerics",
+    "packs_gqa",
     "empty_outputs",
     "Sequence",
     "sequences",
@@ -202,7 +203,7 @@ def varlen_attention(
         page_table=page_table,
     )  # fmt: skip
     hq, hk = q.shape[-2], k.shape[-2]
-    pack = pack_gqa if pack_gqa is not None else hq // hk > 1
+    pack = packs_gqa(pack_gqa, hq, hk)
     out, lse = empty_outputs(q, v, packed=packed_q)
     page_size = None if page_table is None else k.shape[1]
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
@@ -236,7 +237,7 @@ def split_counts(q: torch.Tensor, k: torch.Tensor, *, arch: str = "sm100", num_s
     keys = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "page_table")
     seqs = sequences(q, k, **{n: kw.get(n) for n in keys})
     hq, hk = q.shape[-2], k.shape[-2]
-    pack = kw.get("pack_gqa") if kw.get("pack_gqa") is not None else hq // hk > 1
+    pack = packs_gqa(kw.get("pack_gqa"), hq, hk)
     varlen_q = kw.get("cu_seqlens_q") is not None or kw.get("seqused_q") is not None
     return _splits(seqs, kw.get("num_splits", 1), arch, varlen_q, hq, hk, pack, num_sms)
 
@@ -273,6 +274,12 @@ def dynamic_splits(
     margin = max(f32(num_sms) / f32(128) + f32(0.001), f32(1.1))
     bps = max(int(f32(f32(f32(total) * margin) * f32(heads_kv if pack else heads)) / f32(num_sms)), 1)
     return [max(1, min(-(-nb // bps), num_splits)) for nb in n]
+
+
+def packs_gqa(pack_gqa: bool | None, heads_q: int, heads_kv: int) -> bool:
+    """Whether a call packs GQA: as asked, else production's default, on when query heads share
+    a KV head (``interface.py``: ``pack_gqa = qhead_per_kvhead > 1`` when None)."""
+    return pack_gqa if pack_gqa is not None else heads_q // heads_kv > 1
 
 
 def sequence_numerics(

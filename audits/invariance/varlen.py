@@ -190,12 +190,12 @@ class VarlenInputs:
         of ``call``, or None for a kernel without FA4 numerics."""
         if t.arch is None:
             return None
-        from fa4.varlen import sequence_numerics
+        from fa4.varlen import packs_gqa, sequence_numerics
         from numerics.forward_bound import forward_error_bound
 
         q, k, v = self.parts[i]
         spec = call.spec
-        pack = spec.pack_gqa if spec.pack_gqa is not None else self.hq // self.hk > 1
+        pack = packs_gqa(spec.pack_gqa, self.hq, self.hk)
         # the numerics fa4.varlen.varlen_attention picks for this sequence of a packed call
         nm = sequence_numerics(
             t.arch, q, k, v, self.common["causal"], self.common["window_size"], varlen_q=True,

@@ -276,8 +276,9 @@ def _split_keywords(case: Case, splits: int) -> dict:
     GQA); none for an unsplit sequence."""
     if splits == 1:
         return {}
-    pack = case.pack_gqa if case.pack_gqa is not None else case.heads_q > case.heads_kv
-    return {"num_splits": splits, "pack_gqa": pack}
+    from fa4.varlen import packs_gqa
+
+    return {"num_splits": splits, "pack_gqa": packs_gqa(case.pack_gqa, case.heads_q, case.heads_kv)}
 
 
 @functools.lru_cache(maxsize=4)
