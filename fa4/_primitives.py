@@ -16,8 +16,8 @@ from numerics.fp import CANONICAL_NAN_BITS, fma_f32
 from numerics.fp import to_f32 as _f32
 
 __all__ = [
-    "LOG2_E", "div_rn", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh", "scales", "visible",
-    "visible_bounds",
+    "LOG2_E", "div_rn", "softcap_tanh", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh",
+    "scales", "visible", "visible_bounds",
 ]  # fmt: skip
 
 #: math.log2(math.e); a Float32 constant in the kernels, rounded to float32 where they use it
@@ -88,6 +88,15 @@ def div_rn(x: torch.Tensor, c: float) -> torch.Tensor:
     2026-12-01).  That reciprocal was the model's one difference from production on the H200's
     softcap case (docs/model-and-fidelity.md)."""
     return (x.double() / float(c)).float()
+
+
+def softcap_tanh(s: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """``tanh(fl(s * scale) / softcap)`` on float32 scores as ``utils.create_softcap_scoremod``
+    via ``apply_score_mod_inner`` computes it: FMUL, ``div.rn`` (:func:`div_rn`), MUFU.TANH
+    (:func:`hardware_tanh`).  The capped score is this times ``softcap`` (one more FMUL: the
+    forward, ``fa4.model`` step 2, and the backward's S); the backward also keeps it for
+    ``create_softcap_scoremod_bwd``'s ``1 - t*t``."""
+    return hardware_tanh(div_rn(s * scale, softcap))
 
 
 def visible_bounds(

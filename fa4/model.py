@@ -66,8 +66,8 @@ import torch
 
 from fa4 import _ex2_cpu
 from fa4._primitives import LOG2_E as _LOG2_E
-from fa4._primitives import div_rn, hardware_exp2, hardware_lg2, hardware_rcp, hardware_tanh, visible_bounds
 from fa4._primitives import fma as _fma
+from fa4._primitives import hardware_exp2, hardware_lg2, hardware_rcp, softcap_tanh, visible_bounds
 from fa4._primitives import scales as _scales
 from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
 from fa4.model_bwd import attention_backward
@@ -419,7 +419,7 @@ def _softcap(s: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
     """Step 2 on float32 scores: ``utils.create_softcap_scoremod`` via ``apply_score_mod_inner``
     (``s*scale`` FMUL, ``/ softcap`` div.rn, tanh (MUFU.TANH: the instruction on CUDA, else
     correctly rounded), ``* softcap`` FMUL; no FFMA: the SASS rounds each)."""
-    return hardware_tanh(div_rn(s * scale, softcap)) * _f32(softcap)
+    return softcap_tanh(s, scale, softcap) * _f32(softcap)
 
 
 def _pad_mask(s: torch.Tensor, vis: torch.Tensor, tn: int) -> torch.Tensor:

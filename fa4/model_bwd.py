@@ -85,8 +85,8 @@ from dataclasses import dataclass
 import torch
 
 from fa4._primitives import LOG2_E as _LOG2_E
-from fa4._primitives import div_rn, hardware_exp2, hardware_tanh
 from fa4._primitives import fma as _fma
+from fa4._primitives import hardware_exp2, softcap_tanh
 from fa4._primitives import scales as _scales
 from fa4._primitives import visible as _visible
 from numerics.fp import flush_to_zero, round_to
@@ -285,7 +285,7 @@ def _p_and_ds(x: _Inputs, blk: _MBlock, vis, scale: float, softcap: float, sl2: 
     s = _mm(x.q[:, rows], x.k[:, keys].mT, mma).float()
     t = None
     if softcap > 0:
-        t = hardware_tanh(div_rn(s * scale, softcap))
+        t = softcap_tanh(s, scale, softcap)
         s = t * _f32(softcap)
     if vis is not None:
         s.masked_fill_(~vis, -math.inf)
