@@ -37,7 +37,7 @@ import torch
 from fa4.production import REFUSALS, production_domain
 
 __all__ = [
-    "KERNELS", "MODELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "production_arch",
+    "KERNELS", "MODELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "fa4_arch", "production_arch",
     "claims_nonfinite_inputs", "contract_error", "VARLEN_KERNELS", "get_varlen_kernel", "per_sequence",
     "varlen_contract_error", "fa4_varlen_numerics", "fa4_varlen_splits",
 ]  # fmt: skip
@@ -198,13 +198,13 @@ def fa4_numerics(name: str):
     numerics (held to the forward-pass bound); None for the others."""
     from fa4.model import FA4Numerics
 
-    arch = _fa4_arch(name)
+    arch = fa4_arch(name)
     if arch is None:
         return None
     return lambda q, k, v, causal, window: FA4Numerics.for_inputs(arch, q, k, v, causal, window)
 
 
-def _fa4_arch(name: str) -> str | None:
+def fa4_arch(name: str) -> str | None:
     """The FA4Numerics family of a built-in FA4 kernel (production: this machine's GPU's)."""
     if name == "fa4":  # on this machine's GPU generation
         return production_arch()
@@ -220,7 +220,7 @@ def fa4_varlen_numerics(name: str):
     kernels that do not implement FA4's numerics."""
     from fa4.varlen import packs_gqa, sequence_numerics
 
-    arch = _fa4_arch(name)
+    arch = fa4_arch(name)
     if arch is None:
         return None
 
@@ -240,7 +240,7 @@ def fa4_varlen_splits(name: str):
     implement FA4's numerics."""
     from fa4.varlen import split_counts
 
-    arch = _fa4_arch(name)
+    arch = fa4_arch(name)
     if arch is None:
         return None
     sms = torch.cuda.get_device_properties(0).multi_processor_count if name == "fa4" else 148

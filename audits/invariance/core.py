@@ -57,10 +57,10 @@ def target(spec: str) -> Target:
     """The :class:`Target` of kernel ``spec``.  A user kernel may declare the FA4 numerics it
     implements as ``fn.fa4_audit_numerics = "sm100" | "sm90"`` (held to that bound); ValueError
     for another value."""
-    from audits.kernels import MODELS, fa4_numerics, get_kernel, get_varlen_kernel, kernel_domain, production_arch
+    from audits.kernels import fa4_arch, fa4_numerics, get_kernel, get_varlen_kernel, kernel_domain
 
     fn = get_kernel(spec)
-    arch = production_arch() if spec == "fa4" else MODELS.get(spec, (None,))[0]
+    arch = fa4_arch(spec)
     nmf = fa4_numerics(spec)
     vfn = get_varlen_kernel(spec)
     declared = getattr(vfn or fn, "fa4_audit_numerics", None)
