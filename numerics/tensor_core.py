@@ -85,6 +85,11 @@ def tc_dot(
         return _tc_compiled(a, b, c, shape, block, extra_bits)
     a, b = torch.broadcast_tensors(a.double(), b.double())
     acc = torch.zeros(a.shape[:-1], dtype=torch.float32, device=a.device) if c is None else c.clone()
+    return _chunks(acc, a, b, block, extra_bits)
+
+
+def _chunks(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int, extra_bits: int) -> torch.Tensor:
+    """The torch form: float64 a, b (..., K) in instructions of ``block`` into float32 ``acc``."""
     for k0 in range(0, a.shape[-1], block):
         acc = _chunk(acc, a[..., k0 : k0 + block], b[..., k0 : k0 + block], extra_bits)
     return acc
@@ -104,15 +109,13 @@ def _tc_compiled(a, b, c, shape, block: int, extra_bits: int) -> torch.Tensor:
     cn = (torch.zeros(shape) if c is None else c).reshape(*pad, *shape).numpy()
     out = torch.empty(shape, dtype=torch.float32)
     bad = torch.zeros(shape, dtype=torch.bool)
-    with _COMPILED_LOCK:  # numba's default threading layer (workqueue) takes one caller at a time
+    with _COMPILED_LOCK:  # numba's workqueue threading layer, where it is the one in use, takes one caller at a time
         _compiled(*ab, cn, out.view(*pad, *shape).numpy(), bad.view(*pad, *shape).numpy(), block, extra_bits)
     if bool(bad.any()):
         idx = bad.nonzero(as_tuple=True)
         acc = torch.zeros_like(out[idx]) if c is None else c[idx].clone()
-        ab, bb = (t.double().expand(*shape, t.shape[-1])[idx] for t in (a, b))
-        for k0 in range(0, ab.shape[-1], block):
-            acc = _chunk(acc, ab[..., k0 : k0 + block], bb[..., k0 : k0 + block], extra_bits)
-        out[idx] = acc
+        ab, bb = (t.expand(*shape, t.shape[-1])[idx] for t in (a64, b64))
+        out[idx] = _chunks(acc, ab, bb, block, extra_bits)
     return out
 
 
