@@ -26,11 +26,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fa4-audit",
         description="Numerics audits of the FlashAttention-4 kernel (exit 0 pass, 1 fail, 2 usage error).",
     )
+    p.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the installed version and exit"
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for mod in (runner_cli, cli_reports, ex2_cli, fidelity_cli, static_cli, bounds_cli, invariance_cli):
         mod.register(sub)
     return p
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's, one source of truth); a tree run
+    without installing says so rather than guessing."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fa4-audit")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree; pip install . gives the version)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
