@@ -269,9 +269,10 @@ def pairwise(axes: dict[str, list], seed: int = 0, candidates: int = 40) -> list
     return rows
 
 
-def _release_case(row: dict, family: str, seed: int) -> Case:
+def release_case(row: dict, family: str, seed: int) -> Case:
     """The case of a covering-array row (one value per axis of ``RELEASE_AXES``; the mask axis
-    also takes a window, a (left, right) pair: local with that window) for ``family``."""
+    also takes a window, a (left, right) pair: local with that window) for ``family``.  Public:
+    ``audits.domain`` places a domain's rows with it."""
     sq, sk = row["seqlens"]
     hq, hk = row["heads"]
     mask = row["mask"]
@@ -309,7 +310,7 @@ def release_suite(seeds: tuple[int, ...] = (0,), extra_pairs: list | None = None
     if extra_pairs:
         axes["seqlens"] = axes["seqlens"] + list(extra_pairs)
     rows = pairwise(axes)
-    cases = [_release_case(r, f, s) for s in seeds for f in FAMILIES for r in rows]
+    cases = [release_case(r, f, s) for s in seeds for f in FAMILIES for r in rows]
     return list(dict.fromkeys(cases + release_varlen(seeds)))  # a family's fix-ups can make two rows one case
 
 

@@ -45,13 +45,9 @@ class UsageError(Exception):
 
 
 def environment(device: torch.device) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import numba
+    import numba  # a dependency (the compiled CPU loops), imported here only to report its version
 
-        env["numba"] = numba.__version__
-    except ImportError:
-        pass
+    env = {"python": platform.python_version(), "torch": torch.__version__, "numba": numba.__version__}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["compute_capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability(device))

@@ -275,13 +275,14 @@ def axes_within(d: Domain, base: dict | None = None) -> dict[str, list]:
     }
 
 
-def _case_within(d: Domain, row: dict, family: str, seed: int) -> tuple[Case | None, str | None]:
-    """The release case of ``row`` for ``family`` (``audits.cases._release_case``, head dims from
-    the row's pair), or why the family cannot be placed in the domain."""
-    from audits.cases import _release_case
+def case_within(d: Domain, row: dict, family: str, seed: int) -> tuple[Case | None, str | None]:
+    """The release case of ``row`` for ``family`` (``audits.cases.release_case``, head dims from
+    the row's pair), or why the family cannot be placed in the domain.  Public: suite files
+    (``audits.suite_file``) place their rows with it, as the named suites do."""
+    from audits.cases import release_case
 
     dd, dv = row["d"]
-    case = dataclasses.replace(_release_case({**row, "d": dd}, family, seed), dv=dv)
+    case = dataclasses.replace(release_case({**row, "d": dd}, family, seed), dv=dv)
     why = d.refusal(case)
     return (case, None) if why is None else (None, why)
 
@@ -302,7 +303,7 @@ def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: lis
     rows = pairwise(axes)
     cases, missing = [], {}
     for f in FAMILIES:
-        placed = [_case_within(d, r, f, s) for s in seeds for r in rows]
+        placed = [case_within(d, r, f, s) for s in seeds for r in rows]
         ok = [c for c, _ in placed if c is not None]
         if not ok:
             need = " (it needs keys no query sees: a left window short of them)" if f == "nan_inf_masked" else ""
@@ -321,11 +322,11 @@ def _varlen_within(d: Domain, cases: list[Case]) -> list[Case]:
 
 
 def _smoke_case_within(d: Domain, row: dict, family: str) -> tuple[Case | None, str | None]:
-    """:func:`_case_within` for smoke, which leaves bf16 ``near_max`` out as ``smoke_suite``
+    """:func:`case_within` for smoke, which leaves bf16 ``near_max`` out as ``smoke_suite``
     does: V ~ 3.4e38 makes P.V overflow float32 in any float32-accumulating kernel."""
     if family == "near_max" and row["dtype"] == "bfloat16":
         return None, "smoke leaves bfloat16 near_max out (P.V overflows float32 in every kernel)"
-    return _case_within(d, row, family, 0)
+    return case_within(d, row, family, 0)
 
 
 def smoke_within(d: Domain) -> dict:

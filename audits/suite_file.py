@@ -6,7 +6,7 @@ A suite file names its suite (``name``, default the file's stem) and gives its c
 and/or an ``[axes]`` table of values per axis of the release generator (absent axis: the Case
 default), plus ``families`` (default all) and ``seeds`` (default [0]).  The axes' cases are
 release's: the pairwise covering array of the values (``audits.cases.pairwise``), each row made
-a case per family and seed by ``audits.domain._case_within`` (``audits.cases._release_case``),
+a case per family and seed by ``audits.domain.case_within`` (``audits.cases.release_case``),
 within the kernels' declared domain.  :func:`load` checks every key and value (``ValueError``
 naming the file, the key, the value and what is accepted); :func:`build` makes the cases.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from audits.cases import DTYPES, LAYOUTS, Case, case_from_dict, pairwise
 from audits.common import read_toml
-from audits.domain import Domain, _case_within, axes_within, seqlens_within
+from audits.domain import Domain, axes_within, case_within, seqlens_within
 
 __all__ = ["SuiteFile", "load", "build", "is_suite_file", "AXES"]
 
@@ -166,7 +166,7 @@ def _within(d: Domain, key: str, values: tuple) -> tuple[list, dict]:
     neutral = {_ROW_KEY.get(k, k): v[0] for k, v in DEFAULT_AXES.items()}
     kept, refused = [], {}
     for v in values:
-        case, why = _case_within(judge, {**neutral, _ROW_KEY.get(key, key): v}, "normal", 0)
+        case, why = case_within(judge, {**neutral, _ROW_KEY.get(key, key): v}, "normal", 0)
         if case is None:
             refused[v] = why
         else:
@@ -211,7 +211,7 @@ def build(sf: SuiteFile, d: Domain | None = None, *, cases_in: Domain | None = N
             axes[_ROW_KEY.get(key, key)] = kept
         rows = pairwise(axes)
         for f in sf.families:
-            placed = [_case_within(d, r, f, s) for s in sf.seeds for r in rows]
+            placed = [case_within(d, r, f, s) for s in sf.seeds for r in rows]
             ok = [c for c, _ in placed if c is not None]
             if not ok:
                 built["not_applicable"][f] = f"no case of family {f} fits the domain; e.g. {placed[0][1]}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device call (carry [".fa4dev"]), 2026-12-01, second session: issue 16's remaining figures —
-# the forward fidelity audit with the softcap division (fa4._primitives.div_rn) and the SM90
+# the forward fidelity audit with the softcap division (fa4.primitives.div_rn) and the SM90
 # sink fold corrected, the GPU tests (fa4-model-sm90-tc on the recorded production samples, every
 # bit), the backward fidelity with each MMA mode, and the smoke suite's time with each mode on
 # the H200 (part 1); the GPU tests' log and the backward fidelity with deterministic=True on

@@ -2,7 +2,7 @@
 of 8 columns per thread) reproduces production's deterministic SM90 backward on the H200 (not a
 test; 2026-12-01, ``reports/h200/bitexact-2026-12-01/preprocess_order.json``).  Production's
 preprocess folds them element-major (0, 128, 1, 129, ...: its sm_90a PTX); the model had them
-chunk-major.  Each order is patched into ``fa4.model_bwd._row_dot`` and the gradients of
+chunk-major.  Each order is patched into ``fa4.model_bwd.row_dot`` and the gradients of
 ``fa4-model-sm90-tc`` compared with production's, counting differing dq, dk, dv elements.
 
     OUT=DIR python benchmarks/h200_preprocess_order.py
@@ -32,7 +32,7 @@ def row_dot_order(order):
         acc = per[..., 0].clone()
         for i in range(1, per.shape[-1]):
             acc = acc + per[..., i]
-        return mb._butterfly(acc)
+        return mb.butterfly(acc)
 
     return f
 
@@ -67,7 +67,7 @@ def main() -> None:
         do = torch.randn(2, c.seqlen_q, 4, 256, generator=g).bfloat16().cuda()
         pg = grads(prod, x, do)
         for oname, order in ORDERS.items():
-            mb._row_dot = row_dot_order(torch.tensor(order))
+            mb.row_dot = row_dot_order(torch.tensor(order))
             mg = grads(get_kernel("fa4-model-sm90-tc"), x, do)
             res[f"{name}/{oname}"] = [int((a != b).sum()) for a, b in zip(pg, mg, strict=True)]  # dq, dk, dv
             print(name, oname, res[f"{name}/{oname}"], flush=True)

@@ -28,13 +28,13 @@ sys.path.insert(0, str(ROOT))
 from audits.cases import release_suite  # noqa: E402
 from audits.runner import journal  # noqa: E402
 from audits.runner.backward import BackwardOptions  # noqa: E402
-from audits.runner.engine import _audit_error, shard_cases  # noqa: E402
+from audits.runner.engine import is_audit_error, shard_cases  # noqa: E402
 from audits.runner.gate import load_thresholds  # noqa: E402
 
 
 def journals(report: dict, kernel: str, jobs: int, backward) -> dict[str, str]:
     """``{"jobs/I/<kernel>/journal.jsonl": text}`` for the report's records of each shard."""
-    records = {c["case"]: c for c in report["cases"] if not _audit_error(c)}
+    records = {c["case"]: c for c in report["cases"] if not is_audit_error(c)}
     th = load_thresholds()
     out = {}
     for i in range(jobs):

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from fa4 import _ex2_cpu
+from fa4 import ex2_cpu
 from numerics.fp import CANONICAL_NAN_BITS, add_rm, f32_bits, f32_from_bits, fma_f32, on_f32_midpoint
 
 __all__ = ["POLY_EX2", "PTX_MODEL", "ex2_emulation", "ex2_emulation_2", "emulated_columns", "DEGREES"]
@@ -183,17 +183,17 @@ def _ex2_torch(x: torch.Tensor, coeffs: tuple[float, ...], ftz_round: bool) -> t
 def _ex2(x: torch.Tensor, degree: int, *, ftz_round: bool) -> torch.Tensor:
     _check(x, degree)
     coeffs = POLY_EX2[degree]
-    if x.device.type == "cpu" and x.numel() >= _NUMBA_MIN and _ex2_cpu.available():
+    if x.device.type == "cpu" and x.numel() >= _NUMBA_MIN:
         return _ex2_numba(x, coeffs, ftz_round)
     return _ex2_torch(x, coeffs, ftz_round)
 
 
 def _ex2_numba(x: torch.Tensor, coeffs: tuple[float, ...], ftz_round: bool) -> torch.Tensor:
-    """CPU fast path: the same algorithm fused into one compiled loop (``fa4._ex2_cpu``);
+    """CPU fast path: the same algorithm fused into one compiled loop (``fa4.ex2_cpu``);
     elements it flags (xc >= 2**22, float64 midpoints) are redone by the torch path."""
     xf = x.contiguous().view(-1)
     out = torch.empty_like(xf)
-    flags = _ex2_cpu.ex2_fast(xf.numpy(), out.numpy(), coeffs, ftz_round)
+    flags = ex2_cpu.ex2_fast(xf.numpy(), out.numpy(), coeffs, ftz_round)
     if flags is not None:
         idx = torch.from_numpy(flags).nonzero(as_tuple=True)
         out[idx] = _ex2_torch(xf[idx], coeffs, ftz_round)

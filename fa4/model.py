@@ -11,7 +11,7 @@ where it happens (flash-attn-4 4.0.0b36, ``flash_attn/cute``):
    internal summation order and truncation are not specified by the source and cannot be
    reproduced on a CPU; the fidelity report measures the consequence.
 2. softcap (``utils.create_softcap_scoremod`` via ``apply_score_mod_inner``): ``s*scale``,
-   ``/ softcap`` (``div.rn``, :func:`fa4._primitives.div_rn`), ``tanh`` (MUFU.TANH: the
+   ``/ softcap`` (``div.rn``, :func:`fa4.primitives.div_rn`), ``tanh`` (MUFU.TANH: the
    instruction on CUDA, else modelled correctly rounded), ``* softcap``, each rounded (SASS);
    then ``scale_log2 = log2(e)``.  Without softcap ``scale_log2 = fl32(scale * log2(e))``.
 3. Masks (``mask.py`` ``AttentionMask.apply_mask``): -inf outside the causal / local window
@@ -38,11 +38,11 @@ where it happens (flash-attn-4 4.0.0b36, ``flash_attn/cute``):
 NaN semantics come along: a NaN score is ignored by the row max, swallowed (P = 0) where the
 polynomial exp2 handles it and propagated by the hardware exp2.
 
-On CPU (with numba) the loop runs fast and gives the bits of the plain loop — every row of
+On CPU the loop runs fast (numba) and gives the bits of the plain loop — every row of
 every block through the torch functions of steps 3-9, S and P V by einsums over all rows: a
 block's float64 GEMMs cover only a window of the rows that visit it (:func:`_row_window`; MKL
 gives each row the same float64 sum then), steps 3-8 and step 9's accumulator run as compiled
-loops (``fa4._ex2_cpu.softmax_block`` and ``o_update``) that hand back to the torch functions
+loops (``fa4.ex2_cpu.softmax_block`` and ``o_update``) that hand back to the torch functions
 every row they cannot decide exactly (a NaN; a float64 intermediate within a few ulps of a
 float32 rounding boundary), and a block's softmax step runs on a background thread beside its
 neighbours' GEMMs (:func:`_run_fast`).  ``docs/performance.md``: the profile and the argument;
@@ -51,7 +51,7 @@ neighbours' GEMMs (:func:`_run_fast`).  ``docs/performance.md``: the profile and
 When an input requires grad, ``attention`` runs under an autograd function whose backward is
 ``fa4.model_bwd.attention_backward`` (production's backward kernels, modelled the same way).
 The primitives both share — :func:`hardware_exp2`, the mask rule, the float32 scales, the
-broadcasting FFMA — live in ``fa4._primitives`` (re-exported here under their old names).
+broadcasting FFMA — live in ``fa4.primitives`` (re-exported here under their old names).
 """
 
 from __future__ import annotations
@@ -64,13 +64,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fa4 import _ex2_cpu
-from fa4._primitives import LOG2_E as _LOG2_E
-from fa4._primitives import fma as _fma
-from fa4._primitives import hardware_exp2, hardware_lg2, hardware_rcp, softcap_tanh, visible_bounds
-from fa4._primitives import scales as _scales
+from fa4 import ex2_cpu
 from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
 from fa4.model_bwd import attention_backward
+from fa4.primitives import FP8 as _FP8
+from fa4.primitives import LOG2_E as _LOG2_E
+from fa4.primitives import fma as _fma
+from fa4.primitives import hardware_exp2, hardware_lg2, hardware_rcp, softcap_tanh, visible_bounds
+from fa4.primitives import scales as _scales
 from numerics.fp import fma_f32, format_of, round_to
 from numerics.fp import to_f32 as _f32
 from numerics.tensor_core import tc_dot
@@ -79,7 +80,6 @@ from numerics.tiles import block_ranges, masked_blocks
 __all__ = ["FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LN2 = math.log(2.0)
 
 # flash_fwd_sm100.py _TUNING_CONFIG: (use_2cta_instrs, is_causal, head_dim_padded, is_sm103)
@@ -329,10 +329,11 @@ def _check_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"unsupported input dtype {dtype}; accepted: bfloat16, float16, float8_e4m3fn, float8_e5m2")
 
 
-def _block_ranges(
+def kv_block_ranges(
     sq: int, sk: int, nm: FA4Numerics, causal: bool, window: tuple, device, *, heads: int = 1, pack: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``numerics.tiles.block_ranges`` with the tiles of ``nm``."""
+    """``numerics.tiles.block_ranges`` with the tiles of ``nm``: the KV blocks each query tile
+    visits.  Public for ``fa4.varlen``, whose tiles (pack_gqa, split-KV) need the same ranges."""
     return block_ranges(sq, sk, nm.tile_m, nm.tile_n, causal, window, device, heads=heads, pack=pack)
 
 
@@ -485,7 +486,7 @@ def _o_rows(acc_o, acc_scale, pv, first):
     return torch.where(first.unsqueeze(-1), pv.float(), (acc_o * acc_scale.unsqueeze(-1)).double().add(pv).float())
 
 
-#: CPU: the fast loop (row windows, the compiled softmax step of ``fa4._ex2_cpu``); tests turn it
+#: CPU: the fast loop (row windows, the compiled softmax step of ``fa4.ex2_cpu``); tests turn it
 #: off to compare with the plain loop, which runs every row of every block through torch
 _FAST_CPU = True
 #: a block's row window starts and ends at multiples of this (or at seqlen_q): see :func:`_row_window`
@@ -600,13 +601,13 @@ def _torch_rows(st: _RowState, lp: _Loop, s: torch.Tensor, blk: _Block, idx, p64
 
 
 def _compiled_args(nm: FA4Numerics, p_dtype, sl2: float, vis, ranges) -> dict:
-    """The block-independent arguments of ``fa4._ex2_cpu.softmax_block`` for these numerics."""
+    """The block-independent arguments of ``fa4.ex2_cpu.softmax_block`` for these numerics."""
     emu = nm.emulated_mask()
     fmt = format_of(p_dtype)
     lp = [p_dtype != torch.bfloat16, fmt.p, fmt.emin, p_dtype in _FP8, p_dtype != torch.float8_e4m3fn]
     return dict(
         tab=tuple(x.contiguous().numpy() for x in (*vis, *ranges)),
-        poly=(emu.nonzero().flatten().numpy(), _ex2_cpu.padded(POLY_EX2[nm.poly_degree])),
+        poly=(emu.nonzero().flatten().numpy(), ex2_cpu.padded(POLY_EX2[nm.poly_degree])),
         fp=np.array([sl2, nm.max_offset, -nm.rescale_threshold], dtype=np.float32),
         lp=np.array(lp, dtype=np.int64),
         maxv=float(fmt.max),
@@ -615,7 +616,7 @@ def _compiled_args(nm: FA4Numerics, p_dtype, sl2: float, vis, ranges) -> dict:
 
 
 def _compiled_rows(st: _RowState, lp: _Loop, blk: _Block, s: torch.Tensor):
-    """Steps 3-8 for the block's window in ``fa4._ex2_cpu.softmax_block``.  Returns the block's
+    """Steps 3-8 for the block's window in ``fa4.ex2_cpu.softmax_block``.  Returns the block's
     geometry (for :func:`_accumulate`), P (float64, the MMA's operand), the accumulator scale,
     first and each row's status (1 done, 2 left to :func:`_torch_rows`)."""
     b, hq, sq = st.row_max.shape
@@ -627,7 +628,7 @@ def _compiled_rows(st: _RowState, lp: _Loop, blk: _Block, s: torch.Tensor):
     acc, first = torch.empty(b * hq * nr, dtype=torch.float32), torch.empty(b * hq * nr, dtype=torch.bool)
     status = torch.empty(b * hq * nr, dtype=torch.uint8)
     state = (st.row_max.view(-1, sq), st.row_sum.view(-1, sq), st.started.view(-1, sq), st.partial.view(-1, sq, 4))
-    _ex2_cpu.softmax_block(
+    ex2_cpu.softmax_block(
         s.reshape(-1, nc).numpy(), geo, kw["tab"], kw["poly"], kw["fp"], kw["lp"], kw["maxv"],
         tuple(x.numpy() for x in state), (p64.view(-1, tn).numpy(), acc.numpy(), first.numpy(), status.numpy()),
     )  # fmt: skip
@@ -642,7 +643,7 @@ def _accumulate(st: _RowState, pv, blk: _Block, acc, first, geo, status, idx) ->
     if geo is not None:
         ao = st.acc_o.view(-1, sq, dv)
         args = (pv.numpy(), ao.numpy(), geo, acc.numpy(), first.numpy(), status.numpy())
-        _ex2_cpu.o_update(*args)
+        ex2_cpu.o_update(*args)
         idx = (status >= 2).nonzero().flatten()
     if idx.numel():
         f = blk.rows_of(idx, hq, sq)[0]
@@ -740,7 +741,7 @@ def _run_fast(st: _RowState, lp: _Loop, blocks: list[_Block]) -> None:
 def _make_loop(q, k, v, nm: FA4Numerics, vis, ranges, scales: tuple) -> _Loop:
     """The inputs exactly in float64 (k, v repeated per query head), laid out for the loop."""
     scale, softcap, sl2 = scales
-    fast = _FAST_CPU and q.device.type == "cpu" and _ex2_cpu.available() and nm.mma == "exact"
+    fast = _FAST_CPU and q.device.type == "cpu" and nm.mma == "exact"
     rep = q.shape[2] // k.shape[2]
     if fast:  # head-major, converted in one pass, into the thread's kept scratch
         sizes = [x.numel() * (rep if x is not q else 1) for x in (q, k, v)]
@@ -791,7 +792,7 @@ def attention(
     ``FA4Numerics.sm100`` for these inputs.  Differentiable when q, k, v or learnable_sink
     requires grad (grad mode on): the backward is production's, ``fa4.model_bwd``.
     """
-    _validate(q, k, v, learnable_sink)
+    validate_inputs(q, k, v, learnable_sink)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
         kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
         return _differentiable(q, k, v, learnable_sink, numerics, return_lse, kw)
@@ -799,7 +800,7 @@ def attention(
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
     st, sl2_t, off = forward_loop(q, k, v, nm, **kw)
     out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
-    out, lse = _finalize(nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2_t, off, learnable_sink, out_dtype)
+    out, lse = finalize(nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2_t, off, learnable_sink, out_dtype)
     out = out.permute(0, 2, 1, 3).contiguous()
     return (out, lse) if return_lse else out
 
@@ -818,12 +819,12 @@ def forward_loop(
 ) -> tuple[_RowState, torch.Tensor, torch.Tensor]:
     """Steps 1-9 (module doc): the softmax loop over KV blocks from the last to the first, each
     row visiting the blocks of its range.  ``ranges`` = per (head, row) [n_min, n_max) of shape
-    (heads_q, seqlen_q) (``fa4.varlen``: pack_gqa, split-KV); None: :func:`_block_ranges`.
+    (heads_q, seqlen_q) (``fa4.varlen``: pack_gqa, split-KV); None: :func:`kv_block_ranges`.
     Returns the loop's final state and the float32 scale_log2 and max_offset tensors."""
     b, sq, hq, d = q.shape
     sk, dv = k.shape[1], v.shape[-1]
     dev = q.device
-    n_min, n_max, nblk = _block_ranges(sq, sk, nm, causal, window_size, dev, heads=hq)
+    n_min, n_max, nblk = kv_block_ranges(sq, sk, nm, causal, window_size, dev, heads=hq)
     m_hi, m_lo = masked_blocks(sq, sk, nm.tile_m, nm.tile_n, causal, window_size, dev, heads=hq)
     if ranges is not None:
         n_min, n_max = ranges
@@ -871,10 +872,11 @@ class _AttentionFn(torch.autograd.Function):
         return dq, dk, dv, dsink, None, None
 
 
-def _finalize(nm, row_max, row_sum, acc_o, sl2, off, sink, out_dtype):
+def finalize(nm, row_max, row_sum, acc_o, sl2, off, sink, out_dtype):
     """The SM100 correction-warp epilogue (``flash_fwd_sm100.py`` ``correction_loop``) or
     ``Softmax.finalize`` (SM90): learnable sink, reciprocal, O scaling, LSE.  Fused operations
-    follow the SASS ptxas emits (fma where it fuses, separate roundings where it does not)."""
+    follow the SASS ptxas emits (fma where it fuses, separate roundings where it does not).
+    Public for ``fa4.varlen``, which finishes each sequence (and each split) the same way."""
     dev = row_sum.device
     l2e = torch.tensor(_f32(_LOG2_E), device=dev)
     ln2 = torch.tensor(_f32(_LN2), device=dev)
@@ -903,7 +905,11 @@ def _finalize(nm, row_max, row_sum, acc_o, sl2, off, sink, out_dtype):
     return out, lse
 
 
-def _validate(q, k, v, sink):
+def validate_inputs(q, k, v, sink) -> None:
+    """Reject what the model cannot stand for — not 4-d (batch, seqlen, heads, dim), a dtype
+    outside ``SUPPORTED_DTYPES``, mixed dtypes, mismatched shapes, heads_q not a multiple of
+    heads_kv, a learnable sink not of shape (heads_q,) — with the value and what is accepted,
+    before any work.  Public for ``fa4.varlen``, which checks each sequence the same way."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(

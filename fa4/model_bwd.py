@@ -8,7 +8,7 @@ calls it from its autograd hook (``interface.FlashAttnFunc.backward``: the saved
 
 1. Preprocess (``flash_bwd_preprocess.py`` ``FlashAttentionBackwardPreprocess.kernel``):
    D = rowsum(fp32(O) * fp32(dO)) from the rounded O — each thread sums its 8-column chunks
-   element-major (element 0 of each chunk, then element 1, ...: ``_row_dot``), the
+   element-major (element 0 of each chunk, then element 1, ...: ``row_dot``), the
    ``threads_per_row`` partials are combined by ``utils.warp_reduce``
    (butterfly, offsets 1, 2, 4, ...); D' = D - dLSE; ``lse_log2 = lse * log2(e)`` with an
    LSE of -inf (a row that saw no key) mapped to 0; dq_accum zeroed.
@@ -20,7 +20,7 @@ calls it from its autograd hook (``interface.FlashAttnFunc.backward``: the saved
 4. Masks (``mask.py`` ``AttentionMask.apply_mask``): -inf outside the causal / local window
    (bottom-right aligned), exactly the forward's rule.
 5. P = ex2.approx(fma(S, scale_log2, -lse_log2)) — the hardware exp2 (MUFU.EX2, modelled
-   correctly rounded with flush-to-zero: ``fa4._primitives.hardware_exp2``, the forward's) on
+   correctly rounded with flush-to-zero: ``fa4.primitives.hardware_exp2``, the forward's) on
    both archs: the backward never takes the polynomial (``flash_bwd_sm90.py`` ``mma_one_m_block`` step (3);
    ``flash_bwd_sm100.py`` ``compute_loop``, ``fma_packed_f32x2`` then ``exp2``).
 6. dP = dO V^T in float32; dS = P * (dP - D') (FSUB then FMUL; SM100 ``sub_packed_f32x2`` /
@@ -74,7 +74,7 @@ not (about 2 ULP), so there the model can differ from the device by that much pe
 
 This module does not import ``fa4.model`` (which imports it): the primitives it shares with
 the forward — the exp2 model, the mask rule, the float32 scales and the broadcasting FFMA —
-come from ``fa4._primitives``, the same functions the forward calls.
+come from ``fa4.primitives``, the same functions the forward calls.
 """
 
 from __future__ import annotations
@@ -84,18 +84,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fa4._primitives import LOG2_E as _LOG2_E
-from fa4._primitives import fma as _fma
-from fa4._primitives import hardware_exp2, softcap_tanh
-from fa4._primitives import scales as _scales
-from fa4._primitives import visible as _visible
+from fa4.primitives import FP8 as _FP8
+from fa4.primitives import LOG2_E as _LOG2_E
+from fa4.primitives import fma as _fma
+from fa4.primitives import hardware_exp2, softcap_tanh
+from fa4.primitives import scales as _scales
+from fa4.primitives import visible as _visible
 from numerics.fp import flush_to_zero, round_to
 from numerics.fp import to_f32 as _f32
 from numerics.tensor_core import tc_dot
 
 __all__ = ["attention_backward", "bwd_plan", "BwdPlan", "reduce_add", "fold_order"]
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -154,9 +153,11 @@ def bwd_plan(numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool
     return BwdPlan(tm, tn, tn * dq_tiles, post, mult, spt and not hd256, hd256)
 
 
-def _butterfly(x: torch.Tensor) -> torch.Tensor:
+def butterfly(x: torch.Tensor) -> torch.Tensor:
     """``utils.warp_reduce(x, add)`` over the last dim (a power of two): offsets 1, 2, 4, ...
-    pair adjacent lanes first, so the result is the adjacent-pairs tree sum."""
+    pair adjacent lanes first, so the result is the adjacent-pairs tree sum.  Public: the
+    preprocess-order probe (``benchmarks/h200_preprocess_order.py``) ends its candidate orders
+    with it."""
     while x.shape[-1] > 1:
         x = x[..., 0::2] + x[..., 1::2]
     return x[..., 0]
@@ -179,13 +180,15 @@ def fold_order(dv: int, hdimv_multiple: int) -> list[int]:
     return [c * gk + e for e in range(8) for c in range(dvp // gk)]
 
 
-def _row_dot(out: torch.Tensor, do: torch.Tensor, hdimv_multiple: int) -> torch.Tensor:
+def row_dot(out: torch.Tensor, do: torch.Tensor, hdimv_multiple: int) -> torch.Tensor:
     """Step 1, D = rowsum(fp32(O) * fp32(dO)) in the preprocess kernel's order: head_dim_v padded
     to ``hdimv_multiple`` (zeros), copied in 8-element (16-byte) vectors by ``threads_per_row =
     gmem_k_block_size / 8`` threads; each thread folds its columns in :func:`fold_order` in one
     FFMA chain (the products are exact in float32, so FFMA and FADD chains agree), then the warp
     butterfly.  Measured: the chunk-major order left 2 dQ and 12 dK elements of the H200's
-    head-dim-256 backward different; this order, none.  out, do: (b, h, sq, dv) -> (b, h, sq)."""
+    head-dim-256 backward different; this order, none.  out, do: (b, h, sq, dv) -> (b, h, sq).
+    Public: that probe (``benchmarks/h200_preprocess_order.py``) replaces it with each candidate
+    order; :func:`_preprocess` looks it up at each call."""
     dv = out.shape[-1]
     dvp, gk = _preprocess_geometry(dv, hdimv_multiple)
     prod = torch.nn.functional.pad(out.float() * do.float(), (0, dvp - dv))
@@ -194,12 +197,12 @@ def _row_dot(out: torch.Tensor, do: torch.Tensor, hdimv_multiple: int) -> torch.
     acc = per[..., 0].clone()
     for i in range(1, per.shape[-1]):
         acc = acc + per[..., i]
-    return _butterfly(acc)
+    return butterfly(acc)
 
 
 def _preprocess(out, do, lse, dlse, plan: BwdPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1 (``FlashAttentionBackwardPreprocess.kernel``): (D', lse_log2), both (b, h, sq)."""
-    d = _row_dot(out, do, plan.hdimv_multiple)
+    d = row_dot(out, do, plan.hdimv_multiple)
     if dlse is not None:
         d = d - dlse.float()  # PdPsum_val -= gdLSE[row]
     lse_log2 = lse * _f32(_LOG2_E)  # lse * LOG2_E if lse != -inf else 0.0
@@ -382,8 +385,8 @@ def _dsink(sink: torch.Tensor, lse: torch.Tensor, d_prime: torch.Tensor, threads
     acc = torch.zeros(h, threads, dtype=torch.float32, device=lse.device)
     for r in range(p.shape[1]):
         acc = _fma(-p[:, r], dp[:, r], acc)
-    warps = _butterfly(acc.view(h, threads // 32, 32))
-    total = _butterfly(torch.nn.functional.pad(warps, (0, 32 - warps.shape[-1])))
+    warps = butterfly(acc.view(h, threads // 32, 32))
+    total = butterfly(torch.nn.functional.pad(warps, (0, 32 - warps.shape[-1])))
     return total.to(sink.dtype)
 
 
@@ -493,7 +496,7 @@ _CHUNK_ELEMENTS = 1 << 22
 
 
 def _block_mask(blk: _MBlock, sq: int, sk: int, causal: bool, window: tuple, device):
-    """The block's visibility (``fa4._primitives.visible``), or None where every score is kept."""
+    """The block's visibility (``fa4.primitives.visible``), or None where every score is kept."""
     vis = _visible(sq, sk, causal, window, device, rows=(blk.i0, blk.i1), cols=(blk.j0, blk.j1))
     return None if bool(vis.all()) else vis
 

@@ -8,7 +8,7 @@ model reproduces production's values exactly where production uses them:
 * ``rcp.approx.ftz.f32`` — the final normalisation (``cute.arch.rcp_approx``);
 * ``tanh.approx.f32`` — softcap (``cute.math.tanh(..., fastmath=True)``).
 
-On the CPU (or without Triton) each is its correctly rounded stand-in (``fa4._primitives``): the
+On the CPU (or without Triton) each is its correctly rounded stand-in (``fa4.primitives``): the
 distance is measured, e.g. MUFU.EX2 against the stand-in over all 2**32 inputs on the H200: at
 most 2 float32 ULP, 95.60 % identical (``docs/model-and-fidelity.md``).  ``available(device)``
 says which applies; ``FA4_AUDIT_MUFU=model`` forces the stand-ins on CUDA too.

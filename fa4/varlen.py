@@ -14,7 +14,7 @@ own rows and keys, with production's block ranges for it:
   logical sequence before tiling: KV blocks stay at multiples of tile_n in the sequence, so the
   page size changes which memory is read, never the arithmetic.
 * **pack_gqa** (``pack_gqa.py``): the query heads of a KV head share the M dimension of a tile,
-  which changes the block range of a tile (``fa4.model._block_ranges``).  On finite inputs a
+  which changes the block range of a tile (``fa4.model.kv_block_ranges``).  On finite inputs a
   row's result does not depend on it (a block outside a row's visible keys adds exact zeros);
   it moves the split boundaries and where masked non-finite values are read.
 * **split-KV** (``block_info.py`` ``get_n_block_min_max`` under ``is_split_kv``): split s of
@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fa4._primitives import LOG2_E, fma, hardware_exp2, hardware_lg2
-from fa4.model import _FP8, FA4Numerics, _block_ranges, _finalize, _validate, forward_loop
+from fa4.model import FA4Numerics, finalize, forward_loop, kv_block_ranges, validate_inputs
+from fa4.primitives import FP8, LOG2_E, fma, hardware_exp2, hardware_lg2
 from numerics.fp import to_f32
 from numerics.tiles import split_ranges
 
@@ -82,7 +82,7 @@ def empty_outputs(q: torch.Tensor, v: torch.Tensor, *, packed: bool) -> tuple[to
     """A varlen call's out (shaped as q with v's head dim; bf16 for fp8 inputs) and lse ((hq,
     total_q) packed, else (b, hq, sq)), before any sequence is written: rows no sequence owns
     (past ``seqused_q``) stay out 0, lse -inf."""
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.bfloat16 if q.dtype in _FP8 else q.dtype,
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.bfloat16 if q.dtype in FP8 else q.dtype,
                       device=q.device)  # fmt: skip
     shape = (q.shape[-2], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
     return out, torch.full(shape, -math.inf, device=q.device)
@@ -212,7 +212,7 @@ def varlen_attention(
         qs, ks, vs = _seq_tensors(q, k, v, seq, packed_q)
         if qs.shape[1] == 0:
             continue
-        _validate(qs, ks, vs, learnable_sink)
+        validate_inputs(qs, ks, vs, learnable_sink)
         nm = numerics or replace(sequence_numerics(
             arch, qs, ks, vs, causal, window_size, varlen_q=packed_q or seqused_q is not None,
             num_splits=num_splits, page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q,
@@ -311,10 +311,10 @@ def _one_sequence(q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype, 
     still weighs them (a weight of ex2(0) * 1/sum, not always exactly 1).  Returns out (1, sq,
     hq, dv) and lse (1, hq, sq)."""
     sq, hq, sk = q.shape[1], q.shape[2], k.shape[1]
-    n_min, n_max, _ = _block_ranges(sq, sk, nm, kw["causal"], kw["window_size"], q.device, heads=hq, pack=pack)
+    n_min, n_max, _ = kv_block_ranges(sq, sk, nm, kw["causal"], kw["window_size"], q.device, heads=hq, pack=pack)
     if not split_kv:
         st, sl2, off = forward_loop(q, k, v, nm, ranges=(n_min, n_max), **kw)
-        out, lse = _finalize(nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2, off, sink, out_dtype)
+        out, lse = finalize(nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2, off, sink, out_dtype)
         return out.permute(0, 2, 1, 3), lse
     parts = [
         _split_partial(q, k, v, nm, kw, sink, split_ranges(n_min, n_max, s, num_splits), s) for s in range(num_splits)
@@ -332,7 +332,7 @@ def _split_partial(q, k, v, nm, kw, sink, ranges, split: int):
     kernel skips it and the host zero-fills the partials: ``interface.py``).  The learnable sink
     enters split 0 only, so that the combine counts it once."""
     st, sl2, off = forward_loop(q, k, v, nm, ranges=ranges, **kw)
-    o, lse = _finalize(
+    o, lse = finalize(
         nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2, off, sink if split == 0 else None, torch.float32
     )
     work = (ranges[1] > ranges[0]).view(1, *ranges[0].shape)

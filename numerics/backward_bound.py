@@ -19,7 +19,7 @@ quantities are the kernel's.  ``dl_i = |lse^_i - lse_i|`` is measured (0 where b
 Absolute terms ``2**-126`` per product / add cover flush-to-zero of float32 subnormals.
 
 1. Recomputed P.  ``P^ = ex2(fma(S^, sl2, -lse_log2))``, ``lse_log2 = fl(lse^ fl(log2 e))``.
-   (b) Score, as ``numerics.forward_bound`` step 1 (its ``_step1_score``): ``|S^ sl2 - s log2 e|
+   (b) Score, as ``numerics.forward_bound`` step 1 (its ``step1_score``): ``|S^ sl2 - s log2 e|
    <= e_score + |base| |sl2 - ideal|`` (log2 units; softcap: its fp32 FMUL, div.rn, MUFU.TANH
    with ``MUFU["tanh_abs"]``, FMUL).  (a) ``|lse_log2 - lse log2 e| <= dl log2 e + |lse^|
    (|fl(log2 e) - log2 e| + u fl(log2 e))``.  Their sum is E1; (c) the FFMA rounds once:
@@ -80,7 +80,8 @@ from dataclasses import dataclass
 
 import torch
 
-from numerics.forward_bound import _U, MUFU, _dot_products, _gamma, _step1_score
+from numerics.forward_bound import MUFU, dot_products, gamma, step1_score
+from numerics.forward_bound import UNIT_ROUNDOFF as _U
 from numerics.fp import format_of
 from numerics.fp import to_f32 as _f32
 
@@ -171,7 +172,7 @@ def _row_terms(q, do, out, lse, dlse, reference, c: _Consts) -> dict:
     o_ex, out64, do64 = reference["out"].double(), out.double(), do.double()
     dvd = do.shape[-1]
     delta = ((out64 - o_ex) * do64).sum(-1).permute(0, 2, 1)  # signed, measured
-    r_d = (_gamma(dvd) * (out64.abs() * do64.abs()).sum(-1) + dvd * _TINY).permute(0, 2, 1)
+    r_d = (gamma(dvd) * (out64.abs() * do64.abs()).sum(-1) + dvd * _TINY).permute(0, 2, 1)
     dprime = (o_ex * do64).sum(-1).permute(0, 2, 1)
     if dlse is not None:
         dprime = dprime - dlse.double()
@@ -185,8 +186,8 @@ def _p_ds(qc, k, v, doc, vis, rw: dict, c: _Consts):
     """Steps 1 and 3-4 on a chunk of query rows: (P, its cast error eP~, |dS|, its cast error
     eDS~), each (b, h, rows, sk)."""
     zero = torch.zeros((), dtype=torch.float64, device=qc.device)
-    dot, e_dot, v64 = _dot_products(qc, k, v)
-    _sl2, d_sl2, base, e_score = _step1_score(dot, e_dot, c.scale, c.scale32, c.softcap, c.l2e)
+    dot, e_dot, v64 = dot_products(qc, k, v)
+    _sl2, d_sl2, base, e_score = step1_score(dot, e_dot, c.scale, c.scale32, c.softcap, c.l2e)
     s_nat = c.softcap * torch.tanh(dot * c.scale / c.softcap) if c.softcap > 0 else dot * c.scale
     log2p = torch.where(vis, (s_nat - rw["lse_ex"].unsqueeze(-1)) * c.l2e, -math.inf)
     p = torch.where(vis, torch.exp2(log2p), zero)
@@ -197,7 +198,7 @@ def _p_ds(qc, k, v, doc, vis, rw: dict, c: _Consts):
     do64 = doc.double()
     dvd = do64.shape[-1]
     dp = torch.einsum("bihc,bjhc->bhij", do64, v64)
-    e_dp = _gamma(dvd) * torch.einsum("bihc,bjhc->bhij", do64.abs(), v64.abs()) + dvd * _TINY
+    e_dp = gamma(dvd) * torch.einsum("bihc,bjhc->bhij", do64.abs(), v64.abs()) + dvd * _TINY
     x = dp - rw["dprime"].unsqueeze(-1)
     ex = e_dp + rw["e_d"].unsqueeze(-1)
     ex = ex + _U * (x.abs() + ex)
@@ -245,7 +246,7 @@ def _accumulate(q, k, v, do, causal, window, reference, rw: dict, c: _Consts, nm
         acc["k2"] += torch.einsum("bhij,bihd->bjhd", ads + e_ds_t, aq)
         t2 = torch.einsum("bhij,bjhd->bihd", ads + e_ds_t, ak)
         nq = n_q[:, i0:i1]
-        e_q = torch.einsum("bhij,bjhd->bihd", e_ds_t, ak) + _gamma(nq) * t2 + 2 * nq * _TINY
+        e_q = torch.einsum("bhij,bjhd->bihd", e_ds_t, ak) + gamma(nq) * t2 + 2 * nq * _TINY
         if hd256:  # one more rounding per term, the cast's floor at the scaled size (module doc, step 6)
             vis_k = torch.einsum("xyij,bjhd->bihd", vis.to(torch.float64), ak)
             e_q = e_q + _U * t2 + c.fmt_ds.smallest_subnormal / 2 / c.scale32 * vis_k
@@ -270,7 +271,7 @@ def _dsink_bound(learnable_sink, lse, reference, rw: dict, c: _Consts, n_t: int)
     e_sink = (
         (ps * rw["delta"]).sum((0, 2)).abs()
         + (eps * (adp + e_d) + ps * rw["r_d"]).sum((0, 2))
-        + _gamma(n_t) * ((ps + eps) * (adp + e_d)).sum((0, 2))
+        + gamma(n_t) * ((ps + eps) * (adp + e_d)).sum((0, 2))
     )
     e_sink = e_sink + 2 * n_t * _TINY
     return _nan_to_inf(_cast(e_sink, reference["dsink"].double().abs(), format_of(learnable_sink.dtype)))
@@ -322,10 +323,10 @@ def backward_error_bound(
         return t.view(b, sk, hk, c.g, t.shape[-1]).sum(3)
 
     # step 5: dV
-    e_v = group(acc["v1"]) + _gamma(n_key) * group(acc["v2"]) + 2 * n_key * _TINY
+    e_v = group(acc["v1"]) + gamma(n_key) * group(acc["v2"]) + 2 * n_key * _TINY
     dv_b = _finish(_cast(e_v, reference["dv"].double().abs(), c.fmt_in), n_key, (0, 1, 2, 3))
     # step 6: dK, dQ
-    e_k = c.scaled(group(acc["k1"]) + _gamma(n_key) * group(acc["k2"]) + 2 * n_key * _TINY, reference["dk"])
+    e_k = c.scaled(group(acc["k1"]) + gamma(n_key) * group(acc["k2"]) + 2 * n_key * _TINY, reference["dk"])
     dk_b = _finish(e_k, n_key, (0, 1, 2, 3))
     dq_b = _finish(c.scaled(acc["q"], reference["dq"]), acc["n_q"], (0, 1, 2, 3))
     dsink_b = None if learnable_sink is None else _dsink_bound(learnable_sink, lse, reference, rows, c, b * sq)

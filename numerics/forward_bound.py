@@ -81,30 +81,37 @@ __all__ = ["forward_error_bound", "split_error_bound", "MUFU"]
 #: overall, relative 2.2925e-7 where |log2 x| >= 1; rcp relative 9.829e-8; tanh absolute 7.984e-6.
 #: Blackwell's MUFU may differ: re-measure there before trusting SM100 runs of production.
 MUFU = {"ex2_rel": 1.46e-7, "lg2_abs": 7.78e-6, "lg2_rel": 2.3e-7, "rcp_rel": 9.83e-8, "tanh_abs": 7.99e-6}
-_U = 2.0**-24
+#: float32's unit roundoff u (round to nearest), the u of every formula here and in ``numerics.backward_bound``
+UNIT_ROUNDOFF = 2.0**-24
+_U = UNIT_ROUNDOFF
 
 
-def _gamma(m: torch.Tensor | float):
+def gamma(m: torch.Tensor | float):
+    """Higham's ``gamma(m) = m u / (1 - m u)`` (Accuracy and Stability, 3.1): the relative error
+    bound of a float32 sum or dot product of m terms in any order.  Public: the backward bound
+    (``numerics.backward_bound``) bounds its float32 sums with it too."""
     return m * _U / (1 - m * _U)
 
 
-def _dot_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def dot_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """(dot, e_dot, v64): q.k_j in float64, step 1's ``E_dot = gamma(d) sum_k |q_k k_jk|``, and
-    v in float64 with the kv heads repeated to the query heads."""
+    v in float64 with the kv heads repeated to the query heads.  Public: the backward bound
+    (``numerics.backward_bound``) starts from the same S and its error."""
     d, hq, hk = q.shape[3], q.shape[2], k.shape[2]
     rep = hq // hk
     q64 = q.double()
     k64 = k.double().repeat_interleave(rep, dim=2)
     v64 = v.double().repeat_interleave(rep, dim=2)
     dot = torch.einsum("bihd,bjhd->bhij", q64, k64)
-    e_dot = _gamma(d) * torch.einsum("bihd,bjhd->bhij", q64.abs(), k64.abs())
+    e_dot = gamma(d) * torch.einsum("bihd,bjhd->bhij", q64.abs(), k64.abs())
     return dot, e_dot, v64
 
 
-def _step1_score(dot, e_dot, scale: float, scale32: float, softcap: float, l2e: float):
+def step1_score(dot, e_dot, scale: float, scale32: float, softcap: float, l2e: float):
     """Step 1 (score error, with softcap's roundings and MUFU.TANH) and the exponent's scale:
     (sl2, |sl2 - ideal|, base, e_score) where the ideal exponent is ``base * ideal`` (log2 units)
-    and ``e_score`` the score's error in log2 units."""
+    and ``e_score`` the score's error in log2 units.  Public: the backward bound recomputes P
+    from the same scores (its step 4(b))."""
     if softcap > 0:  # step 1, softcap branch; exponent in natural units s, sl2 = fl32(log2 e)
         sl2 = _f32(l2e)
         x = dot * scale / softcap
@@ -204,7 +211,7 @@ def _step5_num_den(p, eta, alpha, rho, sigma, av, ao, p_s, eta_s):
 
 def _step6_accumulation(p, eta, alpha, rho, sigma, av, ao, b1, d_low, n_vis, nblk: int):
     """Step 6: (gam, b2): gamma of the float32 sums and the bound B2 they and the reciprocal add."""
-    gam = _gamma(n_vis + nblk + 2)  # step 6
+    gam = gamma(n_vis + nblk + 2)  # step 6
     s_abs = torch.einsum("bhij,bjhc->bhic", (p * (1 + eta.abs()) + alpha) * (1 + rho) + sigma, av)
     kappa = (1 + MUFU["rcp_rel"]) * (1 + _U) / (1 - gam) - 1
     b2 = (ao + b1) * kappa + gam * s_abs / d_low * (1 + kappa)
@@ -305,13 +312,13 @@ def forward_error_bound(
     softcap = float(softcap or 0.0)
     dev = q.device
 
-    dot, e_dot, v64 = _dot_products(q, k, v)
+    dot, e_dot, v64 = dot_products(q, k, v)
     vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev).view(1, 1, sq, sk)
     if key_mask is not None:
         vis = vis & key_mask.to(dev).view(1, hq, sq, sk)
     ninf = torch.tensor(-math.inf, dtype=torch.float64, device=dev)
 
-    sl2, d_sl2, base, e_score = _step1_score(dot, e_dot, scale, scale32, softcap, l2e)
+    sl2, d_sl2, base, e_score = step1_score(dot, e_dot, scale, scale32, softcap, l2e)
     ideal = l2e if softcap > 0 else scale * l2e  # log2 units per unit of `base`
     m_base, m_safe, rel_exp, t_abs, e_j = _step2_exponent(base, vis, e_score, d_sl2, ideal, thr, off, ninf)
     eps, p, eta, low, alpha = _step3_exp2(nm, sk, dev, vis, rel_exp, e_j, off)
@@ -434,7 +441,7 @@ def _combine_bound(parts, o_full, lse_full, n: int) -> tuple[torch.Tensor, torch
     beta_max = betas.amax(0)
     l_max = lses.amax(0)
     m_abs = fin(l_max).abs() + beta_max
-    gam = _gamma(float(n) + 1)
+    gam = gamma(float(n) + 1)
     x, r = MUFU["ex2_rel"], MUFU["rcp_rel"]
     e = [
         margin * (_U * m_abs * l2e + _U * (fin(lses[s] - l_max).abs() + 2 * beta_max) * l2e

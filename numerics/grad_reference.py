@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import mpmath
 import torch
 
-from numerics.reference import _fsum2, _mp_softmax, visible_mask
+from numerics.reference import fsum2, mp_softmax, visible_mask
 
 __all__ = ["attention_grad_reference", "attention_lowprec_grads", "exact_grad_elements", "default_chunk_rows"]
 
@@ -286,14 +286,14 @@ def _exact_row(t: dict, vis_row: torch.Tensor, bi: int, h: int, i: int, scale, s
         return None
     logits, fac = [], []
     for row in (kj * qi).tolist():  # exact products of <= 26-bit numbers
-        r = _fsum2(row) * scale
+        r = fsum2(row) * scale
         if softcap and softcap > 0:
             u = r / softcap
             logits.append(softcap * mpmath.tanh(u))
             fac.append(mpmath.sech(u) ** 2)
         else:
             logits.append(r)
-    w = _mp_softmax(logits, None if sink is None else mpmath.mpf(sink))
+    w = mp_softmax(logits, None if sink is None else mpmath.mpf(sink))
     if w is None:  # no visible key, no sink: P = 0, out = 0, nothing flows
         return _Row({}, [], [], None, mpmath.mpf(0))
     m, e, den = w
@@ -301,7 +301,7 @@ def _exact_row(t: dict, vis_row: torch.Tensor, bi: int, h: int, i: int, scale, s
     vcols = vj.T.tolist()  # (dv, n)
     out = [mpmath.fsum(pj * x for pj, x in zip(p, col)) for col in vcols]
     dprime = mpmath.fsum(o * x for o, x in zip(out, doi.tolist())) - mpmath.mpf(dlse)
-    dp = [_fsum2(row) for row in (vj * doi).tolist()]  # dP_ij = dO_i.v_j, exact products again
+    dp = [fsum2(row) for row in (vj * doi).tolist()]  # dP_ij = dO_i.v_j, exact products again
     ds = [pj * (dpj - dprime) for pj, dpj in zip(p, dp)]
     if fac:
         ds = [x * f for x, f in zip(ds, fac)]
@@ -355,7 +355,7 @@ def exact_grad_elements(
     as in numerics.reference.exact_attention_rows) and ``sink``/``dlse`` any float:
 
     1. ``q_i.k_j`` and ``dP_ij = dO_i.v_j`` are sums of exact float64 products (<= 2 x 24 bits),
-       summed by ``_fsum2`` to 2**-106 relative.
+       summed by ``fsum2`` to 2**-106 relative.
     2. scale, tanh and sech^2 (softcap), ``exp(s - m)``, the normaliser, ``P``, ``P_sink`` and
        every product with an mpf are mpmath at ``dps`` digits (30: ~1e-31 per operation, the
        logit's ``|s| * 1e-31`` absolute error giving P a relative ``|s| * 1e-31``).

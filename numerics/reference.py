@@ -151,10 +151,11 @@ def attention_lowprec(q, k, v, **kw) -> torch.Tensor:
     return attention_reference(q, k, v, dtype=dt, **kw)
 
 
-def _mp_softmax(logits: list, sink) -> tuple | None:
+def mp_softmax(logits: list, sink) -> tuple | None:
     """(m, [exp(s_j - m)], normaliser) of one row in mpmath: m the max over the visible logits
     and the sink (natural-log units), the normaliser including the sink's exp(sink - m); None
-    for a row with neither a visible key nor a sink (out 0, lse -inf by convention)."""
+    for a row with neither a visible key nor a sink (out 0, lse -inf by convention).  Public:
+    ``numerics.grad_reference``'s exact gradient rows start from the same weights."""
     every = logits + ([sink] if sink is not None else [])
     if not every:
         return None
@@ -200,7 +201,7 @@ def mp_attention_rows(
                     s = softcap * mpmath.tanh(s / softcap)
                 logits.append((j, s))
             dv = v.shape[-1]
-            w = _mp_softmax(
+            w = mp_softmax(
                 [s for _, s in logits], None if learnable_sink is None else mpmath.mpf(float(learnable_sink[h]))
             )
             if w is None:
@@ -221,10 +222,11 @@ def mp_attention_rows(
 _PIECES, _PIECE_BITS = 3, 26
 
 
-def _fsum2(terms: list[float]) -> mpmath.mpf:
+def fsum2(terms: list[float]) -> mpmath.mpf:
     """The exact sum of float64 ``terms`` to 2**-106 relative: ``math.fsum`` is correctly rounded
     (Shewchuk), so hi = fsum(t) and lo = fsum(t + [-hi]) = round(S - hi) give S = hi + lo +
-    delta with |delta| <= 2**-53 |S - hi| <= 2**-106 |S|."""
+    delta with |delta| <= 2**-53 |S - hi| <= 2**-106 |S|.  Public: ``numerics.grad_reference``
+    sums its exact products with it."""
     hi = math.fsum(terms)
     return mpmath.mpf(hi) + mpmath.mpf(math.fsum(terms + [-hi]))
 
@@ -249,7 +251,7 @@ def _exact_logits(qi: torch.Tensor, kj: torch.Tensor, scale, softcap: float) -> 
     """Steps 1-2 of :func:`exact_attention_rows`: the row's logits in mpmath (scaled, softcapped)."""
     logits = []
     for row in (kj * qi).tolist():  # exact products (step 1)
-        s = _fsum2(row) * scale
+        s = fsum2(row) * scale
         logits.append(softcap * mpmath.tanh(s / softcap) if softcap and softcap > 0 else s)
     return logits
 
@@ -258,7 +260,7 @@ def _exact_weighted_sum(e: list, vj: torch.Tensor, den, dv: int) -> list:
     """Step 3 of :func:`exact_attention_rows`: ``sum_j e_j v_jc / den`` for every column c."""
     pieces = torch.tensor([_split(x) for x in e], dtype=torch.float64)  # (j, 3)
     terms = (pieces[:, :, None] * vj[:, None, :]).reshape(-1, dv).T.tolist()  # (c, 3j), exact
-    return [_fsum2(t) / den for t in terms]
+    return [fsum2(t) / den for t in terms]
 
 
 def _exact_row(q, k, v, vis, row: tuple[int, int, int], scale, softcap: float, learnable_sink):
@@ -277,7 +279,7 @@ def _exact_row(q, k, v, vis, row: tuple[int, int, int], scale, softcap: float, l
         return None
     logits = _exact_logits(qi, kj, scale, softcap)
     dv = v.shape[-1]
-    w = _mp_softmax(logits, None if sink is None else mpmath.mpf(sink))
+    w = mp_softmax(logits, None if sink is None else mpmath.mpf(sink))
     if w is None:
         return [mpmath.mpf(0)] * dv, mpmath.mpf("-inf")
     m, e, den = w
@@ -306,14 +308,14 @@ def exact_attention_rows(
     bf16, float32; float64 inputs are refused):
 
     1. ``q_d * k_d`` is exact in float64 (<= 2 * 24 significant bits; exponent range 2**-298 ..
-       2**256, inside float64's).  The logit ``sum_d q_d k_d`` is then :func:`_fsum2` of exact
+       2**256, inside float64's).  The logit ``sum_d q_d k_d`` is then :func:`fsum2` of exact
        terms: relative error <= 2**-106.
     2. scale, softcap's tanh, the max, ``e_j = exp(s_j - m)``, the normaliser and the LSE are
        mpmath at ``dps`` digits (30 digits: ~2**-99 per operation).
     3. ``sum_j e_j v_jc``: e_j in (0, 1] is cut into three <= 26-bit pieces (:func:`_split`;
        truncation <= 2**-78 e_j), so every ``piece * v_jc`` is an exact float64 product (bar
        underflow below 2**-1022, an absolute error under seqlen_k * 2**-1074) and the sum is
-       :func:`_fsum2` again.
+       :func:`fsum2` again.
     The result therefore differs from the exact attention by a relative ~2**-78 (3e-24) of the
     row's largest |v| — ten orders below the FP64 reference's own error.  Tests check it
     against :func:`mp_attention_rows` at 50 digits.

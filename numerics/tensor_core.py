@@ -28,8 +28,11 @@ this 2-core machine, 2026-12-01) and equal to it in every bit (``tests/test_tens
 
 from __future__ import annotations
 
+import math
 import threading
 
+import numba
+import numpy as np
 import torch
 
 __all__ = ["tc_dot", "rz_to_f32", "TC_BLOCK", "TC_EXTRA_BITS"]
@@ -77,11 +80,12 @@ def tc_dot(
     a 16-bit (or 8-bit) float dtype, broadcast together, reduced over their last dimension in
     blocks of ``block`` in order; c float32 (zeros when None).  Returns float32.  On the CPU a
     compiled loop (:func:`_tc_compiled`) computes the same bits without materialising the
-    broadcast; elsewhere, or without numba, the torch form (:func:`_chunk` per block)."""
+    broadcast; elsewhere (CUDA, more than four broadcast dims), the torch form (:func:`_chunk`
+    per block), which also recomputes the compiled loop's non-finite outputs."""
     shape = torch.broadcast_shapes(a.shape[:-1], b.shape[:-1])
     if c is not None:
         c = c.float().expand(shape)
-    if a.device.type == "cpu" and _compiled is not None and 1 <= len(shape) <= 4 and a.shape[-1] == b.shape[-1]:
+    if a.device.type == "cpu" and _FAST_CPU and 1 <= len(shape) <= 4 and a.shape[-1] == b.shape[-1]:
         return _tc_compiled(a, b, c, shape, block, extra_bits)
     a, b = torch.broadcast_tensors(a.double(), b.double())
     acc = torch.zeros(a.shape[:-1], dtype=torch.float32, device=a.device) if c is None else c.clone()
@@ -119,70 +123,64 @@ def _tc_compiled(a, b, c, shape, block: int, extra_bits: int) -> torch.Tensor:
     return out
 
 
-try:  # the compiled CPU loop; without numba the torch form serves everywhere
-    import numba
-except ImportError:  # pragma: no cover - exercised when numba is absent
-    numba = None
-
-_compiled = None
+#: CPU: the compiled loop; tests turn it off to compare its bits with the torch form's
+_FAST_CPU = True
 _COMPILED_LOCK = threading.Lock()
-if numba is not None:
-    import math
+_FLT_MAX = float(np.finfo(np.float32).max)
 
-    import numpy as np
 
-    _FLT_MAX = float(np.finfo(np.float32).max)
+@numba.njit(fastmath=False, cache=True, nogil=True)
+def _exp_of(x: float) -> int:
+    """floor(log2|x|) of a nonzero finite float64 (``_exponent``)."""
+    return math.frexp(x)[1] - 1
 
-    @numba.njit(fastmath=False, cache=True, nogil=True)
-    def _exp_of(x: float) -> int:
-        """floor(log2|x|) of a nonzero finite float64 (``_exponent``)."""
-        return math.frexp(x)[1] - 1
 
-    @numba.njit(fastmath=False, cache=True, nogil=True)
-    def _rz32(x: float) -> float:
-        """float64 -> float32 rounded toward zero (``rz_to_f32``, finite x): truncation to the
-        float32 grid (ulp 2**(e - 23), at least 2**-149), the float32 maximum beyond it."""
-        if x == 0.0:
-            return x
-        ulp = math.ldexp(1.0, max(_exp_of(x) - 23, -149))
-        y = math.trunc(x / ulp) * ulp
-        return math.copysign(_FLT_MAX, x) if abs(y) > _FLT_MAX else y
+@numba.njit(fastmath=False, cache=True, nogil=True)
+def _rz32(x: float) -> float:
+    """float64 -> float32 rounded toward zero (``rz_to_f32``, finite x): truncation to the
+    float32 grid (ulp 2**(e - 23), at least 2**-149), the float32 maximum beyond it."""
+    if x == 0.0:
+        return x
+    ulp = math.ldexp(1.0, max(_exp_of(x) - 23, -149))
+    y = math.trunc(x / ulp) * ulp
+    return math.copysign(_FLT_MAX, x) if abs(y) > _FLT_MAX else y
 
-    @numba.njit(fastmath=False, cache=True, nogil=True, parallel=True)
-    def _compiled(a, b, ea, eb, c, out, bad, block, extra_bits):  # noqa: F811 - replaces the None above
-        """Per output: the k16 instructions of ``_chunk`` in order, the accumulator carried.
-        a, b: (d0, d1, d2, d3, K) float64 (zero strides where broadcast), ea, eb their
-        ``_exponent`` (int64); c: (d0..d3) float32.  The quantum is a power of two, so
-        multiplying by its inverse is the same exact scaling as dividing by it."""
-        d0, d1, d2, d3, kk = a.shape
-        for flat in numba.prange(d0 * d1 * d2 * d3):
-            i3 = flat % d3
-            i2 = (flat // d3) % d2
-            i1 = (flat // (d3 * d2)) % d1
-            i0 = flat // (d3 * d2 * d1)
-            acc = np.float32(c[i0, i1, i2, i3])
-            for k0 in range(0, kk, block):
-                k1 = min(k0 + block, kk)
-                cd = float(acc)
-                if not math.isfinite(cd):
-                    bad[i0, i1, i2, i3] = True
-                    break
-                emax = _exp_of(cd) if cd != 0.0 else -(2**20)
-                finite = True
-                for k in range(k0, k1):
-                    if not math.isfinite(a[i0, i1, i2, i3, k] * b[i0, i1, i2, i3, k]):
-                        finite = False
-                    emax = max(emax, ea[i0, i1, i2, i3, k] + eb[i0, i1, i2, i3, k])
-                if not finite:
-                    bad[i0, i1, i2, i3] = True
-                    break
-                if emax < -(2**19):
-                    emax = 0
-                q = math.ldexp(1.0, emax - 23 - extra_bits)
-                iq = math.ldexp(1.0, 23 + extra_bits - emax)
-                s = 0.0
-                for k in range(k0, k1):
-                    s += math.trunc(a[i0, i1, i2, i3, k] * b[i0, i1, i2, i3, k] * iq) * q
-                s += math.trunc(cd * iq) * q
-                acc = np.float32(_rz32(s))
-            out[i0, i1, i2, i3] = acc
+
+@numba.njit(fastmath=False, cache=True, nogil=True, parallel=True)
+def _compiled(a, b, ea, eb, c, out, bad, block, extra_bits):
+    """Per output: the k16 instructions of ``_chunk`` in order, the accumulator carried.
+    a, b: (d0, d1, d2, d3, K) float64 (zero strides where broadcast), ea, eb their
+    ``_exponent`` (int64); c: (d0..d3) float32.  The quantum is a power of two, so
+    multiplying by its inverse is the same exact scaling as dividing by it."""
+    d0, d1, d2, d3, kk = a.shape
+    for flat in numba.prange(d0 * d1 * d2 * d3):
+        i3 = flat % d3
+        i2 = (flat // d3) % d2
+        i1 = (flat // (d3 * d2)) % d1
+        i0 = flat // (d3 * d2 * d1)
+        acc = np.float32(c[i0, i1, i2, i3])
+        for k0 in range(0, kk, block):
+            k1 = min(k0 + block, kk)
+            cd = float(acc)
+            if not math.isfinite(cd):
+                bad[i0, i1, i2, i3] = True
+                break
+            emax = _exp_of(cd) if cd != 0.0 else -(2**20)
+            finite = True
+            for k in range(k0, k1):
+                if not math.isfinite(a[i0, i1, i2, i3, k] * b[i0, i1, i2, i3, k]):
+                    finite = False
+                emax = max(emax, ea[i0, i1, i2, i3, k] + eb[i0, i1, i2, i3, k])
+            if not finite:
+                bad[i0, i1, i2, i3] = True
+                break
+            if emax < -(2**19):
+                emax = 0
+            q = math.ldexp(1.0, emax - 23 - extra_bits)
+            iq = math.ldexp(1.0, 23 + extra_bits - emax)
+            s = 0.0
+            for k in range(k0, k1):
+                s += math.trunc(a[i0, i1, i2, i3, k] * b[i0, i1, i2, i3, k] * iq) * q
+            s += math.trunc(cd * iq) * q
+            acc = np.float32(_rz32(s))
+        out[i0, i1, i2, i3] = acc

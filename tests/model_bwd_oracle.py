@@ -11,11 +11,11 @@ import math
 
 import torch
 
-from fa4._primitives import fma as _fma
-from fa4._primitives import hardware_exp2
-from fa4._primitives import scales as _scales
-from fa4._primitives import visible as _visible
 from fa4.model_bwd import _FP8, BwdPlan, _dsink, _preprocess, _reduce_heads, _validate, bwd_plan, reduce_add
+from fa4.primitives import fma as _fma
+from fa4.primitives import hardware_exp2
+from fa4.primitives import scales as _scales
+from fa4.primitives import visible as _visible
 from numerics.fp import round_to
 from numerics.fp import to_f32 as _f32
 

@@ -98,8 +98,8 @@ def test_tc_model_with_mufu_reproduces_the_recorded_production_samples():
 
 def test_softcap_division_on_cuda_is_ieee():
     """The softcap's ``div.rn`` on CUDA equals the CPU's IEEE quotient bit for bit, where torch's
-    own ``x / c`` on CUDA (a multiply by 1/c) does not (fa4._primitives.div_rn)."""
-    from fa4._primitives import div_rn
+    own ``x / c`` on CUDA (a multiply by 1/c) does not (fa4.primitives.div_rn)."""
+    from fa4.primitives import div_rn
 
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)) * 40
     ieee = (x.double() / 15.0).float()
@@ -122,7 +122,7 @@ def test_tc_backward_matches_production_deterministic_bitwise(kw):
     """``fa4-model-sm90-tc``'s backward against production's SM90 backward, both with
     ``deterministic=True`` (the dQ / dK / dV reductions in the semaphores' order): every
     gradient bit (benchmarks/h200_backward.py --deterministic, docs/backward.md; head dim 256
-    since the preprocess's element-major order, fa4.model_bwd._row_dot)."""
+    since the preprocess's element-major order, fa4.model_bwd.row_dot)."""
     from audits.cases import Case
     from audits.inputs import make_inputs
     from audits.kernels import get_kernel

@@ -201,7 +201,7 @@ def test_sm90_sink_fold_rounds_the_product_before_the_subtraction(monkeypatch):
     real = fm.hardware_exp2
     monkeypatch.setattr(fm, "hardware_exp2", lambda t: seen.append(t.clone()) or real(t))
     nm = FA4Numerics.sm90(torch.bfloat16, 64)
-    fm._finalize(
+    fm.finalize(
         nm, row_max, torch.ones(1, 64, 1), torch.ones(1, 64, 1, 8), sl2, torch.tensor(0.0), sink, torch.bfloat16
     )
     s_l2 = sink.view(1, -1, 1) * torch.tensor(fm._f32(fm._LOG2_E))
@@ -212,10 +212,10 @@ def test_sm90_sink_fold_rounds_the_product_before_the_subtraction(monkeypatch):
 
 
 def test_div_rn_is_the_ieee_quotient():
-    """``fa4._primitives.div_rn`` (the softcap's div.rn.f32): the float32 quotient correctly
+    """``fa4.primitives.div_rn`` (the softcap's div.rn.f32): the float32 quotient correctly
     rounded — numpy's float32 division — on random values, and not the reciprocal product torch's
     CUDA division by a scalar computes (tests/test_gpu.py checks it on the device)."""
-    from fa4._primitives import div_rn
+    from fa4.primitives import div_rn
 
     x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(4)) * 40
     want = torch.from_numpy(x.numpy() / np.float32(15.0))

@@ -2,7 +2,7 @@
 gradients with FlashAttention's backward criterion on every feature axis, and the properties
 that criterion cannot see (exact zeros, the hardware exp2, the deterministic order, the float32
 GQA reduction).  The primitives the backward shares with the forward (exp2, mask rule, scales)
-are the same functions, ``fa4._primitives``: nothing to compare."""
+are the same functions, ``fa4.primitives``: nothing to compare."""
 
 import dataclasses
 import math
@@ -421,7 +421,7 @@ def test_tensor_core_backward_chains_dv_through_the_mma():
     accumulator goes into the second MMA as its C, not added after it.  Measured on the H200
     with this knob and MUFU: every dQ/dK/dV bit of production's deterministic SM90 backward on
     all 10 backward fidelity cases (docs/backward.md)."""
-    from fa4._primitives import LOG2_E, fma, hardware_exp2, scales
+    from fa4.primitives import LOG2_E, fma, hardware_exp2, scales
     from numerics.fp import to_f32
     from numerics.tensor_core import tc_dot
 
@@ -468,5 +468,5 @@ def test_preprocess_folds_a_threads_chunks_element_major(dv, multiple, chunks):
         for col in cols[1:]:
             acc = acc + prod[..., col]
         lanes.append(acc)
-    want = mb._butterfly(torch.stack(lanes, -1))
-    assert torch.equal(mb._row_dot(out, do, multiple).view(torch.int32), want.view(torch.int32))
+    want = mb.butterfly(torch.stack(lanes, -1))
+    assert torch.equal(mb.row_dot(out, do, multiple).view(torch.int32), want.view(torch.int32))

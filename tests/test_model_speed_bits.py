@@ -1,7 +1,7 @@
 """The forward model's fast CPU loop against its plain loop, bit for bit (``docs/performance.md``).
 
 The fast loop (``fa4.model._FAST_CPU``: row windows, ``torch.matmul`` on head-major float64
-copies, the compiled softmax step of ``fa4._ex2_cpu`` on torch's OpenMP team or in the calling
+copies, the compiled softmax step of ``fa4.ex2_cpu`` on torch's OpenMP team or in the calling
 thread) must give the plain loop's bits — every
 row of every block through torch and the einsums of the original model — out and LSE, NaN
 payloads included, on the machine the tests run on: the row windows rely on MKL's float64 GEMM
@@ -15,45 +15,45 @@ from __future__ import annotations
 
 import dataclasses
 
+import numba
 import numpy as np
 import pytest
 import torch
 
 import fa4.model as model
-from fa4 import _ex2_cpu
-from fa4._primitives import hardware_exp2
+from fa4 import ex2_cpu
 from fa4.ex2 import POLY_EX2, ex2_emulation_2
+from fa4.primitives import hardware_exp2
 from numerics.fp import bit_view, fma_f32, format_of, round_to
 
-pytestmark = pytest.mark.skipif(not _ex2_cpu.available(), reason="numba is not installed: no fast loop")
 
-if _ex2_cpu.available():
-    import numba
+@numba.njit
+def _exp2_all(t, out, flag):
+    for i in range(t.shape[0]):
+        out[i], flag[i] = ex2_cpu._exp2_hw(t[i])
 
-    @numba.njit
-    def _exp2_all(t, out, flag):
-        for i in range(t.shape[0]):
-            out[i], flag[i] = _ex2_cpu._exp2_hw(t[i])
 
-    @numba.njit
-    def _ex2_all(t, out, flag, c5):
-        for i in range(t.shape[0]):
-            out[i], flag[i] = _ex2_cpu._ex2_vec(t[i], c5, False)
-            if flag[i]:  # what the softmax step does with a flagged element
-                out[i], flag[i] = _ex2_cpu.ex2_elem(t[i], c5, False)
+@numba.njit
+def _ex2_all(t, out, flag, c5):
+    for i in range(t.shape[0]):
+        out[i], flag[i] = ex2_cpu._ex2_vec(t[i], c5, False)
+        if flag[i]:  # what the softmax step does with a flagged element
+            out[i], flag[i] = ex2_cpu.ex2_elem(t[i], c5, False)
 
-    @numba.njit
-    def _round_all(x, out, flag, lp, maxv):
-        for i in range(x.shape[0]):
-            if lp[0] == 0:
-                out[i], flag[i] = _ex2_cpu._round_bf16(x[i])
-            else:
-                out[i], flag[i] = _ex2_cpu._round_lp(x[i], lp, maxv)
 
-    @numba.njit
-    def _fma_all(a, b, c, out):
-        for i in range(a.shape[0]):
-            out[i] = _ex2_cpu._fma32(a[i], b[i], c[i])
+@numba.njit
+def _round_all(x, out, flag, lp, maxv):
+    for i in range(x.shape[0]):
+        if lp[0] == 0:
+            out[i], flag[i] = ex2_cpu._round_bf16(x[i])
+        else:
+            out[i], flag[i] = ex2_cpu._round_lp(x[i], lp, maxv)
+
+
+@numba.njit
+def _fma_all(a, b, c, out):
+    for i in range(a.shape[0]):
+        out[i] = ex2_cpu._fma32(a[i], b[i], c[i])
 
 
 def _wide(shape, dtype, g, spread=24):
@@ -107,7 +107,7 @@ def test_fast_loop_is_the_plain_loop_bit_for_bit(case, monkeypatch):
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[9], CASES[10]], ids=lambda c: f"{c[0]}-{c[12]}-{c[14]}")
 def test_fast_loop_without_torchs_thread_team(case, monkeypatch):
     """The compiled loops in the calling thread (no libgomp found in torch's folder)."""
-    monkeypatch.setattr(_ex2_cpu, "_team", lambda: None)
+    monkeypatch.setattr(ex2_cpu, "_team", lambda: None)
     _fast_against_plain(case, monkeypatch)
 
 
@@ -137,7 +137,7 @@ def test_row_windows_keep_the_gemm_bits(sq, sk, hq, hk, d, dv, causal, window, m
     q, k = _wide((1, sq, hq, d), torch.bfloat16, g), _wide((1, sk, hk, d), torch.bfloat16, g)
     v = _wide((1, sk, hk, dv), torch.bfloat16, g)
     nm = model.FA4Numerics.for_inputs("sm100", q, k, v, causal, window)
-    n_min, n_max, nblk = model._block_ranges(sq, sk, nm, causal, window, "cpu", heads=hq)
+    n_min, n_max, nblk = model.kv_block_ranges(sq, sk, nm, causal, window, "cpu", heads=hq)
     vis = model.visible_bounds(sq, sk, causal, window, "cpu")
     scales = (0.125, 0.0, 0.18)
     fast = model._make_loop(q, k, v, nm, vis, (n_min, n_max, n_min, n_max), scales)
@@ -186,7 +186,7 @@ def test_compiled_emulation_matches_ex2_emulation_2(degree):
     rng = np.random.default_rng(degree)
     t = np.concatenate([_sample_f32(1 << 19, degree), rng.uniform(-140, 10, 1 << 19).astype(np.float32)])
     out, flag = np.empty_like(t), np.empty(t.shape, np.int32)
-    _ex2_all(t, out, flag, _ex2_cpu.padded(POLY_EX2[degree]))
+    _ex2_all(t, out, flag, ex2_cpu.padded(POLY_EX2[degree]))
     ref = ex2_emulation_2(torch.from_numpy(t), degree).numpy()
     ok = flag == 0
     assert np.array_equal(out.view(np.int32)[ok], ref.view(np.int32)[ok])

@@ -92,7 +92,6 @@ def test_compiled_cpu_loop_equals_the_torch_form(dtype, monkeypatch):
         for cc in (c, None):
             got.append(tc.tc_dot(a, b, cc).view(torch.int32))
             with monkeypatch.context() as m:
-                m.setattr(tc, "_compiled", None)
+                m.setattr(tc, "_FAST_CPU", False)
                 want.append(tc.tc_dot(a, b, cc).view(torch.int32))
-    assert tc._compiled is not None  # the compiled loop ran above
     assert torch.equal(torch.cat([x.flatten() for x in got]), torch.cat([x.flatten() for x in want]))

@@ -205,10 +205,11 @@ def _certify(x: dict, do: torch.Tensor, ref: dict, case: Case) -> dict:
 
 
 @functools.lru_cache(maxsize=4)  # kernels taking turns on one case share it
-def _references(case: Case, device: str) -> tuple:
+def case_references(case: Case, device: str) -> tuple:
     """The case's FP64 gradients, PyTorch's low-precision ones (16-bit dtypes) and the exact
     certification: they depend on the inputs and dO only (``make_inputs``,
-    ``make_grad_output``), not on the kernel."""
+    ``make_grad_output``), not on the kernel.  Public: the engine clears its cache when the
+    audit's FP64 work runs out of GPU memory."""
     from audits.inputs import make_grad_output, make_inputs
     from numerics.grad_reference import attention_grad_reference, attention_lowprec_grads
 
@@ -229,7 +230,7 @@ def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, 
 
     out, lse, runs = result
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
-    ref, low, cert = _references(case, str(q.device))
+    ref, low, cert = case_references(case, str(q.device))
     nm, kind = kernel_numerics
     bound = None
     if lse is not None:

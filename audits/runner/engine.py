@@ -44,7 +44,7 @@ from audits.kernels import (
     varlen_contract_error,
 )  # fmt: skip
 from audits.runner import journal
-from audits.runner.backward import BackwardOptions, _references, analyse_backward, grad_call
+from audits.runner.backward import BackwardOptions, analyse_backward, case_references, grad_call
 from audits.runner.gate import judge
 from audits.runner.repro import reproducer
 from numerics.forward_bound import forward_error_bound
@@ -379,7 +379,7 @@ def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.devi
     try:
         b.update(analyse_backward(nm, x, do, res, case))
     except torch.OutOfMemoryError as exc:
-        _references.cache_clear()
+        case_references.cache_clear()
         torch.cuda.empty_cache()
         b.update(status="error", reason=f"the audit's FP64 gradients ran out of GPU memory: {str(exc).splitlines()[0]}")
         b["audit_error"] = True
@@ -633,7 +633,7 @@ def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
     done = journal.read_records(path) if run["resume"] else {}
     per_seq = run["per_sequence"]
     # the audit's own failures are redone, and varlen records of a run with another --per-sequence
-    done = {n: r for n, r in done.items() if not _audit_error(r) and _same_entry(r, per_seq)}
+    done = {n: r for n, r in done.items() if not is_audit_error(r) and _same_entry(r, per_seq)}
     th_path = thresholds.get("path")
 
     def repro(c: Case) -> str:
@@ -649,9 +649,10 @@ def _same_entry(rec: dict, per_seq: bool) -> bool:
     return rec.get("varlen") is None or rec["varlen"].get("per_sequence") == per_seq
 
 
-def _audit_error(rec: dict) -> bool:
+def is_audit_error(rec: dict) -> bool:
     """Whether a journal record failed on the audit's side (its FP64 work ran out of GPU
-    memory), not the kernel's; records written before the flag existed are told by their reason."""
+    memory), not the kernel's; records written before the flag existed are told by their reason.
+    Public: ``benchmarks/release_state_from_reports.py`` leaves such records out as ``--resume`` does."""
     why = " ".join(rec.get("reasons") or []) + (rec.get("backward") or {}).get("reason", "")
     return bool(rec.get("audit_error")) or ("the audit's FP64" in why and "ran out of GPU memory" in why)
 

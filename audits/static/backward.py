@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from audits.cases import Case
-from audits.static.core import P_CONVERT, StaticError, _numerics, cached_ptx
+from audits.static.core import P_CONVERT, StaticError, cached_ptx, case_numerics
 from audits.static.facts import PtxFormatError
 from audits.static.facts_bwd import backward_facts
 from fa4.model_bwd import bwd_plan, fold_order
@@ -60,7 +60,7 @@ def backward_groups(cases: list[Case]) -> list[tuple[Case, list[str]]]:
 def expected_backward_facts(c: Case) -> dict:
     """What the backward model implies for each fact of ``audits.static.facts_bwd`` (its module
     doc: ``fa4.model_bwd``; the knobs: ``FA4Numerics.sm100`` for this case and ``bwd_plan``)."""
-    nm = _numerics(c)
+    nm = case_numerics(c)
     plan = bwd_plan(nm, c.d, c.dv, c.causal, c.local)
     dt = getattr(torch, c.dtype)
     gqa = c.heads_q // c.heads_kv > 1
@@ -79,7 +79,7 @@ def expected_backward_facts(c: Case) -> dict:
         "reduce.flush": "all",  # model_bwd.reduce_add: the accumulators' adds flush subnormals
         "tanh": c.softcap > 0,  # step 3
         "postprocess": not plan.hd256,  # step 9: dq_accum * scale, cast (hd256: no postprocess)
-        "preprocess.fold": [fold_order(c.dv, plan.hdimv_multiple)],  # step 1: _row_dot
+        "preprocess.fold": [fold_order(c.dv, plan.hdimv_multiple)],  # step 1: row_dot
     }
 
 

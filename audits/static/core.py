@@ -49,7 +49,10 @@ class StaticError(RuntimeError):
     failure, or PTX the extractor does not understand."""
 
 
-def _numerics(c: Case) -> FA4Numerics:
+def case_numerics(c: Case) -> FA4Numerics:
+    """The SM100 model numerics of a case's compile group: what the PTX of the group is checked
+    against.  Public: the static backward audit (``audits.static.backward``) checks its kernels
+    against the same numerics."""
     return FA4Numerics.sm100(
         getattr(torch, c.dtype),
         c.d,
@@ -68,7 +71,7 @@ def static_groups(cases: list[Case]) -> list[tuple[Case, list[str]]]:
     for c in cases:
         if c.varlen:  # the static audit compiles flash_attn_func; the varlen entry's kernels are not audited here
             continue
-        key = (c.compile_key, _numerics(c))
+        key = (c.compile_key, case_numerics(c))
         rep = dataclasses.replace(c, batch=1, layout="contiguous", family="normal", seed=0)
         groups.setdefault(key, (rep, []))[1].append(c.name)
     return list(groups.values())
@@ -77,7 +80,7 @@ def static_groups(cases: list[Case]) -> list[tuple[Case, list[str]]]:
 def expected_facts(c: Case) -> dict:
     """What the model (``FA4Numerics.sm100`` for this case, and its fixed instruction-level
     assumptions, ``fa4.model`` module doc) implies for each fact of ``audits.static.facts``."""
-    nm = _numerics(c)
+    nm = case_numerics(c)
     dt = getattr(torch, c.dtype)
     emu = (
         int(
@@ -102,7 +105,7 @@ def expected_facts(c: Case) -> dict:
         "p_convert": P_CONVERT[nm.p_dtype or dt],
         "reciprocal": ["rcp.approx.ftz.f32"],  # the finalize's rcp_approx
         "tanh": c.softcap > 0,
-        "division": "div.rn.f32",  # fa4._primitives.div_rn: softcap, one per score; the sink's
+        "division": "div.rn.f32",  # fa4.primitives.div_rn: softcap, one per score; the sink's
     }
 
 
@@ -189,7 +192,7 @@ def cached_ptx(
 
 def audit_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver: bool, gpu: str | None = None) -> dict:
     """Compile (or reuse ``ptx_dir/<name>.ptx.gz``), extract, compare: one report record."""
-    rec = {"group": c.name, "config": c.as_dict(), "cases": len(cases), "model": dataclasses.asdict(_numerics(c))}
+    rec = {"group": c.name, "config": c.as_dict(), "cases": len(cases), "model": dataclasses.asdict(case_numerics(c))}
     rec["model"]["p_dtype"] = str(rec["model"]["p_dtype"])
     got = cached_ptx(c, c.name, ptx_dir=ptx_dir, no_driver=no_driver, gpu=gpu)
     if isinstance(got, str):

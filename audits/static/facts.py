@@ -27,7 +27,7 @@ of ``FlashAttentionForwardSm100`` (flash-attn-4 4.0.0b36, cutlass-dsl 4.8.1, tes
   emulation's round-down adds (the model assumes IEEE round to nearest and no flush everywhere
   else on the softmax path).
 * ``division``: the ``div`` instructions with their counts.  Softcap's ``acc_S / softcap`` is
-  ``div.rn.f32``, one per score (``fa4._primitives.div_rn``); the learnable sink adds one or
+  ``div.rn.f32``, one per score (``fa4.primitives.div_rn``); the learnable sink adds one or
   two (``LOG2_E / scale_log2``).  A division by a constant is not turned into a multiply by
   its reciprocal (the form torch's CUDA division takes, which the model once had).
 * ``p_convert``: float32 -> P-dtype conversions (``cvt.rn.bf16x2.f32``, ``cvt.rn.satfinite
@@ -64,7 +64,10 @@ _INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_:]+)*)\s*
 _IMM = re.compile(r"0f[0-9A-Fa-f]{8}")
 
 
-def _instructions(ptx: str) -> list[tuple[str, str]]:
+def instructions(ptx: str) -> list[tuple[str, str]]:
+    """Every instruction of ``ptx`` as (opcode with modifiers, operands), in order.  Public, as
+    are :func:`poly_degree` and :func:`nonstandard_arith`: the backward's facts
+    (``audits.static.facts_bwd``) read their kernels with the same parser and rules."""
     return [(op, args) for op, args in _INSTR.findall(ptx)]
 
 
@@ -88,7 +91,7 @@ def _exp2_split(ops: Counter, tile_n: int) -> dict:
     return {"ex2": ex2, "pairs": pairs, "scalar": scalar, "e": e, "steps": steps, "extra": extra}
 
 
-def _poly_degree(ptx: str) -> int | None:
+def poly_degree(ptx: str) -> int | None:
     """The highest degree whose ``POLY_EX2`` coefficients (other than 1) all occur as immediates."""
     imm = {m.upper().replace("0F", "0f") for m in _IMM.findall(ptx)}
     degrees = [d for d, cs in POLY_EX2.items() if all(f32_hex(c) in imm for c in cs if c != 1.0)]
@@ -125,7 +128,7 @@ def _is_emulation_add(op: str) -> bool:
     return op == "add.rm.f32x2" or re.fullmatch(r"(add|sub)\.rm(\.ftz)?\.f32", op) is not None
 
 
-def _nonstandard_arith(ops: Counter, *, exempt=_is_emulation_add, kinds=("add", "sub", "mul", "fma")) -> Counter:
+def nonstandard_arith(ops: Counter, *, exempt=_is_emulation_add, kinds=("add", "sub", "mul", "fma")) -> Counter:
     """f32 ``kinds`` instructions (packed and mixed-precision forms included) not rounding to
     nearest, flushing or saturating — and approximate divisions — other than those ``exempt``
     says (default: the emulation's round-down adds, counted in their own fact)."""
@@ -157,15 +160,15 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
     if ".entry" not in ptx:
         raise PtxFormatError("no .entry (kernel) in the PTX")
     target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
-    ins = _instructions(ptx)
+    ins = instructions(ptx)
     ops = Counter(op for op, _ in ins)
     exp2 = _exp2_split(ops, tile_n)
     pairs, steps = exp2["pairs"], exp2["steps"]
-    degree = _poly_degree(ptx)
+    degree = poly_degree(ptx)
     fma2 = ops.get("fma.rn.f32x2", 0)
     thresholds = _rescale_thresholds(ins)
     offsets = _max_offsets(ptx)
-    nonstd = _nonstandard_arith(ops, kinds=("add", "sub", "mul", "fma", "div"))
+    nonstd = nonstandard_arith(ops, kinds=("add", "sub", "mul", "fma", "div"))
     cvt = _p_conversions(ops)
     return {
         "target": target.group(1) if target else None,

@@ -16,7 +16,7 @@ holds two ``.entry`` kernels, dQ and dK/dV) and the postprocesses (``flash_bwd_p
   ``..._dkdvkernel.py``), which is ``ex2.approx.ftz.f32``.
 * ``exp2.emulated`` / ``exp2.poly_degree``: the polynomial exp2's signature (``utils
   .ex2_emulation(_2)``): its round-down adds (``add.rm`` / ``sub.rm``, f32 or f32x2) and a full set
-  of ``POLY_EX2`` coefficients among the float immediates (``facts._poly_degree``).
+  of ``POLY_EX2`` coefficients among the float immediates (``facts.poly_degree``).
 * ``p_convert`` / ``ds_convert``: the 16-bit ``cvt`` instructions of the main kernel(s),
   classified by data flow (``_Dataflow``): a conversion whose operands are ``ex2`` results is P's
   (``utils.cvt_f16(tSrS_cur, ...)`` after the exp2); one whose operands are a float32 multiply
@@ -46,7 +46,7 @@ holds two ``.entry`` kernels, dQ and dK/dV) and the postprocesses (``flash_bwd_p
   column offsets from the thread's first column, traced from the 128-bit loads (``[ptr+bytes]``,
   word, low/high half) through the ``mov.b32 {lo, hi}`` unpacking and the ``cvt.f32`` to each
   FFMA operand.  Production's is element-major across a thread's 8-column chunks (0, 128, 1,
-  129, ... at head dim 256), which ``fa4.model_bwd._row_dot`` models.
+  129, ... at head dim 256), which ``fa4.model_bwd.row_dot`` models.
 * ``arith.nonstandard``: every float32 add/sub/mul/fma/div (packed and mixed-precision forms
   included) of any kernel with a rounding other than ``.rn`` (no modifier means ``.rn``), with
   ``.ftz`` or ``.sat``, or an approximate division (``div.approx`` / ``div.full``).  Unlike the
@@ -60,7 +60,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from audits.static.facts import PtxFormatError, _instructions, _nonstandard_arith, _poly_degree
+from audits.static.facts import PtxFormatError, instructions, nonstandard_arith, poly_degree
 from fa4.sm100_compile import AUX_KERNELS, KERNEL_MARK
 
 __all__ = ["backward_facts", "split_kernels", "KERNEL_MARK"]
@@ -202,7 +202,7 @@ def _main_facts(modules: list[tuple[str, str]]) -> dict:
     reduce, targets, tanh, per_entry = Counter(), set(), 0, {}
     for _, ptx in modules:
         for entry in _entries(ptx):
-            ins = _instructions(entry)
+            ins = instructions(entry)
             flow = _Dataflow(ins)
             c = _conversions(ins, flow)
             for k in conv:
@@ -250,7 +250,7 @@ def _fold_orders(ptx: str) -> list[list[int]]:
     col.update({m.group(1): col[m.group(2)] for m in _WIDEN.finditer(ptx) if m.group(2) in col})
     zero = {"0f00000000"} | {m.group(1) for m in _ZERO.finditer(ptx)}
     prod, chains = {}, {}
-    for op, args in _instructions(ptx):
+    for op, args in instructions(ptx):
         regs = [x.strip() for x in args.rstrip(";").split(",")]
         kind = op.split(".")[0]
         if kind == "mul" and "f32" in op and len(regs) == 3 and regs[1] in col:
@@ -280,7 +280,7 @@ def _postprocess_facts(modules: list[tuple[str, str]]) -> dict:
     conv, reads = Counter(), set()
     for _, ptx in modules:
         for entry in _entries(ptx):
-            ins = _instructions(entry)
+            ins = instructions(entry)
             flow = _Dataflow(ins)
             for op, args in ins:
                 if _CVT16.search(op):
@@ -300,7 +300,7 @@ def backward_facts(text: str) -> dict:
         raise PtxFormatError(f"expected one {AUX_KERNELS[0]}, got {len(pre)}")
     if len(main) != 1:
         raise PtxFormatError(f"expected one main backward kernel, got {[c for c, _ in main]}")
-    ops = Counter(op for _, p in kernels for op, _ in _instructions(p))
+    ops = Counter(op for _, p in kernels for op, _ in instructions(p))
     arch = {re.search(r"^\.target\s+(\S+)", p, re.M) for _, p in kernels}
     facts = {
         "kernels": [c for c, _ in kernels],
@@ -308,8 +308,8 @@ def backward_facts(text: str) -> dict:
         "target": sorted({t.group(1) if t else None for t in arch}, key=str),
         "exp2.hardware": dict(sorted((op, n) for op, n in ops.items() if op.startswith("ex2."))),
         "exp2.emulated": sum(n for op, n in ops.items() if re.fullmatch(r"(add|sub)\.rm(\.ftz)?\.f32(x2)?", op)),
-        "exp2.poly_degree": _poly_degree(text),
-        "arith.nonstandard": dict(sorted(_nonstandard_arith(ops, exempt=None, kinds=_ARITH).items())),
+        "exp2.poly_degree": poly_degree(text),
+        "arith.nonstandard": dict(sorted(nonstandard_arith(ops, exempt=None, kinds=_ARITH).items())),
         **_main_facts(main),
         **_postprocess_facts(post),
         "preprocess.fold": _fold_orders(pre[0]),

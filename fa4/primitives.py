@@ -16,10 +16,12 @@ from numerics.fp import CANONICAL_NAN_BITS, fma_f32
 from numerics.fp import to_f32 as _f32
 
 __all__ = [
-    "LOG2_E", "div_rn", "softcap_tanh", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh",
+    "FP8", "LOG2_E", "div_rn", "softcap_tanh", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh",
     "scales", "visible", "visible_bounds",
 ]  # fmt: skip
 
+#: the float8 input formats: P and dS round to them saturating, and the forward's output is bfloat16
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: math.log2(math.e); a Float32 constant in the kernels, rounded to float32 where they use it
 LOG2_E = 1.4426950408889634
 
