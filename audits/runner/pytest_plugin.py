@@ -9,9 +9,20 @@ fails the test with the failing cases, their reasons and reproducers; it returns
 
 Under pytest-xdist (``pytest -n N``) every test that uses the fixture runs once per worker, each
 instance auditing its shard ``I/N`` of the cases (``shard_cases``, balanced by cost), so the
-workers share one audit; each worker is pinned to one GPU (``CUDA_VISIBLE_DEVICES`` = worker
-index mod the GPU count) when there are several, and at the end of the session the controller
-merges the shards into one report per test (``fa4-audit merge``), named in the terminal summary.
+workers share one audit; at the end of the session the controller merges the shards into one
+report per test (``fa4-audit merge``), named in the terminal summary.
+
+The entry point loads this module into every pytest run of the environment, so loading it has
+no side effect: it imports nothing heavy (torch, numpy and the audit modules are imported by the
+fixture, when a test asks for it), sets no environment variable, and uses only public pytest and
+xdist API (the ``tmp_path_factory`` fixture; xdist's ``workerinput``/``workeroutput``).
+
+GPU pinning is opt-in: with ``--fa4-audit-pin-gpus`` (or ``fa4_audit_pin_gpus = true`` in the
+ini file) the xdist controller hands each worker its GPU, and worker ``gwI`` sets
+``CUDA_VISIBLE_DEVICES`` to GPU ``I mod G`` of the G GPUs the controller sees (the entries of its
+``CUDA_VISIBLE_DEVICES``, or all of them), before anything in the worker initialises CUDA;
+nothing happens with fewer than two GPUs or without xdist.  It is an option and not a marker
+because the choice must be made when the worker starts, before any test (or marker) is seen.
 """
 
 from __future__ import annotations
@@ -23,7 +34,14 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["fa4_audit"]
+__all__ = ["fa4_audit", "visible_gpus", "worker_gpu"]
+
+#: the controller's set of folders where the workers left shard reports (from their ``workeroutput``)
+_SHARD_ROOTS = pytest.StashKey[set]()
+#: the merged reports, for the terminal summary
+_MERGED = pytest.StashKey[list]()
+#: the ``workerinput``/``workeroutput`` keys this plugin uses
+_GPUS_KEY, _SHARDS_KEY = "fa4_audit_gpus", "fa4_audit_shards"
 
 
 @pytest.fixture
@@ -33,7 +51,7 @@ def fa4_audit_shard(request) -> str | None:
 
 
 @pytest.fixture
-def fa4_audit(tmp_path, fa4_audit_shard, request):
+def fa4_audit(tmp_path, tmp_path_factory, fa4_audit_shard, request):
     """Callable ``(kernel, *, suite="smoke", case="*", device="cpu", thresholds=None,
     isolate=False, backward=False, repeat=2, deterministic=False) -> report dict``; fails the
     calling test when any case fails.  ``backward``: audit the gradients too (``run --backward``)."""
@@ -84,7 +102,7 @@ def fa4_audit(tmp_path, fa4_audit_shard, request):
         )
         paths = write_report(rep, out)
         if fa4_audit_shard is not None:  # for the controller's merge at the session's end
-            _keep_shard(request, paths["json"], fa4_audit_shard)
+            _keep_shard(request, tmp_path_factory, paths["json"], fa4_audit_shard)
         if exit_code(rep):
             bad = [r for r in records if r["verdict"] in FAILING]
             lines = [f"  {r['verdict']}: {r['case']}: {'; '.join(x for x in r['reasons'] if x)}\n"
@@ -100,26 +118,67 @@ def fa4_audit(tmp_path, fa4_audit_shard, request):
     return audit
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("fa4-audit", "fa4-audit (the fa4_audit fixture)")
+    group.addoption(
+        "--fa4-audit-pin-gpus",
+        action="store_true",
+        default=None,
+        help="under pytest-xdist, pin worker gwI to GPU I mod G of the G GPUs this process sees "
+        "(CUDA_VISIBLE_DEVICES); off by default (ini: fa4_audit_pin_gpus)",
+    )
+    parser.addini(
+        "fa4_audit_pin_gpus",
+        type="bool",
+        default=False,
+        help="as --fa4-audit-pin-gpus: pin each pytest-xdist worker to one GPU",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "fa4_audit: a test that audits an attention kernel with fa4-audit")
     worker = getattr(config, "workerinput", None)
-    if worker is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        gpu = worker_gpu(worker["workerid"], _gpu_count())
-        if gpu is not None:  # before anything in this worker initialises CUDA
-            os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    gpus = worker.get(_GPUS_KEY) if worker is not None else None
+    if gpus:  # the controller was asked to pin (pytest_configure_node); before anything here initialises CUDA
+        gpu = worker_gpu(worker["workerid"], len(gpus))
+        if gpu is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus[int(gpu)]
+
+
+def _pin_gpus_asked(config) -> bool:
+    """Whether the user asked for GPU pinning: ``--fa4-audit-pin-gpus``, else the ini option."""
+    opt = config.getoption("fa4_audit_pin_gpus", default=None)
+    return bool(config.getini("fa4_audit_pin_gpus")) if opt is None else bool(opt)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """On the xdist controller, when pinning is asked: hand each worker the GPUs to choose from."""
+    if _pin_gpus_asked(node.config):
+        node.workerinput[_GPUS_KEY] = visible_gpus()
 
 
 def worker_gpu(worker_id: str, gpus: int) -> str | None:
-    """The GPU an xdist worker (``gw0``, ``gw1``, ...) is pinned to: its index mod ``gpus``;
-    None with fewer than two GPUs (nothing to choose)."""
+    """The index (into the visible GPUs) an xdist worker (``gw0``, ``gw1``, ...) is pinned to: its
+    number mod ``gpus``; None with fewer than two GPUs (nothing to choose)."""
     m = re.fullmatch(r"gw(\d+)", worker_id)
     return str(int(m.group(1)) % gpus) if m and gpus > 1 else None
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process sees, as ``CUDA_VISIBLE_DEVICES`` names them: that variable's entries
+    when set (torch is not imported then), else ``0 .. count-1`` (as ``audits.common.gpu_list``)."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if seen is not None:
+        return [x.strip() for x in seen.split(",") if x.strip()]
+    return [str(i) for i in range(_gpu_count())]
+
+
 def _gpu_count() -> int:
+    """torch's device count (NVML first: no CUDA context in the controller)."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()
 
 
 def pytest_generate_tests(metafunc):
@@ -130,44 +189,56 @@ def pytest_generate_tests(metafunc):
                              ids=[f"shard{i}of{n}" for i in range(n)])  # fmt: skip
 
 
-def _shard_dir(config) -> Path:
-    """Where the shard reports wait for the merge: in the controller's temporary root (each
-    xdist worker's root is a folder of it, ``popen-gwN``)."""
-    base = Path(config._tmp_path_factory.getbasetemp())
-    return (base.parent if hasattr(config, "workerinput") else base) / "fa4-audit-shards"
-
-
-def _keep_shard(request, report: Path, shard: str) -> None:
+def _keep_shard(request, tmp_path_factory, report: Path, shard: str) -> None:
     """Copy a shard's report where the controller finds it: one folder per test (its node id
-    without the shard parameter)."""
+    without the shard parameter), under the parent of this worker's temporary root (xdist makes
+    each worker's root a folder of the controller's, ``popen-gwN``); the folder goes back to the
+    controller in the worker's ``workeroutput``."""
     import shutil
 
+    root = tmp_path_factory.getbasetemp().parent / "fa4-audit-shards"
     test = re.sub(r"\[shard\d+of\d+\]$", "", request.node.nodeid)
-    d = _shard_dir(request.config) / re.sub(r"[^A-Za-z0-9_.-]+", "_", test)
+    d = root / re.sub(r"[^A-Za-z0-9_.-]+", "_", test)
     d.mkdir(parents=True, exist_ok=True)
     shutil.copy(report, d / f"shard-{shard.replace('/', 'of')}.json")
+    output = getattr(request.config, "workeroutput", None)
+    if output is not None:
+        output[_SHARDS_KEY] = str(root)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """On the xdist controller: note where a finished worker left shard reports."""
+    root = (getattr(node, "workeroutput", None) or {}).get(_SHARDS_KEY)
+    if root:
+        node.config.stash.setdefault(_SHARD_ROOTS, set()).add(root)
 
 
 def pytest_sessionfinish(session, exitstatus):
     """On the xdist controller: merge each test's shard reports into one (``fa4-audit merge``)."""
-    if hasattr(session.config, "workerinput") or not hasattr(session.config, "_tmp_path_factory"):
+    config = session.config
+    if hasattr(config, "workerinput") or not config.stash.get(_SHARD_ROOTS, None):
         return
-    root = _shard_dir(session.config)
+    tests: dict[str, list[Path]] = {}
+    for root in sorted(Path(r) for r in config.stash[_SHARD_ROOTS]):
+        for d in sorted(p for p in root.glob("*") if p.is_dir()):
+            tests.setdefault(d.name, []).append(d)
     merged = []
-    for d in sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []:
+    for dirs in tests.values():
         import argparse
 
         from audits.runner.cli_reports import cmd_merge
 
-        shards = sorted(str(p) for p in d.glob("shard-*.json"))
-        argv = ["merge", *shards, "--out", str(d / "merged")]
-        cmd_merge(argparse.Namespace(reports=shards, out=str(d / "merged"), argv=argv))
-        merged.append(d / "merged" / "report.md")
-    session.config._fa4_audit_merged = merged
+        shards = sorted(str(p) for d in dirs for p in d.glob("shard-*.json"))
+        out = dirs[0] / "merged"
+        argv = ["merge", *shards, "--out", str(out)]
+        cmd_merge(argparse.Namespace(reports=shards, out=str(out), argv=argv))
+        merged.append(out / "report.md")
+    config.stash[_MERGED] = merged
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    for path in getattr(config, "_fa4_audit_merged", []):
+    for path in config.stash.get(_MERGED, []):
         terminalreporter.write_line(f"fa4-audit: merged report of the shards: {path}")
 
 
