@@ -140,3 +140,12 @@ def test_suite_sizes_written_in_the_docs_are_the_codes():
         if set(written) != {count()}:
             wrong.append(f"{path}: {words.replace('{}', str(written[0]))!r}, but the code builds {count()}")
     assert wrong == [], "\n".join(wrong)
+
+
+def test_readme_further_reading_links_every_doc_page():
+    """Every page of docs/ is reachable from the README's "Further reading", and every link there exists."""
+    section = (ROOT / "README.md").read_text().split("## Further reading", 1)[1].split("\n## ", 1)[0]
+    linked = set(re.findall(r"\]\((docs/[^)]+\.md)\)", section))
+    pages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")}
+    assert sorted(pages - linked) == [], "doc pages the README's Further reading does not link"
+    assert sorted(linked - pages) == [], "README links to doc pages that do not exist"
