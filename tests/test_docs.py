@@ -149,3 +149,29 @@ def test_readme_further_reading_links_every_doc_page():
     pages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")}
     assert sorted(pages - linked) == [], "doc pages the README's Further reading does not link"
     assert sorted(linked - pages) == [], "README links to doc pages that do not exist"
+
+
+def _help_texts() -> dict[str, str]:
+    """``fa4-audit --help`` and every subcommand's ``--help``, as printed."""
+    import argparse
+
+    from audits.cli import build_parser
+
+    parser = build_parser()
+    texts = {"fa4-audit": parser.format_help()}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            texts.update({f"fa4-audit {n}": p.format_help() for n, p in action.choices.items()})
+    return texts
+
+
+def test_help_text_states_no_suite_size():
+    """A count of cases or compile groups written into help text goes stale as the suites grow
+    (``static --help`` said release had 142 groups when it had 149); ``fa4-audit list`` computes them."""
+    texts = _help_texts()
+    assert len(texts) > 5
+    stale = {
+        cmd: re.findall(r"\d[\d,]*\s+(?:compile\s+)?(?:groups|cases)", " ".join(text.split()))
+        for cmd, text in texts.items()
+    }
+    assert {cmd: found for cmd, found in stale.items() if found} == {}, "help text that states a suite size"

@@ -258,7 +258,7 @@ def register(sub) -> None:
         help="compile target (only sm_100a, the kernels FA4Numerics.sm100 and fa4.model_bwd model)",
     )
     st.add_argument(
-        "--suite", default="smoke", help="suite whose compile groups are audited (default smoke; release: 142 groups)"
+        "--suite", default="smoke", help="suite whose compile groups are audited (default smoke)"
     )
     st.add_argument(
         "--config",
