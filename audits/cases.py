@@ -3,7 +3,8 @@
 A :class:`Case` is one configuration of the audited call plus its inputs' family and seed.
 ``SUITES["smoke"]`` is the CPU/CI suite: every feature axis and every input family at least
 once, small enough for the model on 2 cores.  ``release`` (GPU) is a pairwise-covering array of
-FA's test axes times every input family; ``nightly`` adds seeds and lengths up to 32k.
+FA's test axes times every input family; ``nightly`` adds seeds and lengths up to 32k;
+``fidelity`` is the fixed list the model is compared with production on (``fa4-audit fidelity``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = [
     "Case", "varlen_case", "smoke_suite", "smoke_varlen", "release_suite", "release_varlen", "nightly_suite",
-    "pairwise", "SUITES", "suite",
+    "pairwise", "SUITES", "suite", "fidelity_cases", "fidelity_suite",
 ]  # fmt: skip
 
 
@@ -379,8 +380,42 @@ def nightly_suite() -> list[Case]:
     return release_suite(seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
 
 
+def _fidelity_case(d: int, sq: int, sk: int, *, hq: int = 4, hk: int = 4, b: int = 2, **kw) -> Case:
+    return Case(kw.pop("dtype", "bfloat16"), d, d, b, hq, hk, sq, sk, **kw)
+
+
+def fidelity_cases() -> dict[str, Case]:
+    """The ``fidelity`` suite's cases by label (``--case`` globs match these labels as well as the
+    case names): head dims 64-256, causal and not, GQA/MQA, seqlen_q != seqlen_k, a local window,
+    softcap, a learnable sink, fp16 and drifting logits; the default of ``fa4-audit fidelity``
+    (``audits.fidelity.core``), whose committed H200 reports name them."""
+    out = {}
+    for d in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            for hk in (4, 1):
+                label = f"d{d}{'_causal' if causal else ''}{'_mqa' if hk == 1 else ''}"
+                out[label] = _fidelity_case(d, 384, 640, hk=hk, causal=causal, seed=d + causal)
+        out[f"d{d}_sq_gt_sk_causal"] = _fidelity_case(d, 600, 333, causal=True, seed=d + 7)
+    out.update(
+        d128_window=_fidelity_case(128, 512, 512, window=(100, 20), seed=11),
+        d64_window_left=_fidelity_case(64, 300, 700, window=(64, None), seed=12),
+        d128_softcap=_fidelity_case(128, 256, 512, softcap=15.0, seed=13),
+        d128_sink=_fidelity_case(128, 256, 384, sink=True, seed=14),
+        d128_fp16=_fidelity_case(128, 256, 1024, dtype="float16", seed=15),
+        d128_fp16_drift=_fidelity_case(128, 128, 2048, dtype="float16", family="drift", seed=16),
+        d128_bf16_drift_gqa=_fidelity_case(128, 256, 1536, hq=8, hk=2, family="drift", seed=17),
+        d256_long=_fidelity_case(256, 128, 4096, hq=2, hk=2, b=1, seed=18),
+    )
+    return out
+
+
+def fidelity_suite() -> list[Case]:
+    """:func:`fidelity_cases` in order: the model against production, case for case."""
+    return list(fidelity_cases().values())
+
+
 def _suites() -> dict:
-    return {"smoke": smoke_suite, "release": release_suite, "nightly": nightly_suite}
+    return {"smoke": smoke_suite, "release": release_suite, "nightly": nightly_suite, "fidelity": fidelity_suite}
 
 
 SUITES = _suites()

@@ -91,7 +91,7 @@ def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
         "cpu",
         "--production",
         "fa4-model-sm90",
-        "--cases",
+        "--case",
         "d64_sq*",
         "--out",
         str(tmp_path),
@@ -106,7 +106,7 @@ def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
         "cpu",
         "--production",
         "tests.fake_kernels:sm90_model_poly_exp2",
-        "--cases",
+        "--case",
         "d64_sq*",
         "--out",
         str(tmp_path),
@@ -124,7 +124,10 @@ def test_fidelity_with_a_stand_in_kernel(tmp_path, capsys, monkeypatch):
             "unknown kernel 'nocolon'; accepted: fa4, fa4-model",
         ),
         (["fidelity", "--device", "cpu", "--production", "no.such.module:f"], "cannot load kernel 'no.such.module:f'"),
-        (["fidelity", "--device", "cpu", "--production", "fa4-model-sm90", "--cases", "zzz"], "matches none of"),
+        (
+            ["fidelity", "--device", "cpu", "--production", "fa4-model-sm90", "--case", "zzz"],
+            "--case 'zzz' matches no case of 'fidelity'",
+        ),
     ],
 )
 def test_fidelity_usage_errors(argv, message, capsys):
@@ -133,8 +136,11 @@ def test_fidelity_usage_errors(argv, message, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-production message")
-def test_fidelity_without_production_exits_2(capsys):
-    assert run("fidelity", "--device", "cpu") == 2
+def test_fidelity_without_production_exits_2(capsys, monkeypatch):
+    from audits.fidelity import cli as fidelity_cli
+
+    monkeypatch.setattr(fidelity_cli, "_device", torch.device)  # as if CUDA were here: production is not
+    assert run("fidelity", "--device", "cuda") == 2
     assert "fidelity compares with the production kernel, which is unavailable" in capsys.readouterr().err
 
 

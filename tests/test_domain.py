@@ -272,14 +272,14 @@ def test_fa4_model_sm90_gets_its_own_smoke_without_fp8():
     """One kernel: the suite is built within its own domain; the report's domain says so."""
     import argparse
 
-    from audits.runner.cli import _suite_cases
+    from audits.selection import select_cases
 
-    args = argparse.Namespace(kernel=["fa4-model-sm90"], domain=None)
-    cases = _suite_cases(args, "smoke")
+    sel = select_cases(argparse.Namespace(suite="smoke", domain=None), kernels=["fa4-model-sm90"])
+    cases, info = sel.cases, sel.domain_info
     assert cases and not any(c.dtype.startswith("float8") for c in cases)
     assert {c.dtype for c in cases} == {"bfloat16", "float16"}
-    assert args.domain_info["rule"] == "single" and args.domain_info["domain"]["dtypes"] == ["bfloat16", "float16"]
-    assert args.domain_info["pairs_covered"] > 0 and "kernels" not in args.domain_info
+    assert info["rule"] == "single" and info["domain"]["dtypes"] == ["bfloat16", "float16"]
+    assert info["pairs_covered"] > 0 and "kernels" not in info
 
 
 def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_path, capsys):

@@ -12,7 +12,10 @@ PACKAGES = ("numerics", "fa4", "audits")
 #: what each top-level package may import from the project
 ALLOWED = {"numerics": {"numerics"}, "fa4": {"numerics", "fa4"}, "audits": {"numerics", "fa4", "audits"}}
 #: modules of ``audits`` every audit subpackage may use; the rest of ``audits`` is one folder per audit
-SHARED = {"audits.common", "audits.cases", "audits.inputs", "audits.kernels", "audits.domain", "audits.suite_file"}
+SHARED = {
+    "audits.common", "audits.cases", "audits.inputs", "audits.kernels", "audits.domain", "audits.suite_file",
+    "audits.selection", "audits.worker",
+}  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:

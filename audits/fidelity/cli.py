@@ -44,19 +44,30 @@ def _run_cases(cases, production, device, quiet: bool, mma: str = "exact") -> li
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    import fnmatch
     import json
+    import sys
     from pathlib import Path
 
     from audits.fidelity import core as fidelity
+    from audits.selection import select_cases
 
+    if args.cases is not None:  # the old spelling: the same glob, now over names and labels alike
+        print("fa4-audit fidelity: --cases is deprecated; use --case GLOB", file=sys.stderr)
+        if args.case is not None:
+            raise UsageError(f"--cases {args.cases!r} and --case {args.case!r}: give the glob once, as --case")
+        args.case = args.cases
+    if args.production == "fa4" and args.device != "cuda":  # before anything is loaded
+        raise UsageError(
+            f"--device {args.device}: fidelity compares the model with the production kernel (fa4), which runs on "
+            "CUDA only: pass --device cuda (or --production KERNEL to compare the model with another kernel here)"
+        )
     device = _device(args.device)
     if args.mufu and device.type != "cuda":  # before any case runs
         raise UsageError("--mufu measures the GPU's MUFU.EX2: it needs --device cuda and the production package")
     production = _production(args.production)
-    cases = [(n, c) for n, c in fidelity.CASES.items() if fnmatch.fnmatch(n, args.cases)]
-    if not cases:
-        raise UsageError(f"--cases {args.cases!r} matches none of: {', '.join(fidelity.CASES)}")
+    sel = select_cases(args, kernels=[args.production])
+    labels = {c: n for n, c in fidelity.CASES.items()}  # the fidelity suite's labels; other cases by name
+    cases = [(labels.get(c, c.name), c) for c in sel.cases]
     results = _run_cases(cases, production, device, args.quiet, args.mma)
     report = {
         "schema": "fa4-audit/fidelity/1",
@@ -64,6 +75,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "environment": ", ".join(f"{k} {v}" for k, v in _environment(device).items()),
         "production": args.production,
+        "suite": sel.label,
         "summary": fidelity.summarize(results),
         "results": results,
     }
@@ -86,21 +98,28 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add this audit's subcommands to the ``fa4-audit`` parser."""
+    from audits.selection import add_case_arguments
+
     f = sub.add_parser(
         "fidelity",
         help="compare the SM90 numerics model with the production kernel on identical inputs",
         description="Run production flash_attn_func (its SM90 path on Hopper) and fa4.model with "
         "FA4Numerics.sm90 on the same inputs; report the output differences in ULPs, the LSE "
-        "difference and both errors against FP64.  Exit 1 when a case has fewer than 99%% of its "
-        "outputs identical or 1 ULP apart.",
+        "difference and both errors against FP64, on the fidelity suite (or any other selection).  Exit 1 "
+        "when a case has fewer than 99% of its outputs identical or 1 ULP apart, 2 for usage errors (the "
+        "production kernel needs --device cuda).",
     )
-    f.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="default cuda")
+    f.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"],
+        help="where the kernels run (default cpu, as everywhere; the production kernel fa4 needs --device cuda)",
+    )  # fmt: skip
     f.add_argument(
         "--production",
         default="fa4",
         help="the kernel to compare: fa4 (production), another kernel name, or module:attr",
     )
-    f.add_argument("--cases", default="*", help="glob over case names (default all)")
+    add_case_arguments(f, default_suite="fidelity")
+    f.add_argument("--cases", default=None, help=argparse.SUPPRESS)  # deprecated spelling of --case
     f.add_argument("--out", default="reports/fidelity-latest", help="report directory")
     f.add_argument(
         "--mufu",
@@ -114,5 +133,5 @@ def register(sub) -> None:
         help="the model's MMA summation: exact products summed and rounded once (default), or the "
         "tensor cores' as measured on the H200 (numerics.tensor_core, docs/tensor-cores.md)",
     )
-    f.add_argument("--quiet", action="store_true")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
     f.set_defaults(func=cmd_fidelity)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from audits.cases import Case
+from audits.cases import Case, fidelity_cases
 from audits.inputs import make_inputs
 from audits.kernels import production_arch
 from fa4.model import FA4Numerics, attention
@@ -29,35 +29,11 @@ __all__ = ["CASES", "run_case", "summarize"]
 MIN_WITHIN_1 = 0.99
 
 
-def _case(d: int, sq: int, sk: int, *, hq: int = 4, hk: int = 4, b: int = 2, **kw) -> Case:
-    return Case(kw.pop("dtype", "bfloat16"), d, d, b, hq, hk, sq, sk, **kw)
-
-
-def _cases() -> dict[str, Case]:
-    """The fidelity cases by label (``--cases`` globs the labels): audit ``Case``s, their inputs
-    from ``audits.inputs.make_inputs`` like every other audit's (the reports committed before
-    2026-12-01 drew float32 N(0, 1) inputs of their own; those figures are the H200 run's)."""
-    out = {}
-    for d in (64, 96, 128, 192, 256):
-        for causal in (False, True):
-            for hk in (4, 1):
-                label = f"d{d}{'_causal' if causal else ''}{'_mqa' if hk == 1 else ''}"
-                out[label] = _case(d, 384, 640, hk=hk, causal=causal, seed=d + causal)
-        out[f"d{d}_sq_gt_sk_causal"] = _case(d, 600, 333, causal=True, seed=d + 7)
-    out.update(
-        d128_window=_case(128, 512, 512, window=(100, 20), seed=11),
-        d64_window_left=_case(64, 300, 700, window=(64, None), seed=12),
-        d128_softcap=_case(128, 256, 512, softcap=15.0, seed=13),
-        d128_sink=_case(128, 256, 384, sink=True, seed=14),
-        d128_fp16=_case(128, 256, 1024, dtype="float16", seed=15),
-        d128_fp16_drift=_case(128, 128, 2048, dtype="float16", family="drift", seed=16),
-        d128_bf16_drift_gqa=_case(128, 256, 1536, hq=8, hk=2, family="drift", seed=17),
-        d256_long=_case(256, 128, 4096, hq=2, hk=2, b=1, seed=18),
-    )
-    return out
-
-
-CASES = _cases()
+#: the fidelity cases by label: the ``fidelity`` named suite (``audits.cases.fidelity_cases``),
+#: ``fa4-audit fidelity``'s default selection; their inputs come from ``audits.inputs.make_inputs``
+#: like every other audit's (the reports committed before 2026-12-01 drew float32 N(0, 1) inputs
+#: of their own; those figures are the H200 run's)
+CASES = fidelity_cases()
 
 
 def run_case(label: str, c: Case, production, device, *, mma: str = "exact") -> dict:
@@ -207,7 +183,10 @@ def markdown(report: dict) -> str:
         "| model max err | prod rel L2 | model rel L2 | prod err/bound | ok |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    return "\n".join(L + [_case_row(r) for r in report["results"]]) + "\n"
+    gone = [f"- **{u['verdict']}** {u['case']}: {u['reason']}" for u in report.get("unfinished") or []]
+    if gone:  # production calls past --timeout, or that killed their worker: no figures
+        gone = ["", f"{len(gone)} cases did not finish:", "", *gone]
+    return "\n".join(L + [_case_row(r) for r in report["results"]] + gone) + "\n"
 
 
 def mufu_vs_model(device, *, chunk_log2: int = 28) -> dict:

@@ -32,30 +32,6 @@ def _required(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _cases(args: argparse.Namespace) -> tuple[list, str]:
-    """(cases, label): ``--config`` cases, or a named suite (default smoke); then ``--case``."""
-    import fnmatch
-
-    from audits.cases import case_from_json, suite
-
-    try:
-        if args.config:
-            if args.suite is not None:
-                raise UsageError("--suite cannot be combined with --config: --config gives the cases themselves")
-            cases = [case_from_json(t, where=f"--config #{i + 1}") for i, t in enumerate(args.config)]
-            label = "config"
-        else:
-            label = args.suite or "smoke"
-            cases = suite(label)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    if args.case:
-        cases = [c for c in cases if fnmatch.fnmatch(c.name, args.case)]
-        if not cases:
-            raise UsageError(f"--case {args.case!r} matches no case of {label!r}")
-    return list(dict.fromkeys(cases)), label
-
-
 def _out_dir(out: Path, kern: str, several: bool) -> Path:
     return out / re.sub(r"[^A-Za-z0-9_.-]+", "_", kern).strip("_") if several else out
 
@@ -106,17 +82,21 @@ def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
 def cmd_invariance(args: argparse.Namespace) -> int:
     from audits.invariance.report import markdown
     from audits.kernels import usable_kernels
+    from audits.selection import select_cases
 
     _required(args.require)
     kernels = usable_kernels(args.kernel)
     targets = _targets(kernels, args.predict)
-    cases, label = _cases(args)
+    sel = select_cases(args, kernels=kernels)
+    cases, label = sel.cases, sel.label
     device = _device(args.device)
     meta = {
         "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "environment": ", ".join(f"{k} {v}" for k, v in _environment(device).items()),
     }
+    if sel.domain_info is not None:
+        meta["domain"] = sel.domain_info  # the domain the suite was built in (audits.selection)
     code = EXIT_OK
     for t, model in targets:
         report = _run_kernel(args, t, model, cases, label, device, meta)
@@ -159,6 +139,7 @@ def _print_summary(report: dict, d: Path) -> None:
 def register(sub) -> None:
     """Add ``invariance`` to the ``fa4-audit`` parser."""
     from audits.invariance.core import PROPERTIES
+    from audits.selection import add_case_arguments
 
     r = sub.add_parser(
         "invariance",
@@ -175,9 +156,7 @@ def register(sub) -> None:
         "--kernel", required=True, action="append",
         help="a kernel name (fa4-model, sdpa-math, ...), module:attr or path/to/file.py:fn; repeatable",
     )  # fmt: skip
-    r.add_argument("--suite", default=None, help="a named suite: smoke (default), release, nightly")
-    r.add_argument("--config", action="append", help="a case as JSON (Case fields; absent = default); repeatable")
-    r.add_argument("--case", default=None, help="glob over case names")
+    add_case_arguments(r, default_suite="smoke")
     r.add_argument("--require", default=None,
                    help=f"comma-separated properties that gate the exit code ({', '.join(PROPERTIES)}); "
                    "the others are reported only")  # fmt: skip
@@ -186,7 +165,7 @@ def register(sub) -> None:
                    "verdicts beside the measured ones; 'none': no prediction; default: for fa4 the model of this "
                    "machine's production arch (fa4-model-sm90 on Hopper, fa4-model otherwise), none for "
                    "others")  # fmt: skip
-    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernels run (default cpu)")
     r.add_argument("--out", default="reports/invariance-latest",
                    help="report directory (default reports/invariance-latest)")  # fmt: skip
     r.add_argument("--quiet", action="store_true", help="no progress bar")

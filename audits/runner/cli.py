@@ -24,51 +24,17 @@ RUN_DIRS = ("repro", "jobs")
 SHOW_FAILING = 10
 
 
-def _given_cases(args: argparse.Namespace) -> tuple[list, str] | None:
-    """The cases of ``--config`` / ``--case-file`` and the run's label, or None for a suite."""
-    from audits.cases import case_from_json, cases_from_file
-
-    if not args.config and not args.case_file:
-        return None
-    if args.suite is not None:
-        raise UsageError("--suite cannot be combined with --config or --case-file: they give the cases themselves")
-    try:
-        cases = [case_from_json(text, where=f"--config #{i + 1}") for i, text in enumerate(args.config or [])]
-        for path in args.case_file or []:
-            cases += cases_from_file(path)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    labels = (["config"] if args.config else []) + [Path(p).name for p in args.case_file or []]
-    return list(dict.fromkeys(cases)), "+".join(labels)
-
-
 def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
-    """(cases, label): a suite, or the given cases; then --seed, --case and --shard."""
-    import dataclasses
-    import fnmatch
-
+    """(cases, label): the shared selection (``audits.selection``: suite, given cases, domain,
+    --seed, --case), then run's own --shard."""
     from audits.runner.engine import shard_cases
     from audits.runner.shards import parse_shard
-    from audits.suite_file import is_suite_file
+    from audits.selection import select_cases
 
-    given = _given_cases(args)
-    if given is None:
-        label = args.suite or "smoke"
-        try:
-            if is_suite_file(label):
-                cases, label = _suite_file_cases(args, label)
-            else:
-                cases = _suite_cases(args, label)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
-    else:
-        cases, label = given
-    if args.seed:
-        cases = [dataclasses.replace(c, seed=c.seed + args.seed) for c in cases]
-    if args.case:
-        cases = [c for c in cases if fnmatch.fnmatch(c.name, args.case)]
-        if not cases:
-            raise UsageError(f"--case {args.case!r} matches no case of {label!r}")
+    sel = select_cases(args, kernels=args.kernel)
+    cases, label = sel.cases, sel.label
+    if sel.domain_info is not None:
+        args.domain_info = sel.domain_info  # the domain the suite was built in, for the report
     if args.shard:
         if args.shard == "auto":
             args.shard = _auto_shard(args)
@@ -96,86 +62,6 @@ def _auto_shard(args: argparse.Namespace) -> str:
         raise UsageError(f"--shard auto: {exc}") from exc
     print(f"--shard auto: shard {i}/{n} from the {src}", file=sys.stderr)
     return f"{i}/{n}"
-
-
-def _suite_cases(args: argparse.Namespace, label: str) -> list:
-    """A named suite built within the kernels' declared domains (``audits.domain``: each
-    kernel's ``fa4_audit_domain``, narrowed by ``--domain FILE``): one kernel's own domain, or
-    for several their union (``Domain.widen``), each kernel skipping the cases outside its own
-    domain without being called (``audits.runner.engine``).  The union, not the intersection:
-    the kernels are compared case by case on one suite, and none loses the cases only it
-    supports (fa4's softcap and sink cases beside SDPA's).  The suite itself when the domain
-    restricts no case.  What it built is kept in ``args.domain_info`` for the report."""
-    from audits.cases import suite
-    from audits.domain import Domain, named_suite_within
-
-    _, own, d = _kernels_domains(args)
-    if all(x == Domain() for x in own.values()):
-        return suite(label)
-    built = named_suite_within(label, d)
-    args.domain_info = _domain_info(own, d, built, label)
-    if len(own) > 1:  # the per-kernel domains and the cases each will skip
-        outside = {k: sum(x.refusal(c) is not None for c in built["cases"]) for k, x in own.items()}
-        args.domain_info["kernels"] = {k: {"domain": x.as_dict(), "cases_outside": outside[k]} for k, x in own.items()}
-        for kern, n in outside.items():
-            if n:
-                print(f"{label}: {kern} skips {n} of {len(built['cases'])} cases outside its declared domain",
-                      file=sys.stderr)  # fmt: skip
-    return built["cases"]
-
-
-def _kernels_domains(args: argparse.Namespace) -> tuple:
-    """(the ``--domain`` file's domain, each kernel's declared domain narrowed by it, their
-    union): what :func:`_suite_cases` and :func:`_suite_file_cases` build within."""
-    import functools
-
-    from audits.domain import Domain, DomainError
-    from audits.kernels import kernel_domain
-
-    try:
-        narrow = Domain.from_toml(args.domain) if args.domain else Domain()
-        own = {kern: kernel_domain(kern).narrow(narrow) for kern in dict.fromkeys(args.kernel)}
-    except DomainError as exc:
-        raise UsageError(str(exc)) from exc
-    return narrow, own, functools.reduce(Domain.widen, own.values())
-
-
-def _domain_info(own: dict, d, built: dict, label: str) -> dict:
-    """The report's ``domain``: the rule (one kernel's domain or several kernels' union), the
-    domain built within, the pairs covered, the families not applicable (also said on stderr)."""
-    for fam, why in built["not_applicable"].items():
-        print(f"{label}: family {fam} not applicable in the kernels' domain: {why}", file=sys.stderr)
-    return {"rule": "union" if len(own) > 1 else "single", "domain": d.as_dict(),
-            "pairs_covered": built["pairs_covered"], "not_applicable": built["not_applicable"]}  # fmt: skip
-
-
-def _suite_file_cases(args: argparse.Namespace, path: str) -> tuple[list, str]:
-    """(cases, label) of ``--suite FILE.toml`` (``audits.suite_file``): its axes' covering array
-    built within the kernels' domain as :func:`_suite_cases` builds a named suite (one kernel's,
-    several kernels' union), and its ``[[case]]`` s as given: one outside a kernel's declared
-    domain is that kernel's ``skipped`` case with the reason (``audits.runner.engine``), one
-    outside the ``--domain`` file is not run, and listed (stderr, the report's ``domain``)."""
-    from audits.domain import Domain
-    from audits.suite_file import build, load
-
-    sf = load(path)
-    narrow, own, d = _kernels_domains(args)
-    built = build(sf, d, cases_in=narrow)
-    info = _domain_info(own, d, built, sf.name)  # says which families do not apply, restricted or not
-    if any(x != Domain() for x in own.values()):
-        args.domain_info = {**info, "axes_restricted": built["restricted"], "skipped": built["skipped"]}
-    say = lambda msg: print(f"{sf.name}: {msg}", file=sys.stderr)
-    for axis, why in built["restricted"].items():
-        say(f"axis {axis}: {why}")
-    for s in built["skipped"]:
-        say(f"[[case]] {s['case']} not run: outside the --domain file: {s['reason']}")
-    for kern, x in own.items():
-        for c in sf.cases:
-            if c in built["cases"] and (why := x.refusal(c)):
-                say(f"[[case]] {c.name}: {kern} skips it, outside its declared domain: {why}")
-    if not built["cases"]:
-        raise UsageError(f"suite file {path}: none of its cases lies in the kernels' domain")
-    return built["cases"], sf.name
 
 
 def _previous_run(out: Path) -> list[Path]:
@@ -410,6 +296,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add ``run`` to the ``fa4-audit`` parser."""
+    from audits.selection import add_case_arguments
+
     r = sub.add_parser(
         "run",
         help="audit a kernel on a suite or given cases: FP64 reference, metrics, bounds, verdicts, report",
@@ -423,18 +311,9 @@ def register(sub) -> None:
         help="fa4, fa4-model, fa4-model-sm90, fa4-model-sm90-tc, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, "
         "module:attr or path/to/file.py:fn; repeat to audit several kernels on shared inputs and references",
     )  # fmt: skip
-    r.add_argument(
-        "--suite", default=None,
-        help="suite name: smoke (default), release, nightly; or a suite file FILE.toml (docs/runner.md)",
-    )  # fmt: skip
-    r.add_argument("--config", action="append", help="a case as JSON (Case fields; absent = default); repeatable")
-    r.add_argument(
-        "--case-file", action="append",
-        help="a file of cases: a JSON list, JSON lines, or a report.json (its cases); repeatable",
-    )  # fmt: skip
+    add_case_arguments(r, default_suite="smoke")
     r.add_argument("--label", default=None, help=argparse.SUPPRESS)  # the parent's label, for --jobs children
-    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    r.add_argument("--seed", type=int, default=0, help="added to every case's seed (default 0)")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernels run (default cpu)")
     r.add_argument("--out", default="reports/run-latest", help="report directory (default reports/run-latest)")
     r.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/runner/thresholds.toml)")
     r.add_argument("--resume", action="store_true", help="continue the run in OUT (refused if OUT holds another run)")
@@ -457,18 +336,12 @@ def register(sub) -> None:
         help="with --jobs on CUDA: the GPUs the jobs are pinned to, job I on GPU I mod G, e.g. 0,1 "
         "(default: all visible)",
     )  # fmt: skip
-    r.add_argument("--case", default=None, help="glob over case names")
     r.add_argument(
         "--isolate", action=argparse.BooleanOptionalAction, default=None,
         help="run the kernel in a worker process so that a crash is one case's verdict "
         "(default: on for fa4 and user kernels, off for the built-in model and SDPA)",
     )  # fmt: skip
     r.add_argument("--quiet", action="store_true", help="no progress bar")
-    r.add_argument(
-        "--domain", default=None,
-        help="a TOML file of domain keys (audits/domain.py) narrowing what the kernels declare; suites are built "
-        "within the domain",
-    )  # fmt: skip
     r.add_argument(
         "--backward", action="store_true",
         help="audit the gradients too: a seeded dO per case, dq/dk/dv (and dsink) by torch.autograd.grad against "

@@ -266,8 +266,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
     from audits.kernels import usable_kernels
     from audits.runner.fuzz import fuzz
+    from audits.selection import kernels_domains
 
     usable_kernels([args.kernel])
+    narrow = kernels_domains([], args.domain)[0] if args.domain else None  # as run's --domain (audits.selection)
     th = _thresholds(args.thresholds)
     if args.budget <= 0 or args.max_seqlen <= 0:
         raise UsageError(f"--budget and --max-seqlen must be positive, got {args.budget}, {args.max_seqlen}")
@@ -284,7 +286,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         backward = BackwardOptions(repeat=2)
     res = fuzz(
         args.kernel, budget=args.budget, device=device, thresholds=th, database=args.database,
-        max_seqlen=args.max_seqlen, seed=args.seed, backward=backward,
+        max_seqlen=args.max_seqlen, seed=args.seed, backward=backward, narrow=narrow,
     )  # fmt: skip
     atomic_write(Path(args.out) / "fuzz.json", json.dumps(res, indent=1) + "\n")
     print(f"{res['examples']} examples; largest error/bound {res['best_tightness']} ({res['best_case']})")
@@ -298,8 +300,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     """Add the report commands, ``list`` and ``fuzz`` to the ``fa4-audit`` parser."""
     g = sub.add_parser("gate", help="re-judge a report under thresholds (and against a baseline report)")
-    g.add_argument("report")
-    g.add_argument("--thresholds", default=None)
+    g.add_argument("report", help="the report.json (or .json.gz / .json.xz) to re-judge")
+    g.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/runner/thresholds.toml)")
     g.add_argument(
         "--baseline", default=None,
         help="BASE.json: fail cases worse than the baseline by more than [baseline] max_ratio; "
@@ -309,27 +311,34 @@ def register(sub) -> None:
     g.add_argument("--out", default=None, help="also write the re-judged report (json, md, html, junit) here")
     g.set_defaults(func=cmd_gate)
     sh = sub.add_parser("show", help="print a report: a table on a terminal, plain lines otherwise")
-    sh.add_argument("report")
+    sh.add_argument("report", help="a report.json (or .json.gz / .json.xz)")
     sh.set_defaults(func=cmd_show)
     df = sub.add_parser("diff", help="where two reports differ (verdicts, max errors)")
-    df.add_argument("base")
-    df.add_argument("cand")
+    df.add_argument("base", help="the baseline report.json")
+    df.add_argument("cand", help="the candidate report.json, compared case by case with the baseline")
     df.add_argument("--ignore-seed", action="store_true", help="match cases by configuration, not seed")
     df.set_defaults(func=cmd_diff)
     mg = sub.add_parser("merge", help="combine shard reports (run --shard I/N) into one")
-    mg.add_argument("reports", nargs="+")
-    mg.add_argument("--out", required=True)
+    mg.add_argument("reports", nargs="+", help="the shard reports (report.json of each run --shard I/N)")
+    mg.add_argument("--out", required=True, help="directory of the merged report (json, md, html, junit)")
     mg.set_defaults(func=cmd_merge)
     fz = sub.add_parser("fuzz", help="Hypothesis search for a failing case, climbing toward the largest error/bound")
-    fz.add_argument("--kernel", required=True)
+    fz.add_argument(
+        "--kernel", required=True, help="a kernel name (fa4-model, sdpa-math, ...), module:attr or path/to/file.py:fn"
+    )
     fz.add_argument("--budget", type=int, default=200, help="examples to try (default 200)")
-    fz.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    fz.add_argument("--max-seqlen", type=int, default=512)
+    fz.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernel runs (default cpu)")
+    fz.add_argument("--max-seqlen", type=int, default=512, help="longest seqlen_q / seqlen_k drawn (default 512)")
     fz.add_argument("--database", default=".hypothesis/fa4-audit", help="Hypothesis example database")
-    fz.add_argument("--thresholds", default=None)
+    fz.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/runner/thresholds.toml)")
     fz.add_argument("--backward", action="store_true", help="audit the gradients too (as run --backward, 2 repeats)")
     fz.add_argument("--seed", type=int, default=None, help="a fixed search (the database is then not used)")
-    fz.add_argument("--out", default="reports/fuzz-latest")
+    fz.add_argument(
+        "--domain", default=None, metavar="FILE.toml",
+        help="a TOML file of domain keys (audits/domain.py) narrowing what the kernel declares: dtypes and lengths "
+        "are drawn inside it, other draws outside it are skipped",
+    )  # fmt: skip
+    fz.add_argument("--out", default="reports/fuzz-latest", help="writes OUT/fuzz.json (default reports/fuzz-latest)")
     fz.set_defaults(func=cmd_fuzz)
     ls = sub.add_parser("list", help="kernels, suites (case and compile-key counts) and input families")
     ls.set_defaults(func=cmd_list)

@@ -77,15 +77,23 @@ def fuzz(
     max_seqlen: int = 512,
     seed: int | None = None,
     backward=None,
+    narrow=None,
 ) -> dict:
     """Search for a failing case; returns {examples, best_tightness, best_case, failure}.  A
     failure is the minimal case Hypothesis shrank to, with its verdict's reasons.  ``backward``
     (``audits.runner.backward.BackwardOptions``): audit the gradients too, and climb toward the
-    largest error/bound over the output and the gradients."""
+    largest error/bound over the output and the gradients.  ``narrow`` (an ``audits.domain.Domain``,
+    ``fuzz --domain FILE``) narrows the kernel's declared domain: dtypes and lengths are drawn
+    inside it, and a draw outside it otherwise is the kernel's ``skipped`` case."""
     from audits.kernels import get_kernel, kernel_domain
     from audits.runner.engine import evaluate_case
 
     fn, domain = get_kernel(kernel), kernel_domain(kernel)
+    draw = {"max_seqlen": max_seqlen}
+    if narrow is not None:
+        domain = domain.narrow(narrow)
+        draw["max_seqlen"] = min(max_seqlen, narrow.max_seqlen or max_seqlen)
+        draw.update({"dtypes": narrow.dtypes} if narrow.dtypes else {})
     state = {"examples": 0, "best": (-1.0, None), "fail": None}
 
     @settings(
@@ -95,7 +103,7 @@ def fuzz(
         suppress_health_check=list(HealthCheck),
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     )
-    @given(cases(max_seqlen=max_seqlen))
+    @given(cases(**draw))
     def prop(case: Case) -> None:
         rec = evaluate_case(kernel, fn, case, device, thresholds, backward, domain)  # outside it: skipped
         state["examples"] += 1

@@ -11,29 +11,6 @@ import torch
 from audits.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, atomic_write, gpu_list, progress
 
 
-def _config_cases(configs: list[str]) -> list:
-    """The cases given as ``--config`` JSON objects (``audits.cases.case_from_dict``, family
-    normal: the input family does not change what is compiled)."""
-    from audits.cases import case_from_json
-
-    try:
-        return [case_from_json(text, where=f"--config #{i + 1}", family="normal") for i, text in enumerate(configs)]
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-
-
-def _cases(args: argparse.Namespace) -> list:
-    """The cases to audit: ``--config``'s, else the suite's."""
-    from audits.cases import suite
-
-    if args.config:
-        return _config_cases(args.config)
-    try:
-        return suite(args.suite)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-
-
 def _production_versions() -> dict | None:
     """Versions of the production packages; None (after saying why on stderr) when not importable."""
     try:
@@ -123,6 +100,7 @@ def cmd_static(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from audits.selection import select_cases
     from audits.static.core import StaticError
 
     if args.arch != "sm_100a":
@@ -130,11 +108,17 @@ def cmd_static(args: argparse.Namespace) -> int:
             f"--arch {args.arch!r}: only sm_100a (the Blackwell kernels FA4Numerics.sm100 and fa4.model_bwd model) "
             "is audited"
         )
-    cases = _cases(args)
+    sel = select_cases(args)  # static runs no kernel: suites within the --domain file alone
+    groups, audit, meta = _groups_and_audit(sel.cases, args.backward)
+    if not groups:
+        why = "fp8 or varlen cases (production has no fp8 backward)" if args.backward else "varlen cases"
+        raise UsageError(
+            f"the selection {sel.label!r} yields no compile group: its {len(sel.cases)} cases are all {why}, "
+            "which the static audit does not compile (it audits flash_attn_func's kernels)"
+        )
     versions = _check_environment(args)
     if versions is None:
         return EXIT_USAGE
-    groups, audit, meta = _groups_and_audit(cases, args.backward)
     out = Path(args.out)
     ptx_dir = Path(args.ptx_dir) if args.ptx_dir else out / "ptx"
     no_driver = args.compile_on == "cpu"
@@ -150,7 +134,7 @@ def cmd_static(args: argparse.Namespace) -> int:
     report = {
         "schema": meta["schema"],
         "arch": args.arch,
-        "suite": None if args.config else args.suite,
+        "suite": sel.label,
         "versions": versions,
         "compile_on": args.compile_on,
         "command": "fa4-audit " + " ".join(args.argv),
@@ -244,6 +228,8 @@ def _backward_markdown(rep: dict) -> str:
 
 def register(sub) -> None:
     """Add this audit's subcommands to the ``fa4-audit`` parser."""
+    from audits.selection import add_case_arguments
+
     st = sub.add_parser(
         "static",
         help="compile production's SM100 forward kernel per compile group and check its PTX against the model",
@@ -257,15 +243,7 @@ def register(sub) -> None:
         default="sm_100a",
         help="compile target (only sm_100a, the kernels FA4Numerics.sm100 and fa4.model_bwd model)",
     )
-    st.add_argument(
-        "--suite", default="smoke", help="suite whose compile groups are audited (default smoke)"
-    )
-    st.add_argument(
-        "--config",
-        action="append",
-        default=None,
-        help='a Case as JSON, e.g. \'{"dtype": "bfloat16", "d": 128, "causal": true}\'; repeatable',
-    )
+    add_case_arguments(st, default_suite="smoke")
     st.add_argument(
         "--compile-on",
         default="cuda",
@@ -294,5 +272,5 @@ def register(sub) -> None:
         help="audit the backward kernels (preprocess, FlashAttentionBackwardSm100 / the hd256 kernel, postprocess) "
         "against fa4.model_bwd; writes OUT/static-backward.json and .md (docs/static.md)",
     )
-    st.add_argument("--quiet", action="store_true")
+    st.add_argument("--quiet", action="store_true", help="no progress bar")
     st.set_defaults(func=cmd_static)
