@@ -80,6 +80,18 @@ def _size(name: str) -> int:
     return len(suite(name))
 
 
+def _fidelity_size() -> int:
+    """``fa4-audit fidelity``'s default cases: the ``fidelity`` suite (before the shared case selection
+    named it, ``audits.fidelity.core.CASES``)."""
+    from audits.cases import SUITES
+
+    if "fidelity" in SUITES:
+        return _size("fidelity")
+    from audits.fidelity.core import CASES
+
+    return len(CASES)
+
+
 def _suite_file_size() -> int:
     from audits.domain import Domain
     from audits.suite_file import build, load
@@ -121,7 +133,7 @@ SUITE_COUNTS = [
     ("docs/invariance.md", "fixed-length, {} varlen)", lambda: _smoke_split(True)),
     ("docs/varlen.md", "(`smoke_varlen`, {} cases", lambda: _varlen_suite("smoke_varlen")),
     ("docs/varlen.md", "(`release_varlen`, {} cases)", lambda: _varlen_suite("release_varlen")),
-    ("docs/model-and-fidelity.md", "on identical inputs: {} cases over head dims", lambda: _size("fidelity")),
+    ("docs/model-and-fidelity.md", "on identical inputs: {} cases over head dims", _fidelity_size),
     ("docs/performance.md", "--kernel K`, {} cases;", lambda: _within("smoke", "fa4-model-sm90")),
 ]
 
@@ -175,3 +187,29 @@ def test_help_text_states_no_suite_size():
         for cmd, text in texts.items()
     }
     assert {cmd: found for cmd, found in stale.items() if found} == {}, "help text that states a suite size"
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
+def test_design_contracts_and_verdicts_are_the_codes():
+    """What docs/design.md states about the code, checked against it: every verdict has its rule,
+    every exit code its meaning, the report schema, the exp2 degrees, the kernels by name."""
+    import audits.common
+    from audits.kernels import KERNELS
+    from audits.runner.report import SCHEMA, VERDICTS
+    from fa4.ex2 import DEGREES
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    rules = _section(design, "## Verdict rules")
+    assert [v for v in VERDICTS if f"`{v}`" not in rules] == [], "verdicts without a rule in docs/design.md"
+    contracts = " ".join(_section(design, "## Contracts").split())
+    exits = re.search(r"\*\*Exit codes\*\*(.*?) \d\. \*\*", contracts).group(1)
+    codes = {n: getattr(audits.common, n) for n in dir(audits.common) if n.startswith("EXIT_")}
+    assert {n: c for n, c in codes.items() if not re.search(rf"[:;,] {c} [a-z]", exits)} == {}, exits
+    assert f"schema `{SCHEMA}`" in contracts, f"docs/design.md's contracts do not name the report schema {SCHEMA}"
+    assert DEGREES == tuple(range(DEGREES[0], DEGREES[-1] + 1))
+    assert f"degrees {DEGREES[0]}–{DEGREES[-1]}" in contracts, f"docs/design.md does not give the degrees {DEGREES}"
+    by_name = re.search(r"\*\*Kernels by name\*\*(.*?) \d\. \*\*", contracts).group(1)
+    assert [k for k in KERNELS if f"`{k}`" not in by_name] == [], "kernels docs/design.md does not name"
