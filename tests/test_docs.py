@@ -213,3 +213,34 @@ def test_design_contracts_and_verdicts_are_the_codes():
     assert f"degrees {DEGREES[0]}–{DEGREES[-1]}" in contracts, f"docs/design.md does not give the degrees {DEGREES}"
     by_name = re.search(r"\*\*Kernels by name\*\*(.*?) \d\. \*\*", contracts).group(1)
     assert [k for k in KERNELS if f"`{k}`" not in by_name] == [], "kernels docs/design.md does not name"
+
+
+def _doc_pages() -> list[Path]:
+    return [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+
+
+def test_names_and_paths_in_the_docs_exist():
+    """Every dotted name of the packages the docs and the README cite (``audits.cases.Case``,
+    ``fa4.model``) is a module or a name of one, and every path they cite in this repository
+    (``audits/runner/gate.py``) exists: a rename that forgets the docs fails here."""
+    import importlib
+
+    def is_module(parts: list[str]) -> bool:
+        p = ROOT.joinpath(*parts)
+        return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+    missing = []
+    for page in _doc_pages():
+        text = page.read_text()
+        where = page.relative_to(ROOT).as_posix()
+        for name in sorted(set(re.findall(r"\b(?:numerics|fa4|audits)(?:\.[A-Za-z_]\w*)+", text))):
+            parts = name.split(".")
+            k = max(i for i in range(1, len(parts) + 1) if is_module(parts[:i]))
+            if k < len(parts) and parts[k] not in ("py", "md", "toml", "json"):
+                if not hasattr(importlib.import_module(".".join(parts[:k])), parts[k]):
+                    missing.append(f"{where}: {name}")
+        top = "|".join(["numerics", "fa4", "audits", "tests", "examples", "benchmarks", "docs", "reports"])
+        for path in sorted(set(re.findall(rf"`((?:{top})/[\w./-]*\w)/?`", text))):  # whole spans: no globs
+            if not (ROOT / path).exists() and not path.endswith("-latest"):  # a run's default output folder
+                missing.append(f"{where}: {path}")
+    assert missing == [], "names or paths the docs cite that the code does not have"
