@@ -180,6 +180,13 @@ def _suite(name: str, narrow, own: dict, d) -> Selection:
         return Selection(suite(name), name)
     built = named_suite_within(name, d)
     info = _domain_info(own, d, built, name)
+    if built["axes"] is None and d != Domain():  # a fixed list (fidelity's) filtered, not built: say what it lost
+        whole, kept = suite(name), set(built["cases"])
+        lost = [c for c in whole if c not in kept]
+        if lost:
+            info["cases_outside"] = len(lost)
+            _say(f"{name}: {len(lost)} of {len(whole)} cases lie outside the kernels' domain and are not run "
+                 f"(e.g. {lost[0].name}: {d.refusal(lost[0])})")  # fmt: skip
     if len(own) > 1:  # the per-kernel domains and the cases each will skip
         outside = {k: sum(x.refusal(c) is not None for c in built["cases"]) for k, x in own.items()}
         info["kernels"] = {k: {"domain": x.as_dict(), "cases_outside": outside[k]} for k, x in own.items()}

@@ -144,6 +144,17 @@ def test_invariance_builds_named_suites_within_the_domain_file(tmp_path, capsys)
     assert sel.label == "smoke" and sel.domain_info["domain"]["dtypes"] == ["float16"]
 
 
+def test_a_fixed_suite_filtered_to_the_domain_says_what_it_lost(tmp_path, capsys):
+    """fidelity's fixed list is filtered, not built, within a domain: the cases left out are counted."""
+    from audits.selection import select_cases
+
+    (tmp_path / "d.toml").write_text("head_dims = [[64, 64]]\n")
+    sel = select_cases(argparse.Namespace(suite="fidelity", domain=str(tmp_path / "d.toml")))
+    assert [c.d for c in sel.cases] == [64] * 6 and sel.domain_info["cases_outside"] == 27
+    err = capsys.readouterr().err
+    assert "fidelity: 27 of 33 cases lie outside the kernels' domain and are not run (e.g. bf16-d96-" in err
+
+
 def _fake_static(monkeypatch, seen):
     from audits.static import cli as static_cli
     from audits.static import core
