@@ -29,18 +29,37 @@ def _production(spec: str):
         raise UsageError(str(exc)) from exc
 
 
-def _run_cases(cases, production, device, quiet: bool, mma: str = "exact") -> list[dict]:
+def _run_cases(cases, production, device, quiet: bool, mma: str = "exact", unfinished=None) -> list[dict]:
+    """Each case's result; a case whose production call passed ``--timeout`` or killed its worker
+    goes into ``unfinished`` instead ({case, name, verdict: timeout | crash, reason})."""
     from rich.console import Console
 
     from audits.fidelity import core as fidelity
+    from audits.worker import KernelTimeout, WorkerCrashed
 
     results = []
     with progress(Console(stderr=True), quiet=quiet) as bar:
         task = bar.add_task("fidelity", total=len(cases))
         for label, c in cases:
-            results.append(fidelity.run_case(label, c, production, device, mma=mma))
+            try:
+                results.append(fidelity.run_case(label, c, production, device, mma=mma))
+            except (KernelTimeout, WorkerCrashed) as exc:
+                verdict = "timeout" if isinstance(exc, KernelTimeout) else "crash"
+                unfinished.append({"case": label, "name": c.name, "verdict": verdict, "reason": str(exc)})
             bar.advance(task)
     return results
+
+
+def _in_worker(args, production, device):
+    """(the production kernel, run in a worker process under ``--timeout`` when it is given
+    above 0, and that worker to close; else the kernel itself and None)."""
+    from audits.worker import Isolated, timeout_setting
+
+    timeout, explicit = timeout_setting(args)
+    if not (explicit and timeout):
+        return production, None
+    iso = Isolated(args.production, device, timeout=timeout)
+    return iso, iso
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
@@ -68,7 +87,18 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     sel = select_cases(args, kernels=[args.production])
     labels = {c: n for n, c in fidelity.CASES.items()}  # the fidelity suite's labels; other cases by name
     cases = [(labels.get(c, c.name), c) for c in sel.cases]
-    results = _run_cases(cases, production, device, args.quiet, args.mma)
+    production, worker = _in_worker(args, production, device)
+    unfinished: list[dict] = []
+    try:
+        results = _run_cases(cases, production, device, args.quiet, args.mma, unfinished)
+    finally:
+        if worker is not None:
+            worker.close()
+    if not results:  # every case timed out or crashed: no figure to summarize
+        for u in unfinished:
+            print(f"{u['verdict'].upper()} {u['case']}: {u['reason']}")
+        print(f"fidelity: none of {len(cases)} cases finished", file=sys.stderr)
+        return EXIT_FAIL
     report = {
         "schema": "fa4-audit/fidelity/1",
         "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
@@ -78,6 +108,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         "suite": sel.label,
         "summary": fidelity.summarize(results),
         "results": results,
+        "unfinished": unfinished,  # cases whose production call timed out or crashed (--timeout)
     }
     if args.mufu:
         from audits.fidelity.mufu import measure_mufu
@@ -93,12 +124,15 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         f"or 1 ULP apart ({100 * s['fraction_identical']:.3f}% identical), {s['outputs']['>2']} beyond 2 ULP; "
         f"LSE {100 * s['lse_fraction_identical']:.3f}% identical; report: {out / 'fidelity.md'}"
     )
-    return EXIT_OK if s["cases_ok"] == s["cases"] else EXIT_FAIL
+    for u in unfinished:
+        print(f"{u['verdict'].upper()} {u['case']}: {u['reason']}")
+    return EXIT_OK if s["cases_ok"] == s["cases"] and not unfinished else EXIT_FAIL
 
 
 def register(sub) -> None:
     """Add this audit's subcommands to the ``fa4-audit`` parser."""
     from audits.selection import add_case_arguments
+    from audits.worker import IN_PROCESS_NOTE, add_timeout_argument
 
     f = sub.add_parser(
         "fidelity",
@@ -134,4 +168,5 @@ def register(sub) -> None:
         "tensor cores' as measured on the H200 (numerics.tensor_core, docs/tensor-cores.md)",
     )
     f.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_timeout_argument(f, note=IN_PROCESS_NOTE)
     f.set_defaults(func=cmd_fidelity)

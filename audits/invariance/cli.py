@@ -58,6 +58,19 @@ def _targets(kernels: list[str], predict: str | None) -> list[tuple]:
     return out
 
 
+def _in_workers(args, targets: list, device) -> tuple[list, list]:
+    """(the targets, each run in a worker process under ``--timeout`` when it is given above 0,
+    else as they are; the workers to close): a call in this process could not be stopped."""
+    from audits.invariance import core
+    from audits.worker import timeout_setting
+
+    timeout, explicit = timeout_setting(args)
+    if not (explicit and timeout):
+        return targets, []
+    pairs = [(None, None) if t is None else core.in_worker(t, device, timeout) for t in targets]
+    return [t for t, _ in pairs], [w for _, w in pairs if w is not None]
+
+
 def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
     from rich.console import Console
 
@@ -65,11 +78,17 @@ def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
 
     t0 = time.perf_counter()
     records = []
-    with progress(Console(stderr=True), quiet=args.quiet) as bar:
-        task = bar.add_task(f"invariance {t.name} / {label}", total=len(cases))
-        for c in cases:
-            records.append(core.run_case(c, t, device=device, model=model))
-            bar.advance(task)
+    limit, workers = _in_workers(args, [t, model], device)
+    t, model = limit
+    try:
+        with progress(Console(stderr=True), quiet=args.quiet) as bar:
+            task = bar.add_task(f"invariance {t.name} / {label}", total=len(cases))
+            for c in cases:
+                records.append(core.run_case(c, t, device=device, model=model))
+                bar.advance(task)
+    finally:
+        for w in workers:
+            w.close()
     mname = None if model is None else model.name
     summary = core.summarize(records, _required(args.require), mname)
     return {
@@ -120,14 +139,14 @@ def _print_summary(report: dict, d: Path) -> None:
     for p, n in s["counts"].items():
         req = " (required)" if p in s["required"] else ""
         print(f"{kern} {p}{req}: {n['holds']} hold, {n['differs']} differ, {n['not applicable']} n.a., "
-              f"{n['skipped']} skipped, {n['error']} error")  # fmt: skip
+              f"{n['skipped']} skipped, {n['error']} error, {n['timeout']} timeout")  # fmt: skip
         if pred:
             a = pred["per_property"][p]
             print(f"  predicted by {pred['model']}: {a['agree']} agree, {a['disagree']} disagree, "
                   f"{a['not compared']} not compared")  # fmt: skip
         for r in report["cases"]:
             res = r["properties"][p]
-            if res["result"] in ("differs", "error") and p in s["required"]:
+            if res["result"] in ("differs", "error", "timeout") and p in s["required"]:
                 print(f"  {res['result'].upper()} {r['case']}: {cell(res)}")
     if pred:
         for x in pred["disagreements"]:
@@ -140,6 +159,7 @@ def register(sub) -> None:
     """Add ``invariance`` to the ``fa4-audit`` parser."""
     from audits.invariance.core import PROPERTIES
     from audits.selection import add_case_arguments
+    from audits.worker import IN_PROCESS_NOTE, add_timeout_argument
 
     r = sub.add_parser(
         "invariance",
@@ -169,4 +189,5 @@ def register(sub) -> None:
     r.add_argument("--out", default="reports/invariance-latest",
                    help="report directory (default reports/invariance-latest)")  # fmt: skip
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_timeout_argument(r, note=IN_PROCESS_NOTE)
     r.set_defaults(func=cmd_invariance)

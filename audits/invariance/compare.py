@@ -5,16 +5,16 @@ into a property's result (docs/invariance.md)."""
 from __future__ import annotations
 
 import math
-import traceback
 
 import torch
 
 from audits.kernels import contract_error, varlen_contract_error
+from audits.worker import KernelTimeout, WorkerCrashed, failure_reason, traceback_of
 from numerics.fp import bit_view, format_of, step_distance, ulp_of
 
-__all__ = ["RESULTS", "Refused", "Broken", "call_fixed", "call_varlen", "compare", "merge", "verdict"]
+__all__ = ["RESULTS", "Refused", "Broken", "TimedOut", "call_fixed", "call_varlen", "compare", "merge", "verdict"]
 
-RESULTS = ("holds", "differs", "not applicable", "skipped", "error")
+RESULTS = ("holds", "differs", "not applicable", "skipped", "error", "timeout")
 
 
 class Refused(Exception):
@@ -22,7 +22,11 @@ class Refused(Exception):
 
 
 class Broken(Exception):
-    """The kernel raised something else, or returned out/LSE breaking the contract."""
+    """The kernel raised something else, its worker died, or it returned out/LSE breaking the contract."""
+
+
+class TimedOut(Exception):
+    """A call in the kernel's worker passed ``--timeout`` (``audits.worker``): killed."""
 
 
 def _invoke(fn, q, k, v, kw):
@@ -30,9 +34,13 @@ def _invoke(fn, q, k, v, kw):
         res = fn(q, k, v, return_lse=True, **kw)
     except NotImplementedError as exc:
         raise Refused(f"kernel does not support this configuration: {exc}") from exc
+    except KernelTimeout as exc:
+        raise TimedOut(str(exc)) from exc
+    except WorkerCrashed as exc:
+        raise Broken(str(exc)) from exc
     except Exception as exc:
-        tb = traceback.format_exc(limit=2).strip().splitlines()[-1]
-        raise Broken(f"kernel raised {type(exc).__name__}: {exc} ({tb})") from exc
+        tb = traceback_of(exc, limit=2).strip().splitlines()[-1]
+        raise Broken(f"{failure_reason(exc)[1]} ({tb})") from exc
     return res if isinstance(res, tuple) else (res, None)
 
 

@@ -8,7 +8,8 @@ bitwise, ``split`` within the forward bound.  A fixed-length kernel is audited o
 A property of a case is ``holds``, ``differs`` (how many elements, the largest distance in steps
 of the output's format, each variant's largest |x - FP64| and, for FA4 numerics, whether both
 stay within ``numerics.forward_bound``), ``not applicable`` (with the reason), ``skipped`` (the
-kernel raised NotImplementedError, or the case lies outside its declared domain) or ``error``.
+kernel raised NotImplementedError, or the case lies outside its declared domain), ``error`` or
+``timeout`` (a call passed ``--timeout`` in the kernel's worker: :func:`in_worker`).
 
 Prediction: the same properties run on a model's kernel (``--predict``) with the same inputs;
 its result sits beside the measured one (``predicted``), and the summary counts agreements.
@@ -21,10 +22,11 @@ import time
 from collections.abc import Callable
 
 from audits.invariance import fixed, varlen
-from audits.invariance.compare import RESULTS, Broken, Refused, compare
+from audits.invariance.compare import RESULTS, Broken, Refused, TimedOut, compare
 
 __all__ = [
     "PROPERTIES", "DECODE_ROWS", "RESULTS", "Target", "target", "default_model", "run_case", "summarize", "compare",
+    "in_worker",
 ]  # fmt: skip
 
 #: the properties this audit checks, with what each compares
@@ -70,6 +72,16 @@ def target(spec: str) -> Target:
         arch = declared
         nmf = _numerics_of(declared)
     return Target(spec, fn, vfn, kernel_domain(spec), nmf, arch)
+
+
+def in_worker(t: Target, device, timeout: float | None):
+    """(``t`` with its calls, fixed-length and varlen, made in a worker process under
+    ``timeout`` seconds per call, the ``audits.worker.Isolated`` to close afterwards): a
+    call past the limit kills the worker and the property's result is ``timeout``."""
+    from audits.worker import Isolated
+
+    iso = Isolated(t.name, device, timeout=timeout)
+    return dataclasses.replace(t, fn=iso.entry(None), varlen=None if t.varlen is None else iso.entry("varlen")), iso
 
 
 def _numerics_of(arch: str) -> Callable:
@@ -149,6 +161,8 @@ def _measure(shared: _Shared, t: Target) -> dict:
             res[prop] = {"result": "skipped", "reason": str(exc)}
         except Broken as exc:
             res[prop] = {"result": "error", "reason": str(exc)}
+        except TimedOut as exc:
+            res[prop] = {"result": "timeout", "reason": str(exc)}
     return res
 
 
@@ -198,7 +212,7 @@ def summarize(records: list[dict], required: list[str], model: str | None = None
         for p, res in r["properties"].items():
             counts[p][res["result"]] += 1
     compared = sum(counts[p]["holds"] + counts[p]["differs"] for p in PROPERTIES)
-    failing = [p for p in required if counts[p]["differs"] or counts[p]["error"]]
+    failing = [p for p in required if counts[p]["differs"] or counts[p]["error"] or counts[p]["timeout"]]
     s = {"counts": counts, "required": required, "compared": compared, "failing": failing,
          "passed": compared > 0 and not failing}  # fmt: skip
     if model is not None:

@@ -98,8 +98,10 @@ def grad_call(fn, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dic
         why = _refused(exc, fn)
         if why is not None:
             return {"status": "skipped", "reason": f"backward not supported: {why}"}, None
-        tb = traceback.format_exc(limit=3)
-        return {"status": "error", "reason": f"backward raised {type(exc).__name__}: {exc}", "traceback": tb}, None
+        from audits.worker import failure_reason
+
+        cause, why = failure_reason(exc, "backward")  # out-of-memory said as such
+        return {"status": "error", "reason": why, "cause": cause, "traceback": traceback.format_exc(limit=3)}, None
     lse = lse.detach() if isinstance(lse, torch.Tensor) else None
     return {"status": "ran"}, (out.detach(), lse, runs)
 

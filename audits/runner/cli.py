@@ -94,8 +94,13 @@ def _run_here(args, kernels, cases, label, th, device) -> dict[str, list[dict]]:
 
     from audits.runner.engine import run_suites
     from audits.runner.journal import JournalMismatch
+    from audits.worker import isolation, timeout_setting
 
-    isolate = args.isolate if args.isolate is not None else (lambda kern: kern == "fa4" or ":" in kern)
+    timeout, explicit = timeout_setting(args)
+    try:
+        isolate = isolation(args.isolate, timeout, explicit)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     with progress(Console(stderr=True), quiet=args.quiet) as bar:
         task = bar.add_task(f"{', '.join(kernels)} / {label}", total=len(cases) * len(kernels))
         try:
@@ -103,7 +108,7 @@ def _run_here(args, kernels, cases, label, th, device) -> dict[str, list[dict]]:
                 kernels, cases, device=device, out_dir=args.out, thresholds=th, suite=label, seed=args.seed,
                 resume=args.resume, exitfirst=args.exitfirst, isolate=isolate,
                 progress=lambda kern, r: bar.advance(task), backward=_backward_options(args),
-                per_sequence=args.per_sequence,
+                per_sequence=args.per_sequence, timeout=timeout,
             )  # fmt: skip
         except JournalMismatch as exc:
             raise UsageError(f"--resume refused: {exc}") from exc
@@ -118,6 +123,7 @@ def _child_argv(args: argparse.Namespace, kernels: list[str], case_file: Path, l
     argv += ["--resume"] if args.resume else []
     argv += ["-x"] if args.exitfirst else []
     argv += [] if args.isolate is None else (["--isolate"] if args.isolate else ["--no-isolate"])
+    argv += [] if args.timeout is None else ["--timeout", repr(args.timeout)]
     argv += ["--backward", "--repeat", str(args.repeat)] if args.backward else []
     argv += ["--deterministic"] if args.deterministic else []
     argv += ["--per-sequence"] if args.per_sequence else []
@@ -297,6 +303,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     """Add ``run`` to the ``fa4-audit`` parser."""
     from audits.selection import add_case_arguments
+    from audits.worker import RUN_DEFAULT_NOTE, add_timeout_argument
 
     r = sub.add_parser(
         "run",
@@ -339,8 +346,10 @@ def register(sub) -> None:
     r.add_argument(
         "--isolate", action=argparse.BooleanOptionalAction, default=None,
         help="run the kernel in a worker process so that a crash is one case's verdict "
-        "(default: on for fa4 and user kernels, off for the built-in model and SDPA)",
+        "(default: on for fa4 and user kernels, off for the built-in model and SDPA; on for every kernel with "
+        "--timeout)",
     )  # fmt: skip
+    add_timeout_argument(r, note=RUN_DEFAULT_NOTE)
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument(
         "--backward", action="store_true",

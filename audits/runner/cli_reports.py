@@ -66,6 +66,7 @@ def _baseline(args, rep: dict) -> tuple[dict | None, int, str]:
 def cmd_gate(args: argparse.Namespace) -> int:
     from audits.runner.gate import rejudge
     from audits.runner.report import exit_code, summary_line, write_report
+    from audits.runner.schema import FAILING
 
     rep = load_report(args.report)
     th = _thresholds(args.thresholds)
@@ -73,8 +74,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
     key = lambda c: case_key(c, ignore_seed=args.ignore_seed)
     new = _summarize(rejudge(rep, th, base, key=key))
     for c in new["cases"]:
-        if c["verdict"] in ("fail", "error", "crash"):
-            print(f"{c['verdict'].upper():6s} {c['case']}: {'; '.join(c['reasons'])}")
+        if c["verdict"] in FAILING:
+            print(f"{c['verdict'].upper():7s} {c['case']}: {'; '.join(c['reasons'])}")
     print(f"{summary_line(new)} under {th['path']}")
     code = exit_code(new)
     if base is not None:
@@ -261,6 +262,15 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _timeout(args: argparse.Namespace) -> float | None:
+    """``--timeout`` when given above 0 (the kernel then runs in a worker), else None (in this
+    process, no limit)."""
+    from audits.worker import timeout_setting
+
+    timeout, explicit = timeout_setting(args)
+    return timeout if explicit else None
+
+
 def cmd_fuzz(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -286,7 +296,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         backward = BackwardOptions(repeat=2)
     res = fuzz(
         args.kernel, budget=args.budget, device=device, thresholds=th, database=args.database,
-        max_seqlen=args.max_seqlen, seed=args.seed, backward=backward, narrow=narrow,
+        max_seqlen=args.max_seqlen, seed=args.seed, backward=backward, narrow=narrow, timeout=_timeout(args),
     )  # fmt: skip
     atomic_write(Path(args.out) / "fuzz.json", json.dumps(res, indent=1) + "\n")
     print(f"{res['examples']} examples; largest error/bound {res['best_tightness']} ({res['best_case']})")
@@ -299,6 +309,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add the report commands, ``list`` and ``fuzz`` to the ``fa4-audit`` parser."""
+    from audits.worker import IN_PROCESS_NOTE, add_timeout_argument
+
     g = sub.add_parser("gate", help="re-judge a report under thresholds (and against a baseline report)")
     g.add_argument("report", help="the report.json (or .json.gz / .json.xz) to re-judge")
     g.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/runner/thresholds.toml)")
@@ -339,6 +351,7 @@ def register(sub) -> None:
         "are drawn inside it, other draws outside it are skipped",
     )  # fmt: skip
     fz.add_argument("--out", default="reports/fuzz-latest", help="writes OUT/fuzz.json (default reports/fuzz-latest)")
+    add_timeout_argument(fz, note=IN_PROCESS_NOTE)
     fz.set_defaults(func=cmd_fuzz)
     ls = sub.add_parser("list", help="kernels, suites (case and compile-key counts) and input families")
     ls.set_defaults(func=cmd_list)

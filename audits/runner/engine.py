@@ -21,7 +21,6 @@ import bisect
 import functools
 import math
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,7 +37,6 @@ from audits.kernels import (
     fa4_varlen_numerics,
     fa4_varlen_splits,
     get_kernel,
-    get_varlen_kernel,
     kernel_domain,
     per_sequence,
     varlen_contract_error,
@@ -47,14 +45,20 @@ from audits.runner import journal
 from audits.runner.backward import BackwardOptions, analyse_backward, case_references, grad_call
 from audits.runner.gate import judge
 from audits.runner.repro import reproducer
+from audits.runner.schema import FAILING, upgrade_case
+from audits.worker import (
+    DEFAULT_TIMEOUT_S,
+    Isolated,
+    KernelTimeout,
+    WorkerCrashed,
+    failure_reason,
+    traceback_of,
+)
 from numerics.forward_bound import forward_error_bound
 from numerics.metrics import bound_check, fa_floor, lse_errors, output_errors
 from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
 
 __all__ = ["evaluate_case", "run_suite", "run_suites", "kernel_dir", "shard_cases", "FAILING"]
-
-#: verdicts that fail a run (and get their inputs saved for reproduction)
-FAILING = ("fail", "error", "crash")
 
 
 def shard_cases(cases: list[Case], index: int, count: int, *, by: str = "cost") -> list[Case]:
@@ -170,12 +174,15 @@ def _measure(rec: dict, kernel: str, case: Case, x: dict, out, lse, refs: tuple,
     ob, lb = bounds
     rec["bound"] = {"kind": nm[0], **bound_check(out, ref, ob, lse, rl, lb)}
     rec["out_of_domain"] = _domain(q, k, v, case, nm[1])
+    # the verdict reads the kind (audits.runner.schema.OUT_OF_DOMAIN_KINDS), never the message
+    rec["out_of_domain_kind"] = None if rec["out_of_domain"] is None else "float32-range"
     if (
         rec["out_of_domain"] is None
         and not claims_nonfinite_inputs(kernel)
         and not all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v))
     ):
         rec["out_of_domain"] = f"inputs contain NaN/inf and {kernel} claims no semantics for them"
+        rec["out_of_domain_kind"] = "nonfinite-inputs"
     rec["fa_criterion"] = fa_floor(out, ref, low)
     rec["mpmath_max_abs"] = cert
 
@@ -186,13 +193,15 @@ def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
     for its documented refusals (``fa4.production.REFUSALS``); any other exception is an error."""
     try:
         res = fn(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
-    except WorkerCrashed as exc:
+    except WorkerCrashed as exc:  # its worker died (audits.worker): the reason says how
         return {"status": "crash", "reason": str(exc)}, None
+    except KernelTimeout as exc:  # past --timeout: its worker was killed
+        return {"status": "timeout", "reason": str(exc)}, None
     except NotImplementedError as exc:
         return {"status": "skipped", "reason": f"kernel does not support this configuration: {exc}"}, None
     except Exception as exc:  # any other exception is the case's verdict, never a pass
-        tb = traceback.format_exc(limit=3)
-        return {"status": "error", "reason": f"kernel raised {type(exc).__name__}: {exc}", "traceback": tb}, None
+        cause, why = failure_reason(exc)  # out-of-memory said as such
+        return {"status": "error", "reason": why, "cause": cause, "traceback": traceback_of(exc)}, None
     return {"status": "ran"}, (res if isinstance(res, tuple) else (res, None))
 
 
@@ -347,7 +356,7 @@ def _varlen_entry(kernel: str, fn: Callable, per_seq: bool) -> tuple[Callable | 
     """(the callable that runs a varlen case, "varlen" | "per-sequence"), or (None, None): the
     kernel's varlen entry (a built-in's, or ``fn`` itself when it declares the varlen contract),
     else with ``per_seq`` the fixed-length ``fn`` once per sequence."""
-    if isinstance(fn, _Isolated):
+    if isinstance(fn, Isolated):
         return fn.varlen_entry(per_seq)
     entry = fn if getattr(fn, "fa4_audit_contract", None) == "varlen" else None
     if entry is None and kernel in VARLEN_KERNELS and KERNELS.get(kernel) is fn:
@@ -369,7 +378,7 @@ def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.devi
     """The case's backward half (``audits.runner.backward``): a seeded dO, the kernel's
     gradients, their measurements; an OOM in the audit's own FP64 work is the case's error."""
     do, fam = make_grad_output(case, device=device)
-    status, res = fn.grad(x, do, opts) if isinstance(fn, _Isolated) else grad_call(fn, x, do, opts)
+    status, res = fn.grad(x, do, opts, call=grad_call) if isinstance(fn, Isolated) else grad_call(fn, x, do, opts)
     b = {**status, "do_family": fam, "repeat": opts.repeat, "deterministic": opts.deterministic}
     if res is None:
         return b
@@ -445,118 +454,6 @@ def _skipped(rec: dict, reason: str, t0: float) -> dict:
     return rec
 
 
-class WorkerCrashed(RuntimeError):
-    """The kernel's worker process died during a call."""
-
-
-def _entry_of(kernel: str, entry: str | None) -> Callable:
-    """The kernel's callable for ``entry``: None the fixed-length one, "varlen" its varlen
-    entry, "per-sequence" the fixed-length one once per sequence."""
-    if entry == "varlen":
-        return get_varlen_kernel(kernel)
-    return per_sequence(get_kernel(kernel)) if entry == "per-sequence" else get_kernel(kernel)
-
-
-def _worker(conn, kernel: str) -> None:  # pragma: no cover - runs in the child process
-    """Call the kernel on inputs sent over ``conn`` until None arrives (see :class:`_Isolated`).
-    Replies ("ok", result) or ("raise", exception)."""
-    fns = {}
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        (q, k, v, kw), device, bwd, entry = msg
-        if entry not in fns:
-            fns[entry] = _entry_of(kernel, entry)
-        fn = fns[entry]
-        dev = torch.device(device)
-        kw = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
-        try:
-            if bwd is not None:  # the backward half: grad_call here, its tensors sent back on the CPU
-                do, opts = bwd
-                x = {"q": q.to(dev), "k": k.to(dev), "v": v.to(dev), "kw": kw}
-                conn.send(("ok", _to(grad_call(fn, x, do.to(dev), opts), "cpu")))
-                continue
-            res = fn(q.to(dev), k.to(dev), v.to(dev), return_lse=True, **kw)
-            conn.send(("ok", _to(res, "cpu")))
-        except Exception as exc:  # sent back and re-raised in the parent
-            conn.send(("raise", exc))
-
-
-def _to(x, device):
-    """Tensors inside tuples, lists and dicts moved to ``device``; anything else as it is."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(t, device) for t in x)
-    if isinstance(x, dict):
-        return {n: _to(t, device) for n, t in x.items()}
-    return x
-
-
-class _Isolated:
-    """A persistent worker process that runs the kernel: a kernel that kills its process (a
-    segfault, an abort, a CUDA illegal address that poisons the context) costs one case — its
-    verdict is ``crash`` — and a fresh worker takes the next case.  Only the kernel call crosses
-    the process boundary; references and verdicts stay in the parent (and its caches)."""
-
-    def __init__(self, kernel: str, device: torch.device):
-        import multiprocessing as mp
-
-        self.ctx = mp.get_context("spawn")
-        self.kernel, self.device = kernel, str(device)
-        self.proc = None
-
-    def _start(self):
-        self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker, args=(child, self.kernel), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def _ask(self, q, k, v, kw, bwd, entry=None):
-        if self.proc is None or not self.proc.is_alive():
-            self._start()
-        try:
-            self.conn.send(((_to(q, "cpu"), _to(k, "cpu"), _to(v, "cpu"), _to(kw, "cpu")), self.device, bwd, entry))
-            status, payload = self.conn.recv()
-        except (EOFError, ConnectionError, BrokenPipeError):
-            self.proc.join(timeout=5)
-            code = self.proc.exitcode
-            self.proc = None
-            raise WorkerCrashed(f"the kernel's worker process died (exit code {code}) on this case") from None
-        if status == "raise":
-            raise payload
-        return _to(payload, q.device)
-
-    def __call__(self, q, k, v, *, return_lse=True, **kw):
-        return self._ask(q, k, v, kw, None)
-
-    def varlen_entry(self, per_seq: bool) -> tuple[Callable | None, str | None]:
-        """:func:`_varlen_entry` in the worker: its varlen entry, else (``per_seq``) the
-        fixed-length kernel once per sequence, else (None, None)."""
-        entry = "varlen" if get_varlen_kernel(self.kernel) is not None else "per-sequence" if per_seq else None
-        if entry is None:
-            return None, None
-        return (lambda q, k, v, *, return_lse=True, **kw: self._ask(q, k, v, kw, None, entry)), entry
-
-    def grad(self, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dict, tuple | None]:
-        """``audits.runner.backward.grad_call`` in the worker; a crash there is the case's."""
-        try:
-            return self._ask(x["q"], x["k"], x["v"], x["kw"], (do.cpu(), opts))
-        except WorkerCrashed as exc:
-            return {"status": "crash", "reason": str(exc)}, None
-
-    def close(self):
-        if self.proc is not None and self.proc.is_alive():
-            try:
-                self.conn.send(None)
-            except (BrokenPipeError, ConnectionError):
-                pass
-            self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                self.proc.kill()
-
-
 def run_suite(kernel: str, cases: list[Case], **kw) -> list[dict]:
     """:func:`run_suites` for one kernel: its records in suite order."""
     return run_suites([kernel], cases, **kw)[kernel]
@@ -583,6 +480,7 @@ def run_suites(
     progress: Callable[[str, dict], None] | None = None,
     backward: BackwardOptions | None = None,
     per_sequence: bool = False,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> dict[str, list[dict]]:
     """Evaluate ``cases`` (grouped by compile key) for every kernel; journal each record under
     :func:`kernel_dir`; return each kernel's records in suite order.  The kernels take turns
@@ -591,8 +489,9 @@ def run_suites(
     that kernel without a call.
     ``resume``: keep the finished records of a journal written by this same run (kernel, suite,
     seed, thresholds, cases: ``journal.JournalMismatch`` otherwise).  ``isolate`` (a bool or a
-    predicate on the kernel name): evaluate in a worker process, where a crash becomes the
-    case's verdict.  ``backward``: audit the gradients too (``audits.runner.backward``).
+    predicate on the kernel name): evaluate in a worker process (``audits.worker``), where
+    a crash becomes the case's verdict, and a call past ``timeout`` seconds (None: no limit) the
+    verdict ``timeout``.  ``backward``: audit the gradients too (``audits.runner.backward``).
     ``per_sequence``: a fixed-length kernel runs varlen cases one sequence at a time (else they
     are skipped for it); a resumed record made otherwise is redone.
     KeyboardInterrupt propagates after the journals hold what finished."""
@@ -602,7 +501,7 @@ def run_suites(
     for kern in kernels:
         state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, run)
         iso = isolate(kern) if callable(isolate) else isolate
-        state[kern]["iso"] = _Isolated(kern, device) if iso else None
+        state[kern]["iso"] = Isolated(kern, device, timeout=timeout) if iso else None
         state[kern]["fn"] = state[kern]["iso"] or get_kernel(kern)
         state[kern]["domain"] = kernel_domain(kern)  # resolved once, here: --jobs children decide alike
     order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
@@ -651,10 +550,10 @@ def _same_entry(rec: dict, per_seq: bool) -> bool:
 
 def is_audit_error(rec: dict) -> bool:
     """Whether a journal record failed on the audit's side (its FP64 work ran out of GPU
-    memory), not the kernel's; records written before the flag existed are told by their reason.
+    memory), not the kernel's; records written before the flag existed get it from
+    ``audits.runner.schema.upgrade_case`` (the one reader of old message text).
     Public: ``benchmarks/release_state_from_reports.py`` leaves such records out as ``--resume`` does."""
-    why = " ".join(rec.get("reasons") or []) + (rec.get("backward") or {}).get("reason", "")
-    return bool(rec.get("audit_error")) or ("the audit's FP64" in why and "ran out of GPU memory" in why)
+    return bool(upgrade_case(dict(rec)).get("audit_error"))
 
 
 def _save_inputs(st: dict, c: Case) -> str:

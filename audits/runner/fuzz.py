@@ -20,6 +20,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from audits.cases import Case
 from audits.inputs import FAMILIES
 from audits.runner.repro import reproducer
+from audits.runner.schema import FAILING
 
 __all__ = ["cases", "fuzz"]
 
@@ -78,17 +79,23 @@ def fuzz(
     seed: int | None = None,
     backward=None,
     narrow=None,
+    timeout: float | None = None,
 ) -> dict:
     """Search for a failing case; returns {examples, best_tightness, best_case, failure}.  A
     failure is the minimal case Hypothesis shrank to, with its verdict's reasons.  ``backward``
     (``audits.runner.backward.BackwardOptions``): audit the gradients too, and climb toward the
     largest error/bound over the output and the gradients.  ``narrow`` (an ``audits.domain.Domain``,
     ``fuzz --domain FILE``) narrows the kernel's declared domain: dtypes and lengths are drawn
-    inside it, and a draw outside it otherwise is the kernel's ``skipped`` case."""
+    inside it, and a draw outside it otherwise is the kernel's ``skipped`` case.  ``timeout``
+    (seconds, ``fuzz --timeout``): the kernel runs in a worker process (``audits.worker``)
+    and a call past the limit is the example's ``timeout`` verdict, a failure; None: in this
+    process, no limit."""
     from audits.kernels import get_kernel, kernel_domain
     from audits.runner.engine import evaluate_case
+    from audits.worker import Isolated
 
-    fn, domain = get_kernel(kernel), kernel_domain(kernel)
+    fn = Isolated(kernel, device, timeout=timeout) if timeout else get_kernel(kernel)
+    domain = kernel_domain(kernel)
     draw = {"max_seqlen": max_seqlen}
     if narrow is not None:
         domain = domain.narrow(narrow)
@@ -114,7 +121,7 @@ def fuzz(
             target(tight, label="error / bound")
             if tight > state["best"][0]:
                 state["best"] = (tight, case)
-        if rec["verdict"] in ("fail", "error", "crash"):
+        if rec["verdict"] in FAILING:
             state["fail"] = (case, rec)  # the last failing call is the shrunk, minimal one
             raise AssertionError(f"{rec['verdict']}: {'; '.join(rec['reasons'])}")
 
@@ -124,6 +131,11 @@ def fuzz(
     try:
         prop()
     except AssertionError:
+        pass
+    finally:
+        if isinstance(fn, Isolated):
+            fn.close()
+    if state["fail"] is not None:
         case, rec = state["fail"]
         failure = {
             "case": case.as_dict(),

@@ -159,7 +159,7 @@ def _certified(m: dict, th: dict) -> list[tuple[str, str]]:
 
 
 _CHECKS = (_semantics, _bound, _fa_criterion, _lse, _certified)
-_RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 3, "fail": 4, "error": 5, "crash": 6}
+_RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 3, "fail": 4, "error": 5, "timeout": 6, "crash": 7}
 
 
 def _grad_values(b: dict, th: dict) -> list[tuple[str, str]]:
@@ -246,12 +246,13 @@ def _backward(m: dict, th: dict) -> list[tuple[str, str]]:
 def judge(m: dict, th: dict) -> tuple[str, list[str]]:
     """(verdict, reasons) for one case's measurements ``m`` (see ``audits.runner.engine``): the
     worst severity any check gives, with every check's reasons."""
-    if m.get("status") in ("error", "skipped", "crash"):
+    if m.get("status") in ("error", "skipped", "crash", "timeout"):
         return m["status"], [m.get("reason", "")]
-    ood, lse = m.get("out_of_domain"), m.get("lse") or {}
-    nonfinite_claim = ood and "claims no semantics" in ood  # the kernel's own domain (audits.kernels)
+    # decided by the record's fields only (old records: audits.runner.schema.upgrade_case)
+    ood, kind, lse = m.get("out_of_domain"), m.get("out_of_domain_kind"), m.get("lse") or {}
+    nonfinite_claim = kind == "nonfinite-inputs"  # the kernel's own domain (audits.kernels)
     overflowed = m["out"]["nonfinite_where_ref_finite"] or lse.get("nonfinite_where_ref_finite")
-    if ood and (nonfinite_claim or not th["policy"]["claim_float32_overflow"]) and overflowed:
+    if kind is not None and (nonfinite_claim or not th["policy"]["claim_float32_overflow"]) and overflowed:
         return "out-of-domain", [f"inputs outside the kernel design's float32 range: {ood}"]
     found = [f for check in _CHECKS for f in check(m, th)] + _backward(m, th)
     verdict = max((sev for sev, _ in found), key=_RANK.__getitem__, default="pass")

@@ -86,8 +86,11 @@ def _lines(path: Path):
 
 
 def read_records(path: Path) -> dict[str, dict]:
-    """Finished case records by case name (the header and torn lines skipped)."""
-    return {r["case"]: r for r in _lines(path) if isinstance(r, dict) and "case" in r}
+    """Finished case records by case name (the header and torn lines skipped), each as this
+    version writes it (``audits.runner.schema.upgrade_case``: a journal may be older)."""
+    from audits.runner.schema import upgrade_case
+
+    return {r["case"]: upgrade_case(r) for r in _lines(path) if isinstance(r, dict) and "case" in r}
 
 
 def read_header(path: Path) -> dict | None:

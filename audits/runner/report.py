@@ -8,6 +8,7 @@ from pathlib import Path
 
 from audits.common import atomic_write
 from audits.domain import Domain
+from audits.runner import schema as _schema
 from audits.runner.report_html import case_cells, grad_cells, render_html
 
 __all__ = ["SCHEMA", "build_report", "write_report", "exit_code", "summary_line", "validate_report", "ReportError"]
@@ -16,7 +17,7 @@ SCHEMA = "fa4-audit/report/2"
 #: schemas ``validate_report`` reads: 2 adds the gradients of ``run --backward`` (a case's
 #: ``backward``, the summary's ``backward``); a version-1 report is a version-2 report without them
 READABLE = (SCHEMA, "fa4-audit/report/1")
-VERDICTS = ("pass", "warn", "fail", "error", "crash", "skipped", "out-of-domain")
+VERDICTS = _schema.VERDICTS  # every view counts these; FAILING of them fail a run
 MD_ALL_CASES = 200  # report.md lists every case up to this many
 
 
@@ -101,7 +102,7 @@ def exit_code(report: dict) -> int:
     (a run that compared nothing checked nothing: it does not pass)."""
     c = report["summary"]["verdicts"]
     evaluated = c["pass"] + c["warn"] + c["fail"]
-    return 0 if evaluated and c["fail"] + c["error"] + c["crash"] == 0 else 1
+    return 0 if evaluated and sum(c[v] for v in _schema.FAILING) == 0 else 1
 
 
 def summary_line(report: dict) -> str:
@@ -141,6 +142,7 @@ def validate_report(rep, where: str) -> dict:
         raise ReportError(f"{where}: not a report (a JSON {type(rep).__name__}, expected an object)")
     if rep.get("schema") not in READABLE:
         raise ReportError(f"{where}: schema {rep.get('schema')!r} is not one of {', '.join(READABLE)}")
+    _schema.upgrade_report(rep)  # fields younger than the file, from what it holds (the one place)
     if err := check(rep, REPORT, "report"):
         raise ReportError(f"{where}: {err}")
     for i, c in enumerate(rep["cases"]):
@@ -219,7 +221,7 @@ def _markdown(rep: dict) -> str:
         for r in rows:
             g = grad_cells(r)
             L.append(f"| {r['case']} | {r['verdict']} | {g['grads']} | {g['grad_tightness']} | {g['spread']} |")
-    fails = [r for r in rep["cases"] if r["verdict"] in ("fail", "error", "crash")]
+    fails = [r for r in rep["cases"] if r["verdict"] in _schema.FAILING]
     if fails:
         L += ["", "## Reproduce", ""]
         L += [
@@ -230,8 +232,8 @@ def _markdown(rep: dict) -> str:
 
 
 def _junit(rep: dict) -> str:
-    """JUnit XML for CI systems: one testcase per case; fail/error/crash as failures or errors,
-    skipped as skipped, warnings in system-out."""
+    """JUnit XML for CI systems: one testcase per case; fail as a failure, error/crash/timeout as
+    errors (their ``type`` the verdict), skipped as skipped, warnings in system-out."""
     import xml.etree.ElementTree as ET
 
     c = rep["summary"]["verdicts"]
@@ -240,7 +242,7 @@ def _junit(rep: dict) -> str:
         name=f"fa4-audit {rep['kernel']} {rep['suite']}",
         tests=str(rep["summary"]["cases"]),
         failures=str(c["fail"]),
-        errors=str(c["error"] + c["crash"]),
+        errors=str(c["error"] + c["crash"] + c["timeout"]),
         skipped=str(c["skipped"]),
         time=f"{sum(r.get('seconds', 0.0) for r in rep['cases']):.3f}",
     )
@@ -255,7 +257,7 @@ def _junit(rep: dict) -> str:
         msg = "; ".join(x for x in r["reasons"] if x)
         if r["verdict"] == "fail":
             ET.SubElement(tc, "failure", message=msg).text = r.get("repro", "")
-        elif r["verdict"] in ("error", "crash"):
+        elif r["verdict"] in ("error", "crash", "timeout"):
             ET.SubElement(tc, "error", message=msg, type=r["verdict"]).text = r.get("repro", "")
         elif r["verdict"] == "skipped":
             ET.SubElement(tc, "skipped", message=msg)

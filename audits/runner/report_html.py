@@ -9,12 +9,14 @@ import io
 import math
 from collections import defaultdict
 
+from audits.runner.schema import FAILING
+
 __all__ = ["render_html", "case_cells", "grad_cells"]
 
 _CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em}
 td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}td:first-child,th:first-child{text-align:left}
-.pass{background:#e6f4ea}.warn{background:#fff4d6}.fail,.error,.crash{background:#fde2e1}
+.pass{background:#e6f4ea}.warn{background:#fff4d6}.fail,.error,.crash,.timeout{background:#fde2e1}
 .skipped,.out-of-domain{background:#eee}
 h2{margin-top:1.5em}code{background:#f4f4f4;padding:0 3px}"""
 
@@ -112,7 +114,7 @@ _HEAD = "<tr>" + "".join(f"<th>{c}</th>" for c in _COLUMNS) + "</tr>"
 
 def _reproduce(cases: list[dict]) -> str:
     """The failing cases with their reasons and the command that reproduces each."""
-    bad = [c for c in cases if c["verdict"] in ("fail", "error", "crash")]
+    bad = [c for c in cases if c["verdict"] in FAILING]
     if not bad:
         return ""
     items = "".join(

@@ -13,9 +13,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Opt", "Each", "When", "check", "REPORT", "CASE"]
+__all__ = [
+    "Opt", "Each", "When", "check", "REPORT", "CASE", "VERDICTS", "LATER_VERDICTS", "FAILING", "OUT_OF_DOMAIN_KINDS",
+    "upgrade_case", "upgrade_report",
+]  # fmt: skip
 
 NUM = (int, float)
+
+#: a case's verdicts (``audits.runner.gate``), in the order reports count them
+VERDICTS = ("pass", "warn", "fail", "error", "crash", "timeout", "skipped", "out-of-domain")
+#: verdicts younger than the first reports: a report without their counts had none of them
+LATER_VERDICTS = ("timeout",)
+#: the verdicts that fail a run (and get their inputs saved for reproduction)
+FAILING = ("fail", "error", "crash", "timeout")
+#: a case record's ``out_of_domain_kind``, beside its ``out_of_domain`` message: the inputs pass
+#: float32's range by the kernel design's headroom analysis, or hold NaN/inf that the kernel
+#: claims no semantics for (``audits.kernels.claims_nonfinite_inputs``)
+OUT_OF_DOMAIN_KINDS = ("float32-range", "nonfinite-inputs")
 
 
 @dataclass(frozen=True)
@@ -115,7 +129,46 @@ REPORT = {
     "created": str, "thresholds": dict, "cases": list,
     "summary": {
         "cases": int,
-        "verdicts": {v: int for v in ("pass", "warn", "fail", "error", "crash", "skipped", "out-of-domain")},
+        "verdicts": {v: int for v in VERDICTS},
         "worst": Each(Opt({"value": NUM, "case": str})),
     },
 }  # fmt: skip
+
+
+# ---- records written before a field existed, upgraded where they are read ------------------
+
+
+def upgrade_case(rec: dict) -> dict:
+    """A case record as this version writes it, in place (and returned): the one place that
+    reads what older versions wrote only as message text.  ``out_of_domain_kind`` (absent before
+    2026-12-01) from the ``out_of_domain`` message; ``audit_error`` (absent in the first
+    journals) from the reason of an OOM in the audit's own FP64 work.  Idempotent; a record
+    that is not a dict is left for the schema check to name."""
+    if not isinstance(rec, dict):
+        return rec
+    ood = rec.get("out_of_domain")
+    if isinstance(ood, str) and ood and "out_of_domain_kind" not in rec:
+        rec["out_of_domain_kind"] = OUT_OF_DOMAIN_KINDS[1] if "claims no semantics" in ood else OUT_OF_DOMAIN_KINDS[0]
+    if "audit_error" not in rec:
+        bwd = rec.get("backward") if isinstance(rec.get("backward"), dict) else {}
+        reasons = rec.get("reasons") if isinstance(rec.get("reasons"), list) else []
+        why = " ".join(str(r) for r in reasons) + str(bwd.get("reason", ""))
+        if "the audit's FP64" in why and "ran out of GPU memory" in why:
+            rec["audit_error"] = True
+    return rec
+
+
+def upgrade_report(rep: dict) -> dict:
+    """A report (or a partial one) as this version writes it, in place: its summary counts the
+    verdicts younger than it (:data:`LATER_VERDICTS`: 0, there were none) and every case record
+    is upgraded (:func:`upgrade_case`).  Any other count missing stays missing, for the schema
+    check to name."""
+    if not isinstance(rep, dict):
+        return rep
+    counts = (rep.get("summary") or {}).get("verdicts") if isinstance(rep.get("summary"), dict) else None
+    if isinstance(counts, dict):
+        for v in LATER_VERDICTS:
+            counts.setdefault(v, 0)
+    for c in rep.get("cases") if isinstance(rep.get("cases"), list) else []:
+        upgrade_case(c)
+    return rep
