@@ -80,18 +80,6 @@ def _size(name: str) -> int:
     return len(suite(name))
 
 
-def _fidelity_size() -> int:
-    """``fa4-audit fidelity``'s default cases: the ``fidelity`` suite (before the shared case selection
-    named it, ``audits.fidelity.core.CASES``)."""
-    from audits.cases import SUITES
-
-    if "fidelity" in SUITES:
-        return _size("fidelity")
-    from audits.fidelity.core import CASES
-
-    return len(CASES)
-
-
 def _suite_file_size() -> int:
     from audits.domain import Domain
     from audits.suite_file import build, load
@@ -133,7 +121,7 @@ SUITE_COUNTS = [
     ("docs/invariance.md", "fixed-length, {} varlen)", lambda: _smoke_split(True)),
     ("docs/varlen.md", "(`smoke_varlen`, {} cases", lambda: _varlen_suite("smoke_varlen")),
     ("docs/varlen.md", "(`release_varlen`, {} cases)", lambda: _varlen_suite("release_varlen")),
-    ("docs/model-and-fidelity.md", "on identical inputs: {} cases over head dims", _fidelity_size),
+    ("docs/model-and-fidelity.md", "on identical inputs: {} cases over head dims", lambda: _size("fidelity")),
     ("docs/performance.md", "--kernel K`, {} cases;", lambda: _within("smoke", "fa4-model-sm90")),
 ]
 
