@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from audits.common import EXIT_USAGE, UsageError
+from audits.common import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 
 __all__ = ["build_parser", "main"]
 
@@ -63,12 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (``fa4-audit show R | head``): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(
-            f"fa4-audit {args.command}: interrupted; finished cases are in the journal, --resume continues",
-            file=sys.stderr,
+    except KeyboardInterrupt:  # ``run`` catches Ctrl-C during its cases and writes a partial report itself
+        where = (
+            f"; the finished cases are in {args.out}/journal.jsonl (fa4-audit show reads it), --resume continues"
+            if args.command == "run"
+            else ""
         )
-        return 130
+        print(f"fa4-audit {args.command}: interrupted{where}", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

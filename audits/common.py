@@ -4,7 +4,10 @@ atomic file writes, reading (compressed) JSON and the progress bar.  Nothing her
 Exit codes (the CLI contract): 0 every check passed; 1 a check failed (a bound violated, a bit
 mismatch with production, nothing evaluated); 2 a usage or environment error (bad arguments,
 CUDA or the production package missing where required, a malformed input file), with a message
-naming what was wrong and what is accepted.
+naming what was wrong and what is accepted; 3 incomplete: a run stopped by its ``--budget`` (or a
+partial report read back) with nothing failed among the cases it ran, so not a pass; 130 a run
+stopped by Ctrl-C with nothing failed (the shell's convention for SIGINT).  A partial run with a
+failure exits 1.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ __all__ = [
     "EXIT_OK",
     "EXIT_FAIL",
     "EXIT_USAGE",
+    "EXIT_INCOMPLETE",
+    "EXIT_INTERRUPTED",
     "UsageError",
     "PtxFormatError",
     "environment",
@@ -30,9 +35,11 @@ __all__ = [
     "read_bytes",
     "read_json",
     "progress",
+    "LineProgress",
 ]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_INCOMPLETE, EXIT_INTERRUPTED = 3, 130
 
 
 class PtxFormatError(ValueError):
@@ -133,19 +140,81 @@ def read_toml(path: str | Path, *, what: str, error: type[Exception]) -> dict:
         raise error(f"{p}: not valid TOML: {exc}") from exc
 
 
-def progress(console, *, quiet: bool):
-    """The progress bar every audit shows on stderr (description, bar, done/total, elapsed);
-    disabled with ``--quiet`` and when stderr is not a terminal."""
+def progress(console, *, quiet: bool, every: float = 30.0):
+    """The progress every audit shows on stderr: on a terminal a rich bar (description, bar,
+    done/total, elapsed); otherwise (CI logs, ``2> log``, ``nohup``) :class:`LineProgress`, a
+    line every ``every`` seconds and at each tenth of the work, so that a long run is never
+    silent; nothing with ``--quiet``.  Both take ``update(task, ..., failing=N)``: failures so far."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if not quiet and not console.is_terminal:
+        return LineProgress(console.file, every=every)
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
-        disable=quiet or not console.is_terminal,
+        disable=quiet,
     )
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class LineProgress:
+    """Progress as plain lines (the subset of ``rich.progress.Progress`` the audits use:
+    ``add_task``, ``advance``, ``update``, a context manager): "DESCRIPTION: done/total (p%),
+    N failing, elapsed E, ETA T", written when a task crosses a tenth of its total, when
+    ``every`` seconds passed since its last line, and when it completes."""
+
+    def __init__(self, file, *, every: float = 30.0):
+        import sys
+        import time
+
+        self.file, self.every, self.clock = file or sys.stderr, every, time.monotonic
+        self.tasks: dict[int, dict] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def add_task(self, description: str, *, total: float | None = None, **fields) -> int:
+        now = self.clock()
+        t = {"description": description, "total": total, "completed": 0, "start": now, "last": now, "tenth": 0}
+        t.update(fields)
+        self.tasks[len(self.tasks)] = t
+        return len(self.tasks) - 1
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        self.update(task, advance=advance)
+
+    def update(self, task: int, *, completed=None, advance=None, total=None, description=None, **fields) -> None:
+        t = self.tasks[task]
+        t["completed"] = completed if completed is not None else t["completed"] + (advance or 0)
+        t["total"] = total if total is not None else t["total"]
+        t["description"] = description or t["description"]
+        t.update({k: v for k, v in fields.items() if k != "refresh"})
+        now, done, total = self.clock(), t["completed"], t["total"]
+        tenth = int(10 * done / total) if total else 0
+        if tenth > t["tenth"] or now - t["last"] >= self.every:
+            t["tenth"], t["last"] = max(tenth, t["tenth"]), now
+            self.file.write(self.line(t, now) + "\n")
+            self.file.flush()
+
+    def line(self, t: dict, now: float) -> str:
+        done, total, spent = t["completed"], t["total"], now - t["start"]
+        parts = [f"{t['description']}: {done:g}/{total:g}" + (f" ({100 * done / total:.0f}%)" if total else "")]
+        if t.get("failing") is not None:
+            parts.append(f"{t['failing']} failing")
+        parts.append(f"elapsed {_duration(spent)}")
+        if total and 0 < done < total:
+            parts.append(f"ETA {_duration(spent / done * (total - done))}")
+        return ", ".join(parts)
 
 
 def print_table(console, title: str, columns: list[str], rows: list[list[str]]) -> None:

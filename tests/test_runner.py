@@ -195,8 +195,8 @@ def test_gate_show_diff_merge(tmp_path, capsys):
     (c / "report.json").write_text(json.dumps(rep))
     assert cli.main(["gate", str(c / "report.json"), "--baseline", str(a / "report.json")]) == 1
     assert "x baseline" in capsys.readouterr().out
-    assert cli.main(["diff", str(a / "report.json"), str(b / "report.json")]) == 0
-    assert "pass -> fail" in capsys.readouterr().out
+    assert cli.main(["diff", str(a / "report.json"), str(b / "report.json")]) == 1  # a case got worse
+    assert "pass -> fail (worse)" in capsys.readouterr().out
     assert cli.main(["show", str(a / "report.json")]) == 0
     # shards merge back into the whole
     s0, s1, m = tmp_path / "s0", tmp_path / "s1", tmp_path / "m"

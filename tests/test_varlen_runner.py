@@ -13,6 +13,7 @@ from audits import cli
 from audits.cases import smoke_suite, smoke_varlen, varlen_case
 from audits.runner import engine
 from audits.runner.gate import load_thresholds
+from audits.runner.shards import run_order
 from tests.bugged_varlen import VARLEN_BUGS
 from tests.test_repro import execute
 
@@ -83,8 +84,8 @@ def test_fa4_model_passes_and_equals_the_fixed_length_model_per_sequence(tmp_pat
         assert r["out"]["elements"] == v["total_q"] * c.heads_q * c.dv
         assert ("splits" in v) == (c.num_splits > 1) and all(1 <= n <= c.num_splits for n in v.get("splits", []))
     assert [r["varlen"]["entry"] for r in recs[fixed]] == ["per-sequence"] * len(cases)
-    assert len(got) == 2 * len(cases)  # the kernels take turns case by case, in compile-key order
-    order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
+    assert len(got) == 2 * len(cases)  # the kernels take turns case by case, in the run order
+    order = run_order(cases)
     assert any(c.num_splits > 1 for c in cases) and not all(c.num_splits > 1 for c in cases)
     for i, (a, la), (b, lb) in zip(order, got[::2], got[1::2], strict=True):
         c, ra, rb = cases[i], recs["fa4-model"][i], recs[fixed][i]

@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from audits.common import EXIT_FAIL, EXIT_USAGE, UsageError, gpu_list, progress
+from audits.common import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, gpu_list, progress
 from audits.common import device as _device
 from audits.common import environment as _environment
 from audits.kernels import usable_kernels
@@ -89,10 +89,12 @@ def _prepare_out(args: argparse.Namespace) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def _run_here(args, kernels, cases, label, th, device) -> dict[str, list[dict]]:
+def _run_here(args, kernels, cases, label, th, device, header: dict, stopped: dict) -> dict[str, list[dict]]:
+    """The run in this process (``run_suites``); why it stopped early goes into ``stopped``
+    (Ctrl-C is caught there, so that the records so far make a partial report)."""
     from rich.console import Console
 
-    from audits.runner.engine import run_suites
+    from audits.runner.engine import FAILING, run_suites
     from audits.runner.journal import JournalMismatch
     from audits.worker import isolation, timeout_setting
 
@@ -101,14 +103,21 @@ def _run_here(args, kernels, cases, label, th, device) -> dict[str, list[dict]]:
         isolate = isolation(args.isolate, timeout, explicit)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    deadline = None if args.budget is None else header["started"] + 60.0 * args.budget
+    failing = [0]
+
+    def tick(kern: str, rec: dict) -> None:
+        failing[0] += rec["verdict"] in FAILING
+        bar.update(task, advance=1, failing=failing[0])
+
     with progress(Console(stderr=True), quiet=args.quiet) as bar:
-        task = bar.add_task(f"{', '.join(kernels)} / {label}", total=len(cases) * len(kernels))
+        task = bar.add_task(f"{', '.join(kernels)} / {label}", total=len(cases) * len(kernels), failing=0)
         try:
             return run_suites(
                 kernels, cases, device=device, out_dir=args.out, thresholds=th, suite=label, seed=args.seed,
-                resume=args.resume, exitfirst=args.exitfirst, isolate=isolate,
-                progress=lambda kern, r: bar.advance(task), backward=_backward_options(args),
-                per_sequence=args.per_sequence, timeout=timeout,
+                resume=args.resume, exitfirst=args.exitfirst, isolate=isolate, progress=tick,
+                backward=_backward_options(args), per_sequence=args.per_sequence, timeout=timeout,
+                deadline=deadline, stopped=stopped, journal_extra={"report": header["report"]},
             )  # fmt: skip
         except JournalMismatch as exc:
             raise UsageError(f"--resume refused: {exc}") from exc
@@ -122,6 +131,7 @@ def _child_argv(args: argparse.Namespace, kernels: list[str], case_file: Path, l
     argv += ["--thresholds", args.thresholds] if args.thresholds else []
     argv += ["--resume"] if args.resume else []
     argv += ["-x"] if args.exitfirst else []
+    argv += ["--budget", repr(args.budget)] if getattr(args, "budget", None) is not None else []
     argv += [] if args.isolate is None else (["--isolate"] if args.isolate else ["--no-isolate"])
     argv += [] if args.timeout is None else ["--timeout", repr(args.timeout)]
     argv += ["--backward", "--repeat", str(args.repeat)] if args.backward else []
@@ -157,12 +167,15 @@ def _check_backward_args(args: argparse.Namespace, th: dict) -> None:
         raise UsageError(str(exc)) from exc
 
 
-def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
+def _run_jobs(args, kernels, cases, label, stopped: dict) -> dict[str, list[dict]]:
     """``run --jobs N``: N child processes ``run --shard I/N --shard-by key`` (each compiles
     only its own compile keys, so JIT compilation runs N-wide), job I pinned to GPU I mod G of
     the G GPUs (``--gpus``, default all visible; ``audits.common.gpu_list``) on CUDA, journals
     under OUT/jobs/I/, logs in OUT/jobs/I/log.txt; returns each kernel's finished records in
-    case order."""
+    case order.  Each job runs its own cases in ``run_order``: at any moment the jobs' prefixes
+    together span the suite's axes.  Ctrl-C (to this process, or to the terminal's whole group)
+    reaches every job, which writes its partial report; ``stopped["reason"]`` says why cases
+    are missing ("interrupted", "budget", "exitfirst", "unfinished")."""
     import json
     import os
     import subprocess
@@ -171,7 +184,7 @@ def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
     from rich.console import Console
 
     from audits.common import atomic_write, gpu_list, pinned_env
-    from audits.runner.engine import kernel_dir
+    from audits.runner.engine import FAILING, kernel_dir
     from audits.runner.journal import read_records
 
     n, jobs, several = args.jobs, Path(args.out) / "jobs", len(kernels) > 1
@@ -189,12 +202,20 @@ def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
             with open(d / "log.txt", "a") as log:
                 cmd = [sys.executable, "-m", "audits", "run", *argv, "--shard", f"{i}/{n}", "--shard-by", "key"]
                 cmd += ["--out", str(d)]
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=pinned_env(env, gpus, i)))
+                # a session of its own: a terminal's Ctrl-C reaches this process only, which passes it on
+                # once (_interrupt_jobs), so that no job is interrupted again while it writes its report
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=pinned_env(env, gpus, i),
+                                              start_new_session=True))  # fmt: skip
         with progress(Console(stderr=True), quiet=args.quiet) as bar:
             task = bar.add_task(f"{', '.join(kernels)} / {label} ({n} jobs)", total=len(cases) * len(kernels))
-            while any(p.poll() is None for p in procs):
-                time.sleep(1.0)
-                bar.update(task, completed=sum(len(read_records(j)) for j in journals))
+            try:
+                while any(p.poll() is None for p in procs):
+                    time.sleep(1.0)
+                    done = [r for j in journals for r in read_records(j).values()]
+                    bar.update(task, completed=len(done), failing=sum(r["verdict"] in FAILING for r in done))
+            except KeyboardInterrupt:
+                stopped["reason"] = "interrupted"
+                _interrupt_jobs(procs)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -207,7 +228,26 @@ def _run_jobs(args, kernels, cases, label) -> dict[str, list[dict]]:
         for i in range(n):
             recs.update(read_records(kernel_dir(jobs / str(i), k, several) / "journal.jsonl"))
         runs[k] = sorted((r for r in recs.values() if r["case"] in order), key=lambda r: order[r["case"]])
+    if "reason" not in stopped and any(len(r) < len(cases) for r in runs.values()):
+        budget = args.budget is not None and any(p.returncode == EXIT_INCOMPLETE for p in procs)
+        stopped["reason"] = "budget" if budget else "exitfirst" if args.exitfirst else "unfinished"
     return runs
+
+
+def _interrupt_jobs(procs) -> None:
+    """Ctrl-C reached this process: pass it to every job still running (a job stops at its case
+    boundary and writes its partial report) and give them 30 s to do so."""
+    import signal
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _check_jobs(procs, jobs: Path) -> None:
@@ -216,7 +256,7 @@ def _check_jobs(procs, jobs: Path) -> None:
     report may be built from them.  A job that died otherwise keeps its finished records (its
     journal header was checked); the cases it left are reported as unfinished."""
     for i, p in enumerate(procs):
-        if p.returncode in (0, 1):
+        if p.returncode in (0, 1, EXIT_INCOMPLETE, EXIT_INTERRUPTED):  # passed, failed, stopped with a report
             continue
         log = jobs / str(i) / "log.txt"
         if p.returncode == EXIT_USAGE:
@@ -226,31 +266,60 @@ def _check_jobs(procs, jobs: Path) -> None:
 
 
 def _print_failing(kern: str, records: list[dict]) -> None:
-    """The failing cases (up to ``SHOW_FAILING``) with their reasons and reproducers, on stdout."""
+    """The failing cases with their reasons and reproducers, on stdout: cases failing for the
+    same reason as one entry (its first case, "(xN cases)"), up to ``SHOW_FAILING`` entries."""
     from audits.runner.engine import FAILING
+    from audits.runner.report import collapse_reasons
 
-    bad = [r for r in records if r["verdict"] in FAILING]
-    for r in bad[:SHOW_FAILING]:
-        print(f"  {r['verdict'].upper()} {r['case']}\n    why: {'; '.join(x for x in r['reasons'] if x)}")
+    bad = collapse_reasons([r for r in records if r["verdict"] in FAILING])
+    for r, n in bad[:SHOW_FAILING]:
+        also = f" (x{n} cases; the others in the report)" if n > 1 else ""
+        print(f"  {r['verdict'].upper()} {r['case']}{also}\n    why: {'; '.join(x for x in r['reasons'] if x)}")
         print(f"    reproduce: {r['repro']}")
     if len(bad) > SHOW_FAILING:
-        print(f"  ... and {len(bad) - SHOW_FAILING} more failing cases in the report")
+        more = sum(n for _, n in bad[SHOW_FAILING:])
+        print(f"  ... and {more} more failing cases ({len(bad) - SHOW_FAILING} other reasons) in the report")
 
 
-def _report_runs(args, runs, cases, label, th, device) -> int:
-    """Write each kernel's report, print its verdicts and failing cases; the exit code."""
-    from audits.runner.engine import kernel_dir
+def _run_header(args, device, th) -> dict:
+    """What every report of this run records besides its cases (command, time, environment,
+    thresholds), fixed before the first case: the journals' headers keep it too, so that a
+    journal read directly (``show``/``gate``/``summary`` on journal.jsonl) gives the report's view."""
+    import time
+
     from audits.runner.journal import package_version
-    from audits.runner.report import build_report, exit_code, summary_line, write_report
 
     env = {**_environment(device), "fa4_audit": package_version()}  # merge refuses shards of other versions
-    created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-    command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
+    report = {
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
+        "device": str(device), "environment": env, "thresholds": th, "shard": args.shard,
+    }  # fmt: skip
+    return {"started": time.monotonic(), "report": report}
+
+
+#: what a run that stopped early says on stderr, by ``stopped`` reason
+_STOP_ADVICE = {
+    "interrupted": "interrupted (Ctrl-C)",
+    "budget": "the --budget of {budget:g} minutes was spent (no case starts after it)",
+    "exitfirst": "-x: stopped at the first failing case",
+    "unfinished": "cases did not finish (see OUT/jobs/*/log.txt)",
+}
+
+
+def _report_runs(args, runs, cases, label, th, device, header: dict, stopped: str | None) -> int:
+    """Write each kernel's report (partial when cases were not run: ``stopped`` says why),
+    print its verdicts and failing cases; the exit code (``report.exit_code``; 130 for an
+    interrupted run in which nothing failed)."""
+    from audits.runner.engine import kernel_dir
+    from audits.runner.report import build_report, exit_code, summary_line, write_report
+
     code = 0
     for kern, records in runs.items():
+        missing = len(cases) - len(records)
         rep = build_report(
-            kernel=kern, suite=label, seed=args.seed, device=str(device), environment=env, thresholds=th,
-            records=records, command=command, created=created, shard=args.shard,
+            kernel=kern, suite=label, seed=args.seed, records=records, selected=len(cases),
+            stopped=(stopped or "unfinished") if missing else None, **header["report"],
         )  # fmt: skip
         if getattr(args, "shard_order", None):
             rep["shard_order"] = {r["case"]: args.shard_order[r["case"]] for r in records}
@@ -260,13 +329,14 @@ def _report_runs(args, runs, cases, label, th, device) -> int:
         print(f"{kern}: {summary_line(rep)}; report: {paths['md']}")
         _print_failing(kern, records)
         code = max(code, exit_code(rep))
-        if not rep["summary"]["evaluated"]:
+        if not rep["summary"]["evaluated"] and not missing:
             print(f"{kern}: nothing was audited: no case was compared with the reference", file=sys.stderr)
-        missing = len(cases) - len(records)
-        if missing and not args.exitfirst:
-            print(f"{kern}: {missing} of {len(cases)} cases did not finish (see OUT/jobs/*/log.txt); "
-                  "rerun with --resume to complete them", file=sys.stderr)  # fmt: skip
-            code = max(code, EXIT_FAIL)
+        if missing:
+            why = _STOP_ADVICE[rep["summary"]["stopped"]].format(budget=args.budget or 0)
+            print(f"{kern}: {why}: {len(records)} of {len(cases)} selected cases run, {missing} not run "
+                  "(not checked); the report is partial. --resume continues the run", file=sys.stderr)  # fmt: skip
+    if stopped == "interrupted" and code != 1:
+        return EXIT_INTERRUPTED
     return code
 
 
@@ -283,6 +353,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         gpu_list(args.gpus)  # a malformed list is a usage error before anything starts
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the run in OUT, --overwrite replaces it: pass one of them")
+    if args.budget is not None and not 0 < args.budget < float("inf"):
+        raise UsageError(f"--budget {args.budget:g}: expected a positive number of minutes")
     kernels = usable_kernels(args.kernel)
     cases, label = _select_cases(args)
     label = args.label or label
@@ -293,11 +365,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check_backward_args(args, th)
     device = _device(args.device)
     _prepare_out(args)
+    header, stopped = _run_header(args, device, th), {}
     if args.jobs > 1:
-        runs = _run_jobs(args, kernels, cases, label)
+        runs = _run_jobs(args, kernels, cases, label, stopped)
     else:
-        runs = _run_here(args, kernels, cases, label, th, device)
-    return _report_runs(args, runs, cases, label, th, device)
+        runs = _run_here(args, kernels, cases, label, th, device, header, stopped)
+    return _report_runs(args, runs, cases, label, th, device, header, stopped.get("reason"))
 
 
 def register(sub) -> None:
@@ -325,7 +398,16 @@ def register(sub) -> None:
     r.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/runner/thresholds.toml)")
     r.add_argument("--resume", action="store_true", help="continue the run in OUT (refused if OUT holds another run)")
     r.add_argument("--overwrite", action="store_true", help="replace the run OUT holds (default: refuse, exit 2)")
-    r.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing case")
+    r.add_argument(
+        "-x", "--exitfirst", action="store_true",
+        help="stop at the first failing case (the report is partial: it says how many cases were selected and not run)",
+    )  # fmt: skip
+    r.add_argument(
+        "--budget", type=float, default=None, metavar="MINUTES",
+        help="stop cleanly once MINUTES have passed: no case starts after it; the report is partial (selected / run "
+        "/ not-run counts), exit 1 if a case failed, else 3 (incomplete, never a pass); --resume continues. Cases "
+        "run in a stratified order, so the cases run span the suite's axes",
+    )  # fmt: skip
     r.add_argument(
         "--shard", default=None,
         help="I/N: run a deterministic, balanced 1/N slice; auto: I and N from a Slurm array task "
@@ -350,7 +432,10 @@ def register(sub) -> None:
         "--timeout)",
     )  # fmt: skip
     add_timeout_argument(r, note=RUN_DEFAULT_NOTE)
-    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--quiet", action="store_true",
+        help="no progress on stderr (default: a bar on a terminal, else a line every 30 s and at each tenth)",
+    )  # fmt: skip
     r.add_argument(
         "--backward", action="store_true",
         help="audit the gradients too: a seeded dO per case, dq/dk/dv (and dsink) by torch.autograd.grad against "

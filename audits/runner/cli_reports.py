@@ -13,22 +13,56 @@ from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, read_jso
 from audits.common import device as _device
 
 
+def _is_journal(path: str) -> bool:
+    """Whether ``path`` is a run's journal (JSON lines, a journal header first), not a report."""
+    from audits.runner.journal import SCHEMA
+
+    if str(path).endswith(".jsonl"):
+        return True
+    try:
+        with open(path, "rb") as fh:
+            first = json.loads(fh.readline() or b"null")
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and first.get("journal") == SCHEMA
+
+
 def load_report(path: str) -> dict:
-    """A report file (``.json``, ``.json.gz``, ``.json.xz``), validated field by field."""
-    from audits.runner.report import ReportError, validate_report
+    """A report file (``.json``, ``.json.gz``, ``.json.xz``), validated field by field; or a run's
+    ``journal.jsonl`` read as the report the run would write from it (``report_from_journal``:
+    partial while cases are missing), so that a killed or running run can be read."""
+    from audits.runner.report import ReportError, report_from_journal, validate_report
 
     try:
+        if _is_journal(path):
+            try:
+                return validate_report(report_from_journal(path), path)
+            except OSError as exc:
+                raise UsageError(f"{path}: not a readable journal ({type(exc).__name__}: {exc})") from exc
         return validate_report(read_json(path, what="report"), path)
     except ReportError as exc:
         raise UsageError(str(exc)) from exc
 
 
-def _summarize(rep: dict) -> dict:
-    """``rep`` with its summary recomputed from its cases."""
-    from audits.runner.report import build_report
+def _summarize(rep: dict, *, selected: int | None = None) -> dict:
+    """``rep`` with its summary recomputed from its cases; a partial report stays partial
+    (its selected count, or ``selected``, and why it stopped)."""
+    from audits.runner.report import build_report, run_counts
 
     keys = ("kernel", "suite", "seed", "device", "environment", "thresholds", "command", "created")
-    return build_report(**{k: rep[k] for k in keys}, records=rep["cases"], shard=rep.get("shard"))
+    sel = run_counts(rep)[0] if selected is None else selected
+    return build_report(
+        **{k: rep[k] for k in keys}, records=rep["cases"], shard=rep.get("shard"), selected=sel,
+        stopped=rep["summary"].get("stopped"),
+    )  # fmt: skip
+
+
+def _say_partial(rep: dict, path: str) -> None:
+    """A line on stderr when a report read is partial: its unrun cases were not checked."""
+    from audits.runner.report import partial_line
+
+    if part := partial_line(rep):
+        print(f"{path}: {part}", file=sys.stderr)
 
 
 def case_key(case: dict, *, ignore_seed: bool) -> str:
@@ -65,7 +99,7 @@ def _baseline(args, rep: dict) -> tuple[dict | None, int, str]:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     from audits.runner.gate import rejudge
-    from audits.runner.report import exit_code, summary_line, write_report
+    from audits.runner.report import collapse_reasons, exit_code, summary_line, write_report
     from audits.runner.schema import FAILING
 
     rep = load_report(args.report)
@@ -73,9 +107,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
     base, shared, overlap = _baseline(args, rep)
     key = lambda c: case_key(c, ignore_seed=args.ignore_seed)
     new = _summarize(rejudge(rep, th, base, key=key))
-    for c in new["cases"]:
-        if c["verdict"] in FAILING:
-            print(f"{c['verdict'].upper():7s} {c['case']}: {'; '.join(c['reasons'])}")
+    for c, n in collapse_reasons([c for c in new["cases"] if c["verdict"] in FAILING]):
+        also = f" (x{n} cases)" if n > 1 else ""
+        print(f"{c['verdict'].upper():7s} {c['case']}: {'; '.join(c['reasons'])}{also}")
     print(f"{summary_line(new)} under {th['path']}")
     code = exit_code(new)
     if base is not None:
@@ -128,8 +162,19 @@ def cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: the order ``diff`` ranks verdicts in: a case whose verdict moves to a higher rank got worse.
+#: Not checked (skipped, out-of-domain) is worse than checked and passing; any failing verdict
+#: is worse than any other; failing verdicts rank alike (fail -> crash is listed, not a new regression)
+VERDICT_RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 2, "fail": 3, "error": 3, "crash": 3, "timeout": 3}
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
+    """Cases whose verdict or maximum error moved between two reports; exit 1 when a case got
+    worse (:data:`VERDICT_RANK`) unless ``--exit-zero``."""
     a, b = load_report(args.base), load_report(args.cand)
+    _say_partial(a, args.base)
+    _say_partial(b, args.cand)
+    worse = []
     ca = {case_key(c, ignore_seed=args.ignore_seed): c for c in a["cases"]}
     cb = {case_key(c, ignore_seed=args.ignore_seed): c for c in b["cases"]}
     changed = 0
@@ -147,11 +192,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
             ex, ey = get(x), get(y)
             if ex is not None and ey is not None and ex != ey:
                 moves.append(f"{'max |err|' if name == 'out' else name} {ex:.3g} -> {ey:.3g}")
+        got_worse = VERDICT_RANK.get(y["verdict"], 3) > VERDICT_RANK.get(x["verdict"], 3)
         if x["verdict"] != y["verdict"] or moves:
             changed += 1
-            print(f"{y['case']}: {x['verdict']} -> {y['verdict']} {', '.join(moves)}".rstrip())
+            mark = " (worse)" if got_worse else ""
+            print(f"{y['case']}: {x['verdict']} -> {y['verdict']}{mark} {', '.join(moves)}".rstrip())
+        if got_worse:
+            worse.append(y["case"])
     shared = len(set(ca) & set(cb))
-    print(f"{changed} of {len(set(ca) | set(cb))} cases differ; {shared} matched")
+    print(f"{changed} of {len(set(ca) | set(cb))} cases differ; {shared} matched; {len(worse)} got worse")
+    if worse and not args.exit_zero:
+        return EXIT_FAIL
     return EXIT_OK
 
 
@@ -209,10 +260,12 @@ def _check_shards(reps: list[dict], paths: list[str]) -> None:
 def cmd_merge(args: argparse.Namespace) -> int:
     """Shard reports into the report of the unsharded run: its cases, in its order (each shard's
     ``shard_order``), its summary; refused for shards of different runs (:func:`_check_shards`)."""
-    from audits.runner.report import exit_code, write_report
+    from audits.runner.report import exit_code, run_counts, write_report
 
     reps = [load_report(p) for p in args.reports]
     _check_shards(reps, args.reports)
+    for r, p in zip(reps, args.reports, strict=True):
+        _say_partial(r, p)
     cases = [c for r in reps for c in r["cases"]]
     order = {}
     for r in reps:
@@ -220,7 +273,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if all(c["case"] in order for c in cases):  # else (older reports) in the order given
         cases.sort(key=lambda c: order[c["case"]])
     command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
-    merged = _summarize({**reps[0], "cases": cases, "shard": None, "command": command})
+    # partial when a shard is: the shards' selected cases, the first partial shard's reason
+    stopped = next((r["summary"].get("stopped") for r in reps if run_counts(r)[2]), None)
+    base = {**reps[0], "cases": cases, "shard": None, "command": command}
+    base["summary"] = {**base["summary"], "stopped": stopped}
+    merged = _summarize(base, selected=sum(run_counts(r)[0] for r in reps))
     paths = write_report(merged, args.out)
     print(f"merged {len(reps)} reports, {len(cases)} cases: {paths['md']}")
     return exit_code(merged)
@@ -229,6 +286,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_summary(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from audits.runner.report import partial_line
     from audits.runner.summary import GROUP_FIELDS, plot_errors, summary_markdown
 
     reps = [load_report(p) for p in args.reports]
@@ -238,6 +296,9 @@ def cmd_summary(args: argparse.Namespace) -> int:
     labels = [r["kernel"] for r in reps]
     labels = [f"{k} ({p})" if labels.count(k) > 1 else k for k, p in zip(labels, args.reports, strict=True)]
     text = summary_markdown(reps, by, labels=labels)
+    notes = [f"- {lab}: **{part}**" for r, lab in zip(reps, labels, strict=True) if (part := partial_line(r))]
+    if notes:  # before the tables: their cells hold only the cases that ran
+        text = "Partial reports (their cases not run are not in the tables):\n\n" + "\n".join(notes) + "\n\n" + text
     print(text, end="")
     if args.out:
         out = Path(args.out)
@@ -329,6 +390,11 @@ def register(sub) -> None:
     df.add_argument("base", help="the baseline report.json")
     df.add_argument("cand", help="the candidate report.json, compared case by case with the baseline")
     df.add_argument("--ignore-seed", action="store_true", help="match cases by configuration, not seed")
+    df.add_argument(
+        "--exit-zero", action="store_true",
+        help="exit 0 even when a case got worse (report only; default: exit 1 when a verdict got worse in the order "
+        "pass < warn < skipped, out-of-domain < fail, error, crash, timeout)",
+    )  # fmt: skip
     df.set_defaults(func=cmd_diff)
     mg = sub.add_parser("merge", help="combine shard reports (run --shard I/N) into one")
     mg.add_argument("reports", nargs="+", help="the shard reports (report.json of each run --shard I/N)")

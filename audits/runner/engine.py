@@ -4,7 +4,10 @@ metrics, the per-element bound, a verdict per case.
 
 Every finished case is appended to ``OUT/journal.jsonl`` (flushed and fsynced) so that
 ``resume=True`` continues after a crash, a kill or Ctrl-C without redoing finished cases.
-Cases run grouped by compile key, so a JIT kernel compiles each variant once.
+Cases run in a stratified order (``audits.runner.shards.run_order``), so that any prefix of a
+run spans the suite's axes; JIT kernels are cached per compile key, so each variant still
+compiles once per process.  A run stops early, cleanly, at Ctrl-C, at ``deadline`` (``run
+--budget``) or at the first failure (``-x``), saying why in ``stopped``.
 :func:`shard_cases` cuts a deterministic 1/n slice balanced by expected cost.  Failing cases get a reproducer:
 their inputs saved under ``OUT/repro/`` and a one-line command in the report.
 
@@ -46,6 +49,7 @@ from audits.runner.backward import BackwardOptions, analyse_backward, case_refer
 from audits.runner.gate import judge
 from audits.runner.repro import reproducer
 from audits.runner.schema import FAILING, upgrade_case
+from audits.runner.shards import run_order
 from audits.worker import (
     DEFAULT_TIMEOUT_S,
     Isolated,
@@ -481,8 +485,11 @@ def run_suites(
     backward: BackwardOptions | None = None,
     per_sequence: bool = False,
     timeout: float | None = DEFAULT_TIMEOUT_S,
+    deadline: float | None = None,
+    stopped: dict | None = None,
+    journal_extra: dict | None = None,
 ) -> dict[str, list[dict]]:
-    """Evaluate ``cases`` (grouped by compile key) for every kernel; journal each record under
+    """Evaluate ``cases`` (in :func:`audits.runner.shards.run_order`) for every kernel; journal each record under
     :func:`kernel_dir`; return each kernel's records in suite order.  The kernels take turns
     case by case, so a case's inputs and FP64 reference are computed once for all of them; a
     case outside a kernel's declared domain (``audits.kernels.kernel_domain``) is skipped for
@@ -494,24 +501,60 @@ def run_suites(
     verdict ``timeout``.  ``backward``: audit the gradients too (``audits.runner.backward``).
     ``per_sequence``: a fixed-length kernel runs varlen cases one sequence at a time (else they
     are skipped for it); a resumed record made otherwise is redone.
-    KeyboardInterrupt propagates after the journals hold what finished."""
+    ``deadline`` (a ``time.monotonic()`` value, ``run --budget``): no case starts after it.
+    ``stopped``: a dict the caller reads afterwards; ``stopped["reason"]`` becomes "interrupted"
+    (Ctrl-C: caught here, the workers killed, the records so far returned), "budget" or
+    "exitfirst" when the run ended before its last case; without it, KeyboardInterrupt
+    propagates after the journals hold what finished.  ``journal_extra``: fields added to a new
+    journal's header (the command, the environment: what a report built from the journal shows)."""
     state = {}
     run = {"suite": suite, "seed": seed, "resume": resume, "several": len(kernels) > 1, "backward": backward,
-           "per_sequence": per_sequence}  # fmt: skip
+           "per_sequence": per_sequence, "extra": journal_extra or {}}  # fmt: skip
     for kern in kernels:
         state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, run)
         iso = isolate(kern) if callable(isolate) else isolate
         state[kern]["iso"] = Isolated(kern, device, timeout=timeout) if iso else None
         state[kern]["fn"] = state[kern]["iso"] or get_kernel(kern)
         state[kern]["domain"] = kernel_domain(kern)  # resolved once, here: --jobs children decide alike
-    order = sorted(range(len(cases)), key=lambda i: (repr(cases[i].compile_key), i))
+    order = run_order(cases)
+    why = None
     try:
-        _loop(order, cases, state, device, thresholds, progress, exitfirst, backward)
+        why = _loop(order, cases, state, device, thresholds, progress, exitfirst, backward, deadline)
+    except KeyboardInterrupt:
+        why = "interrupted"
+        _quiet_fd_handover()
+        for st in state.values():  # the worker is out of the terminal's reach (its own session): end its call now
+            if st["iso"] is not None:
+                getattr(st["iso"], "kill", st["iso"].close)()
+        if stopped is None:
+            raise
     finally:
         for st in state.values():
             if st["iso"] is not None:
                 st["iso"].close()
+    if stopped is not None:
+        stopped["reason"] = why
     return {kern: [st["records"][i] for i in sorted(st["records"])] for kern, st in state.items()}
+
+
+def _quiet_fd_handover() -> None:
+    """Keep the console clean after Ctrl-C: a worker killed while it fetched a tensor's shared
+    memory from this process (``multiprocessing.resource_sharer``, how torch passes tensors
+    through a pipe) makes that helper thread print a ``ConnectionResetError`` traceback.  The
+    worker was killed on purpose; that traceback, and only it, is dropped from then on."""
+    import sys
+    import traceback as tb_
+
+    hook = sys.excepthook
+
+    def quiet(kind, value, tb):
+        if issubclass(kind, (ConnectionError, EOFError)) and any(
+            "resource_sharer" in f.filename for f, _ in tb_.walk_tb(tb)
+        ):
+            return
+        hook(kind, value, tb)
+
+    sys.excepthook = quiet
 
 
 def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
@@ -528,7 +571,7 @@ def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
     elif path.exists():
         path.unlink()
     if not path.exists():
-        journal.append(path, ident)
+        journal.append(path, {**ident, **run["extra"]})  # extras are not identity: check_header ignores them
     done = journal.read_records(path) if run["resume"] else {}
     per_seq = run["per_sequence"]
     # the audit's own failures are redone, and varlen records of a run with another --per-sequence
@@ -566,10 +609,14 @@ def _save_inputs(st: dict, c: Case) -> str:
     return f"repro/{c.name}.pt"
 
 
-def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward):
-    for i in order:
+def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward, deadline) -> str | None:
+    """Run the cases in ``order``; why it stopped early ("budget", "exitfirst"), or None."""
+    for n, i in enumerate(order):
         c = cases[i]
         stop = False
+        fresh = any(c.name not in st["done"] for st in state.values())
+        if fresh and deadline is not None and time.monotonic() >= deadline:
+            return "budget"  # resumed records cost nothing: the budget stops only new work
         for kern, st in state.items():
             if c.name in st["done"]:
                 rec = {**st["done"][c.name], "resumed": True}
@@ -578,7 +625,8 @@ def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward
                 rec["repro"] = st["repro"](c)
                 if rec["verdict"] in FAILING:
                     rec["repro_inputs"] = _save_inputs(st, c)
-                journal.append(st["journal"], rec)
+                st["records"][i] = rec  # first: a Ctrl-C during the journal's fsync keeps it in the report
+                journal.append(st["journal"], {**rec, journal.AT: i})
             st["records"][i] = rec
             if device.type == "cuda" and c.cost > (1 << 28 if backward is not None else 1 << 32):
                 torch.cuda.empty_cache()  # give the FP64 intermediates back: parallel jobs share the GPU
@@ -586,4 +634,5 @@ def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward
                 progress(kern, rec)
             stop |= exitfirst and rec["verdict"] in FAILING
         if stop:
-            break
+            return "exitfirst" if n + 1 < len(order) else None
+    return None

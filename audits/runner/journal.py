@@ -20,12 +20,17 @@ __all__ = [
     "thresholds_digest",
     "append",
     "read_records",
+    "read_ordered",
+    "AT",
     "read_header",
     "check_header",
     "JournalMismatch",
 ]
 
 SCHEMA = "fa4-audit/journal/1"
+#: a record's place in the run's case list, kept on its journal line only (a journal is written
+#: in run order, stratified: ``audits.runner.shards.run_order``; a report lists suite order)
+AT = "at"
 
 
 class JournalMismatch(ValueError):
@@ -86,11 +91,22 @@ def _lines(path: Path):
 
 
 def read_records(path: Path) -> dict[str, dict]:
-    """Finished case records by case name (the header and torn lines skipped), each as this
-    version writes it (``audits.runner.schema.upgrade_case``: a journal may be older)."""
+    """Finished case records by case name (the header and torn lines skipped; a case journalled
+    twice, redone by ``--resume``, is its last record), each as this version writes it
+    (``audits.runner.schema.upgrade_case``: a journal may be older), without its :data:`AT`."""
+    return {r["case"]: r for r in read_ordered(path, ordered=False)}
+
+
+def read_ordered(path: Path, *, ordered: bool = True) -> list[dict]:
+    """The finished records (as :func:`read_records`) in the run's case order (by :data:`AT`;
+    records written without it, by an older fa4-audit, after those with it, in journal order)."""
     from audits.runner.schema import upgrade_case
 
-    return {r["case"]: upgrade_case(r) for r in _lines(path) if isinstance(r, dict) and "case" in r}
+    recs = {r["case"]: r for r in _lines(path) if isinstance(r, dict) and "case" in r}
+    out = list(recs.values())
+    if ordered:
+        out.sort(key=lambda r: (r.get(AT) is None, r.get(AT) or 0))
+    return [upgrade_case({k: v for k, v in r.items() if k != AT}) for r in out]
 
 
 def read_header(path: Path) -> dict | None:

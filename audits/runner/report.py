@@ -11,7 +11,10 @@ from audits.domain import Domain
 from audits.runner import schema as _schema
 from audits.runner.report_html import case_cells, grad_cells, render_html
 
-__all__ = ["SCHEMA", "build_report", "write_report", "exit_code", "summary_line", "validate_report", "ReportError"]
+__all__ = [
+    "SCHEMA", "build_report", "write_report", "exit_code", "summary_line", "validate_report", "ReportError",
+    "partial_line", "run_counts", "collapse_reasons", "report_from_journal", "STOPPED",
+]  # fmt: skip
 
 SCHEMA = "fa4-audit/report/2"
 #: schemas ``validate_report`` reads: 2 adds the gradients of ``run --backward`` (a case's
@@ -19,6 +22,14 @@ SCHEMA = "fa4-audit/report/2"
 READABLE = (SCHEMA, "fa4-audit/report/1")
 VERDICTS = _schema.VERDICTS  # every view counts these; FAILING of them fail a run
 MD_ALL_CASES = 200  # report.md lists every case up to this many
+#: why a run ended before its last selected case (the summary's ``stopped``), in words
+STOPPED = {
+    "interrupted": "interrupted (Ctrl-C)",
+    "budget": "the --budget ran out",
+    "exitfirst": "stopped at the first failing case (-x)",
+    "unfinished": "cases did not finish (a job died)",
+    "journal": "read from its journal: the run was stopped, or is still going",
+}
 
 
 def _worst(records: list[dict], path: tuple[str, str]) -> dict | None:
@@ -43,8 +54,15 @@ def build_report(
     command: str,
     created: str,
     shard: str | None,
+    selected: int | None = None,
+    stopped: str | None = None,
 ) -> dict:
+    """The report of ``records``.  ``selected``: how many cases the run was given (default: as
+    many as there are records); fewer records make it a partial report (``"partial": true``, the
+    summary's ``selected`` / ``run`` / ``not_run`` and ``stopped``: why, a key of :data:`STOPPED`),
+    which never passes (:func:`exit_code`)."""
     counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
+    selected = len(records) if selected is None else max(selected, len(records))
     return {
         "schema": SCHEMA,
         "kernel": kernel,
@@ -56,8 +74,13 @@ def build_report(
         "command": command,
         "created": created,
         "thresholds": {k: v for k, v in thresholds.items()},
+        "partial": selected > len(records),
         "summary": {
             "cases": len(records),
+            "selected": selected,
+            "run": len(records),
+            "not_run": selected - len(records),
+            "stopped": stopped if selected > len(records) else None,
             "verdicts": counts,
             # compared with the FP64 reference and judged; skipped and out-of-domain were not
             "evaluated": counts["pass"] + counts["warn"] + counts["fail"],
@@ -97,12 +120,70 @@ def _backward_summary(records: list[dict]) -> dict | None:
     return out
 
 
+def run_counts(report: dict) -> tuple[int, int, int]:
+    """(selected, run, not run) cases of a report; a report written before partial reports
+    existed ran what it selected."""
+    s = report["summary"]
+    run = s.get("run", s["cases"])
+    selected = s.get("selected", run)
+    return selected, run, selected - run
+
+
 def exit_code(report: dict) -> int:
-    """0 when at least one case was evaluated and none failed, errored or crashed; 1 otherwise
-    (a run that compared nothing checked nothing: it does not pass)."""
+    """1 when a case failed, errored, crashed (or timed out); else 3 (``EXIT_INCOMPLETE``) for a
+    partial report, whose unrun cases were not checked; else 1 when no case was evaluated (a run
+    that compared nothing checked nothing); else 0.  Never 0 for what was not checked."""
+    from audits.common import EXIT_INCOMPLETE
+
     c = report["summary"]["verdicts"]
     evaluated = c["pass"] + c["warn"] + c["fail"]
-    return 0 if evaluated and sum(c[v] for v in _schema.FAILING) == 0 else 1
+    if sum(c.get(v, 0) for v in _schema.FAILING):
+        return 1
+    if run_counts(report)[2] > 0:
+        return EXIT_INCOMPLETE
+    return 0 if evaluated else 1
+
+
+def partial_line(report: dict) -> str | None:
+    """The line "PARTIAL: R of S selected cases run, N not run (why)" of a partial report, else None."""
+    selected, run, not_run = run_counts(report)
+    if not_run <= 0:
+        return None
+    why = report["summary"].get("stopped")
+    why = f" ({STOPPED.get(why, why)})" if why else ""
+    return f"PARTIAL: {run} of {selected} selected cases run, {not_run} not run{why}"
+
+
+def report_from_journal(path) -> dict:
+    """The report a run's ``journal.jsonl`` stands for, as the run would have written it at this
+    point (its header keeps the run's command, environment and thresholds; cases in suite
+    order): partial (``stopped`` "journal") while cases are missing, so that a run that was
+    killed, or is still going, can be read; :class:`ReportError` when ``path`` is no journal."""
+    from audits.runner import journal
+
+    head = journal.read_header(Path(path))
+    if head is None:
+        raise ReportError(f"{path}: not a journal of fa4-audit run (no {journal.SCHEMA} header line)")
+    extra = head.get("report") or {}
+    records = journal.read_ordered(Path(path))
+    return build_report(
+        kernel=head["kernel"], suite=head["suite"], seed=head["seed"], device=extra.get("device", "unknown"),
+        environment=extra.get("environment", {"fa4_audit": head.get("fa4_audit", "unknown")}),
+        thresholds=extra.get("thresholds", {"digest": head["thresholds"]}), records=records,
+        command=extra.get("command", f"(read from the journal {path})"), created=extra.get("created", "unknown"),
+        shard=extra.get("shard"), selected=head.get("n_cases"), stopped="journal",
+    )  # fmt: skip
+
+
+def collapse_reasons(records: list[dict]) -> list[tuple[dict, int]]:
+    """Records grouped by (verdict, reasons): the first record of each group and the group's
+    size, in order of first appearance, so that a console shows a reason repeated over many
+    cases once, with its count."""
+    groups: dict[tuple, list] = {}
+    for r in records:
+        key = (r["verdict"], tuple(x for x in r.get("reasons") or [] if x))
+        groups.setdefault(key, [r, 0])[1] += 1
+    return [(r, n) for r, n in groups.values()]
 
 
 def summary_line(report: dict) -> str:
@@ -111,7 +192,8 @@ def summary_line(report: dict) -> str:
     v = ", ".join(f"{k} {n}" for k, n in s["verdicts"].items() if n)
     evaluated = s["verdicts"]["pass"] + s["verdicts"]["warn"] + s["verdicts"]["fail"]
     lse = f"; LSE not audited in {s['lse_not_audited']}" if s.get("lse_not_audited") else ""
-    return f"{evaluated} of {s['cases']} cases evaluated ({v}){lse}"
+    part = partial_line(report)
+    return f"{evaluated} of {s['cases']} cases evaluated ({v}){lse}" + (f"; {part}" if part else "")
 
 
 #: the unrestricted domain, against which a report's declared one is shown
@@ -187,6 +269,8 @@ def _markdown(rep: dict) -> str:
         summary_line(rep) + ".",
         "",
     ]
+    if part := partial_line(rep):
+        L += [f"**{part}**: the cases not run were not checked; `fa4-audit run ... --resume` continues the run.", ""]
     L += _domain_lines(rep.get("domain"))
     for k, w in s["worst"].items():
         if w:
@@ -246,6 +330,12 @@ def _junit(rep: dict) -> str:
         skipped=str(c["skipped"]),
         time=f"{sum(r.get('seconds', 0.0) for r in rep['cases']):.3f}",
     )
+    if part := partial_line(rep):  # the cases not run are not in the file: say so where CI looks
+        props = ET.SubElement(suite, "properties")
+        selected, run, not_run = run_counts(rep)
+        for name, value in (("partial", "true"), ("selected", selected), ("run", run), ("not_run", not_run),
+                            ("stopped", rep["summary"].get("stopped") or "")):  # fmt: skip
+            ET.SubElement(props, "property", name=name, value=str(value))
     for r in rep["cases"]:
         tc = ET.SubElement(
             suite,
@@ -263,6 +353,8 @@ def _junit(rep: dict) -> str:
             ET.SubElement(tc, "skipped", message=msg)
         elif r["verdict"] == "warn":
             ET.SubElement(tc, "system-out").text = msg
+    if part:
+        ET.SubElement(suite, "system-out").text = part
     return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode", xml_declaration=True) + "\n"
 
 

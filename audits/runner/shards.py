@@ -9,14 +9,21 @@ one command line serves every task of a Slurm job array or a Kubernetes Indexed 
 
 Hosts share nothing but report files: every host builds the same case list and the same
 deterministic plan (``audits.runner.engine.shard_cases``) and runs its own slice of it.
+
+Within a process the cases run in :func:`run_order`: stratified, so that any prefix of a run (a
+time-boxed ``--budget`` run, a Ctrl-C) spans the suite's axes (:data:`STRATA`) instead of one
+corner of it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-__all__ = ["SLURM", "K8S_INDEX", "SHARDS_ENV", "ShardEnvError", "parse_shard", "shard_from_env"]
+__all__ = [
+    "SLURM", "K8S_INDEX", "SHARDS_ENV", "ShardEnvError", "parse_shard", "shard_from_env", "STRATA", "run_order",
+]  # fmt: skip
 
 #: the Slurm array variables ``--shard auto`` reads
 SLURM = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_COUNT")
@@ -111,3 +118,96 @@ def shard_from_env(env: Mapping[str, str] | None = None, *, shards: int | None =
     if not 0 <= i < n:
         raise ShardEnvError(f"{src}: shard index {i} is outside 0..{n - 1}")
     return i, n, src
+
+
+def _mask(c) -> str:
+    return "causal" if c.causal else "local" if c.local else "none"
+
+
+def _heads(c) -> str:
+    return "MHA" if c.heads_q == c.heads_kv else "MQA" if c.heads_kv == 1 else "GQA"
+
+
+def _lengths(c) -> str:
+    """seqlen_q against seqlen_k (FA's bottom-right causal alignment differs between them)."""
+    return "q<k" if c.seqlen_q < c.seqlen_k else "q=k" if c.seqlen_q == c.seqlen_k else "q>k"
+
+
+def _size(c) -> str:
+    """The longest side's size class (one tile, a few tiles, many tiles, long)."""
+    n = max(c.seqlen_q, c.seqlen_k)
+    return "<=256" if n <= 256 else "<=1024" if n <= 1024 else "<=4096" if n <= 4096 else ">4096"
+
+
+def _entry(c) -> str:
+    if not c.varlen:
+        return "fixed"
+    return "varlen" + ("-paged" if c.page_size else "") + ("-split" if c.num_splits > 1 else "")
+
+
+#: the axes a run's every prefix should span: name -> the case's value on it
+STRATA: dict[str, Callable] = {
+    "dtype": lambda c: c.dtype,
+    "head_dims": lambda c: (c.d, c.dv),
+    "mask": _mask,
+    "softcap": lambda c: c.softcap > 0,
+    "sink": lambda c: c.sink,
+    "heads": _heads,
+    "layout": lambda c: c.layout,
+    "family": lambda c: c.family,
+    "lengths": _lengths,
+    "size": _size,
+    "entry": _entry,
+}
+
+
+def run_order(cases: list) -> list[int]:
+    """The order (indices into ``cases``) in which a process runs its cases: stratified over
+    :data:`STRATA`, deterministic (no hash seed, no process state), the same on every host.
+
+    First a greedy cover: each next case is the one bringing the most axis values not yet run,
+    until every value of every axis that ``cases`` hold has run once (for ``release`` that takes
+    fewer cases than its largest axis has values plus a few; ``tests/test_run_stop.py``).  Then
+    a proportional sample: each next case is the one whose values are furthest behind their
+    share of the whole list (value v of an axis holding n_v of N cases is due k * n_v / N times
+    in the first k cases), so that a longer prefix is a stratified sample of the suite, not one
+    configuration group after another.  Ties go to a fixed digest of the case name.
+
+    Interleaving configurations costs no compiles: JIT kernels are cached per compile key in the
+    process, and each ``--jobs`` process still holds whole compile keys (``shard_cases``
+    ``by="key"``); only the compiles move to the front of the run."""
+    import numpy as np
+
+    n = len(cases)
+    if n <= 1:
+        return list(range(n))
+    # cases with one value on every axis score alike: one row per such group ("signature"), its
+    # cases queued in a fixed pseudo-random order (a digest of the name), which breaks ties
+    sigs: dict[tuple, list[int]] = {}
+    for i in sorted(range(n), key=lambda i: (hashlib.sha256(cases[i].name.encode()).hexdigest(), i)):
+        sigs.setdefault(tuple(get(cases[i]) for get in STRATA.values()), []).append(i)
+    queues = list(sigs.values())
+    cols, shares = [], []
+    for a in range(len(STRATA)):
+        index = {v: j for j, v in enumerate(dict.fromkeys(sig[a] for sig in sigs))}
+        col = np.array([index[sig[a]] for sig in sigs])
+        cols.append(col)
+        shares.append(np.bincount(col, weights=[len(q) for q in queues], minlength=len(index)) / n)
+    seen = [np.zeros(len(sh)) for sh in shares]
+    left = np.array([len(q) for q in queues])
+    head = [0] * len(queues)
+    order = []
+    covering = True
+    for k in range(n):
+        if covering:  # values not yet run, per group; ties by how far behind their share
+            gain = sum((s[c] == 0).astype(float) for s, c in zip(seen, cols))
+            covering = bool((gain[left > 0] > 0).any())
+        due = sum(sh[c] * (k + 1) - s[c] for sh, s, c in zip(shares, seen, cols))
+        score = (gain * (len(cols) * 2.0 + 2.0) + due) if covering else due
+        j = int(np.argmax(np.where(left > 0, score, -np.inf)))
+        left[j] -= 1
+        for s, c in zip(seen, cols):
+            s[c[j]] += 1
+        order.append(queues[j][head[j]])
+        head[j] += 1
+    return order
