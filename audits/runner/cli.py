@@ -285,6 +285,7 @@ def _run_header(args, device, th) -> dict:
     """What every report of this run records besides its cases (command, time, environment,
     thresholds), fixed before the first case: the journals' headers keep it too, so that a
     journal read directly (``show``/``gate``/``summary`` on journal.jsonl) gives the report's view."""
+    import json
     import time
 
     from audits.runner.journal import package_version
@@ -295,6 +296,7 @@ def _run_header(args, device, th) -> dict:
         "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
         "device": str(device), "environment": env, "thresholds": th, "shard": args.shard,
     }  # fmt: skip
+    report = json.loads(json.dumps(report, default=str))  # as a journal line holds it (a TOML date as text)
     return {"started": time.monotonic(), "report": report}
 
 
