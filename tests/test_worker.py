@@ -83,6 +83,18 @@ def test_an_exception_that_does_not_pickle_comes_back_and_the_worker_keeps_runni
         iso.close()
 
 
+def test_an_exception_that_pickles_but_does_not_unpickle_comes_back_as_its_description():
+    """Its __init__ wants a keyword pickle does not pass: sent as itself, it would fail in the
+    parent's unpickling, with an error about __init__ instead of the kernel's."""
+    iso = Isolated(f"{HANG}:raises_unrestorable", "cpu", timeout=60)
+    try:
+        with pytest.raises(RemoteError) as err:
+            iso(*qkv())
+        assert (err.value.type_name, str(err.value)) == ("NeedsKeyword", "needs a keyword: tile 128x128")
+    finally:
+        iso.close()
+
+
 def test_a_call_past_the_limit_kills_the_worker_and_everything_it_started(deadline, tmp_path, monkeypatch):
     """The kernel waits forever on a process of its own: the call ends at the limit, the worker
     and that process are killed (the worker's process group), and a fresh worker answers next."""

@@ -4,7 +4,7 @@ gradients; the verdict is ``audits.runner.gate``'s.
 
 A case record gains ``backward``::
 
-    {"status": "ran" | "skipped" | "error" | "crash", "reason": ..., "do_family": "large",
+    {"status": "ran" | "skipped" | "error" | "crash" | "timeout", "reason": ..., "do_family": "large",
      "repeat": 2, "deterministic": false,
      "grads": {"dq": {<numerics.metrics.output_errors>, "bound": {...}, "fa_criterion": {...}},
                "dk": ..., "dv": ..., "dsink": ...},          # dsink only with a learnable sink

@@ -385,8 +385,8 @@ def register(sub) -> None:
         help="audit a kernel on a suite or given cases: FP64 reference, metrics, bounds, verdicts, report",
         description="Run every case of a suite (or of --config / --case-file) for a kernel; write "
         "OUT/report.{json,md,html,junit.xml} (OUT/<kernel>/report.* with several --kernel); print the verdicts "
-        "and the failing cases with their reproducers.  Exit 0 when every case passes, 1 when any fails, errors "
-        "or crashes or none was evaluated, 2 for usage and environment errors.",
+        "and the failing cases with their reproducers.  Exit 0 when every case passes, 1 when any fails, errors, "
+        "crashes or times out (--timeout) or none was evaluated, 2 for usage and environment errors.",
     )
     r.add_argument(
         "--kernel", required=True, action="append",
