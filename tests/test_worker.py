@@ -203,6 +203,18 @@ def test_the_case_record_of_an_oom_in_the_kernel(tmp_path, capsys):
     ]
 
 
+def test_the_case_record_of_an_oom_in_the_kernels_worker(tmp_path):
+    """A user kernel runs in its worker by default: the MemoryError comes back as itself, the
+    reason says out of host memory, and the traceback is the worker's."""
+    rc = cli.main(
+        ["run", "--quiet", "--kernel", f"{HANG}:raises_host_oom", "--config", config(), "--out", str(tmp_path)]
+    )
+    (rec,) = json.loads((tmp_path / "report.json").read_text())["cases"]
+    assert rc == 1 and rec["verdict"] == "error" and rec["cause"] == "out-of-memory"
+    assert rec["reasons"] == ["kernel ran out of host memory (MemoryError): simulated: cannot allocate 64 GiB"]
+    assert "in raises_host_oom" in rec["traceback"]
+
+
 # ---- --timeout on the subcommands -----------------------------------------------------------
 
 
