@@ -39,6 +39,9 @@ from audits.cases import smoke_suite
 from audits.runner.backward import BackwardOptions
 from audits.runner.gate import judge, load_thresholds
 
+#: the slow tier: the module's fixtures run the bugged and clean kernels backward over smoke cases (61 s CPU)
+pytestmark = pytest.mark.slow
+
 BAD = ("fail", "error", "crash")
 SIXTEEN = ("bfloat16", "float16")
 # FA's criterion applies to 16-bit cases only (and the bugged kernels refuse an fp8 backward);

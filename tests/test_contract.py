@@ -140,6 +140,7 @@ def test_backward_refusals_follow_the_same_rules(production, exc, status):
 # --- nothing passes unchecked --------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 10 s CPU
 def test_a_kernel_without_lse_warns_per_case_and_can_be_failed(tmp_path, capsys):
     assert run("--kernel", "tests.fake_kernels:no_lse", "--case", NORMAL, "--out", str(tmp_path / "w")) == 0
     rep = report(tmp_path / "w")
@@ -181,6 +182,7 @@ def test_resume_refuses_another_runs_journal(tmp_path, capsys):
     assert report(b)["cases"][0].get("resumed") is True
 
 
+@pytest.mark.slow  # job processes: 20 s CPU
 def test_resume_with_jobs_refuses_another_runs_journals(tmp_path, capsys):
     """The jobs refuse the other run's journals; the parent must not report their records."""
     two = "*tile_step_[14]-seed0"
@@ -338,6 +340,7 @@ def test_config_and_case_file_run_exactly_the_given_cases(tmp_path):
     assert report(again)["cases"][0]["case"] == rep["cases"][0]["case"]
 
 
+@pytest.mark.slow  # job processes: 25 s CPU
 def test_config_and_case_file_run_with_jobs_and_resume(tmp_path):
     """Given cases (two --config, one --case-file) split over --jobs 2; --resume redoes none."""
     cfgs = [{"dtype": "float16", "seqlen_q": 40, "seqlen_k": 70, "family": f} for f in ("uniform", "flat")]
@@ -399,7 +402,7 @@ def test_progress_goes_to_stderr_on_a_terminal(tmp_path, capsys, monkeypatch):
     [
         (["bounds"], "float8_e4m3fn"),
         (["bounds"], "mass lost to flush <="),
-        (["ex2", "--sample", "4096", "--degree", "all", "--quiet"], "-8.49724"),
+        pytest.param(["ex2", "--sample", "4096", "--degree", "all", "--quiet"], "-8.49724", marks=pytest.mark.slow),
     ],
 )
 def test_tables_shorten_no_cell_when_piped(argv, cell, tmp_path, monkeypatch):
@@ -445,6 +448,7 @@ def test_gpu_list_and_pinning(monkeypatch):
     assert pinned_env(env, [], 5) == env
 
 
+@pytest.mark.slow  # job processes: 15 s CPU
 def test_run_jobs_pin_each_job_to_a_gpu(tmp_path, capsys):
     """run --jobs 2 --gpus 0,1: job I runs with CUDA_VISIBLE_DEVICES = gpus[I mod 2] (shown here
     through a kernel that names its pin); --gpus without --jobs, or malformed, is exit 2."""

@@ -39,6 +39,7 @@ def test_fixture_passes_a_correct_kernel_and_fails_a_bugged_one(pytester, monkey
     )
 
 
+@pytest.mark.slow  # 13 s CPU
 def test_fixture_audits_gradients_with_backward(pytester, monkeypatch):
     """``fa4_audit(..., backward=True)``: a kernel with a wrong dQ fails on dQ, the model passes."""
     pytester.makepyfile(
@@ -56,6 +57,7 @@ def test_fixture_audits_gradients_with_backward(pytester, monkeypatch):
     result.stdout.fnmatch_lines(["*dq_doubled fails 1 case(s)*", "*FA criterion: max|dq - ref|*", "*--backward*"])
 
 
+@pytest.mark.slow  # 19 s CPU
 def test_fixture_builds_the_suite_in_the_kernels_domain_and_takes_suite_files(pytester, monkeypatch):
     """As ``fa4-audit run``: a restricted kernel gets smoke built inside its declared domain
     (no case skipped), and ``suite=`` takes a suite file."""
@@ -74,6 +76,7 @@ def test_fixture_builds_the_suite_in_the_kernels_domain_and_takes_suite_files(py
     _run(pytester, monkeypatch).assert_outcomes(passed=2)
 
 
+@pytest.mark.slow  # pytest -n 2 in a subprocess: 30 s CPU
 def test_fixture_under_xdist_shards_the_cases_and_merges_one_report(pytester, monkeypatch):
     """``pytest -n 2``: the test runs once per worker, each auditing its shard; the controller
     merges the shards into one report holding every case once (the cases of the unsharded call)."""

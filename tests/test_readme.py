@@ -9,6 +9,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from audits import cli
 
 ROOT = Path(__file__).parents[1]
@@ -227,6 +229,7 @@ def _verdicts(report: Path) -> dict[str, str]:
     return {c["case"]: c["verdict"] for c in rep["cases"]}
 
 
+@pytest.mark.slow  # the whole smoke suite: 27 s CPU
 def test_reference_kernel_passes_the_smoke_suite(tmp_path, monkeypatch, capsys):
     """The README's example, as `fa4-audit run` runs it: exit 0, every case pass or warn but the
     varlen ones, which a fixed-length kernel skips without --per-sequence (docs/varlen.md)."""

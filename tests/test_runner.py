@@ -27,6 +27,7 @@ def report(out):
     return json.loads((Path(out) / "report.json").read_text())
 
 
+@pytest.mark.slow  # the whole smoke suite forward and backward: 146 s CPU
 def test_fa4_model_passes_smoke_forward_and_backward(tmp_path):
     """The issue's acceptance run, ``run --kernel fa4-model --suite smoke --backward --device
     cpu`` (30 s on a 2-core machine, docs/backward.md): no failure; every output and every
@@ -135,6 +136,7 @@ def test_key_shards_keep_compile_keys_whole():
     assert max(len(s) for s in shards) <= 1.5 * min(len(s) for s in shards)
 
 
+@pytest.mark.slow  # two job processes: 17 s CPU
 def test_jobs_run_key_shards_in_parallel_and_report_as_one(tmp_path):
     out = tmp_path / "j"
     assert run("--kernel", "fa4-model", "--case", "bf16-d64-b1h2k2-s64x*", "--jobs", "2", "--out", str(out)) == 0
@@ -174,6 +176,7 @@ def test_usage_errors(argv, message, capsys, tmp_path):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 13 s CPU
 def test_gate_show_diff_merge(tmp_path, capsys):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     assert run("--kernel", "fa4-model", "--case", "*uniform*", "--out", str(a)) == 0
@@ -208,11 +211,13 @@ def test_gate_show_diff_merge(tmp_path, capsys):
     assert cli.main(["gate", str(tmp_path / "nope.json")]) == 2
 
 
+@pytest.mark.slow  # the whole smoke suite: 41 s CPU
 def test_correct_blockwise_kernel_passes_smoke(tmp_path):
     """The seeded bugs' base kernel, without a bug (the catalogue: tests/test_catalogue.py)."""
     assert run("--kernel", "tests.bugged_kernels:online", "--suite", "smoke", "--out", str(tmp_path)) == 0
 
 
+@pytest.mark.slow  # worker spawns: 34 s CPU
 def test_a_crashing_kernel_is_isolated(tmp_path):
     assert run("--kernel", "tests.bugged_kernels:crashes_on_fp16", "--case", "*d64*", "--out", str(tmp_path)) == 1
     rep = report(tmp_path)

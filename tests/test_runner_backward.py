@@ -30,6 +30,7 @@ def _cfgs(cases=CASES):
     return [a for c in cases for a in ("--config", c)]
 
 
+@pytest.mark.slow  # 10 s CPU
 def test_model_gradients_in_records_and_every_report_view(tmp_path, capsys):
     rc, out = _run(tmp_path, "--kernel", "fa4-model", *_cfgs(), "--backward")
     assert rc == 0, capsys.readouterr()
@@ -64,6 +65,7 @@ def test_kernel_without_autograd_is_skipped_and_a_run_checking_nothing_fails(tmp
     assert "nothing was audited" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 23 s CPU
 def test_wrong_dq_fails_for_that_gradient_and_its_reproducer_runs(tmp_path, capsys):
     rc, out = _run(tmp_path, "--kernel", f"{FAKE}:dq_doubled", *_cfgs(CASES[:1]), "--backward", "--repeat", "3")
     assert rc == 1
