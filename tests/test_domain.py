@@ -123,6 +123,7 @@ def test_release_is_built_within_the_domain_not_filtered():
     assert release_within(Domain())["cases"] == release_suite()
 
 
+@pytest.mark.slow  # the whole smoke suite in a domain: 86 s CPU
 def test_a_restricted_kernel_gets_smoke_built_in_its_domain(tmp_path, capsys):
     """examples/restricted_kernel.py declares fp16, equal lengths in multiples of 128, d 64/128:
     ``run --suite smoke`` builds every case inside that (none skipped), says which family does
@@ -154,6 +155,7 @@ def test_a_restricted_kernel_gets_smoke_built_in_its_domain(tmp_path, capsys):
     assert "unknown domain key(s) head_dim; accepted: dtypes" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # job processes: 29 s CPU
 def test_a_domain_built_suite_runs_with_jobs_and_resumes(tmp_path):
     """``--jobs`` children get the parent's domain-built cases (through the case file) and
     ``--resume`` continues them: the report holds exactly the cases the domain built."""
@@ -282,6 +284,7 @@ def test_fa4_model_sm90_gets_its_own_smoke_without_fp8():
     assert info["pairs_covered"] > 0 and "kernels" not in info
 
 
+@pytest.mark.slow  # two kernels over a union suite: 38 s CPU
 def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_path, capsys):
     """fa4-model (unrestricted) and sdpa-math on smoke: one shared suite over the union of their
     domains (here smoke itself, so fa4-model keeps its softcap, sink and fp8 cases); sdpa-math

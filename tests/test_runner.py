@@ -89,6 +89,7 @@ def test_journal_resume_and_exitfirst(tmp_path):
     assert all(c.get("resumed") for c in rep["cases"])
 
 
+@pytest.mark.slow  # 10 s CPU
 def test_several_kernels_share_inputs_and_references(tmp_path, monkeypatch):
     """Repeated --kernel: one report per kernel under OUT/<kernel>/, the FP64 reference computed
     once per case for all of them, and the exit code of the worst kernel."""
@@ -324,6 +325,7 @@ def test_html_report_is_self_contained(tmp_path):
     assert "<script" not in page and not re.search(r"(src|href)=['\"]https?:", page)  # opens offline
 
 
+@pytest.mark.slow  # the whole smoke suite twice: 91 s CPU
 def test_sdpa_math_and_an_exact_kernel_pass_smoke(tmp_path):
     assert run("--kernel", "sdpa-math", "--out", str(tmp_path / "s")) == 0
     rep = report(tmp_path / "s")
@@ -341,6 +343,7 @@ def test_sdpa_math_and_an_exact_kernel_pass_smoke(tmp_path):
     assert run("--kernel", "tests.bugged_kernels:exact", "--no-isolate", "--out", str(tmp_path / "e")) == 0
 
 
+@pytest.mark.slow  # 11 s CPU
 def test_summary_groups_reports_side_by_side(tmp_path, capsys):
     out = tmp_path / "two"
     run(
@@ -382,6 +385,7 @@ def test_lse_allowance_grows_with_the_lse_magnitude(tmp_path):
     assert verdict == "fail" and any("LSE max |err| 0.002 > allowed" in r for r in reasons)
 
 
+@pytest.mark.slow  # 11 s CPU
 def test_markdown_of_a_large_suite_lists_what_needs_attention(tmp_path, monkeypatch):
     from audits.runner import report as report_mod
 
@@ -392,6 +396,7 @@ def test_markdown_of_a_large_suite_lists_what_needs_attention(tmp_path, monkeypa
     assert md.count("| fail |") == 8
 
 
+@pytest.mark.slow  # job processes: 24 s CPU
 def test_jobs_resume_after_a_job_died(tmp_path):
     """A device call cut short: the jobs' journals keep what finished and --resume completes the
     rest without redoing it (the release audit on the H200 spans calls this way)."""

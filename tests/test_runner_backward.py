@@ -166,6 +166,7 @@ def test_resume_redoes_the_audits_own_failures(tmp_path):
     assert [c["verdict"] for c in cases] == ["pass", "pass"] and not any(c.get("resumed") for c in cases)
 
 
+@pytest.mark.slow  # 12 s CPU
 def test_fp8_gradients_of_a_user_kernel_are_measured(tmp_path):
     """A user kernel differentiable in fp8 (the README's float32 reference kernel: autograd casts
     its gradients to the e4m3 leaves) is measured, not crashed on (torch has no isfinite or

@@ -54,6 +54,7 @@ def test_smoke_has_the_varlen_cases():
     assert not any(c.softcap or c.sink or c.dtype.startswith("float8") for c in vl)
 
 
+@pytest.mark.slow  # the smoke suite's varlen cases twice: 34 s CPU
 def test_fa4_model_passes_and_equals_the_fixed_length_model_per_sequence(tmp_path, monkeypatch):
     """The model's varlen entry on smoke's varlen cases: every case passes, held to its own
     numerics' bound per sequence (fa4), certified by an exact row, the record naming the entry.
@@ -131,6 +132,7 @@ def test_every_varlen_bug_has_an_expectation():
     assert set(EXPECT) == set(VARLEN_BUGS) and all(VARLEN_BUGS.values())
 
 
+@pytest.mark.slow  # bug_runs: every varlen kernel over the smoke suite's varlen cases, 38 s CPU
 def test_the_clean_varlen_kernel_passes(bug_runs):
     rc, reps = bug_runs
     assert rc == 1  # the bugs fail
@@ -139,6 +141,7 @@ def test_the_clean_varlen_kernel_passes(bug_runs):
     assert all(c["bound"]["kind"] == "peer" and c["varlen"]["entry"] == "varlen" for c in cases)
 
 
+@pytest.mark.slow  # bug_runs (above)
 @pytest.mark.parametrize("bug", list(EXPECT))
 def test_smoke_catches_each_seeded_varlen_bug(bug_runs, bug):
     """Each bug is judged (fail, never error or crash) for its reason, on the case of its axis."""
@@ -154,6 +157,7 @@ def test_smoke_catches_each_seeded_varlen_bug(bug_runs, bug):
     assert any(on_axis(c["config"]) for c in failed), f"{bug}: {axis} does not fail: {[c['case'] for c in failed]}"
 
 
+@pytest.mark.slow  # bug_runs (above), and the reproducer: 10 s CPU
 def test_a_failing_varlen_case_reproduces_from_its_json(bug_runs, tmp_path):
     """The reproducer of a failing varlen case (``--config`` with the case's JSON, seqlens
     included) re-runs exactly that case, from another directory, failing for the same reason."""
@@ -182,6 +186,7 @@ def test_a_fixed_length_kernel_skips_varlen_cases_without_per_sequence(tmp_path)
             assert c["varlen"]["entry"] is None and "out" not in c
 
 
+@pytest.mark.slow  # 19 s CPU
 def test_per_sequence_audits_a_fixed_length_kernel(tmp_path):
     """With --per-sequence the README's reference kernel is called once per sequence and judged:
     it passes every varlen case whose sequences all have keys (it cannot run seqlen_k = 0: the
