@@ -291,7 +291,7 @@ def test_hook_leaves_the_forward_alone():
         out.float().sum().backward()
 
 
-@pytest.mark.parametrize("det", [False, True])
+@pytest.mark.parametrize("det", [False, pytest.param(True, marks=pytest.mark.slow)])  # True: 20 s CPU
 def test_blocked_model_gives_the_unblocked_models_bits(det):
     """The model streams query blocks and skips the tiles production skips; on finite inputs that
     changes no bit against the unblocked version the H200 fidelity was measured with

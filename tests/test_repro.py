@@ -72,6 +72,7 @@ def test_the_reports_carry_the_same_reproducer(failing_run):
     assert html.escape(cmd) in (out / "report.html").read_text()
 
 
+@pytest.mark.slow  # a run and its reproducer in a subprocess: 37 s CPU
 def test_a_file_path_kernel_reproduces_from_anywhere(tmp_path):
     spec = f"{ROOT / 'tests' / 'bugged_kernels.py'}:wrong_lse"
     cfg = json.dumps(
@@ -95,11 +96,13 @@ def _fuzz_failure(tmp_path, *argv) -> dict:
     return json.loads((tmp_path / "f" / "fuzz.json").read_text())["failure"]
 
 
+@pytest.mark.slow  # a fuzz run and its reproducer in a subprocess: 15 s CPU
 def test_the_fuzz_reproducer_runs(tmp_path):
     f = _fuzz_failure(tmp_path, "--kernel", "tests.bugged_kernels:bug_lse_log2", "--budget", "10", "--max-seqlen", "64")
     assert_reproduces(f["repro"], tmp_path, case=f["name"], why="LSE")
 
 
+@pytest.mark.slow  # pytest and the reproducer in subprocesses: 22 s CPU
 def test_the_fixture_failure_message_has_a_reproducer_that_runs(pytester, monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(ROOT))
     pytester.makepyfile(f'def test_bad(fa4_audit):\n    fa4_audit("{BAD}", case="*uniform*")\n')
@@ -114,6 +117,7 @@ def test_the_fixture_failure_message_has_a_reproducer_that_runs(pytester, monkey
 pytest_plugins = ["pytester"]
 
 
+@pytest.mark.slow  # a fuzz run and its reproducer in a subprocess: 45 s CPU
 def test_the_backward_fuzz_reproducer_runs(tmp_path):
     """``fuzz --backward`` on a kernel whose dQ is doubled: the shrunk case fails on dQ and its
     reproducer (with ``--backward``) fails the same way from another directory."""

@@ -249,6 +249,7 @@ def test_views_read_journals_and_say_partial(tmp_path, tiny, capsys):
     assert (s["selected"], s["run"], s["not_run"], s["stopped"]) == (6, ran, 6 - ran, "budget")
 
 
+@pytest.mark.slow  # 15 s CPU
 def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, tiny, capsys):
     out = tmp_path / "p"
     argv = ["run", "--kernel", "tests.bugged_kernels:wrong_lse", "--case-file", str(tiny), "--out", str(out)]

@@ -152,6 +152,7 @@ def test_errors_name_the_file_the_key_the_value_and_what_is_accepted(text, messa
     assert "missing.toml: no such suite file" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # job processes: 21 s CPU
 def test_jobs_and_resume(tmp_path):
     """``--jobs 2`` runs the file's cases (the children get them as a case file); ``--resume``
     with the same file redoes none."""
@@ -240,6 +241,7 @@ families = ["normal"]
     assert "f16-d128-b1h2k2-s64x96-normal-seed0" not in names(out) and capped in names(out)
 
 
+@pytest.mark.slow  # the reproducer in a subprocess: 22 s CPU
 def test_a_failing_cases_reproducer_from_a_suite_file_run_executes(tmp_path, capsys):
     f = write(tmp_path, """[[case]]
 dtype = "float16"
@@ -263,6 +265,7 @@ causal = true
     assert_reproduces(cmds[0], tmp_path, case="f16-d128-b1h4k1-s160x160-uniform-seed0", why="LSE")
 
 
+@pytest.mark.slow  # 15 s CPU
 def test_the_example_the_docs_show_runs(tmp_path):
     """examples/suite.toml is the block docs/runner.md shows, and fa4-model passes it."""
     text = (ROOT / "docs" / "runner.md").read_text()
