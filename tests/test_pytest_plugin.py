@@ -5,6 +5,12 @@ import pathlib
 
 import pytest
 
+# imported here, before any pytester fixture: pytester puts sys.modules back as it found it when
+# a test ends, and torch (which smoke_suite() imports) cannot be imported a second time in a process
+import torch  # noqa: F401
+
+from audits.cases import smoke_suite
+
 pytest_plugins = ["pytester"]
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -94,8 +100,6 @@ def test_fixture_under_xdist_shards_the_cases_and_merges_one_report(pytester, mo
     result.assert_outcomes(passed=2)  # shard0of2 and shard1of2
     line = next(x for x in result.outlines if "merged report of the shards" in x)
     merged = json.loads((pathlib.Path(re.search(r": (\S+)$", line).group(1)).parent / "report.json").read_text())
-    from audits.cases import smoke_suite
-
     want = sorted(c.name for c in smoke_suite() if "tile_step" in c.name)
     assert sorted(c["case"] for c in merged["cases"]) == want and len(want) >= 4
     assert merged["summary"]["verdicts"]["pass"] == len(want)
