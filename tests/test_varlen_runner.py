@@ -265,10 +265,8 @@ def test_a_domain_judges_each_sequence():
 
 
 def test_jobs_children_get_per_sequence():
-    import argparse
-
+    from audits.cli import build_parser
     from audits.runner.cli import _child_argv
 
-    args = argparse.Namespace(device="cpu", thresholds=None, resume=False, exitfirst=False, isolate=None,
-                              backward=False, deterministic=False, per_sequence=True)  # fmt: skip
+    args = build_parser().parse_args(["run", "--kernel", "fa4-model", "--per-sequence"])  # the parser's own defaults
     assert "--per-sequence" in _child_argv(args, ["fa4-model"], Path("cases.json"), "smoke")
