@@ -172,8 +172,10 @@ def sleepy(q, k, v, **kw):
 """
 
 
-def _interrupt_run(tmp_path, tiny, *extra) -> tuple[subprocess.Popen, Path, str]:
-    """``run`` in a subprocess, SIGINT once a journal holds a case; (process, OUT, stderr)."""
+def _interrupt_run(tmp_path, tiny, *extra, journals: int = 1) -> tuple[subprocess.Popen, Path, str]:
+    """``run`` in a subprocess, SIGINT once ``journals`` journals hold a case each (with --jobs,
+    every job's: a job still importing when the signal comes has no run to report yet);
+    (process, OUT, stderr)."""
     kern = tmp_path / "sleepy.py"
     kern.write_text(SLEEPY)
     out = tmp_path / "i"
@@ -182,7 +184,7 @@ def _interrupt_run(tmp_path, tiny, *extra) -> tuple[subprocess.Popen, Path, str]
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     t0 = time.monotonic()
     while time.monotonic() - t0 < 120:
-        if any(len(j.read_text().splitlines()) >= 2 for j in out.glob("**/journal.jsonl")):
+        if sum(len(j.read_text().splitlines()) >= 2 for j in out.glob("**/journal.jsonl")) >= journals:
             break
         assert p.poll() is None, p.communicate()
         time.sleep(0.05)
@@ -361,6 +363,6 @@ def test_jobs_stopped_by_their_budget_make_a_partial_report(tmp_path, tiny, caps
 def test_sigint_to_a_jobs_run_reaches_every_job(tmp_path, tiny, capsys):
     """--jobs 2: the parent passes Ctrl-C to its jobs once; each writes its partial report; the
     parent's report is partial, "interrupted", exit 130, no traceback."""
-    p, out, err = _interrupt_run(tmp_path, tiny, "--no-isolate", "--jobs", "2")
+    p, out, err = _interrupt_run(tmp_path, tiny, "--no-isolate", "--jobs", "2", journals=2)
     _check_interrupted(p, out, err, capsys, journal=False)
     assert all((out / "jobs" / str(i) / "report.json").exists() for i in (0, 1))
