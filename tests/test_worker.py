@@ -4,6 +4,7 @@ upgraded where they are read)."""
 
 import copy
 import json
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -269,7 +270,7 @@ def test_no_isolate_with_a_timeout_is_a_usage_error(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_run_with_a_kernel_that_hangs_on_some_cases(tmp_path, capsys, deadline):
+def test_run_with_a_kernel_that_hangs_on_some_cases(tmp_path, capsys, deadline, monkeypatch):
     """Causal cases hang, the others pass: each hanging case is a timeout after about the limit,
     the run goes on with a fresh worker, and every view shows the verdict."""
     deadline(400)
@@ -311,6 +312,13 @@ def test_run_with_a_kernel_that_hangs_on_some_cases(tmp_path, capsys, deadline):
     gated = json.loads((tmp_path / "g" / "report.json").read_text())
     assert [c["verdict"] for c in gated["cases"]] == [c["verdict"] for c in rep["cases"]]
     assert "TIMEOUT" in capsys.readouterr().out
+    # the printed reproducer carries the run's limit: run from elsewhere, it times out after 2 s again
+    repro = next(c["repro"] for c in rep["cases"] if c["verdict"] == "timeout")
+    assert " --timeout 2 " in repro
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(shlex.split(repro)[1:]) == 1
+    again = json.loads((tmp_path / "fa4-audit-repro" / "report.json").read_text())
+    assert [c["verdict"] for c in again["cases"]] == ["timeout"]
 
 
 @pytest.mark.slow

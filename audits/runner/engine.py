@@ -509,7 +509,7 @@ def run_suites(
     journal's header (the command, the environment: what a report built from the journal shows)."""
     state = {}
     run = {"suite": suite, "seed": seed, "resume": resume, "several": len(kernels) > 1, "backward": backward,
-           "per_sequence": per_sequence, "extra": journal_extra or {}}  # fmt: skip
+           "per_sequence": per_sequence, "extra": journal_extra or {}, "timeout": timeout}  # fmt: skip
     for kern in kernels:
         state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, run)
         iso = isolate(kern) if callable(isolate) else isolate
@@ -579,7 +579,7 @@ def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
     th_path = thresholds.get("path")
 
     def repro(c: Case) -> str:
-        cmd = reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd)
+        cmd = reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd, timeout=run["timeout"])
         return cmd + " --per-sequence" if per_seq and c.varlen else cmd
 
     return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro, "per_sequence": per_seq}

@@ -9,6 +9,7 @@ import shlex
 
 from audits.cases import Case
 from audits.kernels import portable_spec
+from audits.worker import DEFAULT_TIMEOUT_S
 
 __all__ = ["reproducer", "REPRO_OUT"]
 
@@ -16,10 +17,20 @@ __all__ = ["reproducer", "REPRO_OUT"]
 REPRO_OUT = "fa4-audit-repro"
 
 
-def reproducer(kernel: str, case: Case, *, device: str, thresholds_path: str | None = None, backward=None) -> str:
+def reproducer(
+    kernel: str,
+    case: Case,
+    *,
+    device: str,
+    thresholds_path: str | None = None,
+    backward=None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> str:
     """``fa4-audit run`` on exactly ``case`` (``--config`` with the case as JSON), runnable from
     any directory (the kernel as a built-in name or an absolute ``file.py:fn``) and repeatable
-    (``--overwrite`` into ``fa4-audit-repro/``); ``backward``: the run's ``BackwardOptions``."""
+    (``--overwrite`` into ``fa4-audit-repro/``); ``backward``: the run's ``BackwardOptions``;
+    ``timeout``: the run's per-call limit (None: none), carried when it is not the default, so
+    that a case that timed out times out again after the same limit, not after the default's."""
     from audits.runner.gate import DEFAULT_THRESHOLDS
 
     cfg = json.dumps(case.as_dict(), separators=(",", ":"))
@@ -31,5 +42,7 @@ def reproducer(kernel: str, case: Case, *, device: str, thresholds_path: str | N
     if backward is not None:  # audits.runner.backward.BackwardOptions
         cmd += ["--backward", "--repeat", str(backward.repeat)]
         cmd += ["--deterministic"] if backward.deterministic else []
+    if timeout != DEFAULT_TIMEOUT_S:
+        cmd += ["--timeout", "0" if timeout is None else f"{timeout:g}"]
     cmd += ["--out", REPRO_OUT, "--overwrite"]
     return " ".join(shlex.quote(a) for a in cmd)
