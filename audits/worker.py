@@ -256,13 +256,13 @@ def serve(conn, kernel: str) -> None:  # pragma: no cover - runs in the child pr
                 fns[entry] = _entry_of(kernel, entry)
             fn = fns[entry]
             dev = torch.device(device)
-            kw = {n: (t.to(dev) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+            q, k, v, kw = to_device((q, k, v, kw), dev)
             if bwd is not None:  # the backward half: the caller's grad_call here, tensors sent back on the CPU
                 do, opts, grad_call = bwd  # (a function pickles by name: imported here when it arrives)
-                x = {"q": q.to(dev), "k": k.to(dev), "v": v.to(dev), "kw": kw}
+                x = {"q": q, "k": k, "v": v, "kw": kw}
                 reply = ("ok", to_device(grad_call(fn, x, do.to(dev), opts), "cpu"))
             else:
-                reply = ("ok", to_device(fn(q.to(dev), k.to(dev), v.to(dev), return_lse=True, **kw), "cpu"))
+                reply = ("ok", to_device(fn(q, k, v, return_lse=True, **kw), "cpu"))
         except Exception as exc:  # sent back and raised in the parent; this worker goes on
             reply = _exception_reply(exc)
         _reply(conn, reply)
@@ -373,9 +373,14 @@ class Isolated:
         try:
             self.current.wait_ready(None if self.timeout is None else max(self.timeout, STARTUP_LIMIT_S))
         except WorkerCrashed:
-            self.current, self.deaths = None, self.deaths + 1
+            self._lost()
             raise
         return self.current
+
+    def _lost(self) -> None:
+        """The current worker is gone (died, or killed past the limit): the next call takes the
+        spare or a fresh one, and from now on a spare is kept warming up."""
+        self.current, self.deaths = None, self.deaths + 1
 
     def _ask(self, q, k, v, kw, bwd, entry=None):
         w = self._worker()
@@ -384,7 +389,7 @@ class Isolated:
                          self.device, bwd, entry))  # fmt: skip
             if not w.conn.poll(self.timeout):
                 w.kill()
-                self.current, self.deaths = None, self.deaths + 1
+                self._lost()
                 what = "forward" if bwd is None else "backward"
                 raise KernelTimeout(
                     f"the kernel's {what} call did not return within {self.timeout:g} s (--timeout); its worker "
@@ -394,7 +399,7 @@ class Isolated:
         except (EOFError, ConnectionError, BrokenPipeError):
             code = w.reap()  # its own exit code, before the kill below could set one
             w.kill()  # whatever it started goes with it
-            self.current, self.deaths = None, self.deaths + 1
+            self._lost()
             raise WorkerCrashed(death_reason(code)) from None
         if reply[0] == "raise":
             _, exc, info = reply

@@ -11,6 +11,7 @@ import sys
 
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, read_json
 from audits.common import device as _device
+from audits.runner.schema import FAILING
 
 
 def _is_journal(path: str) -> bool:
@@ -100,7 +101,6 @@ def _baseline(args, rep: dict) -> tuple[dict | None, int, str]:
 def cmd_gate(args: argparse.Namespace) -> int:
     from audits.runner.gate import rejudge
     from audits.runner.report import collapse_reasons, exit_code, summary_line, write_report
-    from audits.runner.schema import FAILING
 
     rep = load_report(args.report)
     th = _thresholds(args.thresholds)
@@ -165,7 +165,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 #: the order ``diff`` ranks verdicts in: a case whose verdict moves to a higher rank got worse.
 #: Not checked (skipped, out-of-domain) is worse than checked and passing; any failing verdict
 #: is worse than any other; failing verdicts rank alike (fail -> crash is listed, not a new regression)
-VERDICT_RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 2, "fail": 3, "error": 3, "crash": 3, "timeout": 3}
+VERDICT_RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 2} | dict.fromkeys(FAILING, 3)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

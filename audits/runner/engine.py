@@ -525,7 +525,7 @@ def run_suites(
         _quiet_fd_handover()
         for st in state.values():  # the worker is out of the terminal's reach (its own session): end its call now
             if st["iso"] is not None:
-                getattr(st["iso"], "kill", st["iso"].close)()
+                st["iso"].kill()
         if stopped is None:
             raise
     finally:
