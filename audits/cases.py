@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from numerics.code_paths import Call
+
 __all__ = [
     "Case", "varlen_case", "smoke_suite", "smoke_varlen", "release_suite", "release_varlen", "nightly_suite",
-    "pairwise", "SUITES", "suite", "fidelity_cases", "fidelity_suite",
+    "pairwise", "SUITES", "suite", "fidelity_cases", "fidelity_suite", "head_dim_sweep", "head_dims_suite",
+    "class_cases", "SM90_HEAD_DIMS", "NONFINITE_MASKS",
 ]  # fmt: skip
 
 
@@ -123,6 +126,22 @@ class Case:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def call(self, *, deterministic: bool = False) -> Call:
+        """The parts of this case that select production's code path
+        (:class:`numerics.code_paths.Call`), for ``numerics.code_paths.classes_of``;
+        ``deterministic``: the backward's ``deterministic=True`` (not a case field)."""
+        return Call(
+            dtype=self.dtype, d=self.d, dv=self.dv, causal=self.causal, local=self.local, softcap=self.softcap > 0,
+            sink=self.sink, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, heads_q=self.heads_q,
+            heads_kv=self.heads_kv, varlen=self.varlen, paged=self.page_size > 0, num_splits=self.num_splits,
+            pack_gqa=self.pack_gqa, deterministic=deterministic,
+        )  # fmt: skip
+
+
+#: the mask kinds ("none", "causal", "local") each non-finite input family applies to; smoke has
+#: each pair (nan_inf_masked needs keys no query sees: a left window, so local only)
+NONFINITE_MASKS = {"nan_inf_visible": ("none", "causal", "local"), "nan_inf_masked": ("local",)}
+
 
 def smoke_suite() -> list[Case]:
     """Every feature axis and input family at least once, and the range-stressing families per
@@ -143,8 +162,16 @@ def smoke_suite() -> list[Case]:
         Case("bfloat16", 128, 128, 1, 2, 2, 128, 128, softcap=15.0, layout="packed_qkv", family="huge_logits"),
         Case("float16", 64, 64, 1, 2, 2, 100, 100, family="near_max", layout="strided"),
         Case("bfloat16", 64, 72, 1, 2, 2, 64, 96, family="subnormal"),  # head_dim_v not a multiple of 32
+        # the non-finite families with every mask kind they apply to (NONFINITE_MASKS): a kernel
+        # that masks by adding -1e6 to the scores lets the NaN key past the diagonal poison the
+        # rows before it, which only a causal nan_inf_visible case shows; the fp16 ones at equal
+        # lengths of 128 lie inside restricted domains (fp16, multiples of 128)
         Case("bfloat16", 64, 64, 1, 2, 2, 64, 200, causal=True, family="nan_inf_visible"),
+        Case("float16", 64, 64, 1, 2, 2, 128, 128, causal=True, family="nan_inf_visible"),
+        Case("float16", 64, 64, 1, 2, 2, 128, 128, family="nan_inf_visible"),
+        Case("bfloat16", 64, 64, 1, 2, 2, 96, 256, window=(48, 16), family="nan_inf_visible"),
         Case("bfloat16", 64, 64, 1, 2, 2, 64, 400, window=(32, 0), family="nan_inf_masked"),
+        Case("float16", 64, 64, 1, 2, 2, 64, 300, window=(40, 24), family="nan_inf_masked"),
         Case("bfloat16", 128, 128, 1, 16, 4, 160, 256, family="normal"),  # 2560 query rows x heads
         # the learnable sink on 3 heads (above, near and below the head's max logit: see
         # audits.inputs.SINK_PLACES), MQA, and rows with no visible key (out 0, lse = sink)
@@ -304,7 +331,7 @@ def release_case(row: dict, family: str, seed: int) -> Case:
 
 def release_suite(seeds: tuple[int, ...] = (0,), extra_pairs: list | None = None) -> list[Case]:
     """A pairwise-covering array of FA's test axes (``RELEASE_AXES``) times every input family,
-    then the varlen cases (:func:`release_varlen`)."""
+    then the varlen cases (:func:`release_varlen`) and the code-path cases (:func:`class_cases`)."""
     from audits.inputs import FAMILIES
 
     axes = dict(RELEASE_AXES)
@@ -312,7 +339,8 @@ def release_suite(seeds: tuple[int, ...] = (0,), extra_pairs: list | None = None
         axes["seqlens"] = axes["seqlens"] + list(extra_pairs)
     rows = pairwise(axes)
     cases = [release_case(r, f, s) for s in seeds for f in FAMILIES for r in rows]
-    return list(dict.fromkeys(cases + release_varlen(seeds)))  # a family's fix-ups can make two rows one case
+    # a family's fix-ups can make two rows one case
+    return list(dict.fromkeys(cases + release_varlen(seeds) + class_cases()))
 
 
 #: per-sequence (seqlen_q, seqlen_k) profiles of the release's varlen cases
@@ -376,8 +404,96 @@ def release_varlen(seeds: tuple[int, ...] = (0,)) -> list[Case]:
 
 
 def nightly_suite() -> list[Case]:
-    """release with three seeds and sequence lengths up to 32k."""
-    return release_suite(seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
+    """release with three seeds and sequence lengths up to 32k, and every head dim SM90 accepts
+    (:func:`head_dims_suite`)."""
+    cases = release_suite(seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
+    return list(dict.fromkeys(cases + head_dims_suite()))
+
+
+#: the masks :func:`head_dim_sweep` takes, as (causal, window)
+SWEEP_MASKS = {"none": (False, (None, None)), "causal": (True, (None, None)), "local": (False, (96, 32))}
+#: the sweep's lengths: a multiple of no tile of either arch or direction (numerics.code_paths)
+SWEEP_SEQLENS = (200, 333)
+
+
+def _seed_of(*parts) -> int:
+    """A seed derived from what names a case (stable across runs and Python versions)."""
+    import zlib
+
+    return zlib.crc32("-".join(map(str, parts)).encode()) % 100_000
+
+
+def head_dim_sweep(
+    *, pairs: tuple | list, dtypes: tuple | list, masks: tuple | list = ("none", "causal")
+) -> list[Case]:
+    """One case per (d, dv) pair x dtype x mask ("none", "causal" or "local"): batch 2, 4 query
+    heads on 2 KV heads, 200 queries x 333 keys (partial tiles at both ends), family normal,
+    the seed derived from the case.  Nightly's every-head-dim axis (``head-dims``)."""
+    bad = [m for m in masks if m not in SWEEP_MASKS]
+    if bad:
+        raise ValueError(f"head_dim_sweep: mask(s) {bad} are not known; accepted: {', '.join(SWEEP_MASKS)}")
+    sq, sk = SWEEP_SEQLENS
+    out = []
+    for d, dv in pairs:
+        for dtype in dtypes:
+            for m in masks:
+                causal, window = SWEEP_MASKS[m]
+                seed = _seed_of("head-dims", dtype, d, dv, m)
+                out.append(Case(dtype, d, dv, 2, 4, 2, sq, sk, causal=causal, window=window, seed=seed))
+    return out
+
+
+#: every head dim production's SM90 path accepts for 16-bit inputs (``interface._validate_head_dims``:
+#: 8..256, a multiple of 16 bytes / element size = 8)
+SM90_HEAD_DIMS = tuple(range(8, 257, 8))
+
+
+def head_dims_suite() -> list[Case]:
+    """The ``head-dims`` suite: d = dv at every SM90 head dim (:data:`SM90_HEAD_DIMS`), bf16 and
+    fp16, causal and not (128 cases; :func:`head_dim_sweep`)."""
+    return head_dim_sweep(pairs=[(d, d) for d in SM90_HEAD_DIMS], dtypes=("bfloat16", "float16"))
+
+
+def class_cases() -> list[Case]:
+    """Cases that together fall in every code-path class of every arch (``numerics.code_paths``)
+    in the forward and the backward — the deterministic backward aside, a run option
+    (``deterministic=True``), not a case: SM90's forward tiles by head-dim band, mask and dv; its
+    backward tiles (the 80-row dQ_swapAB tile, 64x96 at both dv, 64x48); head dims padded at
+    every granularity (16, 32, 64) and exact; SM100's 2-CTA and 1-CTA, one and two Q stages,
+    (192, 128) and (256, 256) with the dedicated hd256 backward; GQA packed and not; softcap,
+    sink, varlen, paged and split-KV (with the 64-key tile of split d != dv).  Lengths off
+    every tile; batch 1-2.  ``tests/test_cases.py`` checks the coverage."""
+
+    def fixed(dtype, d, dv, hq, hk, sq, sk, **kw) -> Case:
+        tag = "-".join(f"{k}{v}" for k, v in sorted(kw.items()))
+        return Case(dtype, d, dv, 2, hq, hk, sq, sk, seed=_seed_of("class", dtype, d, dv, hq, hk, sq, sk, tag), **kw)
+
+    def var(seqlens, d, dv, hq, hk, **kw) -> Case:
+        seed = _seed_of("class-varlen", seqlens, d, dv, hq, hk, sorted(kw.items()))
+        return varlen_case(seqlens=seqlens, dtype="bfloat16", d=d, dv=dv, heads_q=hq, heads_kv=hk, seed=seed, **kw)
+
+    local = (96, 32)
+    return [
+        fixed("bfloat16", 64, 64, 4, 2, 300, 333),  # SM90 192x128 / 128x128; SM100 q_stage 2, 1-CTA
+        fixed("bfloat16", 96, 96, 2, 2, 300, 333, causal=True),  # 192x128 causal / 64x128 one-WG dQ
+        fixed("float16", 96, 96, 2, 2, 300, 333),  # 192x144
+        fixed("bfloat16", 128, 128, 2, 2, 300, 333),  # 128x128 / 80x128 dQ_swapAB; SM100 2-CTA both ways
+        fixed("float16", 128, 128, 2, 2, 300, 333, causal=True),  # 64x128
+        fixed("bfloat16", 192, 128, 2, 2, 300, 333),  # 128x128 at hd192 / 64x96; SM100 (192, 128)
+        fixed("bfloat16", 192, 192, 2, 2, 300, 333),  # 128x112 / 64x96 with one dO stage
+        fixed("float16", 192, 128, 2, 2, 300, 333, window=local),  # 128x96 local
+        fixed("bfloat16", 256, 256, 2, 2, 300, 333),  # 128x80 / 64x48; SM100 hd256, dedicated backward
+        fixed("float16", 256, 256, 2, 2, 300, 333, window=local),  # 128x64 local
+        fixed("float16", 72, 72, 2, 2, 300, 333, causal=True),  # padded to 16 (SM90), 32 (SM100 backward)
+        fixed("bfloat16", 200, 200, 2, 2, 300, 333),  # SM90 backward padded to 64
+        fixed("bfloat16", 128, 128, 2, 2, 100, 333),  # SM100 q_stage 1: one M block, 1-CTA
+        fixed("bfloat16", 256, 256, 6, 2, 300, 333),  # SM100 hd256 at 128 % 3 != 0: pack_gqa off
+        fixed("bfloat16", 64, 64, 2, 2, 300, 333, softcap=15.0, sink=True),
+        var(((100, 400), (37, 300), (0, 20)), 64, 64, 4, 2, page_size=64, causal=True),  # varlen, paged
+        var(((100, 400), (37, 300)), 64, 64, 4, 2, pack_gqa=False),  # GQA without pack_gqa
+        var(((2, 700), (77, 400)), 64, 64, 4, 2, num_splits=3, pack_gqa=True),  # split-KV
+        var(((1, 8192), (3, 8100)), 192, 128, 2, 2, num_splits=2),  # split at d != dv, 64 blocks: 64-key tiles
+    ]
 
 
 def _fidelity_case(d: int, sq: int, sk: int, *, hq: int = 4, hk: int = 4, b: int = 2, **kw) -> Case:
@@ -415,7 +531,13 @@ def fidelity_suite() -> list[Case]:
 
 
 def _suites() -> dict:
-    return {"smoke": smoke_suite, "release": release_suite, "nightly": nightly_suite, "fidelity": fidelity_suite}
+    return {
+        "smoke": smoke_suite,
+        "release": release_suite,
+        "nightly": nightly_suite,
+        "head-dims": head_dims_suite,
+        "fidelity": fidelity_suite,
+    }
 
 
 SUITES = _suites()

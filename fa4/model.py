@@ -72,6 +72,7 @@ from fa4.primitives import LOG2_E as _LOG2_E
 from fa4.primitives import fma as _fma
 from fa4.primitives import hardware_exp2, hardware_lg2, hardware_rcp, softcap_tanh, visible_bounds
 from fa4.primitives import scales as _scales
+from numerics.code_paths import SM100_TILE_M, SM100_TILE_N, sm90_fwd_tile, sm100_fwd_geometry
 from numerics.fp import fma_f32, format_of, round_to
 from numerics.fp import to_f32 as _f32
 from numerics.tensor_core import tc_dot
@@ -235,17 +236,14 @@ class FA4Numerics:
         _check_dtype(dtype)
         fp8 = dtype in _FP8
         hdp = int(math.ceil(head_dim / 16) * 16)
-        hdvp = int(math.ceil((head_dim if head_dim_v is None else head_dim_v) / 16) * 16)
         pack_gqa = qhead_per_kvhead > 1 if pack_gqa is None else pack_gqa
         packed_rows = None if seqlen_q is None else seqlen_q * (qhead_per_kvhead if pack_gqa else 1)
-        q_stage = 2 if packed_rows is None or (packed_rows > 128 and hdvp != 256) else 1
-        if use_2cta is None:
-            one_m_block = packed_rows is not None and packed_rows <= q_stage * 128
-            use_2cta = (
-                (hdp == 256 or (not causal and not local and hdp in (128, 192) and hdvp == 128))
-                and (not one_m_block or hdp == 256)
-                and (128 % qhead_per_kvhead == 0 or not pack_gqa)
-            )
+        dv = head_dim if head_dim_v is None else head_dim_v
+        q_stage, default_2cta = sm100_fwd_geometry(
+            d=head_dim, dv=dv, causal=causal, local=local, packed_rows=packed_rows,
+            qhead_per_kvhead=qhead_per_kvhead, pack_gqa=pack_gqa,
+        )  # fmt: skip
+        use_2cta = default_2cta if use_2cta is None else use_2cta
         key = (use_2cta, causal, hdp, False)
         tune = dict(zip(("freq", "start"), _SM100_TUNING[key])) if key in _SM100_TUNING else {}
         if fp8 and hdp >= 96 and key in _SM100_FP8_TUNING:
@@ -260,8 +258,8 @@ class FA4Numerics:
             freq = 32 if varlen_q else tune.get("freq", 10)
         return FA4Numerics(
             arch="sm100",
-            tile_m=q_stage * 128 * (2 if use_2cta else 1),  # BlockInfo's tile: q_stage x 128 rows, a 2-CTA pair
-            tile_n=128,
+            tile_m=q_stage * SM100_TILE_M * (2 if use_2cta else 1),  # BlockInfo's tile: q_stage x 128 rows, a CTA pair
+            tile_n=SM100_TILE_N,
             exp2="mixed",
             poly_degree=3,
             emu_freq=freq,
@@ -280,21 +278,13 @@ class FA4Numerics:
         head_dim_v: int | None = None,
     ) -> FA4Numerics:
         """The Hopper path (``flash_fwd_sm90.py``): hardware exp2, the max moves at every block,
-        no threshold, no max_offset; tiles from ``interface._tile_size_fwd_sm90``."""
+        no threshold, no max_offset; tiles from ``interface._tile_size_fwd_sm90``
+        (``numerics.code_paths.sm90_fwd_tile``)."""
         if dtype in _FP8:
             raise NotImplementedError("the SM90 path supports only bf16 and fp16 (flash_fwd.py _check_type)")
         _check_dtype(dtype)
         dv = head_dim if head_dim_v is None else head_dim_v
-        if head_dim <= 64:
-            tm, tn = 192, 128
-        elif head_dim <= 96:
-            tm, tn = (192, 128) if causal or local else (192, 144)
-        elif head_dim <= 128:
-            tm, tn = 128, 128
-        elif head_dim <= 192:
-            tm, tn = 128, 96 if local else (128 if dv <= 128 else 112)
-        else:
-            tm, tn = 128, 64 if local else 80
+        tm, tn = sm90_fwd_tile(d=head_dim, dv=dv, causal=causal, local=local)
         return FA4Numerics(arch="sm90", tile_m=tm, tile_n=tn, exp2="hardware", rescale_threshold=0.0, max_offset=0)
 
     @staticmethod

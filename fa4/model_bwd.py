@@ -90,6 +90,7 @@ from fa4.primitives import fma as _fma
 from fa4.primitives import hardware_exp2, softcap_tanh
 from fa4.primitives import scales as _scales
 from fa4.primitives import visible as _visible
+from numerics.code_paths import sm90_bwd_tile, sm100_bwd_tile
 from numerics.fp import flush_to_zero, round_to
 from numerics.fp import to_f32 as _f32
 from numerics.tensor_core import tc_dot
@@ -119,24 +120,18 @@ class BwdPlan:
 
 def bwd_plan(numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> BwdPlan:
     """The tiles production picks (``interface._flash_attn_bwd``: SM90 ``_tile_size_bwd_sm90``;
-    SM100 128 x 128, 2-CTA for head_dim >= 128), overridden by the numerics' ``bwd_*`` knobs."""
+    SM100 128 x 128, 2-CTA for head_dim >= 128; ``numerics.code_paths.sm90_bwd_tile`` /
+    ``sm100_bwd_tile``), overridden by the numerics' ``bwd_*`` knobs."""
     if numerics.arch == "sm90":
-        if head_dim <= 64:
-            tm, tn, single_wg, swap = 128, 128, False, False
-        elif head_dim <= 96:
-            tm, tn, single_wg, swap = 64, 128, True, False
-        elif head_dim <= 128:
-            tm, tn, single_wg, swap = (64 if causal or local else 80), 128, False, False
-        elif head_dim <= 192:
-            tm, tn, single_wg, swap = 64, 96, False, True
-        else:
-            tm, tn, single_wg, swap = 64, 48, False, True
+        cfg = sm90_bwd_tile(d=head_dim, dv=head_dim_v, causal=causal, local=local)
+        tm, tn = cfg.tile_m, cfg.tile_n
         # num_threads_post_dQ: 128 with dQ_single_wg, else num_wg (2) * 128; hdim_multiple_of 64 with dKV_swapAB
-        cta_pair, post, mult = False, 128 if single_wg else 256, 64 if swap else 32
+        cta_pair, post, mult = False, 128 if cfg.dq_single_wg else 256, 64 if cfg.dkv_swap_ab else 32
     elif (head_dim, head_dim_v) == (256, 256) and not numerics.bwd_hd256_generic:
         # interface._flash_attn_bwd: use_dedicated_hd256_kernel; dQ kernel tiles (128, 128), one
-        # dQ MMA per KV block of 128; dK/dV kernel 128 query rows per MMA
-        tm, tn, cta_pair, post, mult = 128, 128, False, 128, 32
+        # dQ MMA per KV block of 128; dK/dV kernel 128 query rows per MMA (no CTA-pair dQ reduction)
+        tm, tn, _, _ = sm100_bwd_tile(d=head_dim, dv=head_dim_v)
+        cta_pair, post, mult = False, 128, 32
     else:
         if (head_dim > 192 or head_dim_v > 128) and (head_dim, head_dim_v) != (256, 256):
             raise NotImplementedError(
@@ -144,7 +139,8 @@ def bwd_plan(numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool
                 f"({head_dim}, {head_dim_v}) (interface._validate_head_dims)"
             )
         # use_2cta_instrs: head_dim >= 128; FLASH_ATTENTION_HD256_GENERIC_BWD: n_block_size 64
-        tm, tn, cta_pair, post, mult = 128, 64 if head_dim == 256 else 128, head_dim >= 128, 128, 32
+        tm, tn, cta_pair, _ = sm100_bwd_tile(d=head_dim, dv=head_dim_v, hd256_generic=numerics.bwd_hd256_generic)
+        post, mult = 128, 32
     tm = numerics.bwd_tile_m or tm
     tn = numerics.bwd_tile_n or tn
     dq_tiles = numerics.bwd_dq_tiles or (2 if cta_pair else 1)
