@@ -132,8 +132,14 @@ def test_not_applicable_and_skipped_are_reported_with_reasons(tmp_path, capsys):
     fp8 = '{"dtype": "float8_e4m3fn", "seqlen_q": 16, "seqlen_k": 64, "d": 64, "dv": 64}'
     rc = run("invariance", "--kernel", "sdpa-math", "--config", one_row, "--config", fp8,
              "--require", "decode", "--out", str(tmp_path), "--quiet")  # fmt: skip
-    assert rc == 0  # decode compared nowhere, but batch was: something was compared, nothing required differs
+    assert rc == 1  # decode, required, compared nowhere (n.a. on one case, skipped on the other): fails
     rep = _report(tmp_path)
+    assert rep["summary"]["failing"] == ["decode"]
+    assert rep["summary"]["uncompared"]["decode"] == (
+        "0 comparisons: not applicable on 1 of 2 case(s): seqlen_q 1: the last row alone is the full call; "
+        "skipped on 1 of 2 case(s): outside the kernel's declared domain: dtype float8_e4m3fn not in "
+        "('bfloat16', 'float16')"
+    )
     short, low = rep["cases"]
     assert short["properties"]["decode"] == {
         "result": "not applicable",
@@ -149,7 +155,10 @@ def test_not_applicable_and_skipped_are_reported_with_reasons(tmp_path, capsys):
             assert case["properties"][p]["result"] == "not applicable"
             assert case["properties"][p]["reason"].startswith("the kernel has no varlen entry")
     assert rep["summary"]["counts"]["decode"]["not applicable"] == 1
-    assert "1 n.a., 1 skipped" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 n.a., 1 skipped" in out
+    assert "FAIL decode: 0 comparisons: not applicable on 1 of 2 case(s)" in out and "FAIL (decode: 0 comparisons)" in out
+    assert "**decode** (required) fails: 0 comparisons" in (tmp_path / "invariance.md").read_text()
 
 
 def test_nothing_compared_exits_1(tmp_path, capsys):
@@ -315,7 +324,8 @@ def test_report_schema(tmp_path, capsys):
                         "seconds", "properties", "summary", "cases"}  # fmt: skip
     assert list(rep["properties"]) == ["batch", "decode", "split", "paged", "pack_gqa"]
     s = rep["summary"]
-    assert set(s) == {"counts", "required", "compared", "failing", "passed", "prediction"}
+    assert set(s) == {"counts", "required", "compared", "failing", "uncompared", "passed", "prediction"}
+    assert s["uncompared"] == {}  # paged was compared (and differs)
     assert set(s["prediction"]) == {"model", "agree", "disagree", "per_property", "disagreements"}
     assert s["required"] == ["paged"] and s["failing"] == ["paged"] and s["passed"] is False
     for case in rep["cases"]:
@@ -345,8 +355,13 @@ def test_declined_variants_are_noted_or_skipped(tmp_path, capsys):
     with the reason, paged compared on the other page sizes with the declined one noted."""
     rc = run("invariance", "--kernel", f"{BUGS}:refuses_splits", "--config", VARLEN_CASE, "--require", ALL,
              "--out", str(tmp_path), "--quiet")  # fmt: skip
-    assert rc == 0  # a skipped property never fails
-    res = _report(tmp_path)["cases"][0]["properties"]
+    assert rc == 1  # split, required, skipped on every case: compared nowhere, it fails and says why
+    rep = _report(tmp_path)
+    assert rep["summary"]["failing"] == ["split"]  # paged, compared on the page sizes accepted, does not
+    assert rep["summary"]["uncompared"]["split"].startswith(
+        "0 comparisons: skipped on 1 of 1 case(s): num_splits 2: kernel does not support this configuration: SplitKV"
+    )
+    res = rep["cases"][0]["properties"]
     assert res["split"]["result"] == "skipped"
     assert res["split"]["reason"].startswith("num_splits 2: kernel does not support this configuration: SplitKV")
     assert res["paged"]["result"] == "holds" and res["paged"]["comparisons"] == 3 * (4 + 3)

@@ -1,4 +1,7 @@
-"""``fa4-audit fidelity``: the model against production on identical inputs."""
+"""``fa4-audit fidelity``: the model against production on identical inputs.  The cases are
+selected as ``run`` selects them (``audits.selection``): the fidelity list is filtered to the
+production kernel's declared domain narrowed by ``--domain FILE``, and the report (``domain``)
+and the summary say how many of its cases lay outside."""
 
 from __future__ import annotations
 
@@ -62,6 +65,14 @@ def _in_worker(args, production, device):
     return iso, iso
 
 
+def _outside(sel) -> int:
+    """How many cases of the selected fixed list lay outside the domain it was filtered to: the
+    fidelity list is filtered, not built, within the production kernel's declared domain narrowed
+    by ``--domain`` (``audits.selection``, ``audits.domain.suite_within``); 0 when no domain
+    restricted it or the cases were given."""
+    return int((sel.domain_info or {}).get("cases_outside", 0))
+
+
 def cmd_fidelity(args: argparse.Namespace) -> int:
     import json
     import sys
@@ -110,6 +121,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         "results": results,
         "unfinished": unfinished,  # cases whose production call timed out or crashed (--timeout)
     }
+    outside = _outside(sel)
+    if sel.domain_info is not None:  # the domain the selection was built in (audits.selection), as run's report
+        report["domain"] = {**sel.domain_info, "cases_outside": outside}
     if args.mufu:
         from audits.fidelity.mufu import measure_mufu
 
@@ -124,6 +138,9 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         f"or 1 ULP apart ({100 * s['fraction_identical']:.3f}% identical), {s['outputs']['>2']} beyond 2 ULP; "
         f"LSE {100 * s['lse_fraction_identical']:.3f}% identical; report: {out / 'fidelity.md'}"
     )
+    if outside:
+        print(f"{outside} case(s) of {sel.label!r} lie outside the kernels' domain (declared, narrowed by --domain) "
+              "and were not run (report: domain)")  # fmt: skip
     for u in unfinished:
         print(f"{u['verdict'].upper()} {u['case']}: {u['reason']}")
     return EXIT_OK if s["cases_ok"] == s["cases"] and not unfinished else EXIT_FAIL

@@ -1,8 +1,11 @@
 """``fa4-audit invariance``: batch, decode, split-KV, paged-KV and pack_gqa invariance of a kernel
 on out and LSE (``audits.invariance.core``), measured and, with a model, predicted; one report per
-kernel; results on stdout, progress on stderr.  Exit 0 when every required property holds
-wherever applicable and something was compared, 1 when a required property differs (or errors)
-or nothing was compared, 2 for usage errors."""
+kernel; results on stdout, progress on stderr.  The cases are selected as ``run`` selects them
+(``audits.selection``: suites built inside the kernels' declared domain, narrowed by ``--domain``),
+and each property places its derived calls inside the kernel's domain (``audits.invariance.core``).
+Exit 0 when every required property holds wherever applicable and something was compared, 1 when
+a required property differs (or errors), when a required property made no comparison (it says
+why), or nothing was compared, 2 for usage errors."""
 
 from __future__ import annotations
 
@@ -58,6 +61,21 @@ def _targets(kernels: list[str], predict: str | None) -> list[tuple]:
     return out
 
 
+def _within(targets: list[tuple], domain_file: str | None) -> list[tuple]:
+    """The targets with their declared domains narrowed by the ``--domain`` file
+    (``audits.selection.kernels_domains``, as the suite was built): the properties place their
+    derived calls inside it, and a given case outside it is the kernel's ``skipped`` case."""
+    import dataclasses
+
+    from audits.selection import kernels_domains
+
+    if not domain_file:
+        return targets
+    narrow = kernels_domains([], domain_file)[0]
+    return [tuple(None if t is None else dataclasses.replace(t, domain=t.domain.narrow(narrow)) for t in pair)
+            for pair in targets]  # fmt: skip
+
+
 def _in_workers(args, targets: list, device) -> tuple[list, list]:
     """(the targets, each run in a worker process under ``--timeout`` when it is given above 0,
     else as they are; the workers to close): a call in this process could not be stopped."""
@@ -107,6 +125,7 @@ def cmd_invariance(args: argparse.Namespace) -> int:
     kernels = usable_kernels(args.kernel)
     targets = _targets(kernels, args.predict)
     sel = select_cases(args, kernels=kernels)
+    targets = _within(targets, args.domain)
     cases, label = sel.cases, sel.label
     device = _device(args.device)
     meta = {
@@ -144,6 +163,8 @@ def _print_summary(report: dict, d: Path) -> None:
             a = pred["per_property"][p]
             print(f"  predicted by {pred['model']}: {a['agree']} agree, {a['disagree']} disagree, "
                   f"{a['not compared']} not compared")  # fmt: skip
+        if p in s.get("uncompared", {}):  # required, compared nowhere: fails the run
+            print(f"  FAIL {p}: {s['uncompared'][p]}")
         for r in report["cases"]:
             res = r["properties"][p]
             if res["result"] in ("differs", "error", "timeout") and p in s["required"]:
@@ -151,7 +172,9 @@ def _print_summary(report: dict, d: Path) -> None:
     if pred:
         for x in pred["disagreements"]:
             print(f"  DISAGREE {x['case']} {x['property']}: measured {x['measured']}, predicted {x['predicted']}")
-    verdict = "pass" if s["passed"] else "FAIL (" + (", ".join(s["failing"]) or "nothing compared") + ")"
+    none = s.get("uncompared", {})
+    failing = [f"{p}: 0 comparisons" if p in none else p for p in s["failing"]]
+    verdict = "pass" if s["passed"] else "FAIL (" + (", ".join(failing) or "nothing compared") + ")"
     print(f"{kern}: {verdict} in {report['seconds']:.1f} s; report: {d / 'invariance.md'}")
 
 
@@ -170,7 +193,8 @@ def register(sub) -> None:
         "bitwise on out and LSE otherwise.  Each property holds, differs (count, steps, error against FP64, "
         "bound), is not applicable (why) or skipped; --predict runs the same on a model beside it.  Writes "
         "OUT/invariance.{json,md} (OUT/<kernel>/ with several kernels).  Exit 0 when every --require'd property "
-        "holds and something was compared, 1 otherwise, 2 for usage errors.",
+        "holds, each compared on at least one case, 1 otherwise (a required property compared nowhere says why), 2 for "
+        "usage errors.  Cases are built inside the kernel's declared domain (narrowed by --domain), as run builds them.",
     )
     r.add_argument(
         "--kernel", required=True, action="append",

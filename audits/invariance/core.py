@@ -26,7 +26,7 @@ from audits.invariance.compare import RESULTS, Broken, Refused, TimedOut, compar
 
 __all__ = [
     "PROPERTIES", "DECODE_ROWS", "RESULTS", "Target", "target", "default_model", "run_case", "summarize", "compare",
-    "in_worker",
+    "in_worker", "uncompared",
 ]  # fmt: skip
 
 #: the properties this audit checks, with what each compares
@@ -107,16 +107,19 @@ class _Shared:
         self.case, self.device = case, device
         self._made: dict = {}
 
-    def get(self, kind: str):
-        if kind not in self._made:
-            case = self.case
+    def get(self, kind: str, case=None):
+        """The inputs of ``kind`` for the shared case, or for ``case`` (a variant of it that a
+        property places inside the kernel's domain: ``fixed.decode_variant``)."""
+        key = (kind, case)
+        if key not in self._made:
+            case = case or self.case
             if kind == "varlen":
-                self._made[kind] = varlen.VarlenInputs(case, self.device)
+                self._made[key] = varlen.VarlenInputs(case, self.device)
             elif kind == "fixed-batch":  # a batch-1 case widened to a batch of 2
-                self._made[kind] = fixed.FixedInputs(dataclasses.replace(case, batch=max(2, case.batch)), self.device)
+                self._made[key] = fixed.FixedInputs(dataclasses.replace(case, batch=max(2, case.batch)), self.device)
             else:
-                self._made[kind] = fixed.FixedInputs(case, self.device)
-        return self._made[kind]
+                self._made[key] = fixed.FixedInputs(case, self.device)
+        return self._made[key]
 
 
 def _not_applicable(prop: str, case, t: Target) -> str | None:
@@ -131,7 +134,13 @@ def _property(prop: str, shared: _Shared, t: Target) -> dict:
     if t.varlen is not None:
         return getattr(varlen, prop)(shared.get("varlen"), t)
     if prop == "decode":
-        return fixed.decode(shared.get("fixed"), t)
+        res = fixed.decode(shared.get("fixed"), t)
+        if res["result"] == "not applicable" and (v := fixed.decode_variant(shared.case, t.domain)) is not None:
+            res = fixed.decode(shared.get("fixed", v), t)
+            note = (f"compared on the case with seqlen_q {v.seqlen_q} (its own {shared.case.seqlen_q} rows leave "
+                    f"no last rows inside the kernel's declared domain)")  # fmt: skip
+            res["note"] = "; ".join(x for x in (note, res.get("note")) if x)
+        return res
     note = None
     if shared.case.batch < 2:
         note = "a batch-1 case: compared inside a batch of 2 built from the case's family and seed"
@@ -204,16 +213,35 @@ def _prediction_summary(records: list[dict]) -> dict:
     return {"agree": agree, "disagree": len(disagreements), "per_property": per, "disagreements": disagreements}
 
 
+def uncompared(prop: str, records: list[dict]) -> str:
+    """Why property ``prop`` made no comparison over ``records``: its results counted, with the
+    commonest reasons (a required property that compared nothing fails the run, and says this)."""
+    if not records:
+        return "0 comparisons: no case was run"
+    by: dict[tuple, int] = {}
+    for r in records:
+        res = r["properties"][prop]
+        key = (res["result"], res.get("reason", ""))
+        by[key] = by.get(key, 0) + 1
+    top = sorted(by.items(), key=lambda kv: -kv[1])
+    said = "; ".join(f"{res} on {n} of {len(records)} case(s): {why}" for (res, why), n in top[:2])
+    more = f"; {len(top) - 2} other reason(s) in the report" if len(top) > 2 else ""
+    return f"0 comparisons: {said}{more}"
+
+
 def summarize(records: list[dict], required: list[str], model: str | None = None) -> dict:
-    """Counts per property and result; whether the required properties hold; with a model, how
-    many of its predictions agree with the measurement."""
+    """Counts per property and result; whether the required properties hold.  A required
+    property fails when it differs, errs or timed out anywhere, and when it made no comparison
+    at all (``uncompared``: property -> why, :func:`uncompared`): a gate that compared nothing
+    passes nothing.  With a model, how many of its predictions agree with the measurement."""
     counts = {p: dict.fromkeys(RESULTS, 0) for p in PROPERTIES}
     for r in records:
         for p, res in r["properties"].items():
             counts[p][res["result"]] += 1
     compared = sum(counts[p]["holds"] + counts[p]["differs"] for p in PROPERTIES)
-    failing = [p for p in required if counts[p]["differs"] or counts[p]["error"] or counts[p]["timeout"]]
-    s = {"counts": counts, "required": required, "compared": compared, "failing": failing,
+    none = {p: uncompared(p, records) for p in required if not counts[p]["holds"] + counts[p]["differs"]}
+    failing = [p for p in required if counts[p]["differs"] or counts[p]["error"] or counts[p]["timeout"] or p in none]
+    s = {"counts": counts, "required": required, "compared": compared, "failing": failing, "uncompared": none,
          "passed": compared > 0 and not failing}  # fmt: skip
     if model is not None:
         s["prediction"] = {"model": model, **_prediction_summary(records)}

@@ -18,7 +18,7 @@ import torch
 
 from audits.invariance.compare import call_fixed, pair, verdict
 
-__all__ = ["DECODE_ROWS", "FixedInputs", "batch", "decode", "decode_rows"]
+__all__ = ["DECODE_ROWS", "FixedInputs", "batch", "decode", "decode_rows", "decode_variant", "rows_case"]
 
 DECODE_ROWS = (1, 4)
 
@@ -97,23 +97,50 @@ def batch(x: FixedInputs, t, note: str | None) -> dict:
     return verdict(comps, note)
 
 
+def rows_case(case, r: int, sk: int):
+    """The call of ``r`` query rows against ``sk`` keys that a decode comparison makes of
+    ``case``, as a case (a varlen case as one sequence), for ``Domain.refusal`` to judge."""
+    if case.varlen:
+        return dataclasses.replace(case, seqlens=((r, sk),), seqused_k=(), batch=1, seqlen_q=r, seqlen_k=sk)
+    return dataclasses.replace(case, seqlen_q=r, seqlen_k=sk)
+
+
 def decode_rows(case, sq: int, sk: int, domain) -> tuple[list[int], list[str]]:
-    """(the usable r of ``DECODE_ROWS`` for a sequence of sq rows and sk keys, why the others
-    are not): the restricted call must give the last r rows the same visible keys, and r rows
-    must lie in the kernel's declared domain."""
+    """(the usable row counts r for a sequence of sq rows and sk keys, why the others are not):
+    the r of ``DECODE_ROWS`` whose restricted call gives the last r rows the same visible keys
+    and lies in the kernel's declared domain; where none does, the smallest r < sq whose call
+    lies in the domain (a restricted domain's length multiple: the last 128 rows of 256 for a
+    kernel taking multiples of 128), ``Domain.refusal`` judging each.  Where no r fits at all,
+    the reasons say why (an equal-lengths domain: r rows against sk keys never fit)."""
     from numerics.reference import visible_mask
 
     why, usable = [], []
     win = tuple(case.window)
-    vis = visible_mask(sq, sk, causal=case.causal, window_size=win)
+    vis = None
+
+    def same_keys(r: int) -> bool:
+        nonlocal vis
+        if vis is None:
+            vis = visible_mask(sq, sk, causal=case.causal, window_size=win)
+        return torch.equal(visible_mask(r, sk, causal=case.causal, window_size=win), vis[-r:])
+
     for r in (r for r in DECODE_ROWS if r < sq):
-        sub = visible_mask(r, sk, causal=case.causal, window_size=win)
-        if not torch.equal(sub, vis[-r:]):
+        if not same_keys(r):
             why.append(f"r={r}: the restricted call would give the last rows other visible keys")
-        elif domain is not None and (no := domain.refusal(dataclasses.replace(case, seqlen_q=r))):
+        elif domain is not None and (no := domain.refusal(rows_case(case, r, sk))):
             why.append(f"r={r}: seqlen_q {r} is outside the kernel's declared domain ({no})")
         else:
             usable.append(r)
+    if usable or domain is None or sq <= 1:
+        return usable, why
+    refusals = {}
+    for r in range(1, sq):
+        no = domain.refusal(rows_case(case, r, sk))
+        if no is None and same_keys(r):
+            return [r], why
+        refusals.setdefault(no or "other visible keys", r)
+    said = "; ".join(f"r={r}: {no}" for no, r in list(refusals.items())[:3])
+    why.append(f"no row count r < seqlen_q {sq} gives a call inside the kernel's declared domain ({said})")
     return usable, why
 
 
@@ -132,3 +159,18 @@ def decode(x: FixedInputs, t) -> dict:
         where = f"last {r} row(s): alone vs inside the full call"
         comps.append(pair(where, alone, _rows(x.full(t), slice(None), rs), x.lazy(t, slice(None), rs)))
     return verdict(comps, "; ".join(why) or None)
+
+
+def decode_variant(case, domain):
+    """A case like ``case`` with a longer query (twice its rows, or seqlen_q + seqlen_k), inside
+    ``domain``, whose last rows can be compared (:func:`decode_rows`): decode's comparison for a
+    case whose own rows would be compared but for the domain (its lengths one block of a kernel
+    that takes multiples of that block).  None when the domain is not what stops the comparison
+    (a one-row case), or no such case lies in it."""
+    if domain is None or case.varlen or not decode_rows(case, case.seqlen_q, case.seqlen_k, None)[0]:
+        return None  # not the domain's doing: the case's own rows leave nothing to compare
+    for sq in dict.fromkeys((2 * case.seqlen_q, case.seqlen_q + case.seqlen_k)):
+        v = dataclasses.replace(case, seqlen_q=sq)
+        if domain.refusal(v) is None and decode_rows(v, sq, v.seqlen_k, domain)[0]:
+            return v
+    return None

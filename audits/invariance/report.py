@@ -83,9 +83,12 @@ def markdown(report: dict) -> str:
         f"Required: {', '.join(s['required']) or 'none'}; "
         + ("**pass**" if s["passed"] else f"**fail** ({', '.join(s['failing']) or 'nothing compared'})"),
         "",
-        "| property | " + " | ".join(RESULTS) + " |",
-        "|---|" + "---|" * len(RESULTS),
     ]
+    for p, why in s.get("uncompared", {}).items():  # required, compared nowhere
+        lines += [f"* **{p}** (required) fails: {why}"]
+    if s.get("uncompared"):
+        lines.append("")
+    lines += ["| property | " + " | ".join(RESULTS) + " |", "|---|" + "---|" * len(RESULTS)]
     for p in props:
         lines.append(f"| {p} | " + " | ".join(str(s["counts"][p][r]) for r in RESULTS) + " |")
     lines += ["", "## Measured", "", "| case | " + " | ".join(props) + " |", "|---|" + "---|" * len(props)]

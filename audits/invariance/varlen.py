@@ -3,7 +3,8 @@
 
 * ``batch``: a sequence alone (a 1-sequence call) == inside the case's batch == inside the batch
   reversed == beside shorter sequences (each sequence after a copy of another cut to half its
-  rows and keys: other lengths, other token offsets).  Bitwise.
+  rows and keys: other lengths, other token offsets; in a restricted domain the longest cut
+  inside it, or a whole copy).  Bitwise.
 * ``decode``: the last r rows of each sequence (r in ``DECODE_ROWS``), a call whose q is those
   rows against the same KV, == those rows of the prefill.  Bitwise; per sequence, not applicable
   where bottom-right alignment would give the rows other visible keys.
@@ -223,10 +224,20 @@ class VarlenInputs:
         return get
 
 
-def _short(p):
-    """A copy of sequence ``p`` cut to half its rows and keys (at least one of each)."""
+def _short(p, case, domain):
+    """A copy of sequence ``p`` cut to half its rows and keys (at least one of each); inside a
+    restricted ``domain`` (``Domain.refusal`` of a call of those lengths), the longest cut of at
+    most half the rows that fits it (keys cut in proportion, or to the rows' count); the whole
+    sequence (a copy at another token offset) when no cut fits."""
+    from audits.invariance.fixed import rows_case
+
     q, k, v = p
-    n, m = max(1, q.shape[1] // 2), max(1, k.shape[1] // 2)
+    sq, sk = q.shape[1], k.shape[1]
+    fits = lambda n, m: domain is None or domain.refusal(rows_case(case, n, m)) is None
+    n, m = max(1, sq // 2), max(1, sk // 2)
+    if not fits(n, m):
+        cuts = ((a, b) for a in range(sq // 2, 0, -1) for b in dict.fromkeys((max(1, a * sk // sq), a)) if b <= sk)
+        n, m = next(((a, b) for a, b in cuts if fits(a, b)), (sq, sk))
     return q[:, :n], k[:, :m], v[:, :m]
 
 
@@ -238,7 +249,8 @@ def batch(x: VarlenInputs, t) -> dict:
         variants.append(("inside the case's batch", x.base, x.run(t, x.base, cache=True), list(range(n))))
         rev = x.pack(x.parts[::-1], spec)
         variants.append(("inside the batch reversed", rev, x.run(t, rev), list(range(n))[::-1]))
-    mixed = x.pack([s for p in x.parts for s in (_short(p), p)], spec)
+    shorts = [_short(p, x.case, t.domain) for p in x.parts]
+    mixed = x.pack([s for p, short in zip(x.parts, shorts) for s in (short, p)], spec)
     variants.append(("beside shorter sequences", mixed, x.run(t, mixed), [2 * i + 1 for i in range(n)]))
     comps = []
     for i, p in enumerate(x.parts):
@@ -248,8 +260,12 @@ def batch(x: VarlenInputs, t) -> dict:
             where = f"sequence {i}: alone vs {label} (position {pos[i]})"
             lazy = x.lazy(t, i, slice(None), (one, 0), (call, pos[i]))
             comps.append(pair(where, alone, x.seq(res, call, pos[i]), lazy))
-    note = None if n > 1 else "one sequence: compared alone vs beside a shorter one"
-    return verdict(comps, note)
+    notes = [] if n > 1 else ["one sequence: compared alone vs beside a shorter one"]
+    whole = [i for i, (p, short) in enumerate(zip(x.parts, shorts)) if short[0].shape[1] == p[0].shape[1]]
+    if whole:  # no shorter sequence lies in the kernel's declared domain: beside a copy of itself
+        notes.append(f"sequence {', '.join(map(str, whole))}: beside a copy of the same length (no shorter one lies "
+                     "in the kernel's declared domain)")  # fmt: skip
+    return verdict(comps, "; ".join(notes) or None)
 
 
 def _decode_plan(x: VarlenInputs, t) -> tuple[dict[int, list[int]], list[str]]:

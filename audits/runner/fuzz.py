@@ -1,14 +1,17 @@
 """Hypothesis strategies over audit cases, and the search behind ``fa4-audit fuzz``.
 
 ``cases()`` draws a whole :class:`audits.cases.Case` (dtype, head dims, GQA grouping,
-sequence lengths, mask, softcap, sink, layout, input family, seed); shrinking moves toward
-small shapes, no mask and the ``normal`` family, so a failure shrinks to a minimal reproducer.
+sequence lengths, mask, softcap, sink, layout, input family, seed) inside a kernel's domain
+(``audits.domain``: what it declares, narrowed by ``--domain``, as ``run`` builds its suites);
+shrinking moves toward small shapes, no mask and the ``normal`` family, so a failure shrinks to a
+minimal reproducer.
 ``fuzz`` climbs toward the largest error relative to the per-element bound with
 ``hypothesis.target`` and keeps Hypothesis' example database between runs.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -18,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from audits.cases import Case
+from audits.domain import Domain
 from audits.inputs import FAMILIES
 from audits.runner.repro import reproducer
 from audits.runner.schema import FAILING
@@ -25,20 +29,44 @@ from audits.runner.schema import FAILING
 __all__ = ["cases", "fuzz"]
 
 
+#: head dims drawn where the domain does not restrict them (d = dv)
+_HEAD_DIMS = (64, 128, 96, 256)
+_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _length(draw, m: int, lo: int, hi: int) -> int:
+    """A multiple of ``m`` in [lo, hi] (the smallest multiple at least ``lo`` when none is at
+    most ``hi``: inside the domain, past ``--max-seqlen``), shrinking toward the smallest."""
+    first = -(-lo // m)
+    return m * draw(st.integers(first, max(first, hi // m)))
+
+
 @st.composite
-def cases(
-    draw, *, max_seqlen: int = 512, dtypes: tuple[str, ...] = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-) -> Case:
-    """Any audit case with sequence lengths up to ``max_seqlen``."""
-    dtype = draw(st.sampled_from(dtypes))
-    d = draw(st.sampled_from([64, 128, 96, 256]))
+def cases(draw, *, max_seqlen: int = 512, dtypes: tuple[str, ...] = _DTYPES, domain: Domain | None = None) -> Case:
+    """Any audit case with sequence lengths up to ``max_seqlen``, drawn inside ``domain`` (an
+    ``audits.domain.Domain``; None: unrestricted): its dtypes, its accepted (d, dv) pairs
+    (``Domain.head_dim_pairs``), lengths as multiples of ``seqlen_q_multiple`` /
+    ``seqlen_k_multiple`` within its bounds (equal when it wants them), the masks and features it
+    supports, its layouts; an input family only where the domain can hold it (``nan_inf_masked``
+    needs a left window and more keys than queries).  ``Domain.refusal`` stays the judge:
+    :func:`fuzz` counts a draw it refuses (none expected) as ``outside_domain``."""
+    dom = domain or Domain()
+    kinds = [t for t in dtypes if dom.dtypes is None or t in dom.dtypes] or list(dom.dtypes or dtypes)
+    dtype = draw(st.sampled_from(kinds))
+    pairs = dom.head_dim_pairs()
+    d, dv = draw(st.sampled_from(list(pairs) if pairs is not None else [(x, x) for x in _HEAD_DIMS]))
     hk = draw(st.sampled_from([1, 2]))
-    hq = hk * draw(st.sampled_from([1, 2, 4]))
-    sq = draw(st.integers(1, max_seqlen))
-    sk = draw(st.integers(1, max_seqlen))
-    mask = draw(st.sampled_from(["none", "causal", "local"]))
+    hq = hk * draw(st.sampled_from([1, 2, 4] if dom.gqa else [1]))
+    lo, hi = dom.min_seqlen, min(max_seqlen, dom.max_seqlen or max_seqlen)
+    qm, km = dom.seqlen_q_multiple, dom.seqlen_k_multiple
+    if dom.equal_seqlens:
+        sq = sk = _length(draw, qm * km // math.gcd(qm, km), lo, hi)
+    else:
+        sq, sk = _length(draw, qm, lo, hi), _length(draw, km, lo, hi)
+    mask = draw(st.sampled_from(["none"] + ["causal"] * dom.causal + ["local"] * dom.local))
     fams = [f for f in FAMILIES if f != "nan_inf_masked"]
-    family = draw(st.sampled_from(fams + ["nan_inf_masked"]))
+    masked = dom.local and not dom.equal_seqlens  # nan_inf_masked: keys no query sees, a left window short of them
+    family = draw(st.sampled_from(fams + ["nan_inf_masked"] * masked))
     window = (None, None)
     if mask == "local":
         window = (
@@ -47,12 +75,13 @@ def cases(
         )
     if family == "nan_inf_masked":  # needs keys that no query sees
         mask, window = "local", (draw(st.integers(0, 32)), 0)
-        sk = max(sk, sq + window[0] + 2)
-    layout = draw(st.sampled_from(["contiguous", "strided"]))
+        sk = max(sk, -(-(sq + window[0] + 2) // km) * km)
+    layouts = [x for x in ("contiguous", "strided") if dom.layouts is None or x in dom.layouts] or list(dom.layouts)
+    layout = draw(st.sampled_from(layouts))
     return Case(
         dtype,
         d,
-        d,
+        dv,
         draw(st.integers(1, 2)),
         hq,
         hk,
@@ -60,8 +89,8 @@ def cases(
         sk,
         causal=mask == "causal",
         window=window,
-        softcap=draw(st.sampled_from([0.0, 30.0, 5.0])),
-        sink=draw(st.booleans()),
+        softcap=draw(st.sampled_from([0.0, 30.0, 5.0] if dom.softcap else [0.0])),
+        sink=draw(st.booleans()) if dom.sink else False,
         layout=layout,
         family=family,
         seed=draw(st.integers(0, 2**16)),
@@ -84,9 +113,10 @@ def fuzz(
     """Search for a failing case; returns {examples, best_tightness, best_case, failure}.  A
     failure is the minimal case Hypothesis shrank to, with its verdict's reasons.  ``backward``
     (``audits.runner.backward.BackwardOptions``): audit the gradients too, and climb toward the
-    largest error/bound over the output and the gradients.  ``narrow`` (an ``audits.domain.Domain``,
-    ``fuzz --domain FILE``) narrows the kernel's declared domain: dtypes and lengths are drawn
-    inside it, and a draw outside it otherwise is the kernel's ``skipped`` case.  ``timeout``
+    largest error/bound over the output and the gradients.  Cases are drawn inside the kernel's
+    declared domain (:func:`cases`), which ``narrow`` (an ``audits.domain.Domain``, ``fuzz --domain
+    FILE``) narrows; ``Domain.refusal`` judges each draw, one outside it is the kernel's ``skipped``
+    case and counted (``outside_domain``).  ``timeout``
     (seconds, ``fuzz --timeout``): the kernel runs in a worker process (``audits.worker``)
     and a call past the limit is the example's ``timeout`` verdict, a failure; None: in this
     process, no limit."""
@@ -96,12 +126,10 @@ def fuzz(
 
     fn = Isolated(kernel, device, timeout=timeout) if timeout else get_kernel(kernel)
     domain = kernel_domain(kernel)
-    draw = {"max_seqlen": max_seqlen}
     if narrow is not None:
         domain = domain.narrow(narrow)
-        draw["max_seqlen"] = min(max_seqlen, narrow.max_seqlen or max_seqlen)
-        draw.update({"dtypes": narrow.dtypes} if narrow.dtypes else {})
-    state = {"examples": 0, "best": (-1.0, None), "fail": None}
+    draw = {"max_seqlen": max_seqlen, "domain": domain}  # drawn inside the kernel's domain, as run builds suites
+    state = {"examples": 0, "outside": 0, "best": (-1.0, None), "fail": None}
 
     @settings(
         max_examples=budget,
@@ -114,6 +142,7 @@ def fuzz(
     def prop(case: Case) -> None:
         rec = evaluate_case(kernel, fn, case, device, thresholds, backward, domain)  # outside it: skipped
         state["examples"] += 1
+        state["outside"] += domain.refusal(case) is not None  # the judge: the strategy draws inside, so 0
         grads = ((rec.get("backward") or {}).get("grads") or {}).values()
         tights = [(rec.get("bound") or {}).get("tightness")] + [(g.get("bound") or {}).get("tightness") for g in grads]
         tight = max((t for t in tights if t is not None), default=None)
@@ -154,6 +183,8 @@ def fuzz(
     return {
         "kernel": kernel,
         "examples": state["examples"],
+        "domain": domain.as_dict(),
+        "outside_domain": state["outside"],
         "best_tightness": best_t if best_c else None,
         "best_case": best_c.name if best_c else None,
         "failure": failure,
