@@ -4,7 +4,7 @@ A kernel declares it as an attribute of the callable, a plain dict whose keys ar
 (absent = no restriction)::
 
     fn.fa4_audit_domain = {
-        "dtypes": ["float16"], "head_dims": [[64, 64], [128, 128]],
+        "dtypes": ["float16"], "head_dims": [64, 128],
         "seqlen_multiple": 128, "equal_seqlens": True, "max_seqlen": 8192,
         "causal": True, "local": False, "softcap": False, "sink": False, "gqa": True,
         "layouts": ["contiguous", "strided"], "backward": False, "deterministic": False,
@@ -12,6 +12,11 @@ A kernel declares it as an attribute of the callable, a plain dict whose keys ar
 
 or in a TOML file with the same keys (a file narrows what the attribute allows); the attribute
 may be a callable returning the dict, evaluated when asked (production's depends on the GPU).
+``head_dims`` takes ints (d == dv), [d, dv] pairs, ranges with a step and products of two
+ranges, and lists mixing them (:class:`HeadDims`, :data:`HEAD_DIM_FORMS`): production SM100's
+``[{"d": {"min": 8, "max": 128, "step": 8}, "dv": {"min": 8, "max": 128, "step": 8}}, [192, 128],
+256, [64, 512], 512]``.  ``seqlen_q_multiple`` / ``seqlen_k_multiple`` constrain the two lengths
+apart (``seqlen_multiple``: both).
 :func:`domain_of` reads the attribute; :meth:`Domain.narrow` / :meth:`Domain.widen` take the
 intersection / the union (several kernels sharing one suite); :meth:`Domain.from_dict` / :meth:`Domain.from_toml` check
 every key and value and raise :class:`DomainError` naming the bad one, where it came from and
@@ -28,9 +33,10 @@ from pathlib import Path
 from audits.cases import DTYPES, LAYOUTS, Case
 from audits.common import read_toml
 
-__all__ = ["Domain", "DomainError", "domain_of"]
+__all__ = ["Domain", "DomainError", "HeadDims", "HEAD_DIM_FORMS", "domain_of"]
 
 _BOOL_KEYS = ("equal_seqlens", "causal", "local", "softcap", "sink", "gqa", "backward", "deterministic")
+_MULTIPLE_KEYS = ("seqlen_q_multiple", "seqlen_k_multiple")
 
 
 class DomainError(ValueError):
@@ -38,17 +44,249 @@ class DomainError(ValueError):
     and what is accepted."""
 
 
+#: the forms a ``head_dims`` value takes (error messages name them)
+HEAD_DIM_FORMS = (
+    "an int d (d == dv), a [d, dv] pair, a range {min, max, step} (d == dv, step default 1), a table "
+    "{d = int or range, dv = int or range} (every pair of the two), or a non-empty list of these (their union); "
+    "positive integers, min <= max"
+)
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """The integers ``first, first + step, ..., last`` (``last`` reached exactly; one value: step 1)."""
+
+    first: int
+    last: int
+    step: int
+
+    @staticmethod
+    def make(lo: int, hi: int, step: int) -> _Steps | None:
+        """``lo..hi`` by ``step``, its last value the largest one not above ``hi``; None when empty."""
+        if lo > hi:
+            return None
+        last = lo + (hi - lo) // step * step
+        return _Steps(lo, last, step if last > lo else 1)
+
+    def __contains__(self, x: int) -> bool:
+        return self.first <= x <= self.last and (x - self.first) % self.step == 0
+
+    def values(self) -> range:
+        return range(self.first, self.last + 1, self.step)
+
+    def meet(self, other: _Steps) -> _Steps | None:
+        """The values in both (an arithmetic progression again, of step lcm; None when none)."""
+        lo, hi = max(self.first, other.first), min(self.last, other.last)
+        if lo > hi:
+            return None
+        # the first value >= self.first in self's progression that is also in other's
+        x0 = next((x for x in (self.first + self.step * k for k in range(other.step))
+                   if (x - other.first) % other.step == 0), None)  # fmt: skip
+        if x0 is None:
+            return None
+        step = _lcm(self.step, other.step)
+        return _Steps.make(lo + (x0 - lo) % step, hi, step)
+
+    def issubset(self, other: _Steps) -> bool:
+        return (
+            self.first in other and self.last <= other.last and (self.first == self.last or self.step % other.step == 0)
+        )
+
+    def as_value(self):
+        """The dict form: the int for one value, else ``{"min", "max", "step"}``."""
+        return self.first if self.first == self.last else {"min": self.first, "max": self.last, "step": self.step}
+
+    def __str__(self) -> str:
+        if self.first == self.last:
+            return str(self.first)
+        return f"{self.first}..{self.last}" + (f" step {self.step}" if self.step != 1 else "")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One declared piece of a head-dim set: every pair of ``ds`` x ``dvs``, or (``same``) the
+    pairs (x, x) for x in ``ds`` (then ``dvs is ds``)."""
+
+    ds: _Steps
+    dvs: _Steps
+    same: bool = False
+
+    def __contains__(self, p: tuple[int, int]) -> bool:
+        d, dv = p
+        return d in self.ds and dv in self.dvs and (not self.same or d == dv)
+
+    def pairs(self):
+        if self.same:
+            return ((x, x) for x in self.ds.values())
+        return ((d, dv) for d in self.ds.values() for dv in self.dvs.values())
+
+    def size(self) -> int:
+        n = len(self.ds.values())
+        return n if self.same else n * len(self.dvs.values())
+
+    def meet(self, other: _Part) -> _Part | None:
+        if self.same or other.same:
+            r = self.ds.meet(other.ds)
+            r = r and r.meet(self.dvs)
+            r = r and r.meet(other.dvs)
+            return r and _Part(r, r, True)
+        ds, dvs = self.ds.meet(other.ds), self.dvs.meet(other.dvs)
+        return _Part(ds, dvs) if ds and dvs else None
+
+    def issubset(self, other: _Part) -> bool:
+        if self.size() == 1:
+            return next(iter(self.pairs())) in other
+        if self.same:  # (other.dvs is other.ds when other is a diagonal too)
+            return self.ds.issubset(other.ds) and self.ds.issubset(other.dvs)
+        return not other.same and self.ds.issubset(other.ds) and self.dvs.issubset(other.dvs)
+
+    def as_value(self):
+        if self.same:
+            return self.ds.as_value()
+        if self.ds.first == self.ds.last and self.dvs.first == self.dvs.last:
+            return [self.ds.first, self.dvs.first]
+        return {"d": self.ds.as_value(), "dv": self.dvs.as_value()}
+
+    def __str__(self) -> str:
+        if self.same:
+            return f"d = dv in {self.ds}" if self.ds.first != self.ds.last else f"({self.ds}, {self.ds})"
+        if self.ds.first == self.ds.last and self.dvs.first == self.dvs.last:
+            return f"({self.ds}, {self.dvs})"
+        return f"d in {self.ds} x dv in {self.dvs}"
+
+
+class HeadDims:
+    """A set of (d, dv) head-dim pairs, kept as the union of the pieces declared (pairs, ranges
+    with a step, products of two ranges; :data:`HEAD_DIM_FORMS`), so that production's SM90
+    "every multiple of 8 in 8..256 for d and dv" is one piece, not 1,024 pairs.  Equality,
+    hashing and iteration are the set's (sorted pairs); :meth:`meet` (intersection) and
+    :meth:`join` (union) are exact; :meth:`as_value` gives the dict form back, which
+    :meth:`parse` reads to an equal set."""
+
+    __slots__ = ("_parts", "_pairs")
+
+    def __init__(self, parts):
+        kept: list[_Part] = []
+        for p in parts:  # drop a piece inside another one (the union is unchanged)
+            if p is None or any(p.issubset(q) for q in kept):
+                continue
+            kept = [q for q in kept if not q.issubset(p)] + [p]
+        self._parts = tuple(kept)
+        self._pairs = None
+
+    @classmethod
+    def parse(cls, value, *, where: str, key: str = "head_dims") -> HeadDims:
+        """The set a declared value states (:data:`HEAD_DIM_FORMS`), or :class:`DomainError`
+        naming ``key``, the value, ``where`` and the accepted forms."""
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not items:
+            raise DomainError(f"{where}: domain key {key!r} = {value!r}: expected {HEAD_DIM_FORMS}")
+        parts = []
+        for item in items:
+            part = _part(item)
+            if part is None:
+                bad = "" if item is value else f" (the item {item!r})"
+                raise DomainError(f"{where}: domain key {key!r} = {value!r}{bad}: expected {HEAD_DIM_FORMS}")
+            parts.append(part)
+        return cls(parts)
+
+    @classmethod
+    def of(cls, pairs) -> HeadDims:
+        """The set of the given (d, dv) pairs."""
+        return cls(_Part(_Steps(d, d, 1), _Steps(dv, dv, 1)) for d, dv in pairs)
+
+    def contains(self, d: int, dv: int) -> bool:
+        """Whether (d, dv) is in the set (decided on the pieces, nothing enumerated)."""
+        return any((d, dv) in p for p in self._parts)
+
+    def __contains__(self, pair) -> bool:
+        return self.contains(*pair)
+
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """Every pair, sorted (enumerated once, then kept)."""
+        if self._pairs is None:
+            self._pairs = tuple(sorted({p for part in self._parts for p in part.pairs()}))
+        return self._pairs
+
+    def __iter__(self):
+        return iter(self.pairs())
+
+    def __len__(self) -> int:
+        return len(self.pairs())
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, HeadDims):
+            return NotImplemented
+        return self._parts == other._parts or self.pairs() == other.pairs()
+
+    def __hash__(self) -> int:
+        return hash(self.pairs())
+
+    def meet(self, other: HeadDims) -> HeadDims:
+        """The pairs in both (each piece of one intersected with each of the other)."""
+        return HeadDims(a.meet(b) for a in self._parts for b in other._parts)
+
+    def join(self, other: HeadDims) -> HeadDims:
+        """The pairs in either (the pieces of both)."""
+        return HeadDims(self._parts + other._parts)
+
+    def as_value(self) -> list:
+        """The dict form: a list of the pieces (:data:`HEAD_DIM_FORMS`)."""
+        return [p.as_value() for p in self._parts]
+
+    def __str__(self) -> str:
+        return "{" + ", ".join(str(p) for p in self._parts) + "}"
+
+    def __repr__(self) -> str:
+        return f"HeadDims({self.as_value()!r})"
+
+
+def _positive(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _is_pair(v) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) == 2 and all(_positive(x) for x in v)
+
+
+def _steps(v) -> _Steps | None:
+    """An int or a ``{min, max, step}`` range as :class:`_Steps`; None when malformed or empty."""
+    if _positive(v):
+        return _Steps(v, v, 1)
+    if not isinstance(v, dict) or not {"min", "max"} <= set(v) <= {"min", "max", "step"}:
+        return None
+    lo, hi, step = v["min"], v["max"], v.get("step", 1)
+    if not all(_positive(x) for x in (lo, hi, step)):
+        return None
+    return _Steps.make(lo, hi, step)
+
+
+def _part(item) -> _Part | None:
+    """One item of a ``head_dims`` value as a :class:`_Part`; None when malformed."""
+    if _is_pair(item):
+        return _Part(_Steps(item[0], item[0], 1), _Steps(item[1], item[1], 1))
+    if isinstance(item, dict) and set(item) == {"d", "dv"}:
+        ds, dvs = _steps(item["d"]), _steps(item["dv"])
+        return _Part(ds, dvs) if ds and dvs else None
+    r = _steps(item)
+    return r and _Part(r, r, True)
+
+
 @dataclass(frozen=True)
 class Domain:
-    """A kernel's supported configurations.  dtypes, head_dims ((d, dv) pairs), layouts: None =
-    any; seqlen_multiple: both lengths multiples of it; equal_seqlens: seqlen_q == seqlen_k;
-    min_seqlen / max_seqlen: bounds on both lengths; causal, local (windows), softcap, sink (a
-    learnable sink), gqa (heads_q > heads_kv): supported or not; backward, deterministic: whether
-    ``run --backward`` / ``--deterministic`` apply."""
+    """A kernel's supported configurations.  dtypes, layouts: None = any; head_dims: a
+    :class:`HeadDims` set of (d, dv) pairs (None = any; a list of pairs or any form of
+    :data:`HEAD_DIM_FORMS` given here is read into one); seqlen_q_multiple / seqlen_k_multiple:
+    each length a multiple of its own (the dict key ``seqlen_multiple`` sets both);
+    equal_seqlens: seqlen_q == seqlen_k; min_seqlen / max_seqlen: bounds on both lengths;
+    causal, local (windows), softcap, sink (a learnable sink), gqa (heads_q > heads_kv):
+    supported or not; backward, deterministic: whether ``run --backward`` / ``--deterministic``
+    apply."""
 
     dtypes: tuple[str, ...] | None = None
-    head_dims: tuple[tuple[int, int], ...] | None = None
-    seqlen_multiple: int = 1
+    head_dims: HeadDims | None = None
+    seqlen_q_multiple: int = 1
+    seqlen_k_multiple: int = 1
     equal_seqlens: bool = False
     min_seqlen: int = 1
     max_seqlen: int | None = None
@@ -61,31 +299,63 @@ class Domain:
     backward: bool = True
     deterministic: bool = True
 
+    def __post_init__(self):
+        if self.head_dims is not None and not isinstance(self.head_dims, HeadDims):
+            object.__setattr__(self, "head_dims", HeadDims.parse(self.head_dims, where="Domain(head_dims=...)"))
+
+    @property
+    def seqlen_multiple(self) -> int:
+        """A length both queries and keys may take: the lcm of the two multiples (the block that
+        lengths made for this domain are multiples of)."""
+        return _lcm(self.seqlen_q_multiple, self.seqlen_k_multiple)
+
     @classmethod
     def from_dict(cls, d, *, where: str) -> Domain:
-        """The domain a dict declares (keys optional), every key and value checked."""
+        """The domain a dict declares (keys optional), every key and value checked; the shorthand
+        ``seqlen_multiple`` sets both length multiples (a specific one given too must agree)."""
+        keys = (*_FIELDS, "seqlen_multiple")
         if not isinstance(d, dict):
-            raise DomainError(f"{where}: a domain is a dict of keys {', '.join(_FIELDS)}, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(_FIELDS))
+            raise DomainError(f"{where}: a domain is a dict of keys {', '.join(keys)}, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(keys))
         if unknown:
-            raise DomainError(f"{where}: unknown domain key(s) {', '.join(unknown)}; accepted: {', '.join(_FIELDS)}")
-        return cls(**{k: _value(k, v, where) for k, v in d.items()})
+            raise DomainError(f"{where}: unknown domain key(s) {', '.join(unknown)}; accepted: {', '.join(keys)}")
+        values = {k: _value(k, v, where) for k, v in d.items()}
+        both = values.pop("seqlen_multiple", None)
+        if both is not None:
+            for k in _MULTIPLE_KEYS:
+                if values.setdefault(k, both) != both:
+                    raise DomainError(
+                        f"{where}: domain keys 'seqlen_multiple' = {both} and {k!r} = {values[k]} disagree; "
+                        f"give seqlen_multiple (both lengths) or seqlen_q_multiple / seqlen_k_multiple, or equal values"
+                    )
+        return cls(**values)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> Domain:
         """The domain a TOML file declares (top-level keys, as the dict form)."""
         return cls.from_dict(read_toml(path, what="domain", error=DomainError), where=str(path))
 
+    def head_dim_pairs(self) -> tuple[tuple[int, int], ...] | None:
+        """Every accepted (d, dv) pair, sorted; None when head dims are unrestricted."""
+        return None if self.head_dims is None else self.head_dims.pairs()
+
+    def accepts_head_dims(self, d: int, dv: int) -> bool:
+        """Whether the domain accepts head dims (d, dv) (decided without enumerating the set)."""
+        return self.head_dims is None or self.head_dims.contains(d, dv)
+
     def narrow(self, other: Domain) -> Domain:
-        """What both allow (a ``--domain`` file narrowing the kernel's own declaration)."""
+        """What both allow (a ``--domain`` file narrowing the kernel's own declaration): the
+        intersection of the listed values and head-dim sets, the lcm of each length multiple."""
 
         def meet(a, b):
             return b if a is None else a if b is None else tuple(x for x in a if x in b)
 
         lo = [m for m in (self.max_seqlen, other.max_seqlen) if m is not None]
+        hd = other.head_dims if self.head_dims is None else self.head_dims if other.head_dims is None else (
+            self.head_dims.meet(other.head_dims))  # fmt: skip
         return Domain(
-            dtypes=meet(self.dtypes, other.dtypes), head_dims=meet(self.head_dims, other.head_dims),
-            seqlen_multiple=_lcm(self.seqlen_multiple, other.seqlen_multiple),
+            dtypes=meet(self.dtypes, other.dtypes), head_dims=hd,
+            **{k: _lcm(getattr(self, k), getattr(other, k)) for k in _MULTIPLE_KEYS},
             equal_seqlens=self.equal_seqlens or other.equal_seqlens,
             min_seqlen=max(self.min_seqlen, other.min_seqlen), max_seqlen=min(lo) if lo else None,
             layouts=meet(self.layouts, other.layouts),
@@ -94,17 +364,19 @@ class Domain:
 
     def widen(self, other: Domain) -> Domain:
         """What either allows, key by key (the box around both: several kernels sharing one suite,
-        each skipping the cases outside its own domain): the union of the listed values (None,
-        any, wins), the gcd of the length multiples, equal lengths only if both want them, the
-        smaller minimum and the larger maximum (None wins), each feature if either supports it."""
+        each skipping the cases outside its own domain): the union of the listed values and
+        head-dim sets (None, any, wins), the gcd of each length multiple, equal lengths only if
+        both want them, the smaller minimum and the larger maximum (None wins), each feature if
+        either supports it."""
 
         def join(a, b):
             return None if a is None or b is None else tuple(dict.fromkeys(a + b))
 
         hi = None if self.max_seqlen is None or other.max_seqlen is None else max(self.max_seqlen, other.max_seqlen)
+        hd = None if self.head_dims is None or other.head_dims is None else self.head_dims.join(other.head_dims)
         return Domain(
-            dtypes=join(self.dtypes, other.dtypes), head_dims=join(self.head_dims, other.head_dims),
-            seqlen_multiple=math.gcd(self.seqlen_multiple, other.seqlen_multiple),
+            dtypes=join(self.dtypes, other.dtypes), head_dims=hd,
+            **{k: math.gcd(getattr(self, k), getattr(other, k)) for k in _MULTIPLE_KEYS},
             equal_seqlens=self.equal_seqlens and other.equal_seqlens,
             min_seqlen=min(self.min_seqlen, other.min_seqlen), max_seqlen=hi,
             layouts=join(self.layouts, other.layouts),
@@ -117,8 +389,7 @@ class Domain:
         lengths = self._lengths_refusal(case)
         checks = (
             (self.dtypes is not None and case.dtype not in self.dtypes, f"dtype {case.dtype} not in {self.dtypes}"),
-            (self.head_dims is not None and (case.d, case.dv) not in self.head_dims,
-             f"head dims ({case.d}, {case.dv}) not in {self.head_dims}"),
+            (not self.accepts_head_dims(case.d, case.dv), f"head dims ({case.d}, {case.dv}) not in {self.head_dims}"),
             (lengths is not None, lengths),
             (case.causal and not self.causal, "causal masking unsupported"),
             (case.local and not self.local, "local windows unsupported"),
@@ -132,9 +403,11 @@ class Domain:
 
     def _length_refusal(self, sq: int, sk: int) -> str | None:
         """Why lengths ``sq`` x ``sk`` lie outside the domain's length keys, or None."""
+        qm, km = self.seqlen_q_multiple, self.seqlen_k_multiple
         checks = (
-            (sq % self.seqlen_multiple or sk % self.seqlen_multiple,
-             f"seqlens {sq}x{sk} not multiples of {self.seqlen_multiple}"),
+            (qm == km and (sq % qm or sk % km), f"seqlens {sq}x{sk} not multiples of {qm}"),
+            (sq % qm, f"seqlen_q {sq} not a multiple of {qm}"),
+            (sk % km, f"seqlen_k {sk} not a multiple of {km}"),
             (self.equal_seqlens and sq != sk, "seqlen_q != seqlen_k"),
             (min(sq, sk) < self.min_seqlen, f"a seqlen below {self.min_seqlen}"),
             (self.max_seqlen is not None and max(sq, sk) > self.max_seqlen, f"a seqlen above {self.max_seqlen}"),
@@ -156,14 +429,18 @@ class Domain:
         return None
 
     def as_dict(self) -> dict:
-        """The declaration in the dict form (lists for tuples), for reports."""
-        d = dataclasses.asdict(self)
-        return {
-            k: [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v for k, v in d.items()
-        }
+        """The declaration in the dict form (lists for tuples, head dims as
+        :meth:`HeadDims.as_value`), for reports; ``from_dict`` reads it back to an equal domain."""
+        out = {}
+        for f in _FIELDS:
+            v = getattr(self, f)
+            out[f] = v.as_value() if isinstance(v, HeadDims) else list(v) if isinstance(v, tuple) else v
+        return out
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Domain))
+#: the keys whose None means "any" (as absent)
+_NULLABLE = tuple(f.name for f in dataclasses.fields(Domain) if f.default is None)
 
 
 def _lcm(a: int, b: int) -> int:
@@ -171,14 +448,16 @@ def _lcm(a: int, b: int) -> int:
 
 
 def _value(key: str, v, where: str):
-    """One declared value, checked and normalised (tuples for lists)."""
+    """One declared value, checked and normalised (tuples for lists, :class:`HeadDims`)."""
     bad = lambda want: DomainError(f"{where}: domain key {key!r} = {v!r}: expected {want}")
+    if v is None and key in _NULLABLE:  # as_dict's "any" (TOML has no null: there the key is left out)
+        return None
     if key in _BOOL_KEYS:
         if not isinstance(v, bool):
             raise bad("true or false")
         return v
-    if key in ("seqlen_multiple", "min_seqlen", "max_seqlen"):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    if key in ("seqlen_multiple", *_MULTIPLE_KEYS, "min_seqlen", "max_seqlen"):
+        if not _positive(v):
             raise bad("a positive integer")
         return v
     accepted = {"dtypes": DTYPES, "layouts": LAYOUTS}.get(key)
@@ -186,16 +465,7 @@ def _value(key: str, v, where: str):
         if not isinstance(v, (list, tuple)) or not v or any(x not in accepted for x in v):
             raise bad(f"a non-empty list of {', '.join(accepted)}")
         return tuple(v)
-    pairs = (
-        isinstance(v, (list, tuple))
-        and v
-        and all(
-            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, int) and x > 0 for x in p) for p in v
-        )
-    )
-    if not pairs:
-        raise bad("a non-empty list of [d, dv] pairs of positive integers")
-    return tuple(tuple(p) for p in v)
+    return HeadDims.parse(v, where=where, key=key)
 
 
 def domain_of(fn) -> Domain:
@@ -218,13 +488,18 @@ _LENGTH_MULTIPLES = (1, 3, 5, 8, 17, 33, 64)
 _DEFAULT_MAX = 8192
 
 
+#: the Domain fields that constrain lengths
+_LENGTH_FIELDS = (*_MULTIPLE_KEYS, "equal_seqlens", "min_seqlen", "max_seqlen")
+
+
 def seqlens_within(d: Domain, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """(seqlen_q, seqlen_k) pairs inside the domain: the given ones it admits, and lengths made
-    from its block (``_LENGTH_MULTIPLES``: the smallest, odd multiples, long ones), as equal
-    pairs and, unless the domain wants equal lengths, as neighbouring unequal pairs both ways."""
+    from its block (the lcm of its two multiples; ``_LENGTH_MULTIPLES``: the smallest, odd
+    multiples, long ones), as equal pairs and, unless the domain wants equal lengths, as
+    neighbouring unequal pairs both ways, and partial blocks (:func:`_partial_blocks`) when one
+    length's multiple is finer than the other's."""
     probe = lambda sq, sk: Case(seqlen_q=sq, seqlen_k=sk, dtype=(d.dtypes or ("bfloat16",))[0])
-    free = Domain(seqlen_multiple=d.seqlen_multiple, equal_seqlens=d.equal_seqlens, min_seqlen=d.min_seqlen,
-                  max_seqlen=d.max_seqlen)  # fmt: skip
+    free = Domain(**{k: getattr(d, k) for k in _LENGTH_FIELDS})
     kept = [p for p in pairs if free.refusal(probe(*p)) is None]
     if free == Domain():  # no constraint on the lengths: the suite's own pairs
         return kept
@@ -233,7 +508,26 @@ def seqlens_within(d: Domain, pairs: list[tuple[int, int]]) -> list[tuple[int, i
     made = [(n, n) for n in lengths]
     if not d.equal_seqlens:
         made += [p for a, b in zip(lengths, lengths[1:]) for p in ((a, b), (b, a))]
+        made += _partial_blocks(d, lengths[:3], hi)
     return list(dict.fromkeys(kept + made))
+
+
+def _partial_blocks(d: Domain, lengths: list[int], hi: int) -> list[tuple[int, int]]:
+    """For a domain whose two length multiples differ (keys in blocks of 64, queries free):
+    pairs whose finer length is not a multiple of the coarser one (a kernel tiling by the
+    coarser block meets a partial block there), the coarser length ``n`` of ``lengths`` and the
+    finer ``n - r`` and ``n + r``, ``r`` the finer multiple nearest half the coarser one."""
+    qm, km = d.seqlen_q_multiple, d.seqlen_k_multiple
+    if qm == km:
+        return []
+    fine, coarse = min(qm, km), max(qm, km)
+    r = fine * max(1, coarse // 2 // fine)  # 0 < r < coarse: n +- r is no multiple of coarse
+    out = []
+    for n in lengths:
+        for x in (n - r, n + r):
+            if max(d.min_seqlen, 1) <= x <= hi:
+                out.append((x, n) if qm < km else (n, x))
+    return out
 
 
 #: a domain listing more (d, dv) pairs than this (a range written out, as production's SM100
@@ -242,19 +536,20 @@ _HEAD_DIM_AXIS_MAX = 16
 
 
 def _head_dim_axis(d: Domain, base_ds: list[int]) -> list[tuple[int, int]]:
-    """The head-dim axis: the listed pairs, or for a long list, per head dim of the suite
+    """The head-dim axis: the accepted pairs, or for a long list, per head dim of the suite
     ``(d, d)`` if listed, else the first listed pair with that d (production's (192, 128) for
     the (192, 192) it refuses)."""
-    if d.head_dims is None:
+    pairs = d.head_dim_pairs()
+    if pairs is None:
         return [(x, x) for x in base_ds]
-    if len(d.head_dims) <= _HEAD_DIM_AXIS_MAX:
-        return list(d.head_dims)
+    if len(pairs) <= _HEAD_DIM_AXIS_MAX:
+        return list(pairs)
     picked = []
     for x in base_ds:
-        same = [p for p in d.head_dims if p[0] == x]
+        same = [p for p in pairs if p[0] == x]
         if same:
             picked.append((x, x) if (x, x) in same else same[0])
-    return picked or list(d.head_dims[:_HEAD_DIM_AXIS_MAX])
+    return picked or list(pairs[:_HEAD_DIM_AXIS_MAX])
 
 
 def axes_within(d: Domain, base: dict | None = None) -> dict[str, list]:
@@ -293,8 +588,9 @@ def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: lis
     "axes", "pairs_covered", "not_applicable": {family: reason}}`` — a family none of whose cases
     fits the domain (``nan_inf_masked`` needs keys no query sees: a left window and unequal
     lengths) is listed with the reason, never a case outside the domain.  Then release's varlen
-    cases that lie inside the domain (:func:`_varlen_within`)."""
-    from audits.cases import pairwise, release_varlen
+    cases that lie inside the domain (:func:`_varlen_within`), and the code-path class cases
+    (``audits.cases.class_cases``) that lie inside it."""
+    from audits.cases import class_cases, pairwise, release_varlen
     from audits.inputs import FAMILIES
 
     axes = axes_within(d)
@@ -309,10 +605,16 @@ def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: lis
             need = " (it needs keys no query sees: a left window short of them)" if f == "nan_inf_masked" else ""
             missing[f] = f"no case of family {f} fits the domain{need}; e.g. {next(why for _, why in placed)}"
         cases += ok
-    names = list(axes)
-    pairs = sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
     cases += _varlen_within(d, release_varlen(seeds))
-    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": pairs, "not_applicable": missing}
+    cases += [c for c in class_cases() if d.refusal(c) is None]
+    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
+            "not_applicable": missing}  # fmt: skip
+
+
+def _pairs_covered(axes: dict) -> int:
+    """How many pairs of values of two different axes a covering array over ``axes`` covers."""
+    names = list(axes)
+    return sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
 
 
 def _varlen_within(d: Domain, cases: list[Case]) -> list[Case]:
@@ -329,10 +631,26 @@ def _smoke_case_within(d: Domain, row: dict, family: str) -> tuple[Case | None, 
     return case_within(d, row, family, 0)
 
 
+def mask_kind(case: Case) -> str:
+    """The mask kind of ``case``: ``"causal"``, ``"local"`` (a window) or ``"none"``."""
+    return "causal" if case.causal else "local" if case.local else "none"
+
+
+def nonfinite_families() -> tuple[str, ...]:
+    """The input families that put NaN or inf into the inputs (``audits.inputs.FAMILIES``'
+    ``nan_inf_*``): smoke pairs each with every mask kind a domain supports."""
+    from audits.inputs import FAMILIES
+
+    return tuple(f for f in FAMILIES if f.startswith("nan_inf"))
+
+
 def smoke_within(d: Domain) -> dict:
     """``smoke`` over the domain: the pairwise rows of its axes with short lengths (up to five
     blocks), each input family on one row (families and rows taken in turn until both are used
-    up), as :func:`release_within` reports them, then smoke's varlen cases inside the domain.  The
+    up), and each non-finite family (:func:`nonfinite_families`) again on a row of every mask
+    kind the domain supports that it has no case of yet (a NaN key beyond the causal diagonal
+    is another test than one in an unmasked row; ``nan_inf_masked`` is local by construction),
+    as :func:`release_within` reports them, then smoke's varlen cases inside the domain.  The
     unrestricted domain gives smoke itself."""
     from audits.cases import pairwise, smoke_suite, smoke_varlen
     from audits.inputs import FAMILIES
@@ -351,10 +669,74 @@ def smoke_within(d: Domain) -> dict:
             missing.setdefault(f, f"no case of family {f} fits the domain; e.g. {tries[0][1]}")
         else:
             cases.append(case)
-    names = list(axes)
-    pairs = sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
+    for f in nonfinite_families():
+        for m in axes["mask"]:
+            if any(c.family == f and mask_kind(c) == m for c in cases):
+                continue
+            tries = (_smoke_case_within(d, r, f) for r in rows if r["mask"] == m)
+            case = next((c for c, _ in tries if c is not None and mask_kind(c) == m), None)
+            cases += [case] if case is not None else []
     cases += _varlen_within(d, smoke_varlen())
-    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": pairs, "not_applicable": missing}
+    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
+            "not_applicable": missing}  # fmt: skip
+
+
+#: the head dims the sweep takes when a domain leaves them free: production SM90's, every
+#: multiple of 8 in 8..256 for d == dv (flash_attn/cute/interface.py, _validate_head_dims)
+_SWEEP_FREE = tuple((x, x) for x in range(8, 257, 8))
+_SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def sweep_head_dims(d: Domain) -> list[tuple[int, int]]:
+    """The head dims the ``head-dims`` sweep takes in ``d``: per accepted d, (d, d) when the
+    domain accepts it, else every accepted pair with that d (production SM100's (192, 128));
+    production SM90's (d, d) for d in 8..256 step 8 when head dims are unrestricted."""
+    pairs = d.head_dim_pairs()
+    if pairs is None:
+        return list(_SWEEP_FREE)
+    out = []
+    for x in dict.fromkeys(p[0] for p in pairs):
+        out += [(x, x)] if d.accepts_head_dims(x, x) else [p for p in pairs if p[0] == x]
+    return out
+
+
+def _fit(d: Domain, case: Case) -> tuple[Case | None, str | None]:
+    """``case`` moved into ``d`` along the axes it does not sweep (lengths to the domain's own,
+    equal heads without GQA, a declared layout), or why it still lies outside."""
+    if d.refusal(case) is None:
+        return case, None
+    sq, sk = next(iter(seqlens_within(d, [(case.seqlen_q, case.seqlen_k)])), (case.seqlen_q, case.seqlen_k))
+    layout = case.layout if d.layouts is None or case.layout in d.layouts else d.layouts[0]
+    moved = dataclasses.replace(case, seqlen_q=sq, seqlen_k=sk, layout=layout,
+                                heads_kv=case.heads_kv if d.gqa else case.heads_q)  # fmt: skip
+    why = d.refusal(moved)
+    return (moved, None) if why is None else (None, why)
+
+
+def head_dims_within(d: Domain) -> dict:
+    """The ``head-dims`` suite over the domain: ``audits.cases.head_dim_sweep`` at
+    :func:`sweep_head_dims`, on the domain's 16-bit dtypes, unmasked and (if supported) causal,
+    each case moved into the domain where its lengths, heads or layout are not (:func:`_fit`)."""
+    from audits.cases import head_dim_sweep
+
+    axes = {"d": sweep_head_dims(d), "dtype": [t for t in (d.dtypes or _SIXTEEN_BIT) if t in _SIXTEEN_BIT],
+            "mask": ["none"] + ["causal"] * d.causal}  # fmt: skip
+    if not axes["dtype"]:
+        why = f"the head-dim sweep runs bfloat16 and float16; the domain's dtypes are {d.dtypes}"
+        return {"cases": [], "axes": axes, "pairs_covered": 0, "not_applicable": {"head-dims": why}}
+    placed = [
+        _fit(d, c) for c in head_dim_sweep(pairs=axes["d"], dtypes=tuple(axes["dtype"]), masks=tuple(axes["mask"]))
+    ]
+    cases = [c for c, _ in placed if c is not None]
+    missing = {}
+    if len(cases) < len(placed):
+        why = next(w for _, w in placed if w is not None)
+        missing["head-dims"] = (
+            f"{len(placed) - len(cases)} of the sweep's {len(placed)} cases fit no length, head or layout "
+            f"of the domain; e.g. {why}"
+        )
+    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
+            "not_applicable": missing}  # fmt: skip
 
 
 def named_suite_within(name: str, d: Domain) -> dict:
@@ -368,14 +750,20 @@ def named_suite_within(name: str, d: Domain) -> dict:
 
 
 def suite_within(name: str, d: Domain) -> dict:
-    """A named suite built over the domain (``smoke``, ``release``, ``nightly``); a fixed list
+    """A named suite built over the domain (``smoke``, ``release``, ``head-dims``, ``nightly``:
+    release's over three seeds and long lengths, plus the head-dim sweep); a fixed list
     (``fidelity``) filtered to it."""
     if name == "smoke":
         return smoke_within(d)
     if name == "release":
         return release_within(d)
+    if name == "head-dims":
+        return head_dims_within(d)
     if name == "nightly":
-        return release_within(d, seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
+        built = release_within(d, seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
+        sweep = head_dims_within(d)
+        return {**built, "cases": list(dict.fromkeys(built["cases"] + sweep["cases"])),
+                "not_applicable": {**built["not_applicable"], **sweep["not_applicable"]}}  # fmt: skip
     from audits.cases import SUITES, suite
 
     if name in SUITES:  # a fixed list (fidelity's): its cases inside the domain, none made

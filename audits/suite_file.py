@@ -42,8 +42,8 @@ _ROW_KEY = {"head_dims": "d"}
 #: the Domain fields that judge each axis (the others left unrestricted when probing one value)
 _JUDGED_BY = {
     "dtype": ("dtypes",), "head_dims": ("head_dims",), "mask": ("causal", "local"), "softcap": ("softcap",),
-    "sink": ("sink",), "heads": ("gqa",), "seqlens": ("seqlen_multiple", "equal_seqlens", "min_seqlen", "max_seqlen"),
-    "layout": ("layouts",),
+    "sink": ("sink",), "heads": ("gqa",), "layout": ("layouts",),
+    "seqlens": ("seqlen_q_multiple", "seqlen_k_multiple", "equal_seqlens", "min_seqlen", "max_seqlen"),
 }  # fmt: skip
 _TOP_KEYS = ("name", "case", "axes")
 _AXES_KEYS = (*AXES, "families", "seeds")

@@ -18,6 +18,7 @@ Each thread handles two consecutive elements (the pair for ``packed``).
 
 # No `from __future__ import annotations` here: the CuTe DSL evaluates the kernels'
 # annotations (cute.Tensor, cutlass.Constexpr) at compile time, in the defining scope.
+import copy
 import functools
 import os
 import re
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "REFUSALS", "Refusal", "refusal_of", "SM100_HEAD_DIMS", "production_domain", "ProductionError",
+    "REFUSALS", "Refusal", "refusal_of", "SM90_HEAD_DIMS", "SM100_HEAD_DIMS", "production_domain", "ProductionError",
     "ProductionUnavailable", "INSTALL_HINT", "require_production", "ex2_kernel", "EX2_VARIANTS", "flash_attn_varlen",
 ]  # fmt: skip
 
@@ -98,41 +99,54 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-#: SM100/SM110's head dims (flash_attn/cute/interface.py, _validate_head_dims, compute capability
-#: 10 or 11): both in 8..128 (``is_standard_range``), (192, 128) (``is_deepseek_shape``), (256, 256)
-#: (``is_dedicate_kernel_shape``), dv 512 with d 64 or d == dv (``is_deepseek_mla_absorbed_shape``),
-#: each a multiple of the alignment, 8 for 16-bit inputs; fp8's alignment of 16 (d 24, 40, ...)
-#: is not expressible per dtype and stays a run-time refusal (the head-dim rule of REFUSALS).
-SM100_HEAD_DIMS = tuple((d, dv) for d in range(8, 129, 8) for dv in range(8, 129, 8)) + (
-    (192, 128), (256, 256), (64, 512), (512, 512),
-)  # fmt: skip
+def _steps(lo: int, hi: int, step: int) -> dict:
+    return {"min": lo, "max": hi, "step": step}
+
+
+#: SM90's head dims (flash_attn/cute/interface.py, ``_validate_head_dims``, compute capability 9:
+#: ``is_sm90_range``, both in 8..256, each a multiple of ``alignment``, which ``_flash_attn_fwd``
+#: sets to 16 // element size: 8 for the 16-bit dtypes, SM90's only ones): every pair of
+#: multiples of 8, 1,024 pairs, in the ``head_dims`` forms of ``audits.domain`` (docs/runner.md).
+SM90_HEAD_DIMS = [{"d": _steps(8, 256, 8), "dv": _steps(8, 256, 8)}]
+#: SM100/SM110's head dims (``_validate_head_dims``, compute capability 10 or 11): both in
+#: 8..128 (``is_standard_range``), (192, 128) (``is_deepseek_shape``), (256, 256)
+#: (``is_hdim256_shape``), dv 512 with d 64 or d == dv (``is_deepseek_mla_absorbed_shape``:
+#: (64, 512), (512, 512)), each a multiple of the alignment: 260 pairs at the 16-bit dtypes'
+#: alignment of 8.  fp8's alignment is 16 (``_flash_attn_fwd``: 16 // 1 byte), which keeps the
+#: special shapes and multiples of 16 in 16..128 for the standard range; a domain has no
+#: per-dtype head dims, so fp8 at d or dv 8 mod 16 stays a run-time refusal (the head-dim rule
+#: of :data:`REFUSALS`).
+SM100_HEAD_DIMS = [{"d": _steps(8, 128, 8), "dv": _steps(8, 128, 8)}, [192, 128], 256, [64, 512], 512]
 
 
 def production_domain(major: int | None = None) -> dict:
     """What production supports on a GPU of compute capability ``major`` (this machine's when
-    None), as a domain declaration (``audits.domain``); production's source, flash-attn-4
-    4.0.0b36, ``flash_attn/cute/interface.py``:
+    None), as a domain declaration (``audits.domain``), derived from production's own checks in
+    flash-attn-4 4.0.0b36, ``flash_attn/cute/interface.py``:
 
-    * SM90 (9.x): bf16 and fp16 only (``_flash_attn_fwd``: ``assert arch // 10 == 10`` for fp8,
-      "FP8 is only supported on SM100"); head dims 8..256, multiples of 8 (``_validate_head_dims``
-      ``is_sm90_range``: every head dim the suites use, so none is listed);
-    * SM100/SM110 (10.x, 11.x): every dtype; the head dims of :data:`SM100_HEAD_DIMS`, so (192,
-      192) is outside;
-    * no GPU, other generations: nothing declared (production cannot run, or refuses at run time
-      by :data:`REFUSALS`).
+    * SM90 (9.x): bf16 and fp16 (``_flash_attn_fwd``: ``assert arch // 10 == 10`` for fp8, "FP8
+      is only supported on SM100"); head dims :data:`SM90_HEAD_DIMS` (``_validate_head_dims``);
+    * SM100 (10.x): every dtype; head dims :data:`SM100_HEAD_DIMS`, so (192, 192) is outside;
+    * SM110 (11.x): the same head dims (``_validate_head_dims`` treats 10 and 11 alike), bf16
+      and fp16 only (the fp8 assertion above admits 10.x alone);
+    * no GPU, other generations: nothing declared (production cannot run; 8.x and 12.x skip
+      ``_validate_head_dims`` and are not modelled here).
 
     Masks, softcap, the sink, GQA, layouts, the backward and ``deterministic`` are supported on
-    both; what depends on several axes at once (fp8's alignment, SM100's head-dim-256 backward
-    without softcap, sink or windows) stays a run-time refusal matched by :data:`REFUSALS`."""
+    both; what depends on several axes at once (fp8's head-dim alignment of 16, SM100's
+    head-dim-256 backward without softcap, sink or windows) stays a run-time refusal matched by
+    :data:`REFUSALS`.  ``tests/test_production_domain.py`` checks the head dims against
+    ``_validate_head_dims`` itself, read from production's source, for every (d, dv) in 1..520."""
     if major is None:
         if not torch.cuda.is_available():
             return {}
         major = torch.cuda.get_device_capability()[0]
-    if major == 9:
-        return {"dtypes": ["bfloat16", "float16"]}
-    if major in (10, 11):
-        return {"head_dims": [list(p) for p in SM100_HEAD_DIMS]}
-    return {}
+    declared = {
+        9: {"dtypes": ["bfloat16", "float16"], "head_dims": SM90_HEAD_DIMS},
+        10: {"head_dims": SM100_HEAD_DIMS},
+        11: {"dtypes": ["bfloat16", "float16"], "head_dims": SM100_HEAD_DIMS},
+    }.get(major, {})
+    return copy.deepcopy(declared)  # the caller's to change
 
 
 def refusal_of(exc: BaseException, rules: tuple[Refusal, ...] = REFUSALS) -> Refusal | None:

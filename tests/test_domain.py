@@ -20,8 +20,14 @@ TRITON = {
 
 def test_the_dict_form_and_its_round_trip():
     d = Domain.from_dict(TRITON, where="k.fa4_audit_domain")
-    assert d.dtypes == ("float16",) and d.head_dims == ((64, 64), (128, 128)) and d.seqlen_multiple == 128
-    assert d.as_dict() == {**TRITON, "min_seqlen": 1}
+    assert d.dtypes == ("float16",) and d.head_dim_pairs() == ((64, 64), (128, 128))
+    assert d.seqlen_q_multiple == d.seqlen_k_multiple == 128  # the shorthand sets both
+    written = {k: v for k, v in TRITON.items() if k != "seqlen_multiple"}
+    assert d.as_dict() == {**written, "seqlen_q_multiple": 128, "seqlen_k_multiple": 128, "min_seqlen": 1}
+    assert (
+        Domain.from_dict(d.as_dict(), where="report") == d
+        and Domain.from_dict(Domain().as_dict(), where="r") == Domain()
+    )
     assert Domain.from_dict({}, where="x") == Domain()  # every key optional: no restriction
 
 
@@ -32,7 +38,19 @@ def test_the_dict_form_and_its_round_trip():
         ({"dtypes": ["float32"]}, "'dtypes' = ['float32']: expected a non-empty list of bfloat16, float16,"),
         ({"causal": "yes"}, "'causal' = 'yes': expected true or false"),
         ({"seqlen_multiple": 0}, "'seqlen_multiple' = 0: expected a positive integer"),
-        ({"head_dims": [64, 128]}, "'head_dims' = [64, 128]: expected a non-empty list of [d, dv] pairs"),
+        ({"head_dims": []}, "'head_dims' = []: expected an int d (d == dv), a [d, dv] pair, a range {min, max, step}"),
+        ({"head_dims": [64, [8]]}, "'head_dims' = [64, [8]] (the item [8]): expected an int d (d == dv), a [d, dv]"),
+        ({"head_dims": [0]}, "'head_dims' = [0] (the item 0): expected an int d"),
+        ({"head_dims": [True]}, "'head_dims' = [True] (the item True): expected an int d"),
+        ({"head_dims": {"min": 16, "max": 8}}, "'head_dims' = {'min': 16, 'max': 8}: expected an int d"),
+        ({"head_dims": {"min": 8, "max": 64, "step": 0}}, "expected an int d (d == dv), a [d, dv] pair"),
+        ({"head_dims": {"d": {"min": 8, "max": 64, "stride": 8}, "dv": 64}}, "'stride': 8}, 'dv': 64}: expected an"),
+        ({"head_dims": {"d": 64}}, "'head_dims' = {'d': 64}: expected an int d (d == dv)"),
+        ({"seqlen_k_multiple": -64}, "'seqlen_k_multiple' = -64: expected a positive integer"),
+        (
+            {"seqlen_multiple": 64, "seqlen_q_multiple": 128},
+            "domain keys 'seqlen_multiple' = 64 and 'seqlen_q_multiple' = 128 disagree; give seqlen_multiple (both",
+        ),
         ({"layouts": ["packed"]}, "expected a non-empty list of contiguous, strided, packed_qkv"),
         (["float16"], "a domain is a dict of keys dtypes, head_dims"),
     ],
@@ -82,7 +100,7 @@ def test_domain_of_a_kernel():
 
     assert domain_of(k) == Domain()
     k.fa4_audit_domain = TRITON
-    assert domain_of(k).seqlen_multiple == 128
+    assert domain_of(k).seqlen_k_multiple == 128
     k.fa4_audit_domain = {"causal": 1}
     with pytest.raises(DomainError, match=r"test_domain_of_a_kernel.<locals>.k.fa4_audit_domain: domain key 'causal'"):
         domain_of(k)
@@ -181,17 +199,17 @@ def test_a_domain_built_suite_runs_with_jobs_and_resumes(tmp_path):
 
 def test_widen_takes_each_keys_more_permissive_value():
     a = Domain.from_dict(TRITON, where="a")
-    b = Domain(dtypes=("bfloat16",), head_dims=((64, 64), (96, 96)), seqlen_multiple=96, min_seqlen=64,
-               max_seqlen=4096, causal=False, local=True, softcap=False, sink=True, gqa=False,
+    b = Domain(dtypes=("bfloat16",), head_dims=((64, 64), (96, 96)), seqlen_q_multiple=96, seqlen_k_multiple=96,
+               min_seqlen=64, max_seqlen=4096, causal=False, local=True, softcap=False, sink=True, gqa=False,
                layouts=("packed_qkv",), backward=True, deterministic=False)  # fmt: skip
     w = a.widen(b)
-    assert w.dtypes == ("float16", "bfloat16") and w.head_dims == ((64, 64), (128, 128), (96, 96))
-    assert w.seqlen_multiple == 32 and not w.equal_seqlens  # gcd(128, 96); equal lengths only if both want them
+    assert w.dtypes == ("float16", "bfloat16") and w.head_dim_pairs() == ((64, 64), (96, 96), (128, 128))
+    assert w.seqlen_q_multiple == w.seqlen_k_multiple == 32  # gcd(128, 96)
+    assert not w.equal_seqlens  # equal lengths only if both want them
     assert w.min_seqlen == 1 and w.max_seqlen == 8192
     assert w.causal and w.local and not w.softcap and w.sink and w.gqa and w.backward and not w.deterministic
     assert w.layouts == ("contiguous", "strided", "packed_qkv")
-    swapped = {"dtypes": ("bfloat16", "float16"), "head_dims": ((64, 64), (96, 96), (128, 128)),
-               "layouts": ("packed_qkv", "contiguous", "strided")}  # fmt: skip
+    swapped = {"dtypes": ("bfloat16", "float16"), "layouts": ("packed_qkv", "contiguous", "strided")}
     assert b.widen(a) == dataclasses.replace(w, **swapped)  # the same domain, listed in the other order
     assert Domain(dtypes=("float16",), max_seqlen=512).widen(Domain()) == Domain()  # None (any) wins
     assert a.widen(a) == a and Domain(equal_seqlens=True).widen(Domain(equal_seqlens=True)).equal_seqlens
@@ -318,3 +336,168 @@ def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_
     drift = {c["case"] for c in recs}
     assert len(drift) == 5 and len(drift & outside) == 4  # records of the children's journals
     assert {c["case"] for c in recs if "declared domain" in c["reasons"][0]} == drift & outside
+
+
+# --- head dims as sets and ranges; separate length multiples (issue 24) ---------------------------
+
+#: production SM100's head dims in the compact forms (fa4.production.SM100_HEAD_DIMS)
+SM100_FORMS = [{"d": {"min": 8, "max": 128, "step": 8}, "dv": {"min": 8, "max": 128, "step": 8}}, [192, 128], 256,
+               [64, 512], 512]  # fmt: skip
+SM100_TOML = """head_dims = [
+  {d = {min = 8, max = 128, step = 8}, dv = {min = 8, max = 128, step = 8}},
+  [192, 128], 256, [64, 512], 512,
+]
+"""
+
+
+def test_head_dims_take_ints_pairs_ranges_and_their_union_in_the_dict_and_toml_forms(tmp_path):
+    from audits.domain import HeadDims
+
+    forms = {  # each form -> the pairs it states
+        "ints": ([64, 128], {(64, 64), (128, 128)}),
+        "pairs": ([[192, 128], [64, 64]], {(192, 128), (64, 64)}),
+        "a range, d == dv": ({"min": 8, "max": 30, "step": 8}, {(8, 8), (16, 16), (24, 24)}),
+        "a range, step 1 by default": ({"min": 5, "max": 7}, {(5, 5), (6, 6), (7, 7)}),
+        "every pair of two ranges": ({"d": {"min": 8, "max": 16, "step": 8}, "dv": 32}, {(8, 32), (16, 32)}),
+        "a mix": ([64, [192, 128], {"min": 96, "max": 112, "step": 16}], {(64, 64), (192, 128), (96, 96), (112, 112)}),
+    }  # fmt: skip
+    for what, (value, pairs) in forms.items():
+        d = Domain.from_dict({"head_dims": value}, where="k")
+        assert set(d.head_dim_pairs()) == pairs, what
+        assert all(d.accepts_head_dims(*p) for p in pairs) and not d.accepts_head_dims(1, 1), what
+        assert Domain.from_dict(d.as_dict(), where="report") == d, what  # the dict form reads back equal
+    sm100 = Domain.from_dict({"head_dims": SM100_FORMS}, where="k")
+    (tmp_path / "d.toml").write_text(SM100_TOML)
+    assert Domain.from_toml(tmp_path / "d.toml") == sm100 and len(sm100.head_dim_pairs()) == 260
+    assert sm100.as_dict()["head_dims"] == SM100_FORMS  # compact: the pieces, not 260 pairs
+    assert str(sm100.head_dims) == (
+        "{d in 8..128 step 8 x dv in 8..128 step 8, (192, 128), (256, 256), (64, 512), (512, 512)}"
+    )
+    assert "head dims (192, 192) not in {d in 8..128 step 8" in sm100.refusal(Case("bfloat16", 192, 192))
+    assert Domain().head_dim_pairs() is None and Domain().accepts_head_dims(7, 13)
+    assert Domain(head_dims=[(64, 64)]).head_dims == HeadDims.of([(64, 64)]) == HeadDims.parse(64, where="x")
+
+
+def test_narrow_and_widen_of_head_dims_are_the_exact_intersection_and_union():
+    """Random unions of pieces (fixed seed) against the sets they enumerate: ``meet`` and
+    ``join`` equal set intersection and union, membership equals ``contains``, and each result
+    reads back equal from its dict form."""
+    import random
+
+    from audits.domain import HeadDims
+
+    rng = random.Random(24)
+
+    def piece():
+        lo = rng.randint(1, 40)
+        rng_ = lambda: {"min": lo, "max": lo + rng.randint(0, 40), "step": rng.randint(1, 9)}
+        return rng.choice([lambda: rng.randint(1, 60), lambda: [rng.randint(1, 60), rng.randint(1, 60)], rng_,
+                           lambda: {"d": rng_(), "dv": rng.choice([rng_(), rng.randint(1, 60)])}])()  # fmt: skip
+
+    grid = list(itertools.product(range(1, 90), repeat=2))
+    for _ in range(60):
+        a = HeadDims.parse([piece() for _ in range(rng.randint(1, 4))], where="a")
+        b = HeadDims.parse([piece() for _ in range(rng.randint(1, 4))], where="b")
+        sa, sb = set(a.pairs()), set(b.pairs())
+        assert {p for p in grid if a.contains(*p)} == {p for p in grid if p in sa}
+        meet, join = a.meet(b), a.join(b)
+        assert set(meet.pairs()) == sa & sb and set(join.pairs()) == sa | sb, (a, b)
+        for x in (meet, join):
+            if len(x):
+                assert HeadDims.parse(x.as_value(), where="x") == x
+    da, db = Domain(head_dims=a), Domain(head_dims=b)
+    assert da.narrow(db).head_dims == meet and da.widen(db).head_dims == join
+    assert da.narrow(Domain()).head_dims == a and da.widen(Domain()).head_dims is None  # None: any
+
+
+def test_query_and_key_lengths_have_their_own_multiples():
+    shorthand = Domain.from_dict({"seqlen_multiple": 64}, where="k")
+    assert shorthand == Domain.from_dict({"seqlen_q_multiple": 64, "seqlen_k_multiple": 64}, where="k")
+    assert Domain.from_dict({"seqlen_multiple": 64, "seqlen_k_multiple": 64}, where="k") == shorthand  # agreeing
+    keys64 = Domain.from_dict({"seqlen_k_multiple": 64}, where="k")
+    case = Case("bfloat16", 64, 64, 1, 2, 2, 100, 128)
+    assert keys64.refusal(case) is None  # queries free
+    assert keys64.refusal(dataclasses.replace(case, seqlen_k=100)) == "seqlen_k 100 not a multiple of 64"
+    q32 = Domain(seqlen_q_multiple=32)
+    assert q32.refusal(case) == "seqlen_q 100 not a multiple of 32"
+    assert shorthand.refusal(case) == "seqlens 100x128 not multiples of 64"
+    both = keys64.narrow(Domain(seqlen_q_multiple=3, seqlen_k_multiple=48))
+    assert (both.seqlen_q_multiple, both.seqlen_k_multiple) == (3, 192)  # lcm of each
+    either = keys64.widen(Domain(seqlen_q_multiple=3, seqlen_k_multiple=48))
+    assert (either.seqlen_q_multiple, either.seqlen_k_multiple) == (1, 16)  # gcd of each
+
+
+def test_keys_in_blocks_of_64_and_free_queries_get_partial_query_blocks():
+    """A domain "seqlen_k a multiple of 64, seqlen_q free": the suites built in it have queries
+    that are not multiples of 64 (partial query blocks) as well as multiples, every case inside."""
+    from audits.domain import seqlens_within, smoke_within
+
+    d = Domain.from_dict({"seqlen_k_multiple": 64, "max_seqlen": 1024}, where="k")
+    lengths = seqlens_within(d, [])
+    assert all(sk % 64 == 0 for _, sk in lengths)
+    assert {sq % 64 != 0 for sq, _ in lengths} == {True, False}
+    assert (32, 64) in lengths and (96, 64) in lengths  # one block, half a block short and over
+    same = Domain.from_dict({"seqlen_multiple": 64}, where="k")  # one multiple for both: no partial block
+    assert all(sq % 64 == 0 == sk % 64 for sq, sk in seqlens_within(same, []))
+    for built in (smoke_within(d), release_within(d)):
+        fixed = [c for c in built["cases"] if not c.varlen]
+        assert all(d.refusal(c) is None for c in built["cases"])
+        assert any(c.seqlen_q % 64 for c in fixed) and any(c.seqlen_q % 64 == 0 for c in fixed)
+    keys_free = Domain(seqlen_q_multiple=128)  # the other way round: partial key blocks
+    assert {sk % 128 != 0 for _, sk in seqlens_within(keys_free, [])} == {True, False}
+
+
+def test_smoke_pairs_each_nonfinite_family_with_every_mask_the_domain_supports():
+    """The issue's restricted kernel (fp16, d in {64, 128}, equal lengths in multiples of 128,
+    causal): its smoke has nan_inf_visible both causal and not (a kernel masking causally by
+    adding -1e6 turns earlier rows NaN from a NaN key beyond the diagonal); a domain with
+    windows gets a local one too, one without causal masking none."""
+    from audits.domain import mask_kind, nonfinite_families, smoke_within
+
+    assert set(nonfinite_families()) == {"nan_inf_visible", "nan_inf_masked"}
+    d = Domain.from_dict({"dtypes": ["float16"], "head_dims": [64, 128], "seqlen_multiple": 128,
+                          "equal_seqlens": True, "causal": True, "local": False}, where="k")  # fmt: skip
+    cases = smoke_within(d)["cases"]
+    assert all(d.refusal(c) is None for c in cases)
+    assert {mask_kind(c) for c in cases if c.family == "nan_inf_visible"} == {"none", "causal"}
+    wide = smoke_within(dataclasses.replace(d, local=True, equal_seqlens=False))["cases"]
+    assert {mask_kind(c) for c in wide if c.family == "nan_inf_visible"} == {"none", "causal", "local"}
+    plain = smoke_within(dataclasses.replace(d, causal=False))["cases"]
+    assert {mask_kind(c) for c in plain if c.family == "nan_inf_visible"} == {"none"}
+
+
+def test_the_head_dim_sweep_within_a_domain():
+    """``head-dims`` in a domain: (x, x) for every accepted x, else every accepted pair with
+    that d (SM100's (192, 128)); the 16-bit dtypes; causal only where supported; each case moved
+    into the domain's lengths.  Unrestricted, it is the named suite; nightly includes it."""
+    from audits.cases import head_dim_sweep, suite
+    from audits.domain import head_dims_within, suite_within, sweep_head_dims
+
+    sm100 = Domain.from_dict({"head_dims": SM100_FORMS}, where="k")
+    pairs = sweep_head_dims(sm100)
+    assert pairs == [(x, x) for x in range(8, 129, 8)] + [(192, 128), (256, 256), (512, 512)]
+    assert sweep_head_dims(Domain()) == [(x, x) for x in range(8, 257, 8)]  # production SM90's
+    assert sweep_head_dims(Domain(head_dims=[(96, 64), (96, 32)])) == [(96, 32), (96, 64)]
+    d = Domain.from_dict({"dtypes": ["float16", "float8_e4m3fn"], "head_dims": [64, 128], "seqlen_multiple": 128,
+                          "equal_seqlens": True, "causal": False, "gqa": False}, where="k")  # fmt: skip
+    built = head_dims_within(d)
+    assert built["axes"] == {"d": [(64, 64), (128, 128)], "dtype": ["float16"], "mask": ["none"]}
+    assert len(built["cases"]) == 2 and all(d.refusal(c) is None for c in built["cases"])
+    assert {(c.d, c.seqlen_q, c.seqlen_k, c.heads_q, c.heads_kv) for c in built["cases"]} == {
+        (64, 128, 128, 4, 4), (128, 128, 128, 4, 4)}  # fmt: skip
+    fp8 = head_dims_within(Domain(dtypes=("float8_e4m3fn",)))
+    assert fp8["cases"] == [] and "the head-dim sweep runs bfloat16 and float16" in fp8["not_applicable"]["head-dims"]
+    assert suite_within("head-dims", Domain())["cases"] == suite("head-dims")
+    sweep = set(head_dim_sweep(pairs=[(64, 64)], dtypes=("bfloat16",), masks=("none",)))
+    nightly = set(suite_within("nightly", Domain(head_dims=[64], dtypes=("bfloat16",)))["cases"])
+    assert sweep <= nightly
+
+
+def test_release_within_a_domain_adds_the_class_cases_inside_it():
+    from audits.cases import class_cases
+
+    d = Domain.from_dict({"dtypes": ["bfloat16"], "head_dims": {"min": 8, "max": 256, "step": 8}}, where="k")
+    inside = [c for c in class_cases() if d.refusal(c) is None]
+    assert inside and len(inside) < len(class_cases())  # some lie outside (fp16, fp8, d != dv)
+    cases = set(release_within(d)["cases"])
+    assert set(inside) <= cases and all(d.refusal(c) is None for c in cases)
