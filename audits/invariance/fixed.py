@@ -124,23 +124,28 @@ def decode_rows(case, sq: int, sk: int, domain) -> tuple[list[int], list[str]]:
             vis = visible_mask(sq, sk, causal=case.causal, window_size=win)
         return torch.equal(visible_mask(r, sk, causal=case.causal, window_size=win), vis[-r:])
 
+    refused = False  # whether the domain (not the mask) ruled out an r of DECODE_ROWS
     for r in (r for r in DECODE_ROWS if r < sq):
         if not same_keys(r):
             why.append(f"r={r}: the restricted call would give the last rows other visible keys")
         elif domain is not None and (no := domain.refusal(rows_case(case, r, sk))):
             why.append(f"r={r}: seqlen_q {r} is outside the kernel's declared domain ({no})")
+            refused = True
         else:
             usable.append(r)
-    if usable or domain is None or sq <= 1:
+    if usable or not refused:
         return usable, why
-    refusals = {}
     for r in range(1, sq):
-        no = domain.refusal(rows_case(case, r, sk))
-        if no is None and same_keys(r):
+        if domain.refusal(rows_case(case, r, sk)) is None and same_keys(r):
             return [r], why
-        refusals.setdefault(no or "other visible keys", r)
-    said = "; ".join(f"r={r}: {no}" for no, r in list(refusals.items())[:3])
-    why.append(f"no row count r < seqlen_q {sq} gives a call inside the kernel's declared domain ({said})")
+    qm = domain.seqlen_q_multiple
+    tried = next(iter(range(qm, sq, qm)), None)  # the first row count of the domain's query multiple
+    if tried is None:
+        said = f"a call's query rows must be a multiple of {qm}, and seqlen_q {sq} has none below it"
+    else:
+        no = domain.refusal(rows_case(case, tried, sk)) or "the last rows would see other keys"
+        said = f"r={tried}: {no}" + (f" (the last rows alone against all {sk} keys)" if domain.equal_seqlens else "")
+    why = [f"no row count r < seqlen_q {sq} gives a call inside the kernel's declared domain; {said}"]
     return usable, why
 
 
