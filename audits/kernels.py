@@ -38,7 +38,7 @@ from fa4.production import REFUSALS, production_domain
 
 __all__ = [
     "KERNELS", "MODELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "fa4_arch", "production_arch",
-    "claims_nonfinite_inputs", "contract_error", "VARLEN_KERNELS", "get_varlen_kernel", "per_sequence",
+    "cuda_arch", "claims_nonfinite_inputs", "contract_error", "VARLEN_KERNELS", "get_varlen_kernel", "per_sequence",
     "varlen_contract_error", "fa4_varlen_numerics", "fa4_varlen_splits",
 ]  # fmt: skip
 
@@ -66,6 +66,7 @@ def _model_of(arch: str, mma: str = "exact"):
         return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
 
     run.fa4_audit_domain = _MODEL_DOMAINS[arch]
+    run.fa4_audit_arch = arch  # whose code-path classes it models (audits.coverage)
     return run
 
 
@@ -85,6 +86,20 @@ def _production(q, k, v, *, deterministic=False, **kw):
 
 
 _production.fa4_audit_refusals = REFUSALS  # its backward refuses by these rules only
+
+
+def cuda_arch() -> str | None:
+    """The code-path architecture of this machine's GPU (production's ``fa4_audit_arch``, for
+    coverage: ``audits.coverage``): "sm90" on compute capability 9.x (Hopper), "sm100" on 10.x
+    and 11.x (production's SM100/110 path, flash_attn/cute/interface.py ``_flash_attn_fwd``
+    dispatches both to the SM100 kernel); None without CUDA or on another generation."""
+    if not torch.cuda.is_available():
+        return None
+    major = torch.cuda.get_device_capability()[0]
+    return {9: "sm90", 10: "sm100", 11: "sm100"}.get(major)
+
+
+_production.fa4_audit_arch = cuda_arch
 #: per GPU architecture, evaluated when asked (fa4.production.production_domain cites the source)
 _production.fa4_audit_domain = production_domain
 
@@ -371,6 +386,7 @@ def _model_varlen(arch: str, mma: str = "exact") -> Callable:
     run.__name__ = f"fa4_model_varlen_{arch}" + ("_tc" if mma == "tensor_core" else "")
     run.fa4_audit_contract = "varlen"
     run.fa4_audit_domain = _MODEL_DOMAINS[arch]
+    run.fa4_audit_arch = arch
     return run
 
 
@@ -383,6 +399,7 @@ def _production_varlen(q, k, v, **kw):
 _production_varlen.fa4_audit_refusals = REFUSALS
 _production_varlen.fa4_audit_domain = production_domain
 _production_varlen.fa4_audit_contract = "varlen"
+_production_varlen.fa4_audit_arch = cuda_arch
 
 #: the built-in kernels' varlen entries: production's ``flash_attn_varlen_func`` and the models'
 #: ``fa4.varlen.varlen_attention``

@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from audits.common import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, gpu_list, progress
+from audits.common import EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, gpu_list, progress
 from audits.common import device as _device
 from audits.common import environment as _environment
 from audits.kernels import usable_kernels
@@ -117,7 +117,8 @@ def _run_here(args, kernels, cases, label, th, device, header: dict, stopped: di
                 kernels, cases, device=device, out_dir=args.out, thresholds=th, suite=label, seed=args.seed,
                 resume=args.resume, exitfirst=args.exitfirst, isolate=isolate, progress=tick,
                 backward=_backward_options(args), per_sequence=args.per_sequence, timeout=timeout,
-                deadline=deadline, stopped=stopped, journal_extra={"report": header["report"]},
+                deadline=deadline, stopped=stopped,
+                journal_extra={"report": header["report"], "coverage": _kept_bases(header["coverage"])},
             )  # fmt: skip
         except JournalMismatch as exc:
             raise UsageError(f"--resume refused: {exc}") from exc
@@ -300,6 +301,49 @@ def _run_header(args, device, th) -> dict:
     return {"started": time.monotonic(), "report": report}
 
 
+def _coverage_bases(args: argparse.Namespace, kernels: list[str]) -> dict[str, dict]:
+    """Each kernel's coverage basis (``audits.coverage``): its declared domain narrowed by the
+    ``--domain`` file, and its architecture (``fn.fa4_audit_arch``).  With
+    ``--require-coverage``, a section that cannot be judged for a kernel (head dims unrestricted,
+    no architecture) is a usage error before any case runs, naming the kernel and what to declare."""
+    from audits.coverage import arch_of, unjudgeable
+    from audits.kernels import get_kernel
+    from audits.selection import kernels_domains
+
+    own = kernels_domains(kernels, args.domain)[1]
+    bases = {}
+    for kern in kernels:
+        try:
+            bases[kern] = {"domain": own[kern], "arch": arch_of(get_kernel(kern))}
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    if args.require_coverage:
+        why = [f"{k}: {w}" for k, b in bases.items() for w in unjudgeable(require=args.require_coverage, **b)]
+        if why:
+            raise UsageError(f"--require-coverage {args.require_coverage} cannot be judged: " + "; ".join(why))
+    return bases
+
+
+def _kept_bases(bases: dict[str, dict]) -> dict[str, dict]:
+    """The coverage bases as the journal's header keeps them (a report read from the journal
+    computes its coverage on them: ``audits.runner.report.report_from_journal``)."""
+    return {k: {"domain": b["domain"].as_dict(), "arch": b["arch"]} for k, b in bases.items()}
+
+
+def _require_coverage(args: argparse.Namespace, kern: str, rep: dict) -> bool:
+    """``--require-coverage``: what the report's coverage missed of the sections required, into
+    the coverage (``required``) and on stdout; whether the requirement was met."""
+    from audits.coverage import missed
+
+    gone = missed(rep["coverage"], require=args.require_coverage)
+    rep["coverage"]["required"] = {"require": args.require_coverage, "missed": gone, "met": not gone}
+    if gone:
+        print(f"{kern}: --require-coverage {args.require_coverage}: the run missed {len(gone)} item(s):")
+        for line in gone:
+            print(f"  missed {line}")
+    return not gone
+
+
 #: what a run that stopped early says on stderr, by ``stopped`` reason
 _STOP_ADVICE = {
     "interrupted": "interrupted (Ctrl-C)",
@@ -313,6 +357,7 @@ def _report_runs(args, runs, cases, label, th, device, header: dict, stopped: st
     """Write each kernel's report (partial when cases were not run: ``stopped`` says why),
     print its verdicts and failing cases; the exit code (``report.exit_code``; 130 for an
     interrupted run in which nothing failed)."""
+    from audits.coverage import coverage_summary
     from audits.runner.engine import kernel_dir
     from audits.runner.report import build_report, exit_code, summary_line, write_report
 
@@ -321,16 +366,21 @@ def _report_runs(args, runs, cases, label, th, device, header: dict, stopped: st
         missing = len(cases) - len(records)
         rep = build_report(
             kernel=kern, suite=label, seed=args.seed, records=records, selected=len(cases),
-            stopped=(stopped or "unfinished") if missing else None, **header["report"],
+            stopped=(stopped or "unfinished") if missing else None, coverage_basis=header["coverage"][kern],
+            backward=args.backward, **header["report"],
         )  # fmt: skip
         if getattr(args, "shard_order", None):
             rep["shard_order"] = {r["case"]: args.shard_order[r["case"]] for r in records}
         if getattr(args, "domain_info", None):
             rep["domain"] = args.domain_info  # the domain the suite was built in, its coverage
-        paths = write_report(rep, kernel_dir(args.out, kern, len(runs) > 1))
+        met = _require_coverage(args, kern, rep) if args.require_coverage else True
+        out = kernel_dir(args.out, kern, len(runs) > 1)
+        paths = write_report(rep, out)
         print(f"{kern}: {summary_line(rep)}; report: {paths['md']}")
+        print(f"{kern}: coverage: {coverage_summary(rep['coverage'])} (fa4-audit coverage {shlex.quote(str(out))})")
         _print_failing(kern, records)
-        code = max(code, exit_code(rep))
+        kcode = exit_code(rep)
+        code = max(code, EXIT_FAIL if not met and kcode in (0, EXIT_INCOMPLETE) else kcode)
         if not rep["summary"]["evaluated"] and not missing:
             print(f"{kern}: nothing was audited: no case was compared with the reference", file=sys.stderr)
         if missing:
@@ -365,9 +415,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ThresholdsError as exc:
         raise UsageError(str(exc)) from exc
     _check_backward_args(args, th)
+    bases = _coverage_bases(args, kernels)
     device = _device(args.device)
     _prepare_out(args)
-    header, stopped = _run_header(args, device, th), {}
+    header, stopped = {**_run_header(args, device, th), "coverage": bases}, {}
     if args.jobs > 1:
         runs = _run_jobs(args, kernels, cases, label, stopped)
     else:
@@ -377,6 +428,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add ``run`` to the ``fa4-audit`` parser."""
+    from audits.coverage import REQUIRE
     from audits.selection import add_case_arguments
     from audits.worker import RUN_DEFAULT_NOTE, add_timeout_argument
 
@@ -451,6 +503,13 @@ def register(sub) -> None:
     r.add_argument(
         "--deterministic", action="store_true",
         help="with --backward: pass deterministic=True to kernels that take it and fail any run-to-run difference",
+    )  # fmt: skip
+    r.add_argument(
+        "--require-coverage", default=None, choices=REQUIRE,
+        help="after writing the report, exit 1 when the run missed any head dim the kernel's domain accepts "
+        "(head_dims), any code-path class of its architecture (classes), or either (all), in the forward and, with "
+        "--backward, the backward (docs/runner.md, 'Coverage'); exit 2 up front when the kernel declares no head dims "
+        "or no architecture to judge",
     )  # fmt: skip
     r.add_argument(
         "--per-sequence", action="store_true",

@@ -28,12 +28,45 @@ def _is_journal(path: str) -> bool:
     return isinstance(first, dict) and first.get("journal") == SCHEMA
 
 
+def run_reports(path: str) -> list[str]:
+    """The report files ``path`` names: itself when it is a file; for a run directory its
+    ``report.json`` (else its ``journal.jsonl``: a run stopped or still going), or with several
+    kernels each ``<kernel>/report.json`` (or journal) below it.  A missing path, or a directory
+    holding none of them, is a :class:`UsageError` naming it."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{path}: no such report, journal or run directory")
+    if not p.is_dir():
+        return [path]
+
+    def one(d: Path) -> str | None:
+        return next((str(d / f) for f in ("report.json", "journal.jsonl") if (d / f).is_file()), None)
+
+    if found := one(p):
+        return [found]
+    below = [
+        f for d in sorted(x for x in p.iterdir() if x.is_dir() and x.name not in ("jobs", "repro")) if (f := one(d))
+    ]
+    if not below:
+        raise UsageError(
+            f"{path}: a directory without report.json or journal.jsonl (nor a per-kernel folder holding one)"
+        )
+    return below
+
+
 def load_report(path: str) -> dict:
     """A report file (``.json``, ``.json.gz``, ``.json.xz``), validated field by field; or a run's
     ``journal.jsonl`` read as the report the run would write from it (``report_from_journal``:
-    partial while cases are missing), so that a killed or running run can be read."""
+    partial while cases are missing), so that a killed or running run can be read; or a run
+    directory of one kernel (:func:`run_reports`)."""
     from audits.runner.report import ReportError, report_from_journal, validate_report
 
+    found = run_reports(path)
+    if len(found) > 1:
+        raise UsageError(f"{path}: a run of several kernels ({', '.join(found)}): name one of them")
+    path = found[0]
     try:
         if _is_journal(path):
             try:
@@ -48,13 +81,17 @@ def load_report(path: str) -> dict:
 def _summarize(rep: dict, *, selected: int | None = None) -> dict:
     """``rep`` with its summary recomputed from its cases; a partial report stays partial
     (its selected count, or ``selected``, and why it stopped)."""
+    from audits.coverage import basis_of_coverage, legacy_basis
     from audits.runner.report import build_report, run_counts
 
     keys = ("kernel", "suite", "seed", "device", "environment", "thresholds", "command", "created")
     sel = run_counts(rep)[0] if selected is None else selected
+    cov = rep.get("coverage") or {}
+    basis = basis_of_coverage(cov) or legacy_basis(rep)  # the coverage recomputed over these cases, same basis
+    bwd = "backward" in cov["directions"] if "directions" in cov else None
     return build_report(
         **{k: rep[k] for k in keys}, records=rep["cases"], shard=rep.get("shard"), selected=sel,
-        stopped=rep["summary"].get("stopped"),
+        stopped=rep["summary"].get("stopped"), coverage_basis=basis, backward=bwd,
     )  # fmt: skip
 
 
@@ -159,6 +196,20 @@ def cmd_show(args: argparse.Namespace) -> int:
         grads = (c["grads"], c["grad_tightness"]) if bwd else ()
         t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], *grads, c["reasons"])
     console.print(t, crop=False)
+    return EXIT_OK
+
+
+def cmd_coverage(args: argparse.Namespace) -> int:
+    """A report's coverage (``audits.coverage``), per kernel of a run directory: the head dims
+    accepted, covered and missed in each direction, each code-path class with its case."""
+    from audits.coverage import coverage_lines
+
+    for path in run_reports(args.report):
+        rep = load_report(path)
+        _say_partial(rep, path)
+        print(f"{rep['kernel']} / {rep['suite']} ({path}): coverage")
+        for line in coverage_lines(rep.get("coverage")):
+            print(f"  {line}")
     return EXIT_OK
 
 
@@ -386,6 +437,17 @@ def register(sub) -> None:
     sh = sub.add_parser("show", help="print a report: a table on a terminal, plain lines otherwise")
     sh.add_argument("report", help="a report.json (or .json.gz / .json.xz)")
     sh.set_defaults(func=cmd_show)
+    cv = sub.add_parser(
+        "coverage",
+        help="what a run covered of what the kernel accepts: head dims and code-path classes, forward and backward",
+        description="Print a report's coverage (docs/runner.md, 'Coverage'): the head dims the kernel's domain "
+        "accepts, those the run compared in the forward and in the backward, those it missed, and each code-path "
+        "class of the kernel's architecture with one case that covered it.  Exit 0; 2 for a bad path.",
+    )  # fmt: skip
+    cv.add_argument(
+        "report", help="a report.json (or .json.gz / .json.xz), a run's journal.jsonl, or a run directory (--out DIR)"
+    )
+    cv.set_defaults(func=cmd_coverage)
     df = sub.add_parser("diff", help="where two reports differ (verdicts, max errors)")
     df.add_argument("base", help="the baseline report.json")
     df.add_argument("cand", help="the candidate report.json, compared case by case with the baseline")

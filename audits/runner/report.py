@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from audits.common import atomic_write
+from audits.coverage import coverage_lines
 from audits.domain import Domain
 from audits.runner import schema as _schema
 from audits.runner.report_html import case_cells, grad_cells, render_html
@@ -56,14 +57,19 @@ def build_report(
     shard: str | None,
     selected: int | None = None,
     stopped: str | None = None,
+    coverage_basis: dict | None = None,
+    backward: bool | None = None,
 ) -> dict:
     """The report of ``records``.  ``selected``: how many cases the run was given (default: as
     many as there are records); fewer records make it a partial report (``"partial": true``, the
     summary's ``selected`` / ``run`` / ``not_run`` and ``stopped``: why, a key of :data:`STOPPED`),
-    which never passes (:func:`exit_code`)."""
+    which never passes (:func:`exit_code`).  ``coverage``: :func:`audits.coverage.coverage` of
+    the records on ``coverage_basis`` (the kernel's domain and architecture; None: read from the
+    kernel ``kernel`` now, ``audits.coverage.basis_of``) judging the backward when ``backward``
+    (None: when a record has one)."""
     counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
     selected = len(records) if selected is None else max(selected, len(records))
-    return {
+    rep = {
         "schema": SCHEMA,
         "kernel": kernel,
         "suite": suite,
@@ -94,6 +100,21 @@ def build_report(
         },
         "cases": records,
     }
+    rep["coverage"] = _coverage(kernel, records, coverage_basis, backward)
+    return rep
+
+
+def _coverage(kernel: str, records: list[dict], basis: dict | None, backward: bool | None) -> dict:
+    """The report's ``coverage`` (``audits.coverage``); ``{"absent": why}`` when the basis cannot
+    be had (a kernel that does not load here, a malformed declaration)."""
+    from audits.coverage import basis_of, coverage_from_basis
+
+    if basis is None:
+        try:
+            basis = basis_of(kernel)
+        except Exception as exc:  # noqa: BLE001 - any failure to load the kernel: coverage says why it is absent
+            basis = {"absent": f"the kernel {kernel} could not be read here ({type(exc).__name__}: {exc})"}
+    return coverage_from_basis(basis, records=records, backward=backward)
 
 
 def _backward_summary(records: list[dict]) -> dict | None:
@@ -159,6 +180,7 @@ def report_from_journal(path) -> dict:
     point (its header keeps the run's command, environment and thresholds; cases in suite
     order): partial (``stopped`` "journal") while cases are missing, so that a run that was
     killed, or is still going, can be read; :class:`ReportError` when ``path`` is no journal."""
+    from audits.coverage import legacy_basis
     from audits.runner import journal
 
     head = journal.read_header(Path(path))
@@ -166,13 +188,26 @@ def report_from_journal(path) -> dict:
         raise ReportError(f"{path}: not a journal of fa4-audit run (no {journal.SCHEMA} header line)")
     extra = head.get("report") or {}
     records = journal.read_ordered(Path(path))
+    basis = _journal_basis(head, extra)
+    if basis is None:  # a journal written before coverage: from what it holds, as an old report
+        basis = legacy_basis({"kernel": head["kernel"], "environment": extra.get("environment") or {}})
     return build_report(
         kernel=head["kernel"], suite=head["suite"], seed=head["seed"], device=extra.get("device", "unknown"),
         environment=extra.get("environment", {"fa4_audit": head.get("fa4_audit", "unknown")}),
         thresholds=extra.get("thresholds", {"digest": head["thresholds"]}), records=records,
         command=extra.get("command", f"(read from the journal {path})"), created=extra.get("created", "unknown"),
-        shard=extra.get("shard"), selected=head.get("n_cases"), stopped="journal",
+        shard=extra.get("shard"), selected=head.get("n_cases"), stopped="journal", coverage_basis=basis,
+        backward=head.get("backward") is not None,
     )  # fmt: skip
+
+
+def _journal_basis(head: dict, extra: dict) -> dict | None:
+    """The coverage basis a run kept in its journal's header (``coverage``: per kernel, the
+    domain and architecture), None when it kept none."""
+    from audits.coverage import basis_of_coverage
+
+    kept = (head.get("coverage") or {}).get(head["kernel"])
+    return basis_of_coverage({"domain": kept.get("domain"), "arch": kept.get("arch")}) if kept else None
 
 
 def collapse_reasons(records: list[dict]) -> list[tuple[dict, int]]:
@@ -305,6 +340,7 @@ def _markdown(rep: dict) -> str:
         for r in rows:
             g = grad_cells(r)
             L.append(f"| {r['case']} | {r['verdict']} | {g['grads']} | {g['grad_tightness']} | {g['spread']} |")
+    L += ["", "## Coverage", "", "```", *coverage_lines(rep.get("coverage")), "```"]
     fails = [r for r in rep["cases"] if r["verdict"] in _schema.FAILING]
     if fails:
         L += ["", "## Reproduce", ""]

@@ -125,6 +125,49 @@ def _reproduce(cases: list[dict]) -> str:
     return f"<h2>Failing cases and how to reproduce them</h2><ul>{items}</ul>"
 
 
+def _coverage(cov: dict | None) -> str:
+    """The coverage section (``audits.coverage``): head dims accepted, covered and missed per
+    direction, then each code-path class with the case that covered it in each direction."""
+    from audits.coverage import DIRECTIONS, coverage_lines, format_pairs
+
+    if not isinstance(cov, dict) or "absent" in cov:
+        return f"<h2>Coverage</h2><p>{html.escape(coverage_lines(cov)[0])}</p>"
+    h, judged = cov["head_dims"], cov["directions"]
+    rows = [("accepted", "unrestricted" if h["accepted"] is None else format_pairs(h["accepted"]))]
+    for d in DIRECTIONS:
+        rows.append((f"{d} covered", format_pairs(h[d]) if d in judged else "not judged"))
+        if h.get(f"missed_{d}") is not None:
+            rows.append((f"{d} missed", format_pairs(h[f"missed_{d}"])))
+    body = "".join(f"<tr><td>{k}</td><td style='text-align:left'>{html.escape(v)}</td></tr>" for k, v in rows)
+    arch = html.escape(str(cov["arch"] or "none declared"))
+    parts = [
+        f"<h2>Coverage</h2><p>architecture {arch}; directions judged: {', '.join(judged)}</p>"
+        f"<table><tr><th>head dims</th><th>(d, dv)</th></tr>{body}</table>"
+    ]
+    if cov["classes"] is not None:
+        head = "<tr><th>class</th><th>forward</th><th>backward</th><th>what selects it</th></tr>"
+
+        def cell(e: dict, d: str) -> str:
+            if d not in e["directions"]:
+                return "<td>—</td>"
+            if e[d]:
+                return f"<td class='pass' style='text-align:left'>{html.escape(e[d])}</td>"
+            return "<td class='fail'>missed</td>" if d in judged else "<td>not judged</td>"
+
+        rows = "".join(
+            f"<tr><td>{html.escape(n)}</td>{cell(e, 'forward')}{cell(e, 'backward')}"
+            f"<td style='text-align:left'>{html.escape(e['description'])} ({html.escape(e['source'])})</td></tr>"
+            for n, e in cov["classes"].items()
+        )
+        parts.append(f"<table>{head}{rows}</table>")
+    if cov.get("required"):
+        r = cov["required"]
+        parts.append(f"<p>required ({html.escape(r['require'])}): {'met' if r['met'] else '<b>NOT met</b>'}"
+                     + "".join(f"<br>missed: {html.escape(m)}" for m in r["missed"]) + "</p>")  # fmt: skip
+    parts.append("".join(f"<p>note: {html.escape(n)}</p>" for n in cov["notes"]))
+    return "".join(parts)
+
+
 def render_html(rep: dict, summary_line: str) -> str:
     cases = rep["cases"]
     parts = [
@@ -151,6 +194,7 @@ def render_html(rep: dict, summary_line: str) -> str:
             for c, g in ((c, grad_cells(c)) for c in cases)
         )
         parts.append(f"<h2>Gradients (--backward)</h2><table><tr>{head}</tr>{rows}</table>")
+    parts.append(_coverage(rep.get("coverage")))
     groups = defaultdict(list)
     for c in cases:
         groups[(c["config"]["dtype"], c["config"]["d"])].append(c)

@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = [
     "Opt", "Each", "When", "check", "REPORT", "CASE", "VERDICTS", "LATER_VERDICTS", "FAILING", "OUT_OF_DOMAIN_KINDS",
-    "upgrade_case", "upgrade_report",
+    "upgrade_case", "upgrade_report", "COVERAGE",
 ]  # fmt: skip
 
 NUM = (int, float)
@@ -123,10 +123,26 @@ CASE = [
         },
     ),
 ]
+_PAIRS = Each(Each(int))
+#: a report's ``coverage`` (``audits.coverage.coverage``), or ``{"absent": why}``
+COVERAGE = [
+    {"absent": Opt(str)},
+    When(
+        "absent",
+        (None,),
+        {
+            "arch": Opt(str), "domain": dict, "directions": Each(str), "notes": Each(str),
+            "head_dims": {"accepted": Opt(_PAIRS), "forward": _PAIRS, "backward": _PAIRS,
+                          "missed_forward": Opt(_PAIRS), "missed_backward": Opt(_PAIRS)},
+            "classes": Opt(Each({"description": str, "source": str, "directions": Each(str), "forward": Opt(str),
+                                 "backward": Opt(str)})),
+        },
+    ),
+]  # fmt: skip
 #: the report's top level and summary (its cases: :data:`CASE`, each)
 REPORT = {
     "schema": str, "kernel": str, "suite": str, "seed": int, "device": str, "environment": dict, "command": str,
-    "created": str, "thresholds": dict, "cases": list,
+    "created": str, "thresholds": dict, "cases": list, "coverage": COVERAGE,
     "summary": {
         "cases": int,
         "verdicts": {v: int for v in VERDICTS},
@@ -160,15 +176,35 @@ def upgrade_case(rec: dict) -> dict:
 
 def upgrade_report(rep: dict) -> dict:
     """A report (or a partial one) as this version writes it, in place: its summary counts the
-    verdicts younger than it (:data:`LATER_VERDICTS`: 0, there were none) and every case record
-    is upgraded (:func:`upgrade_case`).  Any other count missing stays missing, for the schema
-    check to name."""
+    verdicts younger than it (:data:`LATER_VERDICTS`: 0, there were none), every case record
+    is upgraded (:func:`upgrade_case`), and a report written before coverage gets its
+    ``coverage`` computed from its cases (``audits.coverage.legacy_basis``: the domain it recorded,
+    the architecture of a built-in kernel by name or of the GPU it ran on; its notes say so).
+    Any other count missing stays missing, for the schema check to name."""
     if not isinstance(rep, dict):
         return rep
     counts = (rep.get("summary") or {}).get("verdicts") if isinstance(rep.get("summary"), dict) else None
     if isinstance(counts, dict):
         for v in LATER_VERDICTS:
             counts.setdefault(v, 0)
-    for c in rep.get("cases") if isinstance(rep.get("cases"), list) else []:
+    cases = rep.get("cases") if isinstance(rep.get("cases"), list) else []
+    for c in cases:
         upgrade_case(c)
+    if "coverage" not in rep and isinstance(rep.get("cases"), list):
+        rep["coverage"] = _legacy_coverage(rep, cases)
     return rep
+
+
+def _legacy_coverage(rep: dict, cases: list) -> dict:
+    """The coverage of a report written before coverage, from its cases; ``{"absent": why}``
+    when it holds none, or they cannot be read (the schema check then names the bad field)."""
+    from audits.coverage import coverage_from_basis, legacy_basis
+
+    if not cases:
+        return {"absent": "the report predates coverage and holds no case"}
+    try:
+        return coverage_from_basis(legacy_basis(rep), records=cases)
+    except Exception as exc:  # noqa: BLE001 - a malformed old report: its fields are named by the schema check
+        return {
+            "absent": f"the report predates coverage, and its cases could not be read ({type(exc).__name__}: {exc})"
+        }

@@ -1,0 +1,289 @@
+"""Coverage (issue 24): what a run compared of what the kernel accepts, in each direction;
+``report["coverage"]``, ``fa4-audit coverage`` and ``run --require-coverage``."""
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from audits import cli
+from audits.cases import Case
+from audits.coverage import (
+    arch_of,
+    compact_ints,
+    coverage,
+    coverage_summary,
+    format_pairs,
+    missed,
+    unjudgeable,
+)
+from audits.domain import Domain
+from audits.kernels import KERNELS, VARLEN_KERNELS
+from audits.runner.cli_reports import load_report
+from audits.runner.report import report_from_journal
+
+ROOT = Path(__file__).parents[1]
+#: tiny cases of the test kernel (tests/coverage_kernels.py): bf16, one head, 32 x 32
+TINY = {"batch": 1, "heads_q": 1, "heads_kv": 1, "seqlen_q": 32, "seqlen_k": 32}
+KERNEL = "tests.coverage_kernels:two_head_dims"
+
+
+@pytest.fixture(autouse=True)
+def _cwd(monkeypatch):
+    monkeypatch.chdir(ROOT)  # tests.coverage_kernels resolves as module:attr
+
+
+def config(**kw) -> str:
+    return json.dumps({**TINY, **kw})
+
+
+def run(*argv) -> int:
+    return cli.main(["run", "--quiet", "--no-isolate", *argv])  # in this process: no worker to start
+
+
+# ---- the rule, on synthetic records --------------------------------------------------------
+
+
+def rec(case: Case, verdict: str, *, status: str = "ran", backward: str | None = None, det: bool = False) -> dict:
+    """A report record of ``case`` as the engine writes it, reduced to what coverage reads."""
+    r = {"case": case.name, "config": case.as_dict(), "verdict": verdict, "status": status}
+    if status == "ran":
+        r["out"] = {"max_abs": 0.0}
+    if backward is not None:
+        r["backward"] = {"status": backward, "deterministic": det}
+        if backward == "ran":
+            r["backward"]["grads"] = {"dq": {"max_abs": 0.0}}
+    return r
+
+
+A = Case(d=64, dv=64)  # forward and backward compared
+B = Case(d=96, dv=96, causal=True)  # forward compared (and failed), backward errored
+C = Case(d=128, dv=128)  # skipped
+D = Case(d=128, dv=128, family="large")  # out-of-domain
+E = Case(d=128, dv=128, seed=1)  # the kernel raised
+DOMAIN = Domain.from_dict({"head_dims": [[64, 64], [96, 96], [128, 128]]}, where="test")
+
+
+def records() -> list[dict]:
+    return [
+        rec(A, "pass", backward="ran"),
+        rec(B, "fail", backward="error"),
+        rec(C, "skipped", status="skipped"),
+        rec(D, "out-of-domain", backward="ran"),
+        rec(E, "error", status="error"),
+    ]
+
+
+def test_a_value_is_covered_only_in_a_direction_that_was_compared():
+    cov = coverage(cases=[A, B, C, D, E], records=records(), domain=DOMAIN, arch="sm90", backward=True)
+    h = cov["head_dims"]
+    assert h["accepted"] == [[64, 64], [96, 96], [128, 128]]
+    assert h["forward"] == [[64, 64], [96, 96]]  # a failing comparison covers; skipped/ood/error do not
+    assert h["backward"] == [[64, 64]]  # B's backward errored: its forward only
+    assert h["missed_forward"] == [[128, 128]]
+    assert h["missed_backward"] == [[96, 96], [128, 128]]
+    assert cov["directions"] == ["forward", "backward"] and cov["arch"] == "sm90"
+    cls = cov["classes"]
+    assert cls["sm90.fwd.tile192x128.hd64"]["forward"] == A.name
+    assert cls["sm90.fwd.tile192x128.hd96"]["forward"] == B.name  # causal at d 96: tile 192x128
+    assert cls["sm90.bwd.tile128x128.hd64"]["backward"] == A.name
+    assert cls["sm90.fwd.tile128x128.hd128"]["forward"] is None  # only C, D, E had d 128
+    assert cls["sm90.fwd.mask.causal"] == {**cls["sm90.fwd.mask.causal"], "forward": B.name, "directions": ["forward"]}
+    assert cls["sm90.bwd.mask.causal"]["backward"] is None
+    assert cov["features"]["mask=causal"] == {"forward": B.name, "backward": None}
+
+
+def test_classes_of_the_arch_only_and_the_deterministic_backward_from_the_record():
+    recs = [rec(A, "pass", backward="ran", det=True)]
+    cov = coverage(cases=[A], records=recs, domain=DOMAIN, arch="sm90")
+    assert all(n.startswith("sm90.") for n in cov["classes"])
+    assert cov["classes"]["sm90.bwd.deterministic"]["backward"] == A.name
+    cov = coverage(cases=[A], records=[rec(A, "pass", backward="ran")], domain=DOMAIN, arch="sm100")
+    assert all(n.startswith("sm100.") for n in cov["classes"])
+    assert cov["classes"]["sm100.bwd.deterministic"]["backward"] is None
+
+
+def test_the_backward_is_judged_only_when_the_run_audited_it():
+    recs = [rec(A, "pass")]
+    cov = coverage(cases=[A], records=recs, domain=DOMAIN, arch="sm90")  # inferred: no record has a backward
+    assert cov["directions"] == ["forward"]
+    assert cov["head_dims"]["missed_backward"] is None and cov["head_dims"]["missed_forward"] == [[96, 96], [128, 128]]
+    assert any("without --backward" in n for n in cov["notes"])
+    assert not any("backward" in m for m in missed(cov, require="all"))
+    no_bwd = Domain.from_dict({"head_dims": [[64, 64]], "backward": False}, where="test")
+    cov = coverage(cases=[A], records=recs, domain=no_bwd, arch="sm90", backward=True)
+    assert cov["directions"] == ["forward"] and not any(".bwd." in n for n in cov["classes"])
+    assert any("declares no backward" in n for n in cov["notes"])
+
+
+def test_unrestricted_head_dims_and_no_arch_judge_nothing_and_say_so():
+    cov = coverage(cases=[A], records=[rec(A, "pass")], domain=Domain(), arch=None)
+    assert cov["head_dims"]["accepted"] is None and cov["head_dims"]["missed_forward"] is None
+    assert cov["head_dims"]["forward"] == [[64, 64]]
+    assert cov["classes"] is None
+    assert any("head dims unrestricted" in n for n in cov["notes"])
+    assert any("no architecture declared" in n for n in cov["notes"])
+    assert missed(cov, require="all") == ["head dims: not judged (unrestricted)", "classes: not judged (no architecture)"]
+    why = unjudgeable(domain=Domain(), arch=None, require="all")
+    assert "--domain FILE.toml with head_dims" in why[0] and "fn.fa4_audit_arch" in why[1]
+    assert unjudgeable(domain=DOMAIN, arch=None, require="head_dims") == []
+
+
+def test_the_varlen_backward_is_listed_not_auditable_never_missed():
+    cov = coverage(cases=[A], records=[rec(A, "pass", backward="ran")], domain=DOMAIN, arch="sm90")
+    e = cov["classes"]["sm90.bwd.varlen"]
+    assert e["directions"] == [] and "forward only" in e["not_auditable"]["backward"]
+    gone = missed(cov, require="classes")
+    assert "class sm90.fwd.varlen (forward)" in gone and not any("bwd.varlen" in m for m in gone)
+    assert "class sm90.bwd.deterministic (backward): run --backward --deterministic covers it" in gone
+
+
+def test_compact_head_dims():
+    assert compact_ints(range(8, 257, 8)) == "8..256/8"
+    assert compact_ints([64, 96]) == "64, 96"
+    assert compact_ints([1, 2, 3, 10, 64, 128, 192, 256]) == "1..3, 10, 64..256/64"
+    assert format_pairs([[64, 64], [128, 128], [192, 192], [192, 128], [64, 512]]) == (
+        "d=dv 64..192/64; dv 128: d 192; dv 512: d 64"
+    )
+    assert format_pairs([]) == "none"
+
+
+# ---- the kernels' architectures -------------------------------------------------------------
+
+
+def test_built_in_kernels_declare_their_architecture(monkeypatch):
+    assert arch_of(KERNELS["fa4-model"]) == "sm100"
+    assert arch_of(KERNELS["fa4-model-sm90"]) == arch_of(KERNELS["fa4-model-sm90-tc"]) == "sm90"
+    assert arch_of(VARLEN_KERNELS["fa4-model-sm90"]) == "sm90"
+    assert arch_of(KERNELS["sdpa-math"]) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert arch_of(KERNELS["fa4"]) is None  # no GPU: production's architecture is unknown
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cap, arch in (((9, 0), "sm90"), ((10, 0), "sm100"), ((11, 0), "sm100"), ((12, 0), None)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cap=cap: cap)
+        assert arch_of(KERNELS["fa4"]) == arch, cap
+
+
+def test_an_unknown_architecture_is_refused_with_its_name(tmp_path, capsys):
+    kern = "tests.coverage_kernels:bad_arch"
+    assert run("--kernel", kern, "--config", config(d=64, dv=64), "--out", str(tmp_path)) == 2
+    assert "fa4_audit_arch 'sm75' is not one of sm90, sm100" in capsys.readouterr().err
+
+
+# ---- run --require-coverage, the report, fa4-audit coverage ---------------------------------
+
+
+def test_require_head_dims_fails_a_run_that_missed_one(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = run("--kernel", KERNEL, "--config", config(d=64, dv=64), "--require-coverage", "head_dims", "--out", str(out))
+    assert code == 1  # the case passed; the requirement failed
+    text = capsys.readouterr().out
+    assert "--require-coverage head_dims: the run missed 1 item(s):\n  missed head dims forward: d=dv 96" in text
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["summary"]["verdicts"]["pass"] == 1
+    cov = rep["coverage"]
+    assert cov["head_dims"]["accepted"] == [[64, 64], [96, 96]] and cov["head_dims"]["forward"] == [[64, 64]]
+    assert cov["required"] == {"require": "head_dims", "missed": ["head dims forward: d=dv 96"], "met": False}
+    assert "required (head_dims): NOT met" in (out / "report.md").read_text()
+    assert "<h2>Coverage</h2>" in (out / "report.html").read_text()
+    # the command the run printed for its coverage, run as printed
+    line = next(x for x in text.splitlines() if "coverage:" in x)
+    assert "head dims forward 1 of 2 (unrestricted)" not in line and "head dims forward 1 of 2" in line
+    cmd = shlex.split(line[line.rindex("(fa4-audit ") + 1 : -1])
+    assert cmd[:2] == ["fa4-audit", "coverage"]
+    assert cli.main(cmd[1:]) == 0
+    shown = capsys.readouterr().out
+    assert "head dims accepted: d=dv 64, 96 (2 pairs)" in shown
+    assert "missed forward: d=dv 96" in shown
+    assert "sm90.fwd.tile192x128.hd64" in shown and "bf16-d64-b1h1k1-s32x32-normal-seed0" in shown
+
+
+def test_require_head_dims_passes_a_run_that_covers_its_declared_domain(tmp_path, capsys):
+    dom = tmp_path / "d.toml"
+    dom.write_text("head_dims = [[64, 64]]\n")
+    out = tmp_path / "run"
+    argv = ["--kernel", KERNEL, "--config", config(d=64, dv=64), "--domain", str(dom), "--out", str(out)]
+    assert run(*argv, "--require-coverage", "head_dims") == 0
+    cov = json.loads((out / "report.json").read_text())["coverage"]
+    assert cov["head_dims"]["accepted"] == [[64, 64]] and cov["head_dims"]["missed_forward"] == []
+    assert cov["required"]["met"] is True
+    # the same run required to cover the classes misses most of them
+    capsys.readouterr()
+    assert run(*argv, "--require-coverage", "classes", "--overwrite") == 1
+    text = capsys.readouterr().out
+    assert "missed class sm90.fwd.tile128x128.hd128 (forward)" in text
+    assert "sm90.fwd.tile192x128.hd64" not in text  # covered by the d64 case
+    # the journal read as a report computes the same coverage on the basis it kept (the --domain file's)
+    from_journal = report_from_journal(out / "journal.jsonl")["coverage"]
+    from_report = json.loads((out / "report.json").read_text())["coverage"]
+    assert from_journal == {k: v for k, v in from_report.items() if k != "required"}
+
+
+@pytest.mark.parametrize(
+    "kernel,require,message",
+    [
+        ("fa4-model-sm90", "head_dims", "fa4-model-sm90: head dims: the domain accepts any (d, dv)"),
+        ("sdpa-math", "classes", "sdpa-math: classes: the kernel declares no architecture"),
+        ("sdpa-math", "all", "declare fn.fa4_audit_arch = 'sm90' or 'sm100'"),
+    ],
+)
+def test_require_what_cannot_be_judged_is_a_usage_error_before_any_case(kernel, require, message, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run("--kernel", kernel, "--config", config(d=64, dv=64), "--require-coverage", require, "--out", str(out)) == 2
+    err = capsys.readouterr().err
+    assert f"--require-coverage {require} cannot be judged" in err and message in err
+    assert not out.exists()  # refused before anything ran
+
+
+def test_coverage_reads_run_directories_journals_and_says_which_path_is_bad(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run("--kernel", KERNEL, "--kernel", "sdpa-math", "--config", config(d=64, dv=64), "--out", str(out)) == 0
+    capsys.readouterr()
+    assert cli.main(["coverage", str(out)]) == 0  # two kernels: each its coverage
+    text = capsys.readouterr().out
+    assert "tests.coverage_kernels:two_head_dims / config" in text and "sdpa-math / config" in text
+    assert "note: no architecture declared" in text  # sdpa-math's
+    assert cli.main(["coverage", str(out / "sdpa-math" / "journal.jsonl")]) == 0
+    assert "sdpa-math / config" in capsys.readouterr().out
+    assert cli.main(["show", str(out / "sdpa-math")]) == 0  # a run directory of one kernel, for every reader
+    assert cli.main(["coverage", str(tmp_path / "nowhere")]) == 2
+    assert f"{tmp_path / 'nowhere'}: no such report, journal or run directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["coverage", str(tmp_path / "empty")]) == 2
+    assert "a directory without report.json or journal.jsonl" in capsys.readouterr().err
+    assert cli.main(["show", str(out)]) == 2  # several kernels: show reads one report
+    assert "a run of several kernels" in capsys.readouterr().err
+
+
+def test_a_report_written_before_coverage_loads_with_it_computed(tmp_path, capsys):
+    rep = load_report(str(ROOT / "reports/h200/fa4-smoke/report.json"))  # committed before coverage existed
+    cov = rep["coverage"]
+    assert cov["arch"] == "sm90"  # production, from the compute capability it ran on
+    assert cov["notes"][0].startswith("computed when read: the report predates coverage")
+    assert cov["head_dims"]["forward"]  # its passing cases cover
+    old = json.loads((ROOT / "reports/h200/fa4-smoke/report.json").read_text())
+    assert "coverage" not in old
+    old["cases"] = []
+    (tmp_path / "empty.json").write_text(json.dumps(old))
+    assert load_report(str(tmp_path / "empty.json"))["coverage"] == {
+        "absent": "the report predates coverage and holds no case"
+    }
+    assert cli.main(["coverage", str(ROOT / "reports/h200/fa4-smoke/report.json")]) == 0
+    assert "architecture: sm90" in capsys.readouterr().out
+
+
+def test_merged_shards_cover_what_their_cases_cover(tmp_path, capsys):
+    shards = []
+    for i in range(2):
+        out = tmp_path / f"s{i}"
+        argv = ["--config", config(d=64, dv=64), "--config", config(d=96, dv=96), "--shard", f"{i}/2"]
+        assert run("--kernel", KERNEL, *argv, "--out", str(out)) == 0
+        shards.append(json.loads((out / "report.json").read_text())["coverage"]["head_dims"]["forward"])
+    assert sorted(shards) == [[[64, 64]], [[96, 96]]]
+    assert cli.main(["merge", str(tmp_path / "s0/report.json"), str(tmp_path / "s1/report.json"), "--out",
+                     str(tmp_path / "m")]) == 0  # fmt: skip
+    merged = json.loads((tmp_path / "m/report.json").read_text())["coverage"]
+    assert merged["head_dims"]["forward"] == [[64, 64], [96, 96]] and merged["head_dims"]["missed_forward"] == []
+    assert coverage_summary(merged).startswith("head dims forward 2 of 2; classes forward ")
