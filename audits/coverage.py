@@ -102,7 +102,8 @@ def coverage(
 
     Returns ``{"arch", "domain" (its dict form: the basis, so a report can be re-read),
     "directions" (judged), "head_dims": {"accepted", "forward", "backward", "missed_forward",
-    "missed_backward"}, "classes": {name: {"description", "source", "directions", "forward",
+    "missed_backward" ((d, dv) pairs), "values": the same keys as ``{"d": [...], "dv": [...]}``},
+    "classes": {name: {"description", "source", "directions", "forward",
     "backward"}} | None, "features": {value: {"forward", "backward"}}, "notes"}``; each covered
     entry names the first case (in record order) that covered it.  A class's ``directions`` are
     those it is judged in; one no run can compare (:data:`NOT_AUDITABLE`) is listed under
@@ -122,10 +123,16 @@ def coverage(
     pairs = domain.head_dim_pairs()
     accepted = None if pairs is None else [list(p) for p in pairs]
     heads = {"accepted": accepted}
+    values = {"accepted": None if accepted is None else _values(accepted)}
     for d in DIRECTIONS:
         heads[d] = [list(p) for p in sorted(got["head_dims"][d])]
         judged = accepted is not None and d in directions
         heads[f"missed_{d}"] = [p for p in accepted if tuple(p) not in got["head_dims"][d]] if judged else None
+        values[d] = _values(heads[d])
+        values[f"missed_{d}"] = (
+            {k: [x for x in values["accepted"][k] if x not in values[d][k]] for k in ("d", "dv")} if judged else None
+        )
+    heads["values"] = values
     if accepted is None:
         notes.append(
             "head dims unrestricted: the domain accepts any (d, dv), so no head dim is called missed; declare "
@@ -141,11 +148,17 @@ def coverage(
             "classes": classes, "features": features, "notes": notes}  # fmt: skip
 
 
+def _values(pairs) -> dict[str, list[int]]:
+    """The head-dim values of (d, dv) pairs: ``{"d": [...], "dv": [...]}``, sorted."""
+    return {"d": sorted({p[0] for p in pairs}), "dv": sorted({p[1] for p in pairs})}
+
+
 def _scan(records: Sequence[dict], by_name: dict, directions: list[str], arch: str | None, notes: list[str]) -> dict:
     """What ``records`` covered, per section and direction: value -> the first case's name."""
     from audits.cases import case_from_dict
 
     got = {k: {d: {} for d in DIRECTIONS} for k in ("head_dims", "classes", "features")}
+    seen: dict[tuple, tuple] = {}  # (call, direction) -> class names: many cases share a call
     bad = 0
     for rec in records:
         hit = [d for d in directions if _compared(rec, d)]
@@ -166,7 +179,10 @@ def _scan(records: Sequence[dict], by_name: dict, directions: list[str], arch: s
                 from numerics.code_paths import classes_of
 
                 det = d == "backward" and bool((rec.get("backward") or {}).get("deterministic"))
-                for name in classes_of(arch, case.call(deterministic=det), direction=d):
+                key = (case.call(deterministic=det), d)
+                if key not in seen:
+                    seen[key] = classes_of(arch, key[0], direction=d)
+                for name in seen[key]:
                     got["classes"][d].setdefault(name, case.name)
     if bad:
         notes.append(f"{bad} records with an unreadable config were not counted")
@@ -290,13 +306,15 @@ def missed(cov: dict, *, require: str) -> list[str]:
         return [f"coverage absent: {cov['absent']}"]
     lines = []
     sections = GATED[require]
-    if "head_dims" in sections:
+    if "head_dims" in sections:  # judged by value: every accepted d and every accepted dv compared
         h = cov["head_dims"]
         if h["accepted"] is None:
             lines.append("head dims: not judged (unrestricted)")
         for d in cov["directions"]:
-            if h.get(f"missed_{d}"):
-                lines.append(f"head dims {d}: {format_pairs(h[f'missed_{d}'])}")
+            gone = h["values"].get(f"missed_{d}") or {}
+            parts = [f"{k} {compact_ints(gone[k])}" for k in ("d", "dv") if gone.get(k)]
+            if parts:
+                lines.append(f"head dims {d}: {'; '.join(parts)}")
     if "classes" in sections:
         if cov["classes"] is None:
             lines.append("classes: not judged (no architecture)")
@@ -359,10 +377,12 @@ def coverage_lines(cov: dict | None) -> list[str]:
     L = [f"architecture: {cov['arch'] or 'none declared'}; directions judged: {', '.join(judged)}"]
     L.append("head dims accepted: " + ("unrestricted" if acc is None else f"{format_pairs(acc)} ({len(acc)} pairs)"))
     for d in DIRECTIONS:
-        of = "" if acc is None else f" ({len(h[d])} of {len(acc)})"
+        of = "" if acc is None else f" ({len(h[d])} of {len(acc)} pairs)"
         L.append(f"  {d}: {format_pairs(h[d])}{of}" if d in judged else f"  {d}: not judged")
         if h.get(f"missed_{d}") is not None:
-            L.append(f"  missed {d}: {format_pairs(h[f'missed_{d}'])}")
+            gone = h["values"][f"missed_{d}"]
+            vals = "; ".join(f"{k} {compact_ints(gone[k]) or 'none'}" for k in ("d", "dv"))
+            L.append(f"  missed {d}: values {vals}; pairs {format_pairs(h[f'missed_{d}'])}")
     if cov["classes"] is not None:
         n = {d: sum(1 for e in cov["classes"].values() if d in e["directions"]) for d in DIRECTIONS}
         got = {d: sum(1 for e in cov["classes"].values() if d in e["directions"] and e[d]) for d in DIRECTIONS}
@@ -402,9 +422,14 @@ def coverage_summary(cov: dict | None) -> str:
     if not isinstance(cov, dict) or "absent" in cov:
         return coverage_lines(cov)[0]
     h, judged = cov["head_dims"], cov["directions"]
-    acc = h["accepted"]
-    heads = ", ".join(f"{d} {len(h[d])}" + ("" if acc is None else f" of {len(acc)}") for d in judged)
-    line = f"head dims {heads}" + (" (unrestricted)" if acc is None else "")
+    acc, v = h["accepted"], h["values"]
+
+    def of(d: str) -> str:
+        if acc is None:
+            return f"{d} {len(v[d]['d'])} d values"
+        return f"{d} {len(v[d]['d'])} of {len(v['accepted']['d'])} d values ({len(h[d])} of {len(acc)} pairs)"
+
+    line = "head dims " + ", ".join(of(d) for d in judged) + (" (unrestricted)" if acc is None else "")
     if cov["classes"] is None:
         return line + "; classes not judged (no architecture)"
     n = {d: [e[d] for e in cov["classes"].values() if d in e["directions"]] for d in judged}

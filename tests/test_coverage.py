@@ -95,6 +95,18 @@ def test_a_value_is_covered_only_in_a_direction_that_was_compared():
     assert cov["features"]["mask=causal"] == {"forward": B.name, "backward": None}
 
 
+def test_head_dims_are_judged_by_value_the_pairs_reported():
+    dom = Domain.from_dict({"head_dims": [[64, 64], [128, 128], [64, 128]]}, where="test")
+    c128 = Case(d=128, dv=128)
+    cov = coverage(cases=[A, c128], records=[rec(A, "pass"), rec(c128, "pass")], domain=dom, arch=None)
+    h = cov["head_dims"]
+    assert h["missed_forward"] == [[64, 128]]  # the pair, reported
+    assert h["values"]["missed_forward"] == {"d": [], "dv": []}  # every d and every dv was compared
+    assert missed(cov, require="head_dims") == []
+    cov = coverage(cases=[A], records=[rec(A, "pass")], domain=dom, arch=None)
+    assert missed(cov, require="head_dims") == ["head dims forward: d 128; dv 128"]
+
+
 def test_classes_of_the_arch_only_and_the_deterministic_backward_from_the_record():
     recs = [rec(A, "pass", backward="ran", det=True)]
     cov = coverage(cases=[A], records=recs, domain=DOMAIN, arch="sm90")
@@ -180,23 +192,23 @@ def test_require_head_dims_fails_a_run_that_missed_one(tmp_path, capsys):
     code = run("--kernel", KERNEL, "--config", config(d=64, dv=64), "--require-coverage", "head_dims", "--out", str(out))
     assert code == 1  # the case passed; the requirement failed
     text = capsys.readouterr().out
-    assert "--require-coverage head_dims: the run missed 1 item(s):\n  missed head dims forward: d=dv 96" in text
+    assert "--require-coverage head_dims: the run missed 1 item(s):\n  missed head dims forward: d 96; dv 96" in text
     rep = json.loads((out / "report.json").read_text())
     assert rep["summary"]["verdicts"]["pass"] == 1
     cov = rep["coverage"]
     assert cov["head_dims"]["accepted"] == [[64, 64], [96, 96]] and cov["head_dims"]["forward"] == [[64, 64]]
-    assert cov["required"] == {"require": "head_dims", "missed": ["head dims forward: d=dv 96"], "met": False}
+    assert cov["required"] == {"require": "head_dims", "missed": ["head dims forward: d 96; dv 96"], "met": False}
     assert "required (head_dims): NOT met" in (out / "report.md").read_text()
     assert "<h2>Coverage</h2>" in (out / "report.html").read_text()
     # the command the run printed for its coverage, run as printed
     line = next(x for x in text.splitlines() if "coverage:" in x)
-    assert "head dims forward 1 of 2 (unrestricted)" not in line and "head dims forward 1 of 2" in line
+    assert "head dims forward 1 of 2 d values (1 of 2 pairs); classes forward " in line
     cmd = shlex.split(line[line.rindex("(fa4-audit ") + 1 : -1])
     assert cmd[:2] == ["fa4-audit", "coverage"]
     assert cli.main(cmd[1:]) == 0
     shown = capsys.readouterr().out
     assert "head dims accepted: d=dv 64, 96 (2 pairs)" in shown
-    assert "missed forward: d=dv 96" in shown
+    assert "missed forward: values d 96; dv 96; pairs d=dv 96" in shown
     assert "sm90.fwd.tile192x128.hd64" in shown and "bf16-d64-b1h1k1-s32x32-normal-seed0" in shown
 
 
@@ -286,4 +298,4 @@ def test_merged_shards_cover_what_their_cases_cover(tmp_path, capsys):
                      str(tmp_path / "m")]) == 0  # fmt: skip
     merged = json.loads((tmp_path / "m/report.json").read_text())["coverage"]
     assert merged["head_dims"]["forward"] == [[64, 64], [96, 96]] and merged["head_dims"]["missed_forward"] == []
-    assert coverage_summary(merged).startswith("head dims forward 2 of 2; classes forward ")
+    assert coverage_summary(merged).startswith("head dims forward 2 of 2 d values (2 of 2 pairs); classes forward ")

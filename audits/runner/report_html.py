@@ -128,7 +128,7 @@ def _reproduce(cases: list[dict]) -> str:
 def _coverage(cov: dict | None) -> str:
     """The coverage section (``audits.coverage``): head dims accepted, covered and missed per
     direction, then each code-path class with the case that covered it in each direction."""
-    from audits.coverage import DIRECTIONS, coverage_lines, format_pairs
+    from audits.coverage import DIRECTIONS, compact_ints, coverage_lines, format_pairs
 
     if not isinstance(cov, dict) or "absent" in cov:
         return f"<h2>Coverage</h2><p>{html.escape(coverage_lines(cov)[0])}</p>"
@@ -137,7 +137,9 @@ def _coverage(cov: dict | None) -> str:
     for d in DIRECTIONS:
         rows.append((f"{d} covered", format_pairs(h[d]) if d in judged else "not judged"))
         if h.get(f"missed_{d}") is not None:
-            rows.append((f"{d} missed", format_pairs(h[f"missed_{d}"])))
+            gone = h["values"][f"missed_{d}"]
+            vals = "; ".join(f"{k} {compact_ints(gone[k]) or 'none'}" for k in ("d", "dv"))
+            rows.append((f"{d} missed", f"values {vals}; pairs {format_pairs(h[f'missed_{d}'])}"))
     body = "".join(f"<tr><td>{k}</td><td style='text-align:left'>{html.escape(v)}</td></tr>" for k, v in rows)
     arch = html.escape(str(cov["arch"] or "none declared"))
     parts = [

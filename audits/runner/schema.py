@@ -133,7 +133,8 @@ COVERAGE = [
         {
             "arch": Opt(str), "domain": dict, "directions": Each(str), "notes": Each(str),
             "head_dims": {"accepted": Opt(_PAIRS), "forward": _PAIRS, "backward": _PAIRS,
-                          "missed_forward": Opt(_PAIRS), "missed_backward": Opt(_PAIRS)},
+                          "missed_forward": Opt(_PAIRS), "missed_backward": Opt(_PAIRS),
+                          "values": {"forward": {"d": Each(int), "dv": Each(int)}}},
             "classes": Opt(Each({"description": str, "source": str, "directions": Each(str), "forward": Opt(str),
                                  "backward": Opt(str)})),
         },
