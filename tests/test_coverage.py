@@ -137,7 +137,10 @@ def test_unrestricted_head_dims_and_no_arch_judge_nothing_and_say_so():
     assert cov["classes"] is None
     assert any("head dims unrestricted" in n for n in cov["notes"])
     assert any("no architecture declared" in n for n in cov["notes"])
-    assert missed(cov, require="all") == ["head dims: not judged (unrestricted)", "classes: not judged (no architecture)"]
+    assert missed(cov, require="all") == [
+        "head dims: not judged (unrestricted)",
+        "classes: not judged (no architecture)",
+    ]
     why = unjudgeable(domain=Domain(), arch=None, require="all")
     assert "--domain FILE.toml with head_dims" in why[0] and "fn.fa4_audit_arch" in why[1]
     assert unjudgeable(domain=DOMAIN, arch=None, require="head_dims") == []
@@ -189,7 +192,9 @@ def test_an_unknown_architecture_is_refused_with_its_name(tmp_path, capsys):
 
 def test_require_head_dims_fails_a_run_that_missed_one(tmp_path, capsys):
     out = tmp_path / "run"
-    code = run("--kernel", KERNEL, "--config", config(d=64, dv=64), "--require-coverage", "head_dims", "--out", str(out))
+    code = run(
+        "--kernel", KERNEL, "--config", config(d=64, dv=64), "--require-coverage", "head_dims", "--out", str(out)
+    )
     assert code == 1  # the case passed; the requirement failed
     text = capsys.readouterr().out
     assert "--require-coverage head_dims: the run missed 1 item(s):\n  missed head dims forward: d 96; dv 96" in text
@@ -243,7 +248,9 @@ def test_require_head_dims_passes_a_run_that_covers_its_declared_domain(tmp_path
 )
 def test_require_what_cannot_be_judged_is_a_usage_error_before_any_case(kernel, require, message, tmp_path, capsys):
     out = tmp_path / "run"
-    assert run("--kernel", kernel, "--config", config(d=64, dv=64), "--require-coverage", require, "--out", str(out)) == 2
+    assert (
+        run("--kernel", kernel, "--config", config(d=64, dv=64), "--require-coverage", require, "--out", str(out)) == 2
+    )
     err = capsys.readouterr().err
     assert f"--require-coverage {require} cannot be judged" in err and message in err
     assert not out.exists()  # refused before anything ran
@@ -260,6 +267,10 @@ def test_coverage_reads_run_directories_journals_and_says_which_path_is_bad(tmp_
     assert cli.main(["coverage", str(out / "sdpa-math" / "journal.jsonl")]) == 0
     assert "sdpa-math / config" in capsys.readouterr().out
     assert cli.main(["show", str(out / "sdpa-math")]) == 0  # a run directory of one kernel, for every reader
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("coverage: "))
+    assert line.startswith(
+        "coverage: head dims forward 1 d values (unrestricted); classes not judged (no architecture)"
+    )
     assert cli.main(["coverage", str(tmp_path / "nowhere")]) == 2
     assert f"{tmp_path / 'nowhere'}: no such report, journal or run directory" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()

@@ -167,13 +167,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from audits.coverage import coverage_summary
     from audits.runner.report import case_cells, summary_line
 
     rep = load_report(args.report)
     console = Console()
     head = f"{rep['kernel']} / {rep['suite']} ({rep['created']}): {summary_line(rep)}"
+    cov = f"coverage: {coverage_summary(rep.get('coverage'))}"  # all of it: fa4-audit coverage
     if not console.is_terminal:
         print(head)
+        print(cov)
         for r in rep["cases"]:
             c = case_cells(r)
             print(f"{r['verdict']:13s} {r['case']}")
@@ -183,7 +186,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             if c["reasons"]:
                 print(f"{'':13s} {c['reasons']}")
         return EXIT_OK
-    t = Table(title=head)
+    t = Table(title=head, caption=cov)
     t.add_column(
         "case", no_wrap=True, overflow="ignore", min_width=max((len(r["case"]) for r in rep["cases"]), default=4)
     )
