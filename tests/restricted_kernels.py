@@ -25,8 +25,7 @@ def _check(q, k, window_size, softcap, learnable_sink) -> None:
     s, d = q.shape[1], q.shape[-1]
     if q.dtype != torch.float16 or s != k.shape[1] or s % 128 or d not in (64, 128):
         raise NotImplementedError(
-            f"fp16, seqlen_q == seqlen_k a multiple of 128, d 64 or 128 only; got {q.dtype}, "
-            f"{s}x{k.shape[1]}, d {d}"
+            f"fp16, seqlen_q == seqlen_k a multiple of 128, d 64 or 128 only; got {q.dtype}, {s}x{k.shape[1]}, d {d}"
         )
     if window_size != (None, None) or softcap or learnable_sink is not None:
         raise NotImplementedError("no local window, softcap or learnable sink")

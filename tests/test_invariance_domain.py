@@ -100,7 +100,8 @@ def test_decode_rows_are_placed_at_the_domains_length_multiple(tmp_path, capsys)
     assert rc == 0
     first, second = (c["properties"]["decode"] for c in _report(tmp_path)["cases"])
     assert first["result"] == "holds" and first["note"].startswith(
-        "compared on the case with seqlen_q 256 (its own 128 rows leave no last rows inside the kernel's declared domain)"
+        "compared on the case with seqlen_q 256 (its own 128 rows leave no last rows inside the kernel's "
+        "declared domain)"
     )
     assert second["result"] == "holds" and second["comparisons"] == 1 and second["out"]["compared"] == 128 * 2 * 64
     assert "r=1: seqlen_q 1 is outside the kernel's declared domain" in second["note"]

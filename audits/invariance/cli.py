@@ -193,8 +193,9 @@ def register(sub) -> None:
         "bitwise on out and LSE otherwise.  Each property holds, differs (count, steps, error against FP64, "
         "bound), is not applicable (why) or skipped; --predict runs the same on a model beside it.  Writes "
         "OUT/invariance.{json,md} (OUT/<kernel>/ with several kernels).  Exit 0 when every --require'd property "
-        "holds, each compared on at least one case, 1 otherwise (a required property compared nowhere says why), 2 for "
-        "usage errors.  Cases are built inside the kernel's declared domain (narrowed by --domain), as run builds them.",
+        "holds, each compared on at least one case, 1 otherwise (a required property compared nowhere says why), 2 "
+        "for usage errors.  Cases are built inside the kernel's declared domain (narrowed by --domain), as run builds "
+        "them.",
     )
     r.add_argument(
         "--kernel", required=True, action="append",
