@@ -10,6 +10,8 @@ from ``numerics.code_paths`` for the kernel's architecture (:func:`arch_of`: ``f
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 __all__ = [
@@ -107,7 +109,9 @@ def coverage(
     "backward"}} | None, "features": {value: {"forward", "backward"}}, "notes"}``; each covered
     entry names the first case (in record order) that covered it.  A class's ``directions`` are
     those it is judged in; one no run can compare (:data:`NOT_AUDITABLE`) is listed under
-    ``not_auditable`` ({direction: why}) instead, never missed."""
+    ``not_auditable`` ({direction: why}) instead, and one no call inside the domain falls in
+    (a kernel restricted to some head dims has none of the others' tiles) under
+    ``outside_domain``: never missed.  A varlen case run ``--per-sequence`` covers no class."""
     by_name = {c.name: c for c in cases}
     if backward is None:
         backward = any(isinstance(r.get("backward"), dict) for r in records)
@@ -175,7 +179,9 @@ def _scan(records: Sequence[dict], by_name: dict, directions: list[str], arch: s
             got["head_dims"][d].setdefault((case.d, case.dv), case.name)
             for f in _features_of(case):
                 got["features"][d].setdefault(f, case.name)
-            if arch is not None:
+            if arch is not None and (rec.get("varlen") or {}).get("entry") != "per-sequence":
+                # a varlen case run one fixed-length call per sequence (--per-sequence) ran none of
+                # the varlen entry's code paths: its head dims and features count, its classes not
                 from numerics.code_paths import classes_of
 
                 det = d == "backward" and bool((rec.get("backward") or {}).get("deterministic"))
@@ -191,11 +197,13 @@ def _scan(records: Sequence[dict], by_name: dict, directions: list[str], arch: s
 
 def _class_entries(arch: str, domain, covered: dict) -> dict:
     """The classes of ``arch`` whose direction the domain has, each with the case that covered it
-    per direction (``covered``: direction -> name -> case)."""
+    per direction (``covered``: direction -> name -> case); one that no call inside the domain
+    falls in (:func:`_reachable`) is listed under ``outside_domain``, not judged."""
     from numerics.code_paths import classes
 
     out: dict[str, dict] = {}
     applicable = DIRECTIONS if domain.backward else ("forward",)
+    reach = _reachable(arch, domain)
     for pc in classes(arch):
         if pc.direction not in applicable:
             continue
@@ -205,9 +213,60 @@ def _class_entries(arch: str, domain, covered: dict) -> dict:
         why = NOT_AUDITABLE.get(pc.name.split(".", 1)[1])
         if why:
             e.setdefault("not_auditable", {})[pc.direction] = why
+        elif reach is not None and pc.name not in reach[pc.direction] and e[pc.direction] is None:
+            e.setdefault("outside_domain", {})[pc.direction] = "no call the kernel's domain accepts falls in it"
         else:
             e["directions"].append(pc.direction)
     return out
+
+
+#: the shapes :func:`_reachable` tries at every accepted head dim and mask: (heads_q, heads_kv,
+#: pack_gqa, seqlen_q, seqlen_k, varlen, paged, num_splits): one row tile and two, GQA packed and
+#: not, varlen, paged, split-KV over enough KV blocks for SM100's 64-key split tile
+_SHAPES = (
+    (1, 1, None, 128, 128, False, False, 1), (1, 1, None, 300, 333, False, False, 1),
+    (4, 2, None, 300, 333, False, False, 1), (4, 2, False, 300, 333, False, False, 1),
+    (2, 2, None, 300, 333, True, False, 1), (2, 2, None, 300, 333, True, True, 1),
+    (2, 2, None, 64, 16384, False, False, 2),
+)  # fmt: skip
+
+
+def _reachable(arch: str, domain) -> dict[str, set] | None:
+    """The classes of ``arch`` some call inside ``domain`` falls in, per direction: every accepted
+    (d, dv) with every mask the domain takes, over :data:`_SHAPES` (GQA ones only where it takes
+    GQA), then softcap, sink and the deterministic backward each where it takes them.  None (all
+    reachable) for a domain that restricts none of these.  Only what the domain states is left
+    out: lengths and the rest vary over shapes the domain is not asked about."""
+    import json
+
+    if domain.head_dim_pairs() is None and all(getattr(domain, k) for k in _TOGGLES):
+        return None
+    return _reachable_cached(arch, json.dumps(domain.as_dict(), sort_keys=True))
+
+
+_TOGGLES = ("causal", "local", "gqa", "softcap", "sink", "deterministic")
+
+
+@functools.cache
+def _reachable_cached(arch: str, domain_json: str) -> dict[str, set]:
+    import json
+
+    from audits.domain import Domain
+    from numerics.code_paths import Call, classes_of
+
+    dom = Domain.from_dict(json.loads(domain_json), where="coverage")
+    pairs = dom.head_dim_pairs() or tuple((d, dv) for d in range(8, 257, 8) for dv in range(8, 257, 8))
+    masks = [(False, False)] + [(True, False)] * dom.causal + [(False, True)] * dom.local
+    shapes = [s for s in _SHAPES if dom.gqa or s[0] == s[1]]
+    dtype = (dom.dtypes or ("bfloat16",))[0]
+    calls = [
+        Call(dtype=dtype, d=d, dv=dv, causal=c, local=w, heads_q=hq, heads_kv=hk, pack_gqa=pk, seqlen_q=sq,
+             seqlen_k=sk, varlen=vl, paged=pg, num_splits=ns)
+        for d, dv in pairs for c, w in masks for hq, hk, pk, sq, sk, vl, pg, ns in shapes
+    ]  # fmt: skip
+    toggles = [k for k in ("softcap", "sink") if getattr(dom, k)] + ["deterministic"] * dom.deterministic
+    calls += [dataclasses.replace(calls[0], **{k: True}) for k in toggles]
+    return {d: {n for c in calls for n in classes_of(arch, c, direction=d)} for d in DIRECTIONS}
 
 
 # ---- the basis: what a report's coverage is computed from -------------------------------------
@@ -392,6 +451,8 @@ def coverage_lines(cov: dict | None) -> list[str]:
         def cell(e: dict, d: str) -> str:
             if d in (e.get("not_auditable") or {}):
                 return "not auditable"
+            if d in (e.get("outside_domain") or {}):
+                return "outside the domain"
             if d not in e["directions"]:
                 return "-"
             return e[d] or ("MISSED" if d in judged else "not judged")

@@ -146,6 +146,17 @@ def test_unrestricted_head_dims_and_no_arch_judge_nothing_and_say_so():
     assert unjudgeable(domain=DOMAIN, arch=None, require="head_dims") == []
 
 
+def test_a_varlen_case_run_per_sequence_covers_no_class():
+    v = Case(d=64, dv=64, batch=2, seqlen_q=64, seqlen_k=64, seqlens=((32, 32), (64, 64)))
+    per_seq = {**rec(v, "pass"), "varlen": {"entry": "per-sequence"}}
+    cov = coverage(cases=[v], records=[per_seq], domain=DOMAIN, arch="sm90")
+    assert cov["head_dims"]["forward"] == [[64, 64]]
+    assert not any(e["forward"] for e in cov["classes"].values())
+    entry = {**rec(v, "pass"), "varlen": {"entry": "varlen"}}
+    cov = coverage(cases=[v], records=[entry], domain=DOMAIN, arch="sm90")
+    assert cov["classes"]["sm90.fwd.varlen"]["forward"] == v.name
+
+
 def test_the_varlen_backward_is_listed_not_auditable_never_missed():
     cov = coverage(cases=[A], records=[rec(A, "pass", backward="ran")], domain=DOMAIN, arch="sm90")
     e = cov["classes"]["sm90.bwd.varlen"]
@@ -230,8 +241,15 @@ def test_require_head_dims_passes_a_run_that_covers_its_declared_domain(tmp_path
     capsys.readouterr()
     assert run(*argv, "--require-coverage", "classes", "--overwrite") == 1
     text = capsys.readouterr().out
-    assert "missed class sm90.fwd.tile128x128.hd128 (forward)" in text
+    assert "missed class sm90.fwd.mask.causal (forward)" in text
     assert "sm90.fwd.tile192x128.hd64" not in text  # covered by the d64 case
+    assert "tile128x128.hd128" not in text  # no call inside the domain (d = dv = 64) has that tile
+    classes = json.loads((out / "report.json").read_text())["coverage"]["classes"]
+    assert classes["sm90.fwd.tile128x128.hd128"]["outside_domain"] == {
+        "forward": "no call the kernel's domain accepts falls in it"
+    }
+    assert classes["sm90.fwd.tile128x128.hd128"]["directions"] == []
+    assert "directions" in classes["sm90.fwd.softcap"] and classes["sm90.fwd.softcap"]["directions"] == ["forward"]
     # the journal read as a report computes the same coverage on the basis it kept (the --domain file's)
     from_journal = report_from_journal(out / "journal.jsonl")["coverage"]
     from_report = json.loads((out / "report.json").read_text())["coverage"]

@@ -150,6 +150,8 @@ def _coverage(cov: dict | None) -> str:
         head = "<tr><th>class</th><th>forward</th><th>backward</th><th>what selects it</th></tr>"
 
         def cell(e: dict, d: str) -> str:
+            if d in (e.get("outside_domain") or {}) or d in (e.get("not_auditable") or {}):
+                return f"<td>{'outside the domain' if d in (e.get('outside_domain') or {}) else 'not auditable'}</td>"
             if d not in e["directions"]:
                 return "<td>—</td>"
             if e[d]:
