@@ -15,12 +15,15 @@ may be a callable returning the dict, evaluated when asked (production's depends
 ``head_dims`` takes ints (d == dv), [d, dv] pairs, ranges with a step and products of two
 ranges, and lists mixing them (:class:`HeadDims`, :data:`HEAD_DIM_FORMS`): production SM100's
 ``[{"d": {"min": 8, "max": 128, "step": 8}, "dv": {"min": 8, "max": 128, "step": 8}}, [192, 128],
-256, [64, 512], 512]``.  ``seqlen_q_multiple`` / ``seqlen_k_multiple`` constrain the two lengths
-apart (``seqlen_multiple``: both).
+256, [64, 512], 512]``.  Head dims are one set for every dtype: what depends on the dtype
+(production SM100's fp8 alignment of 16) stays a run-time refusal.  ``seqlen_q_multiple`` /
+``seqlen_k_multiple`` constrain the two lengths apart (``seqlen_multiple``: both).
+
 :func:`domain_of` reads the attribute; :meth:`Domain.narrow` / :meth:`Domain.widen` take the
-intersection / the union (several kernels sharing one suite); :meth:`Domain.from_dict` / :meth:`Domain.from_toml` check
-every key and value and raise :class:`DomainError` naming the bad one, where it came from and
-what is accepted; :meth:`Domain.refusal` says why a case lies outside (None: inside).
+intersection / the union (several kernels sharing one suite); :meth:`Domain.from_dict` /
+:meth:`Domain.from_toml` check every key and value and raise :class:`DomainError` naming the
+bad one, where it came from and what is accepted; :meth:`Domain.refusal` says why a case lies
+outside (None: inside).
 """
 
 from __future__ import annotations
