@@ -328,3 +328,19 @@ def test_merged_shards_cover_what_their_cases_cover(tmp_path, capsys):
     merged = json.loads((tmp_path / "m/report.json").read_text())["coverage"]
     assert merged["head_dims"]["forward"] == [[64, 64], [96, 96]] and merged["head_dims"]["missed_forward"] == []
     assert coverage_summary(merged).startswith("head dims forward 2 of 2 d values (2 of 2 pairs); classes forward ")
+
+
+def test_the_class_cases_meet_the_classes_requirement_on_both_archs():
+    """``audits.cases.class_cases`` (in ``release``), forward and backward compared (the backward
+    with ``--deterministic``), covers every judged class: ``--require-coverage classes`` passes."""
+    from audits.cases import class_cases
+
+    cases = class_cases()
+    recs = [
+        {**rec(c, "pass", backward="ran", det=True), "varlen": {"entry": "varlen"} if c.varlen else None} for c in cases
+    ]
+    for arch in ("sm90", "sm100"):
+        cov = coverage(cases=cases, records=recs, domain=Domain(), arch=arch, backward=True)
+        assert missed(cov, require="classes") == [], arch
+        cov = coverage(cases=cases, records=recs[:-3], domain=Domain(), arch=arch, backward=True)
+        assert missed(cov, require="classes"), arch  # the last cases are the only ones of some classes
