@@ -160,12 +160,29 @@ def _subnormal(sq, sk, sv, case, g):
     return q, sub(sk), sub(sv)
 
 
+def _seen_by_all(nq: int, nk: int, case, near: int) -> int:
+    """The key every one of ``nq`` queries sees under ``case``'s mask (bottom-right aligned, as
+    ``numerics.reference``) nearest ``near``; ``near`` when no key is seen by all."""
+    left, right = case.window
+    right = 0 if case.causal else right
+    lo = 0 if left is None else max(0, nk - 1 - left)
+    hi = nk - 1 if right is None else min(nk - 1, nk - nq + right)
+    return near if lo > hi else min(max(near, lo), hi)
+
+
 def _nan_inf(where: str):
     def build(sq, sk, sv, case, g):
         q, k, v = _normal(sq, sk, sv, case, g)
         n = sk[1]
         if where == "visible":
-            js = [n - 1, n // 2]  # the last key is visible to the last query under every mask
+            # NaN in K at the last key (visible to the last query under every mask, past the
+            # diagonal of the others: a mask that adds a large negative score instead of -inf lets
+            # it poison them); -inf in K at the middle key; inf in V at a key every query sees
+            # when there is one (the middle key, or the seen key nearest it): at a key some
+            # queries do not see, a correct tiled kernel's 0 * inf in P V makes their rows NaN
+            # where the reference is not
+            js = [n - 1, n // 2]
+            vj = _seen_by_all(sq[1], n, case, n // 2)
         else:
             # keys no query can see: before the left edge of every local window
             left = case.window[0]
@@ -176,8 +193,9 @@ def _nan_inf(where: str):
                 raise NotApplicable(
                     f"case has no key masked for every query (seqlen_q {sq[1]}, seqlen_k {n}, left {left})"
                 )
+            vj = js[-1]
         k[:, js[0], :, 0] = math.nan
-        v[:, js[-1], :, 1] = math.inf
+        v[:, vj, :, 1] = math.inf
         k[:, js[-1], :, 2] = -math.inf
         return q, k, v
 

@@ -238,8 +238,8 @@ def _classes(arch: str) -> tuple[PathClass, ...]:
         src = f"{_IF}: _tile_size_fwd_sm90"
         for band, tm, tn, when in (
             (64, 192, 128, "any mask"),
-            (96, 192, 128, "causal or local"),
-            (96, 192, 144, "no mask (register-staged P off: mma_pv_is_rs False)"),
+            (96, 192, 128, "causal or local, P V from shared memory (mma_pv_is_rs off)"),
+            (96, 192, 144, "no mask, P V from shared memory (mma_pv_is_rs off)"),
             (128, 128, 128, "any mask"),
             (192, 128, 128, "no window, dv <= 128"),
             (192, 128, 112, "no window, dv > 128"),
