@@ -259,8 +259,9 @@ def test_a_domain_judges_each_sequence():
     from audits.domain import Domain
 
     c = varlen_case(seqlens=((128, 256), (0, 5), (64, 0), (128, 384)), seqused_k=(256, 5, 0, 200))
-    assert Domain(seqlen_multiple=64).refusal(c) == "sequence 3: seqlens 128x200 not multiples of 64"
-    assert Domain(seqlen_multiple=8).refusal(c) is None and Domain(max_seqlen=256).refusal(c) is None
+    m64, m8 = (Domain(seqlen_q_multiple=m, seqlen_k_multiple=m) for m in (64, 8))
+    assert m64.refusal(c) == "sequence 3: seqlens 128x200 not multiples of 64"
+    assert m8.refusal(c) is None and Domain(max_seqlen=256).refusal(c) is None
     assert Domain(min_seqlen=100).refusal(c) is None and Domain(min_seqlen=129).refusal(c).startswith("sequence 0")
 
 
