@@ -639,23 +639,15 @@ def mask_kind(case: Case) -> str:
     return "causal" if case.causal else "local" if case.local else "none"
 
 
-def nonfinite_families() -> tuple[str, ...]:
-    """The input families that put NaN or inf into the inputs (``audits.inputs.FAMILIES``'
-    ``nan_inf_*``): smoke pairs each with every mask kind a domain supports."""
-    from audits.inputs import FAMILIES
-
-    return tuple(f for f in FAMILIES if f.startswith("nan_inf"))
-
-
 def smoke_within(d: Domain) -> dict:
     """``smoke`` over the domain: the pairwise rows of its axes with short lengths (up to five
     blocks), each input family on one row (families and rows taken in turn until both are used
-    up), and each non-finite family (:func:`nonfinite_families`) again on a row of every mask
-    kind the domain supports that it has no case of yet (a NaN key beyond the causal diagonal
-    is another test than one in an unmasked row; ``nan_inf_masked`` is local by construction),
+    up), and each non-finite family again on a row of every mask kind it applies to
+    (``audits.cases.NONFINITE_MASKS``) that the domain supports and it has no case of yet (a NaN
+    key beyond the causal diagonal is another test than one in an unmasked row),
     as :func:`release_within` reports them, then smoke's varlen cases inside the domain.  The
     unrestricted domain gives smoke itself."""
-    from audits.cases import pairwise, smoke_suite, smoke_varlen
+    from audits.cases import NONFINITE_MASKS, pairwise, smoke_suite, smoke_varlen
     from audits.inputs import FAMILIES
 
     if d == Domain():
@@ -672,8 +664,8 @@ def smoke_within(d: Domain) -> dict:
             missing.setdefault(f, f"no case of family {f} fits the domain; e.g. {tries[0][1]}")
         else:
             cases.append(case)
-    for f in nonfinite_families():
-        for m in axes["mask"]:
+    for f, kinds in NONFINITE_MASKS.items():
+        for m in (k for k in kinds if k in axes["mask"]):
             if any(c.family == f and mask_kind(c) == m for c in cases):
                 continue
             tries = (_smoke_case_within(d, r, f) for r in rows if r["mask"] == m)
