@@ -676,9 +676,6 @@ def smoke_within(d: Domain) -> dict:
             "not_applicable": missing}  # fmt: skip
 
 
-#: the head dims the sweep takes when a domain leaves them free: production SM90's, every
-#: multiple of 8 in 8..256 for d == dv (flash_attn/cute/interface.py, _validate_head_dims)
-_SWEEP_FREE = tuple((x, x) for x in range(8, 257, 8))
 _SIXTEEN_BIT = ("bfloat16", "float16")
 
 
@@ -686,9 +683,11 @@ def sweep_head_dims(d: Domain) -> list[tuple[int, int]]:
     """The head dims the ``head-dims`` sweep takes in ``d``: per accepted d, (d, d) when the
     domain accepts it, else every accepted pair with that d (production SM100's (192, 128));
     production SM90's (d, d) for d in 8..256 step 8 when head dims are unrestricted."""
+    from audits.cases import SM90_HEAD_DIMS
+
     pairs = d.head_dim_pairs()
-    if pairs is None:
-        return list(_SWEEP_FREE)
+    if pairs is None:  # production SM90's, every multiple of 8 in 8..256 (interface.py, _validate_head_dims)
+        return [(x, x) for x in SM90_HEAD_DIMS]
     out = []
     for x in dict.fromkeys(p[0] for p in pairs):
         out += [(x, x)] if d.accepts_head_dims(x, x) else [p for p in pairs if p[0] == x]
