@@ -26,6 +26,7 @@ from numerics.code_paths import (
 
 DIRS = ("forward", "backward")
 HEAD_DIMS = range(8, 257, 8)
+MASKS = ((False, False), (True, False), (False, True))
 
 
 def _reach_calls():
@@ -161,22 +162,40 @@ def test_every_class_cites_a_function_in_production_source():
                 )
 
 
-def test_tile_rules_match_production_source():
-    """The tile numbers stated here appear in production's tile functions (a text check)."""
+def _production_tile_functions(src: Path) -> dict:
+    """production's ``_tile_size_fwd_sm90`` / ``_tile_size_bwd_sm90`` and their config classes,
+    taken from ``interface.py``'s text and run here (pure functions: no GPU, no cutlass)."""
+    import ast
+    from dataclasses import dataclass
+
+    tree = ast.parse((src / "interface.py").read_text())
+    want = {"FwdConfig", "BwdConfig", "_tile_size_fwd_sm90", "_tile_size_bwd_sm90"}
+    nodes = [n for n in tree.body if getattr(n, "name", None) in want]
+    assert {n.name for n in nodes} == want, f"interface.py lacks {want - {n.name for n in nodes}}"
+    ns = {"dataclass": dataclass}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(src / "interface.py"), "exec"), ns)
+    return ns
+
+
+def test_tile_rules_are_production_functions_results():
+    """Every SM90 tile here is what production's own tile functions return, at every head dim,
+    dv and mask; the head-dim granularities are the ones its kernels' constructors state."""
     src = _source_dir()
     if src is None:
         pytest.skip("production's source not found: set FA4_SOURCE to flash_attn/cute (e.g. of flash-attn-4 4.0.0b36)")
-    text = (src / "interface.py").read_text()
-    fwd = text[text.index("def _tile_size_fwd_sm90") : text.index("def _fit_sm90_fwd_tile_to_block_sparsity")]
-    bwd = text[text.index("def _tile_size_bwd_sm90") : text.index("def _validate_tensor")]
-    for d in HEAD_DIMS:
-        for causal, local in ((False, False), (True, False), (False, True)):
-            tm, tn = sm90_fwd_tile(d=d, dv=d, causal=causal, local=local)
-            assert f"FwdConfig({tm}, " in fwd and (f"{tn}, True" in fwd or f"{tn}, False" in fwd or str(tn) in fwd)
-            t = sm90_bwd_tile(d=d, dv=d, causal=causal, local=local)
-            assert f"n_block_size={t.tile_n}" in bwd and (f"m_block_size={t.tile_m}" in bwd or str(t.tile_m) in bwd)
+    ns = _production_tile_functions(src)
+    for d, dv, (causal, local) in itertools.product(HEAD_DIMS, HEAD_DIMS, MASKS):
+        f = ns["_tile_size_fwd_sm90"](d, dv, causal, local)
+        assert sm90_fwd_tile(d=d, dv=dv, causal=causal, local=local) == (f.m_block_size, f.n_block_size), (d, dv)
+        b = ns["_tile_size_bwd_sm90"](d, dv, causal, local)
+        t = sm90_bwd_tile(d=d, dv=dv, causal=causal, local=local)
+        assert (t.tile_m, t.tile_n, t.dq_single_wg, t.dkv_swap_ab, t.dq_swap_ab, t.stages_do) == (
+            b.m_block_size, b.n_block_size, b.dQ_single_wg, b.dKV_swapAB, b.dQ_swapAB, b.num_stages_dO,
+        ), (d, dv, causal, local)  # fmt: skip
     assert "hdim_multiple_of = 64 if dKV_swapAB else 16" in (src / "flash_bwd_sm90.py").read_text()
     assert "hdim_multiple_of = 32" in (src / "flash_bwd_sm100.py").read_text()
+    assert "hdim_multiple_of = 16" in (src / "flash_fwd_sm100.py").read_text()
+    assert "hdim_multiple_of = 16" in (src / "flash_fwd.py").read_text()
 
 
 # ---------------------------------------------------------------- the model, unchanged
@@ -221,9 +240,6 @@ def _old_sm100_fwd(d, dv, causal, local, seqlen_q, g, pack):
         and (128 % g == 0 or not pack)
     )
     return q_stage * 128 * (2 if two else 1), 128
-
-
-MASKS = ((False, False), (True, False), (False, True))
 
 
 def test_model_sm90_tiles_unchanged():
