@@ -29,7 +29,8 @@ import torch
 
 __all__ = [
     "REFUSALS", "Refusal", "refusal_of", "SM90_HEAD_DIMS", "SM100_HEAD_DIMS", "production_domain", "ProductionError",
-    "ProductionUnavailable", "INSTALL_HINT", "require_production", "ex2_kernel", "EX2_VARIANTS", "flash_attn_varlen",
+    "ProductionUnavailable", "INSTALL_HINT", "COMPILE_CACHE_ENV", "enable_compile_cache", "require_production",
+    "ex2_kernel", "EX2_VARIANTS", "flash_attn_varlen",
 ]  # fmt: skip
 
 INSTALL_HINT = (
@@ -184,8 +185,27 @@ def _first_line(exc: BaseException) -> str:
     return " ".join(text.split())[:160]
 
 
+#: production's persistent compile cache (``flash_attn/cute/cache_utils.py``: read once, when
+#: ``flash_attn.cute`` is first imported; directory ``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, by
+#: default ``/tmp/$USER/flash_attention_cute_dsl_cache``; entries keyed by a hash of production's
+#: sources and the cutlass / tvm_ffi versions, written under file locks, so parallel ``--jobs``
+#: processes share it).  Off in production by default; on for audits: on the H200 the
+#: ``head-dims`` suite with ``--backward`` (128 compile keys, 14 jobs) took 131 s with an empty
+#: cache and 71 s with a warm one (docs/h200-results.md).
+COMPILE_CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+
+
+def enable_compile_cache() -> str:
+    """Turn production's persistent compile cache on unless the user set
+    :data:`COMPILE_CACHE_ENV` (``0`` keeps it off); returns the setting in force.  Effective
+    only before ``flash_attn.cute`` is first imported in the process (production reads it then)."""
+    return os.environ.setdefault(COMPILE_CACHE_ENV, "1")
+
+
 def _import_dsl():
-    """Import the CuTe DSL and the production utils, or raise :class:`ProductionUnavailable`."""
+    """Import the CuTe DSL and the production utils, or raise :class:`ProductionUnavailable`
+    (production's compile cache enabled first, :func:`enable_compile_cache`)."""
+    enable_compile_cache()
     try:
         import cutlass
         import cutlass.cute as cute

@@ -144,3 +144,16 @@ def test_the_declarations_are_compact_and_fresh():
     first["head_dims"].clear()
     assert len(production_domain(10)["head_dims"]) == 5
     assert production_domain(8) == {} and production_domain(12) == {}
+
+
+def test_production_compile_cache_is_on_unless_the_user_said_otherwise(monkeypatch):
+    """The audit turns production's persistent compile cache on (cache_utils reads the variable
+    when flash_attn.cute is first imported) and leaves a user's own setting alone."""
+    from fa4.production import COMPILE_CACHE_ENV, enable_compile_cache
+
+    monkeypatch.delenv(COMPILE_CACHE_ENV, raising=False)
+    assert enable_compile_cache() == "1"
+    assert os.environ[COMPILE_CACHE_ENV] == "1"
+    monkeypatch.setenv(COMPILE_CACHE_ENV, "0")
+    assert enable_compile_cache() == "0"
+    assert os.environ[COMPILE_CACHE_ENV] == "0"
