@@ -37,6 +37,16 @@ gradient; a NaN at a visible key makes its row's lse, P and D NaN, hence that ro
 and dV of every key the row sees, and dsink of its head.  NaN in ``dO_i`` or ``dlse_i`` of a row
 with visible keys spreads the same way; in an empty row it reaches nothing, except dsink when a
 sink is given (IEEE: ``D_i = 0 * NaN``).  :func:`_contract` implements the visible-only sums.
+
+A visible score of +inf (e.g. -inf in K against a negative q) makes its row's softmax inf/inf,
+indeterminate: lse = +inf and out, D, dQ and dS are NaN by IEEE, and P is NaN at every key the
+row sees — not ``exp(s - lse) = 0`` at its finite keys, a value no kernel owes: PyTorch's softmax
+gives NaN there, and production FA4 (4.0.0b36) reports the row's LSE as -inf (``softmax.py``
+``Softmax.finalize``: row sum NaN from exp2(inf - inf)), which ``flash_bwd_preprocess.py``
+``FlashAttentionBackwardPreprocess.kernel`` turns into ``lse_log2 = 0``, so its backward
+(``flash_bwd_sm90.py`` ``mma_one_m_block``, P = exp2(S * scale_log2 - lse_log2)) adds the
+unnormalised exp2(S * scale_log2) dO_i to the dV of each key the row sees.  So that row makes dV
+NaN at those keys, as a NaN score does, and a kernel's value there is a semantics deviation.
 """
 
 from __future__ import annotations
@@ -247,8 +257,10 @@ def _chunk_forward(qs, k64, v64, vis, *, sink, softcap: float) -> dict[str, torc
         empty = ~vis.any(dim=-1)  # (c,)
         out.masked_fill_(empty.view(1, c, 1, 1, 1), 0.0)
         lse.masked_fill_(empty, -math.inf)
-    # P; the masked_fill keeps masked pairs at exactly 0 where den is NaN (0 / NaN = NaN)
-    p = p.div_(den).masked_fill_(masked, 0.0)
+    # P; the masked_fill keeps masked pairs at exactly 0 where den is NaN (0 / NaN = NaN).  A row
+    # whose largest score is +inf has the indeterminate softmax inf/inf: its P is NaN at every
+    # visible key, not exp(s - lse) = 0 at its finite ones (module doc, "Non-finite inputs")
+    p = p.div_(den).masked_fill_((m == math.inf) & vis, math.nan).masked_fill_(masked, 0.0)
     return {"p": p, "den": den, "out": out, "lse": lse, "fac": fac, "p_sink": p_sink}
 
 
