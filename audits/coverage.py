@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 __all__ = [
     "DIRECTIONS", "REQUIRE", "coverage", "arch_of", "basis_of", "legacy_basis", "coverage_from_basis",
-    "basis_of_coverage", "unjudgeable", "missed", "compact_ints", "format_pairs", "coverage_lines", "coverage_summary",
+    "basis_of_coverage", "unjudgeable", "missed", "compact_ints", "pair_pieces", "format_pairs", "pairs_text",
+    "missed_text", "coverage_lines", "coverage_summary",
 ]  # fmt: skip
 
 DIRECTIONS = ("forward", "backward")
@@ -408,12 +409,70 @@ def compact_ints(xs) -> str:
     return ", ".join(parts)
 
 
+#: a pairs listing longer than this (characters) is not printed: the count is, and report.json
+#: holds every pair
+PAIRS_CHARS = 200
+#: up to this many pairs are listed whatever the length of their listing
+PAIRS_LISTED = 8
+
+
+def pair_pieces(*, pairs: Iterable) -> tuple[list[tuple[list[int], list[int]]], list[int], list[tuple[int, int]]]:
+    """(d, dv) pairs split exactly into ``(products, diagonal, singles)``: products ``(ds, dvs)``
+    of at least three pairs (every d of ``ds`` with every dv of ``dvs``), the values x of a
+    diagonal piece (every (x, x)), and the single pairs left, sorted by (dv, d); each pair in
+    exactly one piece.
+
+    Greedy: group the dv values by their set of d values, take the group with the most pairs,
+    widen it to every dv whose d-set holds that set and then to every d whose dv-set holds the
+    widened dv set, remove it, repeat; the pairs with d = dv are one diagonal piece instead when
+    they outnumber the best product.  A production domain is one product (SM90,
+    ``fa4.production.production_domain(9)``) or one product and four single pairs (SM100)."""
+    rest = {(int(p[0]), int(p[1])) for p in pairs}
+    products: list[tuple[list[int], list[int]]] = []
+    diagonal: list[int] = []
+    while rest:
+        by_dv: dict[int, set[int]] = {}
+        by_d: dict[int, set[int]] = {}
+        for d, dv in rest:
+            by_dv.setdefault(dv, set()).add(d)
+            by_d.setdefault(d, set()).add(dv)
+        groups: dict[frozenset, set[int]] = {}
+        for dv, ds in by_dv.items():
+            groups.setdefault(frozenset(ds), set()).add(dv)
+        ds, dvs = max(groups.items(), key=lambda g: (len(g[0]) * len(g[1]), -min(g[1])))
+        dvs = {dv for dv, got in by_dv.items() if ds <= got}
+        ds = {d for d, got in by_d.items() if dvs <= got}
+        same = sorted(d for d, dv in rest if d == dv)
+        if not diagonal and len(same) >= 2 and len(same) > len(ds) * len(dvs):
+            diagonal = same
+            rest -= {(x, x) for x in same}
+        elif len(ds) * len(dvs) >= 3:
+            products.append((sorted(ds), sorted(dvs)))
+            rest -= {(d, dv) for d in ds for dv in dvs}
+        else:
+            break
+    return products, diagonal, sorted(rest, key=lambda p: (p[1], p[0]))
+
+
 def format_pairs(pairs) -> str:
-    """(d, dv) pairs compactly: those with d = dv as ranges of d ("d=dv 8..256/8"), the others
-    grouped by dv ("dv 512: d 64"); "none" for none."""
-    pairs = [tuple(p) for p in pairs]
+    """(d, dv) pairs compactly (:func:`pair_pieces`), pieces separated by "; ": a product as "d
+    8..128/8 x dv 8..128/8", a diagonal as "d=dv 64..128/32", single pairs as "(192, 128),
+    (256, 256)"; the older form (d = dv as ranges of d, the others grouped by dv: "dv 512: d
+    64") where it is shorter; "none" for none."""
+    pairs = [(int(p[0]), int(p[1])) for p in pairs]
     if not pairs:
         return "none"
+    products, diagonal, singles = pair_pieces(pairs=pairs)
+    out = [f"d {compact_ints(ds)} x dv {compact_ints(dvs)}" for ds, dvs in products]
+    out += [f"d=dv {compact_ints(diagonal)}"] if diagonal else []
+    out += [", ".join(f"({d}, {dv})" for d, dv in singles)] if singles else []
+    compact = "; ".join(out)
+    legacy = _by_dv(pairs)
+    return legacy if len(legacy) < len(compact) else compact
+
+
+def _by_dv(pairs: list[tuple[int, int]]) -> str:
+    """The older form of :func:`format_pairs`: "d=dv 8..256/8; dv 128: d 192"."""
     same = [d for d, dv in pairs if d == dv]
     out = [f"d=dv {compact_ints(same)}"] if same else []
     other: dict[int, list[int]] = {}
@@ -422,6 +481,24 @@ def format_pairs(pairs) -> str:
             other.setdefault(dv, []).append(d)
     out += [f"dv {dv}: d {compact_ints(ds)}" for dv, ds in sorted(other.items())]
     return "; ".join(out)
+
+
+def _listing(pairs: list) -> str | None:
+    """:func:`format_pairs` of ``pairs`` when a line can hold it (at most :data:`PAIRS_LISTED`
+    pairs, or shorter than :data:`PAIRS_CHARS` characters), else None."""
+    text = format_pairs(pairs)
+    return text if len(pairs) <= PAIRS_LISTED or len(text) < PAIRS_CHARS else None
+
+
+def pairs_text(*, pairs: Sequence, of: int | None = None) -> str:
+    """(d, dv) pairs for a line of text, bounded: :func:`format_pairs` and the count ("d 8..256/8
+    x dv 8..256/8 (1024 pairs)"; "(5 of 1024 pairs)" with ``of``, the pairs there are) when a
+    line can hold the listing, else the count and where the pairs are ("700 of 1024 pairs (pairs
+    are listed in report.json)")."""
+    pairs = list(pairs)
+    count = f"{len(pairs)} of {of} pairs" if of is not None else f"{len(pairs)} pairs"
+    text = _listing(pairs)
+    return f"{count} (pairs are listed in report.json)" if text is None else f"{text} ({count})"
 
 
 def coverage_lines(cov: dict | None) -> list[str]:
@@ -434,14 +511,12 @@ def coverage_lines(cov: dict | None) -> list[str]:
     acc = h["accepted"]
     judged = cov["directions"]
     L = [f"architecture: {cov['arch'] or 'none declared'}; directions judged: {', '.join(judged)}"]
-    L.append("head dims accepted: " + ("unrestricted" if acc is None else f"{format_pairs(acc)} ({len(acc)} pairs)"))
+    L.append("head dims accepted: " + ("unrestricted" if acc is None else pairs_text(pairs=acc)))
     for d in DIRECTIONS:
-        of = "" if acc is None else f" ({len(h[d])} of {len(acc)} pairs)"
-        L.append(f"  {d}: {format_pairs(h[d])}{of}" if d in judged else f"  {d}: not judged")
+        of = None if acc is None else len(acc)
+        L.append(f"  {d}: {pairs_text(pairs=h[d], of=of)}" if d in judged else f"  {d}: not judged")
         if h.get(f"missed_{d}") is not None:
-            gone = h["values"][f"missed_{d}"]
-            vals = "; ".join(f"{k} {compact_ints(gone[k]) or 'none'}" for k in ("d", "dv"))
-            L.append(f"  missed {d}: values {vals}; pairs {format_pairs(h[f'missed_{d}'])}")
+            L.append(f"  missed {d}: {missed_text(heads=h, direction=d)}")
     if cov["classes"] is not None:
         n = {d: sum(1 for e in cov["classes"].values() if d in e["directions"]) for d in DIRECTIONS}
         got = {d: sum(1 for e in cov["classes"].values() if d in e["directions"] and e[d]) for d in DIRECTIONS}
@@ -475,6 +550,21 @@ def coverage_lines(cov: dict | None) -> list[str]:
         L.append(f"required ({req['require']}): {state}" + "".join(f"\n  missed: {m}" for m in req["missed"]))
     L += [f"note: {n}" for n in cov["notes"]]
     return L
+
+
+def missed_text(*, heads: dict, direction: str) -> str:
+    """What ``heads`` (a judged coverage's ``head_dims``) missed in ``direction``: every missed d
+    and dv value (what the gate judges, :func:`missed`), then the missed pairs, listed as
+    :func:`pairs_text` lists them, else counted ("values d 8..56/8; dv 8..256/8; 1019 of 1024
+    pairs (the gate judges d and dv values; pairs are listed in report.json)")."""
+    gone = heads["values"][f"missed_{direction}"]
+    vals = "; ".join(f"{k} {compact_ints(gone[k]) or 'none'}" for k in ("d", "dv"))
+    pairs, n = heads[f"missed_{direction}"], len(heads["accepted"])
+    text = _listing(pairs)
+    if text is None:
+        why = "the gate judges d and dv values; pairs are listed in report.json"
+        return f"values {vals}; {len(pairs)} of {n} pairs ({why})"
+    return f"values {vals}; pairs {text} ({len(pairs)} of {n} pairs)"
 
 
 def coverage_summary(cov: dict | None) -> str:

@@ -2,6 +2,8 @@
 ``report["coverage"]``, ``fa4-audit coverage`` and ``run --require-coverage``."""
 
 import json
+import random
+import re
 import shlex
 from pathlib import Path
 
@@ -14,15 +16,18 @@ from audits.coverage import (
     arch_of,
     compact_ints,
     coverage,
+    coverage_lines,
     coverage_summary,
     format_pairs,
     missed,
+    pair_pieces,
     unjudgeable,
 )
 from audits.domain import Domain
 from audits.kernels import KERNELS, VARLEN_KERNELS
 from audits.runner.cli_reports import load_report
 from audits.runner.report import report_from_journal
+from fa4.production import production_domain
 
 ROOT = Path(__file__).parents[1]
 #: tiny cases of the test kernel (tests/coverage_kernels.py): bf16, one head, 32 x 32
@@ -171,9 +176,117 @@ def test_compact_head_dims():
     assert compact_ints([64, 96]) == "64, 96"
     assert compact_ints([1, 2, 3, 10, 64, 128, 192, 256]) == "1..3, 10, 64..256/64"
     assert format_pairs([[64, 64], [128, 128], [192, 192], [192, 128], [64, 512]]) == (
-        "d=dv 64..192/64; dv 128: d 192; dv 512: d 64"
+        "d=dv 64..192/64; (192, 128), (64, 512)"
     )
+    assert format_pairs([[96, 96]]) == "d=dv 96"  # the older form where it is shorter than "(96, 96)"
+    assert format_pairs([[8, 128], [16, 128], [24, 128], [64, 512]]) == "d 8..24/8 x dv 128; (64, 512)"
     assert format_pairs([]) == "none"
+
+
+# ---- the pairs, compactly and bounded -------------------------------------------------------
+
+
+def parse_ints(text: str) -> set[int]:
+    """The integers a compact_ints text names ("8..24/8, 64" -> {8, 16, 24, 64})."""
+    out: set[int] = set()
+    for part in text.split(", "):
+        m = re.fullmatch(r"(\d+)\.\.(\d+)(?:/(\d+))?", part)
+        if m:
+            out |= set(range(int(m[1]), int(m[2]) + 1, int(m[3] or 1)))
+        else:
+            out.add(int(part))
+    return out
+
+
+def parse_pairs(text: str) -> set[tuple[int, int]]:
+    """The (d, dv) pairs a format_pairs text names, read back piece by piece ("; "): a product,
+    a diagonal, single pairs, or the older form's "dv X: d ..."; any other piece is an error."""
+    out: set[tuple[int, int]] = set()
+    for piece in text.split("; "):
+        if m := re.fullmatch(r"d (.+) x dv (.+)", piece):
+            out |= {(d, dv) for d in parse_ints(m[1]) for dv in parse_ints(m[2])}
+        elif m := re.fullmatch(r"d=dv (.+)", piece):
+            out |= {(x, x) for x in parse_ints(m[1])}
+        elif m := re.fullmatch(r"dv (\d+): d (.+)", piece):
+            out |= {(d, int(m[1])) for d in parse_ints(m[2])}
+        elif re.fullmatch(r"\(\d+, \d+\)(, \(\d+, \d+\))*", piece):
+            out |= {(int(a), int(b)) for a, b in re.findall(r"\((\d+), (\d+)\)", piece)}
+        else:
+            raise AssertionError(f"unreadable piece {piece!r} of {text!r}")
+    return out
+
+
+def pair_sets() -> list[set[tuple[int, int]]]:
+    """Pair sets the formatter must describe exactly: production's domains, products with holes,
+    diagonals, random subsets of every density (fixed seed)."""
+    sm90 = set(production_domain_pairs(9))
+    sm100 = set(production_domain_pairs(10))
+    rng = random.Random(24)
+    sets = [sm90, sm100, {(x, x) for x in range(8, 257, 8)}, sm90 - {(64, 64), (192, 128)}, {(64, 512)}]
+    for p in (0.02, 0.1, 0.5, 0.9, 0.99):
+        for base in (sm90, sm100):
+            sets.append({q for q in sorted(base) if rng.random() < p} or {(8, 8)})
+    return sets
+
+
+def production_domain_pairs(major: int) -> tuple:
+    return Domain.from_dict(production_domain(major), where=f"production_domain({major})").head_dim_pairs()
+
+
+def test_format_pairs_describes_exactly_the_pairs_it_was_given():
+    for pairs in pair_sets():
+        text = format_pairs(sorted(pairs))
+        assert parse_pairs(text) == pairs, text
+        products, diagonal, singles = pair_pieces(pairs=pairs)  # a partition: no pair twice
+        listed = [(d, dv) for ds, dvs in products for d in ds for dv in dvs] + [(x, x) for x in diagonal] + singles
+        assert len(listed) == len(set(listed)) == len(pairs) and set(listed) == pairs
+        assert all(len(ds) * len(dvs) >= 3 for ds, dvs in products)
+
+
+def domain_coverage(major: int, covered) -> dict:
+    """coverage of a forward run that compared ``covered`` (d, dv) pairs, on production's domain
+    of compute capability ``major`` (no architecture: the head dims are what is tested)."""
+    dom = Domain.from_dict(production_domain(major), where=f"production_domain({major})")
+    cases = [Case(d=d, dv=dv) for d, dv in covered]
+    return coverage(cases=cases, records=[rec(c, "pass") for c in cases], domain=dom, arch=None, backward=False)
+
+
+def test_production_sm90_accepts_one_product_of_1024_pairs():
+    lines = coverage_lines(domain_coverage(9, []))
+    assert "head dims accepted: d 8..256/8 x dv 8..256/8 (1024 pairs)" in lines
+    assert "  forward: none (0 of 1024 pairs)" in lines
+
+
+def test_production_sm100_accepts_a_product_and_four_pairs():
+    lines = coverage_lines(domain_coverage(10, [(64, 64)]))
+    assert (
+        "head dims accepted: d 8..128/8 x dv 8..128/8; (192, 128), (256, 256), (64, 512), (512, 512) (260 pairs)"
+    ) in lines
+    assert "  forward: d=dv 64 (1 of 260 pairs)" in lines
+
+
+def test_a_run_missing_most_pairs_prints_a_bounded_missed_line_with_every_missed_value():
+    rng = random.Random(7)
+    sm90 = sorted(production_domain_pairs(9))
+    got = rng.sample(sm90[:-96], 40)  # scattered, and no pair with d 232..256 (sorted by d): those d are missed
+    cov = domain_coverage(9, got)
+    h = cov["head_dims"]
+    assert len(h["missed_forward"]) == 1024 - 40  # report.json keeps every missed pair
+    gone_d = sorted({d for d, _ in sm90} - {d for d, _ in got})
+    assert gone_d[-3:] == [240, 248, 256]
+    lines = coverage_lines(cov)
+    line = next(x for x in lines if x.startswith("  missed forward: "))
+    assert len(line) < 400, line
+    assert line.startswith(f"  missed forward: values d {compact_ints(gone_d)}; dv "), line
+    assert line.endswith("; 984 of 1024 pairs (the gate judges d and dv values; pairs are listed in report.json)")
+    assert "  forward: 40 of 1024 pairs (pairs are listed in report.json)" in lines
+    # few missed pairs, or a short listing of many: listed, with the count
+    few = coverage_lines(domain_coverage(9, [p for p in sm90 if p[1] != 8]))
+    assert "  missed forward: values d none; dv 8; pairs d 8..256/8 x dv 8 (32 of 1024 pairs)" in few
+    # five diagonal-ish pairs covered: the 1019 missed pairs are a few products, listed within bounds
+    five = coverage_lines(domain_coverage(9, [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]))
+    line = next(x for x in five if x.startswith("  missed forward: "))
+    assert len(line) < 400 and line.endswith("(1019 of 1024 pairs)") and "d 8..256/8 x dv 8..56/8" in line
 
 
 # ---- the kernels' architectures -------------------------------------------------------------

@@ -128,18 +128,17 @@ def _reproduce(cases: list[dict]) -> str:
 def _coverage(cov: dict | None) -> str:
     """The coverage section (``audits.coverage``): head dims accepted, covered and missed per
     direction, then each code-path class with the case that covered it in each direction."""
-    from audits.coverage import DIRECTIONS, compact_ints, coverage_lines, format_pairs
+    from audits.coverage import DIRECTIONS, coverage_lines, missed_text, pairs_text
 
     if not isinstance(cov, dict) or "absent" in cov:
         return f"<h2>Coverage</h2><p>{html.escape(coverage_lines(cov)[0])}</p>"
     h, judged = cov["head_dims"], cov["directions"]
-    rows = [("accepted", "unrestricted" if h["accepted"] is None else format_pairs(h["accepted"]))]
-    for d in DIRECTIONS:
-        rows.append((f"{d} covered", format_pairs(h[d]) if d in judged else "not judged"))
+    of = None if h["accepted"] is None else len(h["accepted"])
+    rows = [("accepted", "unrestricted" if of is None else pairs_text(pairs=h["accepted"]))]
+    for d in DIRECTIONS:  # bounded as the text's lines are (audits.coverage.pairs_text)
+        rows.append((f"{d} covered", pairs_text(pairs=h[d], of=of) if d in judged else "not judged"))
         if h.get(f"missed_{d}") is not None:
-            gone = h["values"][f"missed_{d}"]
-            vals = "; ".join(f"{k} {compact_ints(gone[k]) or 'none'}" for k in ("d", "dv"))
-            rows.append((f"{d} missed", f"values {vals}; pairs {format_pairs(h[f'missed_{d}'])}"))
+            rows.append((f"{d} missed", missed_text(heads=h, direction=d)))
     body = "".join(f"<tr><td>{k}</td><td style='text-align:left'>{html.escape(v)}</td></tr>" for k, v in rows)
     arch = html.escape(str(cov["arch"] or "none declared"))
     parts = [
