@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "Call", "PathClass", "ARCHS", "DIRECTIONS", "classes", "classes_of", "sm90_fwd_tile", "sm90_bwd_tile",
-    "Sm90BwdTile", "sm100_fwd_geometry", "sm100_bwd_tile", "hdim_multiple", "SM100_TILE_M", "SM100_TILE_N",
+    "Sm90BwdTile", "sm90_accum_wider", "sm100_fwd_geometry", "sm100_bwd_tile", "hdim_multiple", "SM100_TILE_M",
+    "SM100_TILE_N",
 ]  # fmt: skip
 
 ARCHS = ("sm90", "sm100")
@@ -172,6 +173,25 @@ def _pad(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+#: where the SM90 backward's accumulators get their head-dim granularity, which can differ from
+#: the main kernel's tile (:func:`hdim_multiple`)
+_ACCUM_SRC = f"{_IF}: _flash_attn_bwd"  # hdim_multiple_of: 64 with dKV_swapAB on SM90, else 32
+
+
+def sm90_accum_wider(*, d: int, dv: int) -> bool:
+    """Whether SM90's backward allocates, zeroes (preprocess) and reads back (postprocess) its fp32
+    accumulators at a wider head-dim stride than its main kernel's tile uses.
+    ``_flash_attn_bwd`` rounds the head dims to 32 (64 with dKV_swapAB) for ``dq_accum`` (and
+    ``dk_accum``/``dv_accum`` under GQA), while ``FlashAttentionBackwardSm90.__init__`` pads its
+    tile to 16 without dKV_swapAB (:func:`hdim_multiple`): the two agree unless rounding to 16
+    and to 32 differ (d mod 32 in 1..16).  Measured on the H200 (flash-attn-4 4.0.0b36,
+    docs/h200-results.md): exactly these head dims return dQ (and, under GQA, dK and dV)
+    hundreds of times outside the backward bound; upstream flash-attention PR #2896."""
+    m = hdim_multiple(arch="sm90", direction="backward", d=d)
+    acc = 64 if m == 64 else 32
+    return _pad(d, acc) != _pad(d, m) or _pad(dv, acc) != _pad(dv, m)
+
+
 def sm100_fwd_geometry(
     *,
     d: int,
@@ -269,6 +289,29 @@ def _classes(arch: str) -> tuple[PathClass, ...]:
             _cls(arch, bwd, "hdim_exact", "d and dv multiples of the MMA granularity (16, or 64 at d > 128)", bwd_pad),
             _cls(arch, bwd, "hdim_padded16", "d <= 128: d or dv padded to a multiple of 16", bwd_pad),
             _cls(arch, bwd, "hdim_padded64", "d > 128 (dKV_swapAB): d or dv padded to a multiple of 64", bwd_pad),
+            _cls(
+                arch,
+                bwd,
+                "accum.same_as_tile",
+                "the fp32 dQ/dK/dV accumulators' head-dim stride equals the kernel tile's",
+                _ACCUM_SRC,
+            ),
+            _cls(
+                arch,
+                bwd,
+                "accum.wider_than_tile",
+                "the fp32 accumulators are allocated wider (rounded to 32) than the kernel's tile (16): d <= 128 "
+                "with d or dv mod 32 in 1..16 (d = dv: 8, 16, 40, 48, 72, 80, 104, 112)",
+                _ACCUM_SRC,
+            ),
+            _cls(
+                arch,
+                bwd,
+                "dq_swapab.hdim_not64",
+                "the 80-row tile's dQ_swapAB GEMM at a padded head dim (112) that is not a multiple of WGMMA's M "
+                "(64): d 104, 112 without a mask",
+                f"{_IF}: _tile_size_bwd_sm90",
+            ),
         ]
     else:
         src = f"{_IF}: _flash_attn_fwd"
@@ -453,7 +496,10 @@ def classes_of(arch: str, call: Call, *, direction: str) -> tuple[str, ...]:
         names.append("mha" if call.qhead_per_kvhead == 1 else "gqa")
         if arch == "sm90":
             names.append(f"hdim_padded{m}" if padded else "hdim_exact")
+            names.append("accum.wider_than_tile" if sm90_accum_wider(d=call.d, dv=call.dv) else "accum.same_as_tile")
             t = sm90_bwd_tile(d=call.d, dv=call.dv, causal=call.causal, local=call.local)
+            if t.dq_swap_ab and _pad(call.d, m) % 64:
+                names.append("dq_swapab.hdim_not64")
             dv_part = ".dv256" if t.tile_n == 96 and t.stages_do == 1 else ""
             names.append(f"tile{t.tile_m}x{t.tile_n}{dv_part}.hd{_band(call.d)}")
             if call.deterministic:
