@@ -36,8 +36,11 @@ def main(run_dir: str) -> None:
                 for g in ("dq", "dk", "dv")
             )
             why = "" if c["verdict"] == "pass" else " | " + "; ".join(c.get("reasons") or [])[:160]
-            print(f"  {cfg['dtype'][:4]} d{cfg['d']:<3} h{cfg['heads_q']}k{cfg['heads_kv']} {'causal' if cfg['causal'] else 'full  '} "
-                  f"{c['verdict']:<7} out={_tight(c):.3g} {t}  bwd={bw.get('status')} {c.get('seconds', 0):.1f}s{why}")
+            mask = "causal" if cfg["causal"] else "full  "
+            print(
+                f"  {cfg['dtype'][:4]} d{cfg['d']:<3} h{cfg['heads_q']}k{cfg['heads_kv']} {mask} {c['verdict']:<7} "
+                f"out={_tight(c):.3g} {t}  bwd={bw.get('status')} {c.get('seconds', 0):.1f}s{why}"
+            )
         print(f"  cases {len(r['cases'])}, seconds summed over cases {total:.0f}")
 
 
