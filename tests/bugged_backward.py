@@ -7,7 +7,8 @@ for every bug of :data:`ALL_BUGS` (:data:`BUGS` and :data:`MORE_BUGS`).  Each bu
 
 Like a tiled kernel that never loads the tiles of keys no query sees, each pass zeroes K and V of
 the keys its own mask leaves unseen (so NaN/inf there never leak, as FA's semantics demand), and a
-row whose scores hold a NaN gets a NaN LSE (not -inf) whose NaN the backward propagates; fp8
+row whose scores hold a NaN gets a NaN LSE (not -inf) whose NaN the backward propagates (and a
+row whose top score is +inf, the softmax inf/inf, a NaN P at every key it sees); fp8
 inputs give a bf16 output (the audit's kernel contract) and no backward (NotImplementedError, as
 production FA4 refuses it).  Every kernel takes ``deterministic`` (and, but for
 ``dq_nondeterministic``, honours it: the math is sequential).
@@ -212,6 +213,9 @@ class _Attention(torch.autograd.Function):
         lse_safe = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)[..., None]  # NaN stays NaN
         x = ((s - lse_safe) * LOG2E).masked_fill(~vis, -math.inf)
         p = torch.exp2(x)  # the forward's exp2
+        # a row whose top score is +inf has the softmax inf/inf: NaN at every key it sees, as in
+        # PyTorch's softmax and the FP64 gradient reference (numerics/grad_reference.py)
+        p = torch.where((lse_safe == math.inf) & vis, math.nan, p)
         p_ds = ex2_emulation(x.contiguous(), 1).masked_fill(~vis, 0.0) if bug == "ds_other_exp2" else p
         dp = torch.einsum("bihc,bjhc->bhij", do, vf)
         if bug == "ds_rounded_operands":  # rn(dP) - rn(D) in the gradient dtype
