@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 
 __all__ = [
@@ -252,11 +253,12 @@ _TOGGLES = ("causal", "local", "gqa", "softcap", "sink", "deterministic")
 def _reachable_cached(arch: str, domain_json: str) -> dict[str, set]:
     import json
 
+    from audits.cases import SM90_HEAD_DIMS
     from audits.domain import Domain
     from numerics.code_paths import Call, classes_of
 
     dom = Domain.from_dict(json.loads(domain_json), where="coverage")
-    pairs = dom.head_dim_pairs() or tuple((d, dv) for d in range(8, 257, 8) for dv in range(8, 257, 8))
+    pairs = dom.head_dim_pairs() or tuple(itertools.product(SM90_HEAD_DIMS, SM90_HEAD_DIMS))
     masks = [(False, False)] + [(True, False)] * dom.causal + [(False, True)] * dom.local
     shapes = [s for s in _SHAPES if dom.gqa or s[0] == s[1]]
     dtype = (dom.dtypes or ("bfloat16",))[0]
@@ -288,8 +290,10 @@ def legacy_basis(rep: dict) -> dict:
     the one its suite was built in; else unrestricted), the architecture of a built-in model by
     name, production's from the compute capability in its environment (the GPU it ran on).
     ``"legacy"`` says how, for the coverage's notes."""
+    import re
+
     from audits.domain import Domain, DomainError
-    from audits.kernels import KERNELS
+    from audits.kernels import KERNELS, arch_of_capability
 
     info = rep.get("domain") if isinstance(rep.get("domain"), dict) else {}
     kern = rep.get("kernel")
@@ -302,10 +306,10 @@ def legacy_basis(rep: dict) -> dict:
         d = None
     how.append("domain as the report recorded it" if isinstance(d, dict) else "no domain recorded: unrestricted")
     arch = None
-    if kern == "fa4":
-        cc = str((rep.get("environment") or {}).get("compute_capability", ""))
-        arch = "sm90" if cc.startswith("sm_9") else "sm100" if cc.startswith(("sm_10", "sm_11")) else None
-    elif kern in KERNELS and kern != "fa4":
+    if kern == "fa4":  # audits.common records "sm_{major}{minor}"
+        cc = re.fullmatch(r"sm_(\d+)\d", str((rep.get("environment") or {}).get("compute_capability", "")))
+        arch = arch_of_capability(int(cc.group(1))) if cc else None
+    elif kern in KERNELS:
         arch = getattr(KERNELS[kern], "fa4_audit_arch", None)
     return {"domain": domain, "arch": arch if isinstance(arch, str) else None, "legacy": "; ".join(how)}
 

@@ -38,8 +38,8 @@ from fa4.production import REFUSALS, production_domain
 
 __all__ = [
     "KERNELS", "MODELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "fa4_arch", "production_arch",
-    "cuda_arch", "claims_nonfinite_inputs", "contract_error", "VARLEN_KERNELS", "get_varlen_kernel", "per_sequence",
-    "varlen_contract_error", "fa4_varlen_numerics", "fa4_varlen_splits",
+    "cuda_arch", "arch_of_capability", "claims_nonfinite_inputs", "contract_error", "VARLEN_KERNELS",
+    "get_varlen_kernel", "per_sequence", "varlen_contract_error", "fa4_varlen_numerics", "fa4_varlen_splits",
 ]  # fmt: skip
 
 
@@ -88,15 +88,20 @@ def _production(q, k, v, *, deterministic=False, **kw):
 _production.fa4_audit_refusals = REFUSALS  # its backward refuses by these rules only
 
 
+def arch_of_capability(major: int) -> str | None:
+    """The code-path architecture (``numerics.code_paths``) of compute capability ``major``.x:
+    "sm90" on 9.x (Hopper), "sm100" on 10.x and 11.x (production's SM100/110 path,
+    flash_attn/cute/interface.py ``_flash_attn_fwd`` dispatches both to the SM100 kernel); None
+    on another generation."""
+    return {9: "sm90", 10: "sm100", 11: "sm100"}.get(major)
+
+
 def cuda_arch() -> str | None:
     """The code-path architecture of this machine's GPU (production's ``fa4_audit_arch``, for
-    coverage: ``audits.coverage``): "sm90" on compute capability 9.x (Hopper), "sm100" on 10.x
-    and 11.x (production's SM100/110 path, flash_attn/cute/interface.py ``_flash_attn_fwd``
-    dispatches both to the SM100 kernel); None without CUDA or on another generation."""
+    coverage: ``audits.coverage``), :func:`arch_of_capability`; None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    major = torch.cuda.get_device_capability()[0]
-    return {9: "sm90", 10: "sm100", 11: "sm100"}.get(major)
+    return arch_of_capability(torch.cuda.get_device_capability()[0])
 
 
 _production.fa4_audit_arch = cuda_arch
