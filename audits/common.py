@@ -12,6 +12,7 @@ failure exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -258,3 +259,33 @@ def gpu_list(spec: str | None) -> list[str]:
 def pinned_env(env: dict, gpus: list[str], job: int) -> dict:
     """``env`` with job ``job`` pinned to GPU ``gpus[job % len(gpus)]`` (unchanged without GPUs)."""
     return {**env, "CUDA_VISIBLE_DEVICES": gpus[job % len(gpus)]} if gpus else dict(env)
+
+
+@contextlib.contextmanager
+def finishing(what: str):
+    """Run the block with a first Ctrl-C deferred: it is noted on stderr and the block goes on,
+    so that a report whose cases all finished is written whole (a ``--jobs`` job interrupted
+    once by its parent while it writes its report would otherwise leave none, and the parent
+    would report its finished cases as not run).  A second Ctrl-C raises ``KeyboardInterrupt``
+    as usual.  Outside the main thread (where Python delivers signals) the block runs unchanged.
+    Yields a dict whose ``"interrupted"`` says whether a Ctrl-C was deferred."""
+    import signal
+    import sys
+    import threading
+
+    state = {"interrupted": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+
+    def defer(signum, frame):
+        if state["interrupted"]:
+            raise KeyboardInterrupt
+        state["interrupted"] = True
+        print(f"Ctrl-C: finishing {what} first (Ctrl-C again abandons it)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, defer)
+    try:
+        yield state
+    finally:
+        signal.signal(signal.SIGINT, previous)

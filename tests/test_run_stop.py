@@ -366,3 +366,24 @@ def test_sigint_to_a_jobs_run_reaches_every_job(tmp_path, tiny, capsys):
     p, out, err = _interrupt_run(tmp_path, tiny, "--no-isolate", "--jobs", "2", journals=2)
     _check_interrupted(p, out, err, capsys, journal=False)
     assert all((out / "jobs" / str(i) / "report.json").exists() for i in (0, 1))
+
+
+def test_a_first_ctrl_c_while_the_report_is_written_is_deferred(capsys):
+    """``audits.common.finishing``: the first SIGINT inside the block is noted and the block
+    completes (a job interrupted by its parent while writing its report still writes it); a
+    second raises KeyboardInterrupt; the previous handler is back afterwards."""
+    from audits.common import finishing
+
+    before = signal.getsignal(signal.SIGINT)
+    with finishing("the report") as state:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs between bytecodes of the main thread
+        done = True
+    assert done and state["interrupted"] is True
+    assert "Ctrl-C: finishing the report first (Ctrl-C again abandons it)" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt), finishing("the report"):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+    assert signal.getsignal(signal.SIGINT) is before

@@ -393,6 +393,7 @@ def _report_runs(args, runs, cases, label, th, device, header: dict, stopped: st
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from audits.common import finishing
     from audits.runner.gate import ThresholdsError, load_thresholds
 
     if args.jobs < 1:
@@ -423,7 +424,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         runs = _run_jobs(args, kernels, cases, label, stopped)
     else:
         runs = _run_here(args, kernels, cases, label, th, device, header, stopped)
-    return _report_runs(args, runs, cases, label, th, device, header, stopped.get("reason"))
+    with finishing("the report"):  # every case run is in the report, even when Ctrl-C comes now
+        return _report_runs(args, runs, cases, label, th, device, header, stopped.get("reason"))
 
 
 def register(sub) -> None:
