@@ -3,9 +3,11 @@ output against another's.
 
 * :func:`output_errors` — against the FP64 reference: max |err| (value, index, reference value
   there), relative L2, max ULP error in the output dtype (``numerics.fp.ulp_error``'s
-  convention), non-finite mismatches.
+  convention), non-finite mismatches (counted, and broken down by what each side holds).
 * :func:`lse_errors` — max |lse - ref| over rows where both are finite, and rows where one is
-  -inf/NaN and the other is not.
+  -inf/NaN and the other is not (counted, and broken down as the output's).
+* :func:`nonfinite_mismatches` — that breakdown: elements where the two sides differ and one of
+  them is NaN or infinite, counted per (kernel's class, reference's class).
 * :func:`ulp_diff_histogram` — integer ULP distance between two tensors of the same 16- or
   8-bit float dtype (model vs production): counts of 0, 1, 2 and > 2 steps apart.
 * :func:`row_scaled_ulp_diff` — the same in ULPs at each row's largest reference magnitude.
@@ -22,8 +24,8 @@ import torch
 from numerics.fp import format_of, ordered_bits, ulp_error
 
 __all__ = [
-    "output_errors", "lse_errors", "ulp_diff_histogram", "row_scaled_ulp_diff", "fa_criterion", "fa_floor",
-    "bound_check",
+    "output_errors", "lse_errors", "nonfinite_mismatches", "VALUE_CLASSES", "ulp_diff_histogram",
+    "row_scaled_ulp_diff", "fa_criterion", "fa_floor", "bound_check",
 ]  # fmt: skip
 
 
@@ -35,14 +37,48 @@ def _index(flat_idx: int, shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+#: the classes :func:`nonfinite_mismatches` sorts a value into, in the order of its codes
+VALUE_CLASSES = ("finite", "NaN", "+inf", "-inf")
+
+
+def _classes(t: torch.Tensor) -> torch.Tensor:
+    """Each element's index in :data:`VALUE_CLASSES` (int64; ``t`` float64)."""
+    c = torch.isnan(t).long()
+    c += 2 * (t == math.inf).long()
+    c += 3 * (t == -math.inf).long()
+    return c
+
+
+def nonfinite_mismatches(got: torch.Tensor, ref: torch.Tensor) -> dict[str, int]:
+    """How many elements differ where at least one side is NaN or infinite, keyed
+    ``"<kernel's class>|<reference's class>"`` (classes :data:`VALUE_CLASSES`), most frequent
+    first, e.g. ``{"NaN|+inf": 240, "finite|NaN": 12}``.  Why: a count alone ("3 values are
+    NaN/inf") does not say whether the kernel turned a finite row into NaN, an empty row into a
+    number, or a NaN row into -inf; these differ in cause (a kernel bug, a masking convention, a
+    NaN-handling convention) and a reader needs the pair to tell which.  Equal infinities and NaN
+    against NaN are no mismatch.  ``got`` and ``ref``: the same shape, any float dtypes."""
+    g, r = got.double(), ref.double()
+    same = (g == r) | (torch.isnan(g) & torch.isnan(r))
+    bad = ~same & ~(torch.isfinite(g) & torch.isfinite(r))
+    if not bool(bad.any()):
+        return {}
+    n = len(VALUE_CLASSES)
+    codes = _classes(g[bad]) * n + _classes(r[bad])
+    counts = torch.bincount(codes, minlength=n * n).tolist()
+    pairs = {f"{VALUE_CLASSES[i // n]}|{VALUE_CLASSES[i % n]}": int(c) for i, c in enumerate(counts) if c}
+    return dict(sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def output_errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
     """Errors of ``out`` (any float dtype) against the float64 reference ``ref`` (same shape).
 
     Elements where the reference is finite but ``out`` is not are counted in
     ``nonfinite_where_ref_finite`` (they always fail); where the reference is NaN or infinite
     (non-finite inputs) and ``out`` differs from it, in ``nan_swallowed`` (a semantics
-    deviation: e.g. FA4's polynomial exp2 maps a NaN score to 0).  Error statistics use the
-    elements where both are finite.
+    deviation: e.g. FA4's polynomial exp2 maps a NaN score to 0).  ``nonfinite_mismatches``:
+    both counts broken down by what each side holds (:func:`nonfinite_mismatches`), so that a
+    report can say "NaN where the reference is finite" rather than a field name.  Error statistics
+    use the elements where both are finite.
     """
     if out.shape != ref.shape:
         raise ValueError(f"shapes differ: out {tuple(out.shape)} vs reference {tuple(ref.shape)}")
@@ -60,6 +96,7 @@ def output_errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
         "rel_l2": float(num / den) if den > 0 else float(num),
         "nonfinite_where_ref_finite": int((fin_r & ~fin_o).sum()),
         "nan_swallowed": int((~fin_r & ~((o == r) | (torch.isnan(o) & torch.isnan(r)))).sum()),
+        "nonfinite_mismatches": nonfinite_mismatches(o, r),
         "elements": out.numel(),
     }
     if out.dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -74,7 +111,9 @@ def lse_errors(lse: torch.Tensor, ref: torch.Tensor) -> dict:
     differ where the reference is NaN or +inf, which only non-finite inputs cause
     (``nan_swallowed``, a semantics deviation: FA4 reports -inf for a NaN row sum); and rows
     with no visible key (reference -inf) where the kernel is not -inf (``mismatched_nonfinite``);
-    ``ref_max_abs``: the largest finite |reference lse| (the scale of float32 LSE rounding)."""
+    ``nonfinite_mismatches``: the three broken down by what each side holds
+    (:func:`nonfinite_mismatches`); ``ref_max_abs``: the largest finite |reference lse| (the
+    scale of float32 LSE rounding)."""
     a, r = lse.double(), ref.double()
     both = torch.isfinite(a) & torch.isfinite(r)
     err = torch.where(both, (a - r).abs(), torch.zeros_like(a))
@@ -88,6 +127,7 @@ def lse_errors(lse: torch.Tensor, ref: torch.Tensor) -> dict:
         "nonfinite_where_ref_finite": int(bad_where_finite.sum()),
         "nan_swallowed": int(nan_swallowed.sum()),
         "mismatched_nonfinite": int(other.sum()),
+        "nonfinite_mismatches": nonfinite_mismatches(a, r),
     }
 
 

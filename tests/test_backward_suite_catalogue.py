@@ -112,7 +112,7 @@ CAUGHT = {
     "window_off_by_one_bwd": (cheapest(windowed, 2), ["unseen keys are not zero", "FA criterion: max|dk"]),
     "ds_rounded_operands": (
         cheapest(fp16_near_max) + cheapest(normal, 2),
-        ["dq elements are NaN/inf where the FP64 gradient is finite"],
+        ["dq elements: the kernel returns"],
     ),
     "dk_bf16_accum": (cheapest(normal, 2), ["FA criterion: max|dk"]),
 }

@@ -226,7 +226,7 @@ def test_summary_keeps_one_column_per_report(tmp_path, capsys):
     capsys.readouterr()
     paths = [str(tmp_path / d / "report.json") for d in ("x", "y")]
     assert cli.main(["summary", *paths]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if "fa4-model" in line]
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|") and "fa4-model" in line]
     assert len(rows) == 2 and f"fa4-model ({paths[0]})" in rows[0] and "| 1 |" in rows[0]
 
 

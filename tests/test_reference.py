@@ -78,6 +78,7 @@ def test_output_errors_and_lse_errors():
     e = output_errors(out, ref)
     assert e["max_abs"] == 0.5 and e["argmax"] == (0, 1)
     assert e["nan_swallowed"] == 1 and e["nonfinite_where_ref_finite"] == 1
+    assert e["nonfinite_mismatches"] == {"+inf|finite": 1, "finite|NaN": 1}
     le = lse_errors(
         torch.tensor([1.0, -math.inf, 2.0, -math.inf, math.nan]),
         torch.tensor([1.5, -math.inf, -math.inf, math.nan, 3.0], dtype=torch.float64),
@@ -89,6 +90,7 @@ def test_output_errors_and_lse_errors():
         "mismatched_nonfinite": 1,
         "nan_swallowed": 1,
         "nonfinite_where_ref_finite": 1,
+        "nonfinite_mismatches": {"-inf|NaN": 1, "NaN|finite": 1, "finite|-inf": 1},
     }
 
 

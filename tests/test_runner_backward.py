@@ -139,7 +139,8 @@ def test_schema_1_reports_are_still_read(tmp_path):
         # dQ MMA leak into every row (production does it too, H200 release).  Their infinite bound
         # is that propagation, not overflow: the semantics rules fail it, nothing is out of domain.
         ({"heads_q": 2, "heads_kv": 1, "seqlen_q": 48, "seqlen_k": 128, "window": [64, 0],
-          "family": "nan_inf_masked"}, "fail", "6144 dq elements are NaN/inf where the FP64 gradient is finite"),
+          "family": "nan_inf_masked"}, "fail",
+         "6,144 dq elements: the kernel returns NaN where the FP64 gradient is finite"),
     ],
 )  # fmt: skip
 def test_design_overflow_is_out_of_domain_but_nan_propagation_is_not(tmp_path, cfg, verdict, reason):

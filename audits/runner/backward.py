@@ -223,11 +223,12 @@ def case_references(case: Case, device: str) -> tuple:
     return ref, low, _certify(x, do, ref, case)
 
 
-def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, case: Case) -> dict:
+def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, case: Case, *, keep=None) -> dict:
     """Measurements of one case's gradients (module doc); ``x`` and ``do`` are the case's
     (``make_inputs``, ``make_grad_output``); ``kernel_numerics``: the FA4Numerics the kernel is
     held to (FA4's own, or generic flash-attention numerics for a peer) and its kind,
-    ``(nm, "fa4" | "peer")``."""
+    ``(nm, "fa4" | "peer")``.  ``keep`` (an ``audits.runner.diagnosis.CaseTensors``): receives
+    the gradients, their FP64 references and bounds, which a failing verdict is localized with."""
     from numerics.backward_bound import backward_error_bound
 
     out, lse, runs = result
@@ -238,6 +239,9 @@ def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, 
     if lse is not None:
         bound = backward_error_bound(q, k, v, do, out, lse, nm, reference=ref, **kw)
     leaves = {"dq": q, "dk": k, "dv": v, "dsink": kw.get("learnable_sink")}
+    if keep is not None:
+        keep.grads, keep.grad_refs, keep.grad_bounds = runs[0], ref, bound
+        keep.bwd_kind, keep.bwd_numerics = kind, nm
     # an infinite bound means overflow by design only where every input is finite; with NaN/inf
     # inputs it is their propagation, which the semantics rules judge
     finite = all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v, do))

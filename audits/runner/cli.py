@@ -225,14 +225,30 @@ def _run_jobs(args, kernels, cases, label, stopped: dict) -> dict[str, list[dict
     order = {c.name: i for i, c in enumerate(cases)}
     runs = {}
     for k in kernels:
-        recs = {}
+        recs, src = {}, {}
         for i in range(n):
-            recs.update(read_records(kernel_dir(jobs / str(i), k, several) / "journal.jsonl"))
+            got = read_records(kernel_dir(jobs / str(i), k, several) / "journal.jsonl")
+            recs.update(got)
+            src.update(dict.fromkeys(got, kernel_dir(jobs / str(i), k, several)))
         runs[k] = sorted((r for r in recs.values() if r["case"] in order), key=lambda r: order[r["case"]])
+        _gather_maps(runs[k], src, kernel_dir(Path(args.out), k, several))
     if "reason" not in stopped and any(len(r) < len(cases) for r in runs.values()):
         budget = args.budget is not None and any(p.returncode == EXIT_INCOMPLETE for p in procs)
         stopped["reason"] = "budget" if budget else "exitfirst" if args.exitfirst else "unfinished"
     return runs
+
+
+def _gather_maps(records: list[dict], src: dict, dest: Path) -> None:
+    """Each record's error map (``maps/<case>.npz``, written by the job that ran it, under ``src``
+    [case]) copied to ``dest``, the parent's report folder, where the record's relative path points
+    (copied, not moved: a ``--resume`` of the jobs keeps its own)."""
+    import shutil
+
+    for r in records:
+        rel = r.get("error_map")
+        if rel and (src[r["case"]] / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src[r["case"]] / rel, dest / rel)
 
 
 def _interrupt_jobs(procs) -> None:
@@ -375,7 +391,7 @@ def _report_runs(args, runs, cases, label, th, device, header: dict, stopped: st
             rep["domain"] = args.domain_info  # the domain the suite was built in, its coverage
         met = _require_coverage(args, kern, rep) if args.require_coverage else True
         out = kernel_dir(args.out, kern, len(runs) > 1)
-        paths = write_report(rep, out)
+        paths = write_report(rep, out, maps=args.maps)
         print(f"{kern}: {summary_line(rep)}; report: {paths['md']}")
         print(f"{kern}: coverage: {coverage_summary(rep['coverage'])} (fa4-audit coverage {shlex.quote(str(out))})")
         _print_failing(kern, records)
@@ -398,6 +414,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.jobs < 1:
         raise UsageError(f"--jobs {args.jobs}: expected a positive number of processes")
+    if args.maps < 0:
+        raise UsageError(f"--maps {args.maps}: expected a count of error maps to render (0: none)")
     if args.jobs > 1 and args.shard:
         raise UsageError("--jobs and --shard cannot be combined: --jobs N already runs N key shards")
     if args.gpus is not None:
@@ -431,6 +449,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     """Add ``run`` to the ``fa4-audit`` parser."""
     from audits.coverage import REQUIRE
+    from audits.runner.error_maps import DEFAULT_MAPS
     from audits.selection import add_case_arguments
     from audits.worker import RUN_DEFAULT_NOTE, add_timeout_argument
 
@@ -451,6 +470,11 @@ def register(sub) -> None:
     r.add_argument("--label", default=None, help=argparse.SUPPRESS)  # the parent's label, for --jobs children
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernels run (default cpu)")
     r.add_argument("--out", default="reports/run-latest", help="report directory (default reports/run-latest)")
+    r.add_argument(
+        "--maps", type=int, default=DEFAULT_MAPS, metavar="N",
+        help=f"render error maps of the N worst failing cases as OUT/maps/CASE.png and .svg, shown in report.html "
+        f"(default {DEFAULT_MAPS}; 0: none; the map data is saved for every failing case)",
+    )  # fmt: skip
     r.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/runner/thresholds.toml)")
     r.add_argument("--resume", action="store_true", help="continue the run in OUT (refused if OUT holds another run)")
     r.add_argument("--overwrite", action="store_true", help="replace the run OUT holds (default: refuse, exit 2)")

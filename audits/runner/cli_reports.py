@@ -162,6 +162,56 @@ def cmd_gate(args: argparse.Namespace) -> int:
     return code
 
 
+def _named_cases(args: argparse.Namespace, rep: dict, *, one: bool) -> list[dict]:
+    """The records ``--case GLOB`` matches (as every subcommand's ``--case``: fnmatch on the full
+    name, which matches itself); ``one``: exactly one, as ``--plot`` draws one case."""
+    import fnmatch
+
+    got = [r for r in rep["cases"] if fnmatch.fnmatchcase(r["case"], args.case)]
+    if not got:
+        raise UsageError(f"{args.report}: no case matches {args.case!r}; `fa4-audit show {args.report}` lists them")
+    if one and len(got) > 1:
+        names = ", ".join(r["case"] for r in got[:3]) + (", ..." if len(got) > 3 else "")
+        raise UsageError(f"--case {args.case!r} matches {len(got)} cases ({names}): --plot draws one; name it")
+    return got
+
+
+def _show_plot(args: argparse.Namespace, rep: dict) -> int:
+    """``show --case NAME --plot``: render the case's error map (``audits.runner.error_maps``)
+    to ``--out`` (default ``<case>.png`` or ``.svg`` here) and print the path; exit 2 with the
+    reason when the case has none."""
+    from pathlib import Path
+
+    from audits.runner.error_maps import render
+
+    if args.case is None:
+        raise UsageError("--plot needs --case NAME: the case whose error map to render")
+    (rec,) = _named_cases(args, rep, one=True)
+    rel = rec.get("error_map")
+    if not rel:
+        why = (
+            f"it did not fail (verdict {rec['verdict']})" if rec["verdict"] not in FAILING else
+            f"its failure ({rec['verdict']}) has no element past the bound to map: a kernel error, crash or "
+            "timeout, a failure that is not per element, or a report written before error maps existed"
+        )  # fmt: skip
+        raise UsageError(f"case {args.case} has no error map: {why}")
+    npz = Path(run_reports(args.report)[0]).parent / rel
+    if not npz.is_file():
+        raise UsageError(
+            f"case {args.case}: its error map {npz} is missing (copy the run's maps/ folder with the report)"
+        )
+    try:
+        data = render(npz, fmt=args.format, tensor=args.tensor)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    out = Path(args.out or f"{args.case}{'-' + args.tensor if args.tensor else ''}.{args.format}")
+    if out.parent != Path():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(data)
+    print(out)
+    return EXIT_OK
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     """A report as a table on a terminal, as plain lines otherwise; case names never cut."""
     from rich.console import Console
@@ -169,14 +219,23 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     from audits.coverage import coverage_summary
     from audits.runner.report import case_cells, summary_line
+    from audits.runner.separators import where_lines
 
     rep = load_report(args.report)
+    if args.plot:
+        return _show_plot(args, rep)
     console = Console()
     head = f"{rep['kernel']} / {rep['suite']} ({rep['created']}): {summary_line(rep)}"
     cov = f"coverage: {coverage_summary(rep.get('coverage'))}"  # all of it: fa4-audit coverage
+    # which case fields tell failing from passing cases (the whole report's; not with --case)
+    seps = _separator_lines(rep.get("diagnosis")) if args.case is None else []
+    if args.case is not None:
+        rep = {**rep, "cases": _named_cases(args, rep, one=False)}
     if not console.is_terminal:
         print(head)
         print(cov)
+        for line in seps:
+            print(line)
         for r in rep["cases"]:
             c = case_cells(r)
             print(f"{r['verdict']:13s} {r['case']}")
@@ -185,6 +244,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                 print(f"{'':13s} gradients {c['grads']}, err/bound {c['grad_tightness']}, run to run {c['spread']}")
             if c["reasons"]:
                 print(f"{'':13s} {c['reasons']}")
+            for w in where_lines(r):  # the case's diagnosis: where its violations concentrate
+                print(f"{'':13s} where: {w}")
         return EXIT_OK
     t = Table(title=head, caption=cov)
     t.add_column(
@@ -197,9 +258,23 @@ def cmd_show(args: argparse.Namespace) -> int:
     for r in rep["cases"]:
         c = case_cells(r)
         grads = (c["grads"], c["grad_tightness"]) if bwd else ()
-        t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], *grads, c["reasons"])
+        why = "\n".join([c["reasons"], *(f"where: {w}" for w in where_lines(r))]).strip("\n")
+        t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], *grads, why)
     console.print(t, crop=False)
+    for line in seps:
+        console.print(line, markup=False, highlight=False, crop=False)
     return EXIT_OK
+
+
+def _separator_lines(diag: dict | None) -> list[str]:
+    """``show``'s lines of a report's separators (``audits.runner.separators.separator_text``)."""
+    from audits.runner.separators import separator_text
+
+    head, rules = separator_text(diag)
+    if not head:
+        return []
+    lines = [f"  {rule}" + (f": {detail}" if detail else "") for rule, detail in rules]
+    return [f"separators: {head}" + (":" if lines else ".")] + lines
 
 
 def cmd_coverage(args: argparse.Namespace) -> int:
@@ -439,6 +514,19 @@ def register(sub) -> None:
     g.set_defaults(func=cmd_gate)
     sh = sub.add_parser("show", help="print a report: a table on a terminal, plain lines otherwise")
     sh.add_argument("report", help="a report.json (or .json.gz / .json.xz)")
+    sh.add_argument(
+        "--case", default=None, metavar="GLOB", help="show the cases whose name matches GLOB (a full name: that case)"
+    )
+    sh.add_argument(
+        "--plot", action="store_true",
+        help="render the --case's error map (|error|/bound per element, tiles, mask) and print the file's path; "
+        "exit 2 when the case has none",
+    )  # fmt: skip
+    sh.add_argument("--format", default="png", choices=["png", "svg"], help="--plot's format (default png)")
+    sh.add_argument(
+        "--tensor", default=None, choices=["out", "lse", "dq", "dk", "dv"], help="--plot only this tensor's panels"
+    )
+    sh.add_argument("--out", default=None, metavar="FILE", help="--plot's file (default: CASE.png or .svg here)")
     sh.set_defaults(func=cmd_show)
     cv = sub.add_parser(
         "coverage",

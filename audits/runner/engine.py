@@ -46,6 +46,7 @@ from audits.kernels import (
 )  # fmt: skip
 from audits.runner import journal
 from audits.runner.backward import BackwardOptions, analyse_backward, case_references, grad_call
+from audits.runner.diagnosis import CaseTensors, diagnose, save_map
 from audits.runner.gate import judge
 from audits.runner.repro import reproducer
 from audits.runner.schema import FAILING, upgrade_case
@@ -157,21 +158,27 @@ def _peer_numerics(q: torch.Tensor):
     )
 
 
-def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device) -> None:
-    """Reference, metrics, bound and criteria of a kernel result, into ``rec``."""
+def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device,
+             keep: CaseTensors) -> None:  # fmt: skip
+    """Reference, metrics, bound and criteria of a kernel result, into ``rec``; the tensors a
+    failing verdict is localized with, into ``keep``."""
     q, k, v = x["q"], x["k"], x["v"]
     nmf = fa4_numerics(kernel)
     nm = nmf(q, k, v, case.causal, tuple(case.window)) if nmf is not None else _peer_numerics(q)
     refs, bounds = _reference(case, str(device)), _bound(case, str(device), nm)
-    _measure(rec, kernel, case, x, out, lse, refs, bounds, ("fa4" if nmf is not None else "peer", nm))
+    _measure(rec, kernel, case, x, out, lse, refs, bounds, ("fa4" if nmf is not None else "peer", nm), keep)
 
 
-def _measure(rec: dict, kernel: str, case: Case, x: dict, out, lse, refs: tuple, bounds: tuple, nm: tuple) -> None:
+def _measure(rec: dict, kernel: str, case: Case, x: dict, out, lse, refs: tuple, bounds: tuple, nm: tuple,
+             keep: CaseTensors) -> None:  # fmt: skip
     """The measurements of a result against its references ``refs`` (FP64 out and LSE, the
     low-precision result, the certification) and its per-element ``bounds`` (out, LSE) under
-    numerics ``nm`` ((kind, FA4Numerics)), into ``rec``."""
+    numerics ``nm`` ((kind, FA4Numerics)), into ``rec``; the tensors themselves into ``keep``
+    (``audits.runner.diagnosis``: a failing verdict is localized from them, after ``judge``)."""
     q, k, v = x["q"], x["k"], x["v"]
     ref, rl, low, cert = refs
+    keep.kind, keep.numerics, keep.out, keep.lse, keep.ref, keep.ref_lse = nm[0], nm[1], out, lse, ref, rl
+    keep.out_bound, keep.lse_bound = bounds
     rec["out"] = output_errors(out, ref)
     if lse is not None:
         rec["lse"] = lse_errors(lse, rl)
@@ -209,18 +216,18 @@ def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
     return {"status": "ran"}, (res if isinstance(res, tuple) else (res, None))
 
 
-def _analyse_or_oom(rec: dict, kernel: str, case: Case, x: dict, out, lse, device) -> None:
+def _analyse_or_oom(rec: dict, kernel: str, case: Case, x: dict, out, lse, device, keep: CaseTensors) -> None:
     """:func:`_analyse` (:func:`_analyse_varlen` for a varlen case); an OOM in the audit's own
     FP64 work (not the kernel's) frees the caches and retries once, then becomes the case's error."""
     analyse = _analyse_varlen if case.varlen else _analyse
     try:
-        analyse(rec, kernel, case, x, out, lse, device)
+        analyse(rec, kernel, case, x, out, lse, device, keep)
     except torch.OutOfMemoryError:
         for cached in (_reference, _bound, _varlen_reference, _varlen_bound):
             cached.cache_clear()
         torch.cuda.empty_cache()
         try:
-            analyse(rec, kernel, case, x, out, lse, device)
+            analyse(rec, kernel, case, x, out, lse, device, keep)
         except torch.OutOfMemoryError as exc:
             why = str(exc).splitlines()[0]
             rec.update(status="error", reason=f"the audit's FP64 reference or bound ran out of GPU memory: {why}")
@@ -333,14 +340,15 @@ def _varlen_numerics(kernel: str, case: Case, x: dict) -> tuple[str, tuple, tupl
     return "fa4", tuple(nms), tuple(spf(x["q"], x["k"], x["kw"]))
 
 
-def _analyse_varlen(rec: dict, kernel: str, case: Case, x: dict, out, lse, device: torch.device) -> None:
+def _analyse_varlen(rec: dict, kernel: str, case: Case, x: dict, out, lse, device: torch.device,
+                    keep: CaseTensors) -> None:  # fmt: skip
     """:func:`_analyse` of a varlen result (out (total_q, hq, dv), lse (hq, total_q)): measured
     as one batch-1 result against the sequences' packed references and bounds; the record's
     ``varlen`` names the sequence of the largest output error."""
     kind, nms, splits = _varlen_numerics(kernel, case, x)
     refs, bounds = _varlen_reference(case, str(device)), _varlen_bound(case, str(device), nms, splits)
     lse1 = None if lse is None else lse.unsqueeze(0)
-    _measure(rec, kernel, case, x, out.unsqueeze(0), lse1, refs, bounds, (kind, nms[0]))
+    _measure(rec, kernel, case, x, out.unsqueeze(0), lse1, refs, bounds, (kind, nms[0]), keep)
     cu = x["kw"]["cu_seqlens_q"].tolist()
     if cu[-1]:
         rec["varlen"]["worst_sequence"] = bisect.bisect_right(cu, rec["out"]["argmax"][1]) - 1
@@ -378,9 +386,11 @@ def _no_varlen_entry(kernel: str) -> str:
     )
 
 
-def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.device, opts: BackwardOptions) -> dict:
+def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.device, opts: BackwardOptions,
+              keep: CaseTensors) -> dict:  # fmt: skip
     """The case's backward half (``audits.runner.backward``): a seeded dO, the kernel's
-    gradients, their measurements; an OOM in the audit's own FP64 work is the case's error."""
+    gradients, their measurements (the tensors into ``keep``); an OOM in the audit's own FP64
+    work is the case's error."""
     do, fam = make_grad_output(case, device=device)
     status, res = fn.grad(x, do, opts, call=grad_call) if isinstance(fn, Isolated) else grad_call(fn, x, do, opts)
     b = {**status, "do_family": fam, "repeat": opts.repeat, "deterministic": opts.deterministic}
@@ -390,7 +400,7 @@ def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.devi
     q, k, v = x["q"], x["k"], x["v"]
     nm = (nmf(q, k, v, case.causal, tuple(case.window)), "fa4") if nmf is not None else (_peer_numerics(q), "peer")
     try:
-        b.update(analyse_backward(nm, x, do, res, case))
+        b.update(analyse_backward(nm, x, do, res, case, keep=keep))
     except torch.OutOfMemoryError as exc:
         case_references.cache_clear()
         torch.cuda.empty_cache()
@@ -408,12 +418,17 @@ def evaluate_case(
     backward: BackwardOptions | None = None,
     domain=None,
     per_sequence: bool = False,
+    *,
+    error_map: dict | None = None,
 ) -> dict:
     """Measurements and verdict of one case (a JSON-able dict); with ``backward``, its gradients
-    too (``rec["backward"]``).  ``domain`` (``audits.domain.Domain``, the kernel's declared one):
-    a case outside it is ``skipped`` with the reason, decided before the kernel is called.  A
-    varlen case runs through the kernel's varlen entry, else with ``per_sequence`` through ``fn``
-    once per sequence, else is ``skipped`` (the reason names ``--per-sequence``)."""
+    too (``rec["backward"]``).  A failing case gets ``rec["diagnosis"]``, where its violations
+    lie (``audits.runner.diagnosis``, from the tensors kept until the verdict); its error-map
+    data goes into ``error_map["map"]`` when given (``ErrorMap``: the caller writes the file).
+    ``domain`` (``audits.domain.Domain``, the kernel's declared one): a case outside it is
+    ``skipped`` with the reason, decided before the kernel is called.  A varlen case runs through
+    the kernel's varlen entry, else with ``per_sequence`` through ``fn`` once per sequence, else
+    is ``skipped`` (the reason names ``--per-sequence``)."""
     rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
     t0 = time.perf_counter()
     if case.varlen:
@@ -431,6 +446,7 @@ def evaluate_case(
         return _skipped(rec, f"input family not applicable here: {exc}", t0)
     status, res = _call(fn, x)
     rec.update(status)
+    keep = CaseTensors(case)
     if res is not None:
         out, lse = res
         rec["lse_returned"] = lse is not None  # judged by [policy] lse_missing: never silently unchecked
@@ -441,14 +457,33 @@ def evaluate_case(
         if bad:
             rec.update(status="error", reason=bad)
         else:
-            _analyse_or_oom(rec, kernel, case, x, out, lse, device)
+            _analyse_or_oom(rec, kernel, case, x, out, lse, device, keep)
     if backward is not None and rec["status"] == "ran":
-        rec["backward"] = dict(_VARLEN_BACKWARD) if case.varlen else _backward(kernel, fn, case, x, device, backward)
+        if case.varlen:
+            rec["backward"] = dict(_VARLEN_BACKWARD)
+        else:
+            rec["backward"] = _backward(kernel, fn, case, x, device, backward, keep)
         if rec["backward"].get("audit_error"):
             rec["audit_error"] = True
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
+    if rec["verdict"] in FAILING:
+        rec["diagnosis"], emap = _diagnose(rec, thresholds, keep)
+        if emap is not None and error_map is not None:
+            error_map["map"] = emap
     rec["seconds"] = time.perf_counter() - t0
     return rec
+
+
+def _diagnose(rec: dict, thresholds: dict, keep: CaseTensors) -> tuple:
+    """``audits.runner.diagnosis.diagnose``; an OOM in it (full-size masks beside the FP64
+    references) frees the caches and leaves the case undiagnosed ({}), its verdict unchanged."""
+    try:
+        return diagnose(rec=rec, th=thresholds, tensors=keep)
+    except torch.OutOfMemoryError:
+        for cached in (_reference, _bound, _varlen_reference, _varlen_bound, case_references):
+            cached.cache_clear()
+        torch.cuda.empty_cache()
+        return {}, None
 
 
 def _skipped(rec: dict, reason: str, t0: float) -> dict:
@@ -621,10 +656,15 @@ def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward
             if c.name in st["done"]:
                 rec = {**st["done"][c.name], "resumed": True}
             else:
-                rec = evaluate_case(kern, st["fn"], c, device, thresholds, backward, st["domain"], st["per_sequence"])
+                emap = {}
+                rec = evaluate_case(kern, st["fn"], c, device, thresholds, backward, st["domain"], st["per_sequence"],
+                                    error_map=emap)  # fmt: skip
                 rec["repro"] = st["repro"](c)
                 if rec["verdict"] in FAILING:
                     rec["repro_inputs"] = _save_inputs(st, c)
+                if "map" in emap:  # the error map beside the report, named in the record (kept by --resume)
+                    rec["error_map"] = f"maps/{c.name}.npz"
+                    save_map(st["out"] / rec["error_map"], error_map=emap.pop("map"))
                 st["records"][i] = rec  # first: a Ctrl-C during the journal's fsync keeps it in the report
                 journal.append(st["journal"], {**rec, journal.AT: i})
             st["records"][i] = rec

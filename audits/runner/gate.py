@@ -14,7 +14,8 @@ from audits.common import read_toml
 
 __all__ = [
     "DEFAULT_THRESHOLDS", "load_thresholds", "require_backward", "judge", "judge_against_baseline", "rejudge",
-    "ThresholdsError",
+    "ThresholdsError", "backward_verdict", "ungated_figures", "fa_allowed", "grad_fa_allowed", "lse_allowed",
+    "bound_gated",
 ]  # fmt: skip
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
@@ -94,42 +95,144 @@ def require_backward(th: dict) -> None:
         )
 
 
+#: a value class of ``numerics.metrics.VALUE_CLASSES`` in words
+_HOLDS = {"finite": "a finite value", "NaN": "NaN", "+inf": "+inf", "-inf": "-inf"}
+#: why the FP64 reference holds a non-finite class, where the class alone makes it certain
+#: (``numerics.reference``: the inputs are exact in float64, whose products and sums of float32-range
+#: values cannot overflow, and learnable sinks are finite, audits.inputs.SINK_PLACES): an LSE is NaN
+#: only when a visible score is NaN, +inf only when one is +inf, -inf only when the row has no
+#: visible key (or only -inf scores) and no sink; an output is NaN only when non-finite inputs reach
+#: the row, +-inf only when V holds an infinity at a key the row gives positive weight.  Gradients:
+#: NaN/inf only from non-finite inputs (``numerics.grad_reference``)
+_CAUSES = {
+    "LSE": {
+        "NaN": "a visible score is NaN: a NaN or inf in q or k",
+        "+inf": "a visible score is +inf: an inf in q or k",
+        "-inf": "the row sees no key, or only -inf scores",
+    },
+    "out": {"NaN": "NaN or inf inputs reach the row", "+inf": "an inf in V at a visible key",
+            "-inf": "an inf in V at a visible key"},
+    "grad": dict.fromkeys(("NaN", "+inf", "-inf"), "from NaN or inf inputs"),
+}  # fmt: skip
+
+
+def _count(n: int, noun: tuple[str, str]) -> str:
+    """``1 output``, ``2,048 outputs``: ``noun`` is (singular, plural)."""
+    return f"{n:,} {noun[0] if n == 1 else noun[1]}"
+
+
+def _nonfinite(r: dict, noun: tuple[str, str], kind: str, th: dict, *, ref: str) -> list[tuple[str, str]]:
+    """Reasons for a tensor's non-finite mismatches (``numerics.metrics.output_errors`` /
+    ``lse_errors``: ``r``), in words a reader follows: how many elements, what the kernel returns
+    and what the FP64 reference (``ref``, e.g. "FP64 reference") holds there, and why the reference
+    is non-finite where its class says so (:data:`_CAUSES` of ``kind``: "out", "LSE", "grad").
+    Severity as ever: a non-finite value where the reference is finite fails; a differing value
+    where non-finite inputs make the reference NaN/inf is a semantics deviation (policy
+    ``nan_swallowed``); an LSE other than -inf where the reference is -inf fails.  A record without
+    the breakdown (written before it) gets the counts in plain words."""
+    groups = [("fail", r["nonfinite_where_ref_finite"], {"finite"})]
+    if kind == "LSE":  # -inf is the empty row's convention, its own check
+        groups += [(th["policy"]["nan_swallowed"], r["nan_swallowed"], {"NaN", "+inf"}),
+                   ("fail", r.get("mismatched_nonfinite", 0), {"-inf"})]  # fmt: skip
+    else:
+        groups.append((th["policy"]["nan_swallowed"], r["nan_swallowed"], {"NaN", "+inf", "-inf"}))
+    pairs = r.get("nonfinite_mismatches")
+    pairs = pairs if isinstance(pairs, dict) else {}
+    found = []
+    for i, (sev, n, refs) in enumerate(groups):
+        if not n:
+            continue
+        deviation = " — a semantics deviation" if i == 1 else ""
+        mine = [(k.split("|"), c) for k, c in pairs.items()
+                if isinstance(c, int) and k.count("|") == 1 and k.split("|")[1] in refs]  # fmt: skip
+        if sum(c for _, c in mine) != n or any(g not in _HOLDS or v not in _HOLDS for (g, v), _ in mine):
+            found.append((sev, _plain(n, noun, kind, ref=ref, group=i) + deviation))
+            continue
+        for want in dict.fromkeys(v for (_, v), _ in mine):  # one reason per reference class, most first
+            got = [(_HOLDS[g], c) for (g, v), c in mine if v == want]
+            where = f"where the {ref} is {want}" + (f" ({_CAUSES[kind][want]})" if want in _CAUSES[kind] else "")
+            # several classes: "15,552 dv elements: the kernel returns a finite value (15,488), -inf (35) or +inf (29)"
+            each = [f"{h} ({c:,})" for h, c in got] if len(got) > 1 else [got[0][0]]
+            holds = each[0] if len(each) == 1 else f"{', '.join(each[:-1])} or {each[-1]}"
+            why = f"{_count(sum(c for _, c in got), noun)}: the kernel returns {holds} {where}"
+            found.append((sev, why + deviation))
+    return found
+
+
+def _plain(n: int, noun: tuple[str, str], kind: str, *, ref: str, group: int) -> str:
+    """The reason of :func:`_nonfinite`'s group ``group`` (0: reference finite, 1: reference NaN
+    or inf, 2: LSE reference -inf) for a record without the per-class breakdown."""
+    if group == 0:
+        return f"{_count(n, noun)}: the kernel returns NaN or inf where the {ref} is finite"
+    if group == 2:
+        why = _CAUSES["LSE"]["-inf"]
+        return f"{_count(n, noun)}: the kernel returns other than -inf where the {ref} is -inf ({why})"
+    return f"{_count(n, noun)}: the kernel's value differs where NaN or inf inputs make the {ref} NaN or inf"
+
+
 def _semantics(m: dict, th: dict) -> list[tuple[str, str]]:
     """Non-finite values against the reference: NaN/inf where it is finite fails; a finite
-    value where non-finite inputs make it NaN/inf is a semantics deviation (policy)."""
-    found = []
-    for what, r in (("outputs", m["out"]), ("LSE values", m.get("lse"))):
-        if r is None:
-            continue
-        if r["nonfinite_where_ref_finite"]:
-            found.append(
-                ("fail", f"{r['nonfinite_where_ref_finite']} {what} are NaN/inf where the FP64 reference is finite")
-            )
-        if r["nan_swallowed"]:
-            found.append((th["policy"]["nan_swallowed"], f"semantics deviation: {r['nan_swallowed']} {what} differ "
-                          "where non-finite inputs make the reference NaN/inf"))  # fmt: skip
+    value where non-finite inputs make it NaN/inf is a semantics deviation (policy); an LSE other
+    than -inf on a row with no visible key fails (:func:`_nonfinite`)."""
+    found = _nonfinite(m["out"], ("output", "outputs"), "out", th, ref="FP64 reference")
+    if m.get("lse") is not None:
+        found += _nonfinite(m["lse"], ("LSE value", "LSE values"), "LSE", th, ref="FP64 reference")
     return found
+
+
+def _bound_gated(kind: str | None, table: dict) -> bool:
+    """Whether a per-element bound of ``kind`` ("fa4": the kernel implements FA4's numerics; else
+    a peer's generic flash-attention numerics) gates, under the [policy] or [backward] ``table``."""
+    return table["bound"] if kind == "fa4" else table["peer_bound"]
+
+
+def bound_gated(*, m: dict, th: dict, backward: bool = False) -> bool:
+    """Whether case record ``m``'s per-element bound gates it under ``th``: the forward's (its
+    ``bound.kind``) or, with ``backward``, the gradients' (``backward.bound_kind``).  Public: the
+    per-element localization (``audits.runner.diagnosis``) counts a criterion only where it gates."""
+    if backward:
+        return _bound_gated((m.get("backward") or {}).get("bound_kind"), th["backward"])
+    return _bound_gated((m.get("bound") or {}).get("kind"), th["policy"])
 
 
 def _bound(m: dict, th: dict) -> list[tuple[str, str]]:
     """The per-element forward bound (FA4 numerics, or generic flash-attention numerics for peers)."""
     b = m.get("bound")
-    applies = th["policy"]["bound"] if (b or {}).get("kind") == "fa4" else th["policy"]["peer_bound"]
+    applies = _bound_gated((b or {}).get("kind"), th["policy"])
     if b is None or not applies or not (b["violations"] or b["lse_violations"]):
         return []
     return [("fail", f"{b['violations']} outputs and {b['lse_violations']} LSE values exceed the forward-pass bound "
              f"(worst error/bound {b['tightness']:.3g}) — a bug in the kernel or in the analysis")]  # fmt: skip
 
 
-def _fa_criterion(m: dict, th: dict) -> list[tuple[str, str]]:
-    """FlashAttention's own test criterion, a floor for the dtypes PyTorch computes in."""
+def fa_allowed(*, m: dict, th: dict) -> float | None:
+    """The largest |out - ref| FlashAttention's criterion allows case record ``m`` under ``th``
+    (``fa_multiplier`` x PyTorch's error in the input dtype + 2 x the output's rounding), or None
+    where the criterion does not gate the case (off, a dtype PyTorch does not compute in, not
+    measured).  Public: the verdict here and the per-element localization
+    (``audits.runner.diagnosis``) read the one rule."""
     fa, pol = m.get("fa_criterion"), th["policy"]
     if fa is None or not pol["fa_criterion"] or m["config"]["dtype"] not in pol["fa_criterion_dtypes"]:
-        return []
-    allowed = pol["fa_multiplier"] * fa["lowprec_max_abs"] + 2 * fa["rounding"]
-    if fa["max_abs"] <= allowed:
+        return None
+    return pol["fa_multiplier"] * fa["lowprec_max_abs"] + 2 * fa["rounding"]
+
+
+def _fa_criterion(m: dict, th: dict) -> list[tuple[str, str]]:
+    """FlashAttention's own test criterion, a floor for the dtypes PyTorch computes in."""
+    fa, allowed = m.get("fa_criterion"), fa_allowed(m=m, th=th)
+    if allowed is None or fa["max_abs"] <= allowed:
         return []
     return [("fail", f"FA criterion: max|out - ref| {fa['max_abs']:.3g} > allowed {allowed:.3g}")]
+
+
+def lse_allowed(*, m: dict, th: dict) -> float | None:
+    """The largest |lse - lse_fp64| the [lse] ceiling allows case record ``m`` (``max_abs`` + ``rel``
+    x its largest finite |reference LSE|), or None when the record has no measured LSE.  Public:
+    the verdict and ``audits.runner.diagnosis`` read the one rule."""
+    lse = m.get("lse")
+    if lse is None:
+        return None
+    return th["lse"]["max_abs"] + th["lse"]["rel"] * lse.get("ref_max_abs", 0.0)
 
 
 def _lse(m: dict, th: dict) -> list[tuple[str, str]]:
@@ -139,11 +242,8 @@ def _lse(m: dict, th: dict) -> list[tuple[str, str]]:
         return (
             [(th["policy"]["lse_missing"], "LSE not returned: not audited")] if m.get("lse_returned") is False else []
         )
-    found = []
-    if lse["mismatched_nonfinite"]:
-        found.append(("fail", f"{lse['mismatched_nonfinite']} rows with no visible key have an LSE other than -inf"))
-    ref_max = lse.get("ref_max_abs", 0.0)
-    allowed = th["lse"]["max_abs"] + th["lse"]["rel"] * ref_max
+    found = []  # an LSE other than -inf where the reference is -inf: _semantics
+    ref_max, allowed = lse.get("ref_max_abs", 0.0), lse_allowed(m=m, th=th)
     if lse["max_abs"] > allowed:
         found.append(("fail", f"LSE max |err| {lse['max_abs']:.3g} > allowed {allowed:.3g} (max_abs "
                       f"{th['lse']['max_abs']:g} + rel {th['lse']['rel']:g} * max|lse| {ref_max:.3g})"))  # fmt: skip
@@ -169,41 +269,48 @@ def _grad_values(b: dict, th: dict) -> list[tuple[str, str]]:
     found += [("error", f"gradient contract: {why}") for why in b.get("contract", [])]
     found += [("fail", f"autograd returned no {n}: the output does not depend on that input") for n in b["missing"]]
     for n, g in b["grads"].items():
-        if g["nonfinite_where_ref_finite"]:
-            bad = g["nonfinite_where_ref_finite"]
-            found.append(("fail", f"{bad} {n} elements are NaN/inf where the FP64 gradient is finite"))
-        if g["nan_swallowed"]:
-            found.append((th["policy"]["nan_swallowed"], f"semantics deviation: {g['nan_swallowed']} {n} elements "
-                          "differ where non-finite inputs make the FP64 gradient NaN/inf"))  # fmt: skip
+        found += _nonfinite(g, (f"{n} element", f"{n} elements"), "grad", th, ref="FP64 gradient")
         bd = g.get("bound")
-        applies = bt["bound"] if b.get("bound_kind") == "fa4" else bt["peer_bound"]
+        applies = _bound_gated(b.get("bound_kind"), bt)
         if bd and applies and bd["violations"]:
             found.append(("fail", f"{bd['violations']} {n} elements exceed the backward bound (worst error/bound "
                           f"{bd['tightness']:.3g}) — a bug in the kernel or in the analysis"))  # fmt: skip
     return found
 
 
+def grad_fa_allowed(*, m: dict, grad: str, th: dict) -> float | list[float] | None:
+    """The largest |g - ref| FlashAttention's backward criterion allows gradient ``grad`` of case
+    record ``m`` under ``th``: ``multiplier`` x PyTorch's error in the input dtype + 2 x rounding
+    (+ ``softcap_abs`` with a softcap); for dsink, which FA checks per head, one value per head
+    with ``ulps`` ULPs of |ref| in place of the rounding term.  None where the criterion does not
+    gate it (off, fp8, not measured).  Public: the verdict and ``audits.runner.diagnosis`` read
+    the one rule."""
+    bt, cfg = th["backward"], m["config"]
+    fa = ((((m.get("backward") or {}).get("grads") or {}).get(grad)) or {}).get("fa_criterion")
+    if fa is None or not bt["fa_criterion"] or cfg["dtype"] not in th["policy"]["fa_criterion_dtypes"]:
+        return None
+    cap = bool(cfg.get("softcap"))
+    mult = bt["softcap_multiplier"] if cap else bt[grad]["fa_multiplier"]
+    extra = bt["softcap_abs"] if cap else 0.0
+    if grad == "dsink":  # elementwise, 2 ULP of |ref| per head
+        return [mult * fa["lowprec_max_abs"] + bt["dsink"]["ulps"] * u + extra for u in fa["ulps_at_ref"]]
+    return mult * fa["lowprec_max_abs"] + 2 * fa["rounding"] + extra
+
+
 def _grad_fa_criterion(b: dict, m: dict, th: dict) -> list[tuple[str, str]]:
     """FlashAttention's backward criterion per gradient, a floor for bf16 / fp16."""
-    bt, cfg, found = th["backward"], m["config"], []
-    if not bt["fa_criterion"] or cfg["dtype"] not in th["policy"]["fa_criterion_dtypes"]:
-        return []
-    cap = bool(cfg.get("softcap"))
+    found = []
     for n, g in b["grads"].items():
-        fa = g.get("fa_criterion")
-        if fa is None:
+        fa, allowed = g.get("fa_criterion"), grad_fa_allowed(m=m, grad=n, th=th)
+        if allowed is None:
             continue
-        mult = bt["softcap_multiplier"] if cap else bt[n]["fa_multiplier"]
-        extra = bt["softcap_abs"] if cap else 0.0
         if n == "dsink":  # elementwise, 2 ULP of |ref| per head
-            allowed = [mult * fa["lowprec_max_abs"] + bt["dsink"]["ulps"] * u + extra for u in fa["ulps_at_ref"]]
             bad = [i for i, (e, a) in enumerate(zip(fa["errors"], allowed)) if e > a]
             if bad:
                 i = bad[0]
                 found.append(("fail", f"FA criterion: dsink of {len(bad)} head(s) off, head {i}: "
                               f"|err| {fa['errors'][i]:.3g} > allowed {allowed[i]:.3g}"))  # fmt: skip
             continue
-        allowed = mult * fa["lowprec_max_abs"] + 2 * fa["rounding"] + extra
         if fa["max_abs"] > allowed:
             found.append(("fail", f"FA criterion: max|{n} - ref| {fa['max_abs']:.3g} > allowed {allowed:.3g}"))
     return found
@@ -257,6 +364,37 @@ def judge(m: dict, th: dict) -> tuple[str, list[str]]:
     found = [f for check in _CHECKS for f in check(m, th)] + _backward(m, th)
     verdict = max((sev for sev, _ in found), key=_RANK.__getitem__, default="pass")
     return verdict, [why for _, why in found]
+
+
+def backward_verdict(*, case: dict, thresholds: dict) -> str | None:
+    """The verdict of a case record's backward half alone (None: the case has no backward), under
+    ``thresholds`` (which must have the [backward] tables): a case's verdict is the worst of both
+    halves, so a summary that counts gradients (``audits.runner.report.summary_line``) needs this
+    half on its own to say how many cases' gradients passed."""
+    if not case.get("backward"):
+        return None
+    found = _backward(case, thresholds)
+    return max((sev for sev, _ in found), key=_RANK.__getitem__, default="pass")
+
+
+def ungated_figures(*, case: dict, thresholds: dict) -> dict[str, str]:
+    """The error/bound figures a case record shows that its verdict does not gate, each with why
+    in words: ``"bound"`` (the forward bound's tightness), ``"grad_bound"`` (the gradients').  A
+    table that shows such a figure says so: a kernel author who sees err/bound 3.63 on a passing
+    case must learn that the bound is informational for the kernel (a peer kernel does not claim
+    FA4's numerics; thresholds ``peer_bound``), not that the audit overlooked it.  Empty when
+    ``thresholds`` lack the tables (a report read from a journal keeps only their digest)."""
+    out = {}
+    pol, bt = thresholds.get("policy"), thresholds.get("backward")
+    kind = (case.get("bound") or {}).get("kind")
+    if isinstance(pol, dict) and case.get("bound") and not _bound_gated(kind, pol):
+        out["bound"] = "not gated: [policy] bound = false" if kind == "fa4" else "not gated for peer kernels"
+    b = case.get("backward") or {}
+    has = any((g or {}).get("bound") for g in (b.get("grads") or {}).values())
+    if isinstance(bt, dict) and has and not _bound_gated(b.get("bound_kind"), bt):
+        fa4 = b.get("bound_kind") == "fa4"
+        out["grad_bound"] = "not gated: [backward] bound = false" if fa4 else "not gated for peer kernels"
+    return out
 
 
 def judge_against_baseline(m: dict, base: dict, th: dict) -> list[str]:

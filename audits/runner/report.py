@@ -10,7 +10,10 @@ from audits.common import atomic_write
 from audits.coverage import coverage_lines
 from audits.domain import Domain
 from audits.runner import schema as _schema
+from audits.runner.error_maps import DEFAULT_MAPS, html_figures, write_maps
+from audits.runner.gate import backward_verdict
 from audits.runner.report_html import case_cells, grad_cells, render_html
+from audits.runner.separators import separator_text, separators, where_lines
 
 __all__ = [
     "SCHEMA", "build_report", "write_report", "exit_code", "summary_line", "validate_report", "ReportError",
@@ -101,6 +104,9 @@ def build_report(
         "cases": records,
     }
     rep["coverage"] = _coverage(kernel, records, coverage_basis, backward)
+    # which case fields tell the failing cases from the passing ones (docs/diagnosis.md), over
+    # these records: a merge, a re-judged report and a journal read back get it recomputed
+    rep["diagnosis"] = separators(records, arch=rep["coverage"].get("arch"))
     return rep
 
 
@@ -222,13 +228,35 @@ def collapse_reasons(records: list[dict]) -> list[tuple[dict, int]]:
 
 
 def summary_line(report: dict) -> str:
-    """One line of counts: evaluated, then every verdict present, LSE not audited, total."""
+    """One line of counts: evaluated, then every verdict present, LSE not audited, the gradients
+    when ``--backward`` ran (:func:`_gradients_part`), total."""
     s = report["summary"]
     v = ", ".join(f"{k} {n}" for k, n in s["verdicts"].items() if n)
     evaluated = s["verdicts"]["pass"] + s["verdicts"]["warn"] + s["verdicts"]["fail"]
     lse = f"; LSE not audited in {s['lse_not_audited']}" if s.get("lse_not_audited") else ""
     part = partial_line(report)
-    return f"{evaluated} of {s['cases']} cases evaluated ({v}){lse}" + (f"; {part}" if part else "")
+    line = f"{evaluated} of {s['cases']} cases evaluated ({v}){lse}" + _gradients_part(report)
+    return line + (f"; {part}" if part else "")
+
+
+def _gradients_part(report: dict) -> str:
+    """The summary's "; gradients: A of N cases audited (pass P, fail F, ...)" when a case has a
+    backward record: a case's verdict is the worst of its forward and its gradients, so without
+    this a reader of the counts cannot tell whether the gradients of passing cases passed.  Each case's
+    gradients counted by their own verdict (``audits.runner.gate.backward_verdict``; "not run":
+    no backward record, its forward did not run).  A report whose thresholds lack the [backward]
+    tables (one read from a journal keeps their digest) counts the gradients that ran."""
+    cases = report["cases"]
+    if not any(c.get("backward") for c in cases):
+        return ""
+    th = report.get("thresholds") or {}
+    if not (isinstance(th.get("backward"), dict) and isinstance(th.get("policy"), dict)):
+        ran = sum((c.get("backward") or {}).get("status") == "ran" for c in cases)
+        return f"; gradients: ran in {ran} of {len(cases)} cases"
+    got = [backward_verdict(case=c, thresholds=th) or "not run" for c in cases]
+    counts = ", ".join(f"{v} {got.count(v)}" for v in (*VERDICTS, "not run") if got.count(v))
+    audited = sum(got.count(v) for v in ("pass", "warn", "fail"))
+    return f"; gradients: {audited} of {len(cases)} cases audited ({counts})"
 
 
 #: the unrestricted domain, against which a report's declared one is shown
@@ -247,7 +275,9 @@ _LATER_FIELDS = ("seqlens", "seqused_k", "page_size", "num_splits", "pack_gqa")
 def validate_report(rep, where: str) -> dict:
     """``rep`` if it is a report of a ``READABLE`` schema, checked field by field against
     ``audits.runner.schema`` (top level, summary, every case and its config), else
-    :class:`ReportError` naming ``where``, the path to the field and what was expected."""
+    :class:`ReportError` naming ``where``, the path to the field and what was expected.  A report
+    written before separators gets its ``diagnosis`` computed from its cases
+    (``audits.runner.separators``), as ``upgrade_report`` gives it its coverage."""
     from dataclasses import fields
 
     from audits.cases import Case, case_from_dict
@@ -275,6 +305,8 @@ def validate_report(rep, where: str) -> dict:
             case_from_dict(c["config"], where=f"cases[{i}].config")
         except ValueError as exc:
             raise ReportError(f"{where}: {exc}") from exc
+    if "diagnosis" not in rep:  # a report written before separators: from its cases, now that they are checked
+        rep["diagnosis"] = separators(rep["cases"], arch=(rep["coverage"] or {}).get("arch"))
     return rep
 
 
@@ -331,15 +363,16 @@ def _markdown(rep: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        c = case_cells(r)
+        c = case_cells(r, thresholds=rep["thresholds"])
         cells = (r["case"], r["verdict"], c["max_abs"], c["rel_l2"], c["lse"], c["tightness"], f"{r['seconds']:.2f}")
         L.append("| " + " | ".join((*cells, c["reasons"])) + " |")
     if any(r.get("backward") for r in rows):
         L += ["", "## Gradients (--backward)", "", "| case | verdict | max \\|grad - ref\\| | err/bound | run to run |",
               "|---|---|---|---|---|"]  # fmt: skip
         for r in rows:
-            g = grad_cells(r)
+            g = grad_cells(r, thresholds=rep["thresholds"])
             L.append(f"| {r['case']} | {r['verdict']} | {g['grads']} | {g['grad_tightness']} | {g['spread']} |")
+    L += _diagnosis_markdown(rep)
     L += ["", "## Coverage", "", "```", *coverage_lines(rep.get("coverage")), "```"]
     fails = [r for r in rep["cases"] if r["verdict"] in _schema.FAILING]
     if fails:
@@ -349,6 +382,23 @@ def _markdown(rep: dict) -> str:
             for r in fails
         ]
     return "\n".join(L) + "\n"
+
+
+def _diagnosis_markdown(rep: dict) -> list[str]:
+    """The sections "Separators" (which case fields tell failing from passing cases,
+    ``audits.runner.separators``) and "Where the failing cases fail" (each failing case's
+    diagnosis, one line per tensor); none for a report without them."""
+    L = []
+    head, rules = separator_text(rep.get("diagnosis"))
+    if head:
+        L += ["", "## Separators", "", head + ("." if not rules else ":"), ""]
+        L += [f"- `{rule}`" + (f": {detail}" if detail else "") for rule, detail in rules]
+    where = [(r, lines) for r in rep["cases"] if r["verdict"] in _schema.FAILING and (lines := where_lines(r))]
+    if where:
+        L += ["", "## Where the failing cases fail", ""]
+        for r, lines in where:
+            L += [f"- {r['case']} ({r['verdict']})", *(f"  - {x}" for x in lines)]
+    return L
 
 
 def _junit(rep: dict) -> str:
@@ -394,8 +444,11 @@ def _junit(rep: dict) -> str:
     return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode", xml_declaration=True) + "\n"
 
 
-def write_report(rep: dict, out_dir: str | Path) -> dict[str, Path]:
-    """Write report.json, report.md, report.html and report.junit.xml into ``out_dir``."""
+def write_report(rep: dict, out_dir: str | Path, *, maps: int = DEFAULT_MAPS) -> dict[str, Path]:
+    """Write report.json, report.md, report.html and report.junit.xml into ``out_dir``; first the
+    error maps of the ``maps`` worst failing cases whose map data the run saved in ``out_dir``
+    (``audits.runner.error_maps.write_maps``: ``maps/<case>.png`` and ``.svg``, inlined in
+    report.html; ``run --maps N``, 0 renders none)."""
     out = Path(out_dir)
     paths = {
         "json": out / "report.json",
@@ -403,7 +456,8 @@ def write_report(rep: dict, out_dir: str | Path) -> dict[str, Path]:
         "html": out / "report.html",
         "junit": out / "report.junit.xml",
     }
-    atomic_write(paths["html"], render_html(rep, summary_line(rep)))
+    write_maps(rep, out, worst=maps)
+    atomic_write(paths["html"], render_html(rep, summary_line(rep), figures=html_figures(rep, out)))
     atomic_write(paths["json"], json.dumps(rep, separators=(",", ":"), default=str) + "\n")
     atomic_write(paths["md"], _markdown(rep))
     atomic_write(paths["junit"], _junit(rep))

@@ -9,7 +9,9 @@ import io
 import math
 from collections import defaultdict
 
+from audits.runner.gate import ungated_figures
 from audits.runner.schema import FAILING
+from audits.runner.separators import separator_text, where_lines
 
 __all__ = ["render_html", "case_cells", "grad_cells"]
 
@@ -21,24 +23,33 @@ td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}td:first-child,th:f
 h2{margin-top:1.5em}code{background:#f4f4f4;padding:0 3px}"""
 
 
-def case_cells(r: dict) -> dict[str, str]:
-    """The per-case figures every view shows (Markdown, HTML, ``fa4-audit show``), formatted."""
+def _informational(cell: str, why: str | None) -> str:
+    """A figure the verdict does not gate, marked so with why (``audits.runner.gate.ungated_figures``)."""
+    return cell if why is None or cell == "—" else f"{cell} (informational: {why})"
+
+
+def case_cells(r: dict, *, thresholds: dict | None = None) -> dict[str, str]:
+    """The per-case figures every view shows (Markdown, HTML, ``fa4-audit show``), formatted;
+    with the report's ``thresholds``, a figure they do not gate says so (an err/bound of 3.63 on a
+    passing case is otherwise read as a missed failure)."""
     o, lse, b = r.get("out") or {}, r.get("lse") or {}, r.get("bound") or {}
     f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"
+    ungated = ungated_figures(case=r, thresholds=thresholds) if thresholds else {}
     return {
         "max_abs": f(o, "max_abs"),
         "rel_l2": f(o, "rel_l2"),
         "lse": f(lse, "max_abs"),
-        "tightness": f(b, "tightness"),
+        "tightness": _informational(f(b, "tightness"), ungated.get("bound")),
         "reasons": "; ".join(x for x in r["reasons"] if x),
-        **grad_cells(r),
+        **grad_cells(r, thresholds=thresholds),
     }
 
 
-def grad_cells(r: dict) -> dict[str, str]:
+def grad_cells(r: dict, *, thresholds: dict | None = None) -> dict[str, str]:
     """The backward figures (``run --backward``): per gradient max |err| against FP64, the worst
-    error/bound over the gradients, and the run-to-run spread (elements differing, worst ULPs);
-    "—" where the case had no backward audited."""
+    error/bound over the gradients (marked informational where ``thresholds`` do not gate it), and
+    the run-to-run spread (elements differing, worst ULPs); "—" where the case had no backward
+    audited."""
     b = r.get("backward") or {}
     grads = b.get("grads") or {}
     if not grads:
@@ -49,7 +60,10 @@ def grad_cells(r: dict) -> dict[str, str]:
     ]
     return {
         "grads": " · ".join(f"{n} {g['max_abs']:.3g}" for n, g in grads.items()),
-        "grad_tightness": f"{max(tight):.3g}" if tight else "—",
+        "grad_tightness": _informational(
+            f"{max(tight):.3g}" if tight else "—",
+            (ungated_figures(case=r, thresholds=thresholds) if thresholds else {}).get("grad_bound"),
+        ),
         "spread": ", ".join(spread) if spread else ("0" if b.get("spread") else "—"),
     }
 
@@ -99,8 +113,8 @@ def _plots(cases: list[dict]) -> str:
     return svg
 
 
-def _row(r: dict) -> str:
-    c = case_cells(r)
+def _row(r: dict, thresholds: dict | None = None) -> str:
+    c = case_cells(r, thresholds=thresholds)
     cells = "".join(
         f"<td>{x}</td>" for x in (html.escape(r["case"]), r["verdict"], c["max_abs"], c["rel_l2"], c["lse"])
     )
@@ -119,10 +133,26 @@ def _reproduce(cases: list[dict]) -> str:
         return ""
     items = "".join(
         f"<li><b>{html.escape(c['verdict'])}</b> {html.escape(c['case'])}: "
-        f"{html.escape('; '.join(x for x in c['reasons'] if x))}<br><code>{html.escape(c.get('repro', ''))}</code></li>"
+        f"{html.escape('; '.join(x for x in c['reasons'] if x))}"
+        + "".join(f"<br>where: {html.escape(w)}" for w in where_lines(c))  # its diagnosis, per tensor
+        + f"<br><code>{html.escape(c.get('repro', ''))}</code></li>"
         for c in bad
     )
     return f"<h2>Failing cases and how to reproduce them</h2><ul>{items}</ul>"
+
+
+def _separators(diag: dict | None) -> str:
+    """The separators section (``audits.runner.separators``): which case fields tell the failing
+    cases from the passing ones; empty for a report without a diagnosis."""
+    head, rules = separator_text(diag)
+    if not head:
+        return ""
+    items = "".join(
+        f"<li><code>{html.escape(rule)}</code>" + (f": {html.escape(detail)}" if detail else "") + "</li>"
+        for rule, detail in rules
+    )
+    listed = f":</p><ul>{items}</ul>" if items else ".</p>"
+    return f"<h2>Separators</h2><p>{html.escape(head)}{listed}"
 
 
 def _coverage(cov: dict | None) -> str:
@@ -171,8 +201,10 @@ def _coverage(cov: dict | None) -> str:
     return "".join(parts)
 
 
-def render_html(rep: dict, summary_line: str) -> str:
-    cases = rep["cases"]
+def render_html(rep: dict, summary_line: str, *, figures: str = "") -> str:
+    """The page; ``figures``: the error maps' section (``audits.runner.error_maps.html_figures``),
+    placed right after the failing cases it pictures."""
+    cases, th = rep["cases"], rep.get("thresholds")
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>fa4-audit: {html.escape(rep['kernel'])} / {html.escape(rep['suite'])}</title>",
@@ -181,10 +213,14 @@ def render_html(rep: dict, summary_line: str) -> str:
         f"<p><code>{html.escape(rep['command'])}</code> — {html.escape(rep['created'])}, "
         f"device {html.escape(rep['device'])}</p>",
         f"<p>{html.escape(summary_line)}</p>",
+        _separators(rep.get("diagnosis")),
         _reproduce(cases),
+        figures,
         "<h2>Worst cases</h2><table>"
         + _HEAD
-        + "".join(_row(c) for c in sorted((c for c in cases if c.get("out")), key=lambda c: -c["out"]["max_abs"])[:10])
+        + "".join(
+            _row(c, th) for c in sorted((c for c in cases if c.get("out")), key=lambda c: -c["out"]["max_abs"])[:10]
+        )
         + "</table>",
         "<h2>Errors</h2>" + _plots(cases),
     ]
@@ -194,7 +230,7 @@ def render_html(rep: dict, summary_line: str) -> str:
             f"<tr class='{c['verdict']}'><td>{html.escape(c['case'])}</td><td>{c['verdict']}</td>"
             + "".join(f"<td>{html.escape(g[k])}</td>" for k in ("grads", "grad_tightness", "spread"))
             + "</tr>"
-            for c, g in ((c, grad_cells(c)) for c in cases)
+            for c, g in ((c, grad_cells(c, thresholds=th)) for c in cases)
         )
         parts.append(f"<h2>Gradients (--backward)</h2><table><tr>{head}</tr>{rows}</table>")
     parts.append(_coverage(rep.get("coverage")))
@@ -202,6 +238,7 @@ def render_html(rep: dict, summary_line: str) -> str:
     for c in cases:
         groups[(c["config"]["dtype"], c["config"]["d"])].append(c)
     for (dt, d), cs in sorted(groups.items()):
-        parts.append(f"<h2>{html.escape(dt)}, head dim {d}</h2><table>{_HEAD}{''.join(_row(c) for c in cs)}</table>")
+        rows = "".join(_row(c, th) for c in cs)
+        parts.append(f"<h2>{html.escape(dt)}, head dim {d}</h2><table>{_HEAD}{rows}</table>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"

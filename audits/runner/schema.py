@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = [
     "Opt", "Each", "When", "check", "REPORT", "CASE", "VERDICTS", "LATER_VERDICTS", "FAILING", "OUT_OF_DOMAIN_KINDS",
-    "upgrade_case", "upgrade_report", "COVERAGE",
+    "upgrade_case", "upgrade_report", "COVERAGE", "DIAGNOSIS",
 ]  # fmt: skip
 
 NUM = (int, float)
@@ -100,6 +100,11 @@ _BACKWARD = [
         },
     ),
 ]
+#: a failing case's diagnosis per tensor (``audits.runner.diagnosis``; docs/diagnosis.md)
+_DIAGNOSIS = Each({
+    "violations": int, "elements": int, "criteria": Each(int), "summary": str,
+    "axes": Each({"values": Each((int, str)), "share_of_violations": NUM, "share_of_elements": NUM, "of": int}),
+})  # fmt: skip
 #: one case record (the Case fields of ``config`` are checked by ``audits.cases.case_from_dict``)
 CASE = [
     {
@@ -110,6 +115,9 @@ CASE = [
         "status": str,
         # a varlen case's (audits.runner.engine, docs/varlen.md)
         "varlen": Opt({"sequences": int, "total_q": int, "total_k": int, "per_sequence": bool, "entry": Opt(str)}),
+        # a failing case's: where its violations concentrate, and its error map's file (maps/<case>.npz)
+        "diagnosis": Opt(_DIAGNOSIS),
+        "error_map": Opt(str),
     },
     When(
         "status",
@@ -140,10 +148,15 @@ COVERAGE = [
         },
     ),
 ]  # fmt: skip
+#: a report's ``diagnosis`` (``audits.runner.separators``): which case fields tell failing cases from passing
+DIAGNOSIS = {
+    "failing": int, "passing": int, "note": Opt(str),
+    "separators": Each({"field": str, "rule": str, "failing": int, "passing": int, "exact": bool, "score": NUM}),
+}  # fmt: skip
 #: the report's top level and summary (its cases: :data:`CASE`, each)
 REPORT = {
     "schema": str, "kernel": str, "suite": str, "seed": int, "device": str, "environment": dict, "command": str,
-    "created": str, "thresholds": dict, "cases": list, "coverage": COVERAGE,
+    "created": str, "thresholds": dict, "cases": list, "coverage": COVERAGE, "diagnosis": Opt(DIAGNOSIS),
     "summary": {
         "cases": int,
         "verdicts": {v: int for v in VERDICTS},
@@ -160,9 +173,12 @@ def upgrade_case(rec: dict) -> dict:
     reads what older versions wrote only as message text.  ``out_of_domain_kind`` (absent before
     2026-12-01) from the ``out_of_domain`` message; ``audit_error`` (absent in the first
     journals) from the reason of an OOM in the audit's own FP64 work.  Idempotent; a record
-    that is not a dict is left for the schema check to name."""
+    that is not a dict is left for the schema check to name.  A failing record written before
+    diagnoses (2026-12-01) gets an empty ``diagnosis``: nothing localized, as for a crash."""
     if not isinstance(rec, dict):
         return rec
+    if rec.get("verdict") in FAILING and "diagnosis" not in rec:
+        rec["diagnosis"] = {}
     ood = rec.get("out_of_domain")
     if isinstance(ood, str) and ood and "out_of_domain_kind" not in rec:
         rec["out_of_domain_kind"] = OUT_OF_DOMAIN_KINDS[1] if "claims no semantics" in ood else OUT_OF_DOMAIN_KINDS[0]

@@ -1,7 +1,8 @@
 """Several kernels' reports on one suite, side by side: per configuration group, the worst
 errors against FP64 and the bound tightness over the cases with finite inputs in each kernel's
 domain, and the verdicts of all cases (``fa4-audit summary``); a plot of the worst output error
-against sequence length per kernel (SVG)."""
+against sequence length per kernel (SVG); and per report its separators, the case fields that
+tell its failing cases from its passing ones (``audits.runner.separators``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 #: what ``--by`` accepts: Case fields, plus mask (none / causal / local) and heads (MHA / GQA / MQA)
 GROUP_FIELDS = ("mask", "heads", "dtype", "d", "dv", "softcap", "sink", "layout", "family", "seqlen_q", "seqlen_k")
 
-__all__ = ["GROUP_FIELDS", "group_key", "summary_rows", "summary_markdown", "plot_errors"]
+__all__ = ["GROUP_FIELDS", "group_key", "summary_rows", "summary_markdown", "separators_markdown", "plot_errors"]
 
 _DT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
@@ -109,6 +110,25 @@ def summary_markdown(reports: list[dict], by: tuple[str, ...], labels: list[str]
         v = ", ".join(f"{k} {n}" for k, n in sorted(r["verdicts"].items()))
         figures = [f(r[k]) for k in keys]
         L.append("| " + " | ".join([r["group"], r["kernel"], str(r["cases"]), str(r["judged"]), *figures, v]) + " |")
+    return "\n".join(L) + "\n" + separators_markdown(reports, labels=labels)
+
+
+def separators_markdown(reports: list[dict], *, labels: list[str] | None = None) -> str:
+    """The section "Separators": per report (``labels``, default the kernel names) the case fields
+    that tell its failing cases from its passing ones, so that reports of several kernels on one
+    suite show whether they fail on the same cases; the report's ``diagnosis``, computed from its
+    cases when it has none (a report dict not read through the schema)."""
+    from audits.runner.separators import separator_text, separators
+
+    labels = labels or [rep["kernel"] for rep in reports]
+    L = ["", "## Separators", ""]
+    for rep, label in zip(reports, labels, strict=True):
+        diag = rep.get("diagnosis")
+        if not isinstance(diag, dict):
+            diag = separators(rep["cases"], arch=(rep.get("coverage") or {}).get("arch"))
+        head, rules = separator_text(diag)
+        L.append(f"- {label}: {head}" + (":" if rules else ""))
+        L += [f"  - `{rule}`" + (f": {detail}" if detail else "") for rule, detail in rules]
     return "\n".join(L) + "\n"
 
 
