@@ -83,14 +83,14 @@ def device(name: str) -> torch.device:
     return torch.device("cuda")
 
 
-def atomic_write(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: a crash leaves either the
-    old file or the new one, never half of one."""
+def atomic_write(path: str | Path, text: str | bytes) -> None:
+    """Write ``text`` (str, or bytes: an image) to ``path`` through a temporary file and a rename:
+    a crash leaves either the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as fh:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as fh:
             fh.write(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)

@@ -216,6 +216,25 @@ def test_an_ungated_backward_bound_is_marked_informational_in_the_tables():
     assert "<td>3.63 (informational: not gated for peer kernels)</td>" in render_html(rep, summary_line(rep))
 
 
+def test_show_marks_the_ungated_figure_too(tmp_path, capsys):
+    """``fa4-audit show`` reads the report's thresholds and marks the same figure."""
+    import json
+
+    from audits import cli
+    from audits.cases import Case
+    from audits.domain import Domain
+    from audits.runner.report import build_report
+
+    rec = _peer_record()
+    rec["config"] = Case(d=8, dv=8).as_dict()  # a report holds every Case field (bf16: zero errors pass FA too)
+    basis = {"domain": Domain(), "arch": None}
+    rep = build_report(kernel="k", suite="s", seed=0, device="cpu", environment={}, thresholds=TH, records=[rec],
+                       command="cmd", created="now", shard=None, coverage_basis=basis)  # fmt: skip
+    (tmp_path / "report.json").write_text(json.dumps(rep, default=str))
+    assert cli.main(["show", str(tmp_path / "report.json")]) == 0
+    assert "err/bound 3.63 (informational: not gated for peer kernels)" in capsys.readouterr().out
+
+
 def _report(cases: list[dict], thresholds: dict = TH) -> dict:
     counts = {v: sum(c["verdict"] == v for c in cases) for v in ("pass", "warn", "fail", "error", "crash",
                                                                  "timeout", "skipped", "out-of-domain")}  # fmt: skip

@@ -237,7 +237,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         for line in seps:
             print(line)
         for r in rep["cases"]:
-            c = case_cells(r)
+            c = case_cells(r, thresholds=rep.get("thresholds"))  # figures not gated say so
             print(f"{r['verdict']:13s} {r['case']}")
             print(f"{'':13s} max abs err {c['max_abs']}, LSE err {c['lse']}, err/bound {c['tightness']}")
             if r.get("backward"):
@@ -256,7 +256,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for col in (*cols, "reasons"):
         t.add_column(col, overflow="fold")
     for r in rep["cases"]:
-        c = case_cells(r)
+        c = case_cells(r, thresholds=rep.get("thresholds"))  # figures not gated say so
         grads = (c["grads"], c["grad_tightness"]) if bwd else ()
         why = "\n".join([c["reasons"], *(f"where: {w}" for w in where_lines(r))]).strip("\n")
         t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], *grads, why)

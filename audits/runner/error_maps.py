@@ -26,14 +26,13 @@ import html
 import io
 import json
 import math
-import os
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from audits.common import atomic_write
 from audits.runner.schema import FAILING
 
 __all__ = ["DEFAULT_MAPS", "render", "write_maps", "html_figures", "map_meta", "visibility", "FORMATS"]
@@ -377,21 +376,6 @@ def _figure(npz_path: str | Path, *, tensor: str | None):
     return fig
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    """Through a temporary file and a rename, as ``audits.common.atomic_write`` does for text:
-    a crash leaves the old image or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 #: what reading or drawing a damaged or foreign map file raises: the map is skipped, said on
 #: stderr, and the report is still written (a picture never costs the report)
 _UNREADABLE = (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile)
@@ -438,7 +422,7 @@ def write_maps(report: dict, out_dir: Path, *, worst: int) -> list[Path]:
             continue
         for fmt in FORMATS:
             path = _image(npz, fmt)
-            _write_bytes(path, _save(fig, fmt))
+            atomic_write(path, _save(fig, fmt))
             written.append(path)
     for _, _, npz in cands[len(chosen) :]:
         for fmt in FORMATS:
