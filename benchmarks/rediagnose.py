@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from PIL import Image
+
 from audits.common import read_bytes
 from audits.runner.engine import FAILING
 from audits.runner.report import validate_report, write_report
@@ -92,8 +94,8 @@ def rediagnose(committed: Path, rerun: Path | None, *, when: str, how: str) -> d
         pngs = sorted((out / "maps").glob("*.png"))
         if pngs:
             (committed / "maps").mkdir(exist_ok=True)
-            for p in pngs:
-                shutil.copy(p, committed / "maps" / p.name)
+            for p in pngs:  # 128 colours (the colour scale's own steps are fewer): a third of the bytes
+                Image.open(p).convert("RGB").quantize(colors=128).save(committed / "maps" / p.name, optimize=True)
     return counts
 
 

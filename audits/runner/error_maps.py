@@ -27,6 +27,7 @@ import io
 import json
 import math
 import sys
+import textwrap
 import zipfile
 from pathlib import Path
 
@@ -365,7 +366,8 @@ def _figure(npz_path: str | Path, *, tensor: str | None):
     bar.set_label("|error| / bound  (log scale; > 1 violates the bound)")
     omitted = meta.get("omitted_panels", 0)
     more = f"  (the map data keeps the worst {len(meta['panels'])} panels; {omitted} more not kept)" if omitted else ""
-    fig.suptitle(f"{meta['case']}{more}", fontsize=10, y=1 - 0.12 / height, va="top")  # above the panel titles
+    title = "\n".join(textwrap.wrap(f"{meta['case']}{more}", 125))  # a varlen case's name is long
+    fig.suptitle(title, fontsize=10, y=1 - 0.08 / height, va="top")  # above the panel titles
     legend = [Patch(color=_INF, label="non-finite kernel, finite reference")] if any(
         np.isposinf(d).any() for d in data) else []  # fmt: skip
     legend += [Patch(color=_MASK_COLOURS[k], label=_MASK_NAMES[k]) for k in sorted(shown)]
