@@ -192,23 +192,15 @@ class Layout:
     sequences: bool = False  # batch values are varlen sequences (the summary says "sequence")
 
 
-def _regions_rows(vis: torch.Tensor, tile_m: int) -> torch.Tensor:
-    """Row-level ``MASK_REGIONS`` indices of one sequence's rows (``vis``: its visible mask)."""
-    sq = vis.shape[0]
-    reg = torch.full((sq,), MASK_REGIONS.index("full tiles"), dtype=torch.long)
-    if sq % tile_m:
-        reg[(sq // tile_m) * tile_m :] = MASK_REGIONS.index("last partial row tile")
-    reg[~vis.any(1)] = MASK_REGIONS.index("no visible key")
-    return reg
-
-
-def _regions_keys(vis: torch.Tensor, tile_n: int) -> torch.Tensor:
-    """Key-level ``MASK_REGIONS`` indices of one sequence's keys."""
-    sk = vis.shape[1]
-    reg = torch.full((sk,), MASK_REGIONS.index("full tiles"), dtype=torch.long)
-    if sk % tile_n:
-        reg[(sk // tile_n) * tile_n :] = MASK_REGIONS.index("last partial key tile")
-    reg[~vis.any(0)] = MASK_REGIONS.index("unseen key")
+def _regions(vis: torch.Tensor, tile: int, *, level: str) -> torch.Tensor:
+    """``MASK_REGIONS`` indices of one sequence's rows (``level`` "row") or keys ("key"), from its
+    visible mask ``vis`` (rows x keys): the last partial tile, then tokens the mask leaves alone
+    (a row with no visible key, a key no row sees), the rest "full tiles"."""
+    n, seen = (vis.shape[0], vis.any(1)) if level == "row" else (vis.shape[1], vis.any(0))
+    reg = torch.full((n,), MASK_REGIONS.index("full tiles"), dtype=torch.long)
+    if n % tile:
+        reg[(n // tile) * tile :] = MASK_REGIONS.index(f"last partial {level} tile")
+    reg[~seen] = MASK_REGIONS.index("no visible key" if level == "row" else "unseen key")
     return reg
 
 
@@ -229,14 +221,14 @@ def layout_of(*, case: Case, level: str, tile: int) -> Layout:
             vis = visible_mask(sq, used, causal=case.causal, window_size=window)
             bs.append(torch.full((sq,), i, dtype=torch.long))
             ps.append(torch.arange(sq))
-            rs.append(_regions_rows(vis, tile))
+            rs.append(_regions(vis, tile, level="row"))
         cat = lambda ts: torch.cat(ts)[None] if ts else torch.zeros(1, 0, dtype=torch.long)
         return Layout("row", cat(bs), cat(ps), cat(rs), tile, group, sequences=True)
     if case.varlen:
         raise ValueError("varlen cases have row-level tensors only (no backward through the varlen entry)")
     vis = visible_mask(case.seqlen_q, case.seqlen_k, causal=case.causal, window_size=window)
     n = case.seqlen_q if level == "row" else case.seqlen_k
-    reg = _regions_rows(vis, tile) if level == "row" else _regions_keys(vis, tile)
+    reg = _regions(vis, tile, level=level)
     batch = torch.arange(case.batch)[:, None].expand(case.batch, n)
     return Layout(level, batch, torch.arange(n)[None].expand(case.batch, n), reg[None].expand(case.batch, n), tile,
                   group)  # fmt: skip
