@@ -34,7 +34,38 @@ from collections.abc import Iterable
 import mpmath
 import torch
 
-__all__ = ["visible_mask", "attention_reference", "attention_lowprec", "mp_attention_rows", "exact_attention_rows"]
+__all__ = [
+    "visible_mask", "visible_key_range", "effective_window", "attention_reference", "attention_lowprec",
+    "mp_attention_rows", "exact_attention_rows",
+]  # fmt: skip
+
+
+def effective_window(*, causal: bool, window_size) -> tuple[int | None, int | None]:
+    """The (left, right) window a call keeps (module doc): ``causal`` caps ``right`` at 0;
+    None = unbounded on that side."""
+    left, right = (None, None) if window_size is None else tuple(window_size)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def visible_key_range(
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    rows: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last), int64 per query row (``rows``: these row indices; default every row): the
+    row's visible keys are first..last, cut to [0, seqlen_k); none when first > last."""
+    left, right = effective_window(causal=causal, window_size=window_size)
+    i = torch.arange(seqlen_q, device=device) if rows is None else torch.as_tensor(rows, device=device)
+    diag = i.long() + (seqlen_k - seqlen_q)
+    first = (diag - left).clamp(min=0) if left is not None else torch.zeros_like(diag)
+    last = (diag + right).clamp(max=seqlen_k - 1) if right is not None else torch.full_like(diag, seqlen_k - 1)
+    return first, last
 
 
 def visible_mask(
@@ -44,20 +75,16 @@ def visible_mask(
     causal: bool = False,
     window_size: tuple[int | None, int | None] = (None, None),
     device: torch.device | str = "cpu",
+    rows: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bool (seqlen_q, seqlen_k): True where key j is visible to query i (module doc)."""
-    left, right = window_size
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    i = torch.arange(seqlen_q, device=device)[:, None]
-    j = torch.arange(seqlen_k, device=device)[None, :]
-    diag = i + (seqlen_k - seqlen_q)
-    m = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
-    if right is not None:
-        m &= j <= diag + right
-    if left is not None:
-        m &= j >= diag - left
-    return m
+    """Bool (seqlen_q, seqlen_k): True where key j is visible to query i (module doc); with
+    ``rows`` / ``keys`` (index tensors) only at those rows and keys (a figure samples a 32k x 32k
+    mask: the whole one would be a gigabyte)."""
+    first, last = visible_key_range(seqlen_q, seqlen_k, causal=causal, window_size=window_size, rows=rows,
+                                    device=device)  # fmt: skip
+    j = torch.arange(seqlen_k, device=device) if keys is None else torch.as_tensor(keys, device=device).long()
+    return (j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None])
 
 
 def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:

@@ -32,9 +32,11 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from audits.common import atomic_write
 from audits.runner.schema import FAILING
+from numerics.reference import effective_window, visible_key_range, visible_mask
 
 __all__ = ["DEFAULT_MAPS", "render", "write_maps", "html_figures", "map_meta", "visibility", "FORMATS"]
 
@@ -86,22 +88,13 @@ def visibility(
     causal: bool,
     window: tuple | list,
 ) -> np.ndarray:
-    """Bool (len(rows), len(keys)): ``numerics.reference.visible_mask(seqlen_q, seqlen_k, ...)``
-    at the given query rows and keys only (tests/test_error_maps.py holds the two equal).  The
-    figure samples a 32k x 32k mask at a few hundred points per axis; the full mask would be a
-    gigabyte."""
-    left, right = (None, None) if window is None else tuple(window)
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    i = np.asarray(rows, dtype=np.int64)[:, None]
-    j = np.asarray(keys, dtype=np.int64)[None, :]
-    diag = i + (seqlen_k - seqlen_q)
-    m = np.ones((i.shape[0], j.shape[1]), dtype=bool)
-    if right is not None:
-        m &= j <= diag + right
-    if left is not None:
-        m &= j >= diag - left
-    return m
+    """Bool (len(rows), len(keys)): ``numerics.reference.visible_mask`` at the given query rows and
+    keys only, in numpy (the figure samples a 32k x 32k mask at a few hundred points per axis)."""
+    rows_t, keys_t = (
+        torch.as_tensor(np.asarray(rows, dtype=np.int64)),
+        torch.as_tensor(np.asarray(keys, dtype=np.int64)),
+    )
+    return visible_mask(seqlen_q, seqlen_k, causal=causal, window_size=window, rows=rows_t, keys=keys_t).numpy()
 
 
 def _samples(n: int) -> np.ndarray:
@@ -134,13 +127,9 @@ def _mask_image(config: dict, batch: int) -> tuple[np.ndarray, np.ndarray, np.nd
     cat = np.where((keys >= used)[None, :], 2, cat)
     # a row sees no key when none of all its keys is visible, not only of the sampled ones: its
     # visible keys are the interval [i + off - left, i + off + right] cut to [0, used)
-    left, right = tuple(config.get("window") or (None, None))
-    if config["causal"]:
-        right = 0 if right is None else min(right, 0)
-    diag = rows + (used - sq)
-    first = np.maximum(0, diag - left) if left is not None else np.zeros_like(rows)
-    last = np.minimum(used - 1, diag + right) if right is not None else np.full_like(rows, used - 1)
-    empty = first > last
+    first, last = visible_key_range(sq, used, causal=bool(config["causal"]), window_size=config.get("window"),
+                                    rows=torch.as_tensor(rows))  # fmt: skip
+    empty = (first > last).numpy()
     cat[empty, :] = np.where(cat[empty, :] == 2, 2, 3)
     return cat, rows, keys, sq, sk, used
 
@@ -190,9 +179,7 @@ def _grid(ax, n: int, tile: int, *, axis: str, lines: bool) -> str:
 def _mask_edges(ax, *, sq: int, used: int, config: dict, transposed: bool) -> None:
     """The mask's edges as dashed lines: the causal diagonal or window's right edge (keys right of
     it hidden) and the window's left edge (keys left of it hidden), bottom-right aligned as FA."""
-    left, right = tuple(config.get("window") or (None, None))
-    if config["causal"]:
-        right = 0 if right is None else min(right, 0)
+    left, right = effective_window(causal=bool(config["causal"]), window_size=config.get("window"))
     off = used - sq
     ys = np.array([0.0, float(sq)])
     for edge, shift in ((right, 1), (left, 0)):
