@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 
 __all__ = [
-    "DIRECTIONS", "REQUIRE", "coverage", "arch_of", "basis_of", "legacy_basis", "coverage_from_basis",
+    "DIRECTIONS", "REQUIRE", "coverage", "classes_ran", "arch_of", "basis_of", "legacy_basis", "coverage_from_basis",
     "basis_of_coverage", "unjudgeable", "missed", "compact_ints", "pair_pieces", "format_pairs", "pairs_text",
     "missed_text", "coverage_lines", "coverage_summary",
 ]  # fmt: skip
@@ -159,6 +159,23 @@ def _values(pairs) -> dict[str, list[int]]:
     return {"d": sorted({p[0] for p in pairs}), "dv": sorted({p[1] for p in pairs})}
 
 
+def classes_ran(*, rec: dict, case, arch: str, direction: str, cache: dict) -> tuple[str, ...]:
+    """The code-path classes of ``arch`` (``numerics.code_paths.classes_of``) that the call of
+    record ``rec`` (its case ``case``) ran in ``direction``: the backward's with the record's
+    ``deterministic``; none for a varlen case run one fixed-length call per sequence
+    (--per-sequence), which ran none of the varlen entry's code paths.  ``cache``: (call,
+    direction) -> classes, shared across records (many cases share a call)."""
+    from numerics.code_paths import classes_of
+
+    if (rec.get("varlen") or {}).get("entry") == "per-sequence":
+        return ()
+    det = direction == "backward" and bool((rec.get("backward") or {}).get("deterministic"))
+    key = (case.call(deterministic=det), direction)
+    if key not in cache:
+        cache[key] = classes_of(arch, key[0], direction=direction)
+    return cache[key]
+
+
 def _scan(records: Sequence[dict], by_name: dict, directions: list[str], arch: str | None, notes: list[str]) -> dict:
     """What ``records`` covered, per section and direction: value -> the first case's name."""
     from audits.cases import case_from_dict
@@ -181,16 +198,8 @@ def _scan(records: Sequence[dict], by_name: dict, directions: list[str], arch: s
             got["head_dims"][d].setdefault((case.d, case.dv), case.name)
             for f in _features_of(case):
                 got["features"][d].setdefault(f, case.name)
-            if arch is not None and (rec.get("varlen") or {}).get("entry") != "per-sequence":
-                # a varlen case run one fixed-length call per sequence (--per-sequence) ran none of
-                # the varlen entry's code paths: its head dims and features count, its classes not
-                from numerics.code_paths import classes_of
-
-                det = d == "backward" and bool((rec.get("backward") or {}).get("deterministic"))
-                key = (case.call(deterministic=det), d)
-                if key not in seen:
-                    seen[key] = classes_of(arch, key[0], direction=d)
-                for name in seen[key]:
+            if arch is not None:  # head dims and features count for every record; classes as it ran
+                for name in classes_ran(rec=rec, case=case, arch=arch, direction=d, cache=seen):
                     got["classes"][d].setdefault(name, case.name)
     if bad:
         notes.append(f"{bad} records with an unreadable config were not counted")

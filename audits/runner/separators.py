@@ -188,25 +188,23 @@ def _classes(records: list[dict], cols: dict[str, list], arch: str) -> tuple[lis
     backward when it ran; none for a varlen case run per sequence: it ran no varlen code path),
     and each record's index into them."""
     from audits.cases import case_from_dict
-    from numerics.code_paths import classes_of
+    from audits.coverage import classes_ran
 
+    # by the call's fields first: many records share a call, and a Case is built once per distinct one
     names: dict[tuple, tuple[str, ...]] = {}
+    calls: dict[tuple, tuple[str, ...]] = {}  # classes_ran's own cache, by call
     sets: dict[frozenset[str], int] = {}
     out = []
     keys = list(zip(*(cols[f] for f in _CALL_FIELDS), strict=True))
     for rec, key in zip(records, keys, strict=True):
-        if (rec.get("varlen") or {}).get("entry") == "per-sequence":
-            out.append(sets.setdefault(frozenset(), len(sets)))
-            continue
         bwd = rec.get("backward") if isinstance(rec.get("backward"), dict) else {}
+        per_seq = (rec.get("varlen") or {}).get("entry") == "per-sequence"
         got: set[str] = set()
-        for direction, det in (("forward", False), ("backward", bool(bwd.get("deterministic")))):
-            if direction == "backward" and bwd.get("status") != "ran":
-                continue
-            k = (key, direction, det)
+        for direction in ("forward", "backward") if bwd.get("status") == "ran" else ("forward",):
+            k = (key, direction, bool(bwd.get("deterministic")), per_seq)
             if k not in names:
                 case = case_from_dict(rec["config"], where=f"case {rec.get('case')}")
-                names[k] = classes_of(arch, case.call(deterministic=det), direction=direction)
+                names[k] = classes_ran(rec=rec, case=case, arch=arch, direction=direction, cache=calls)
             got.update(names[k])
         out.append(sets.setdefault(frozenset(got), len(sets)))
     return list(sets), np.array(out, dtype=np.int64)
