@@ -11,7 +11,10 @@ test axes times every input family, the varlen array, and :func:`class_cases` (e
 class of both archs, forward and backward); ``head-dims`` is every head dim SM90 accepts, both
 16-bit dtypes, causal and not (:func:`head_dim_sweep`); ``nightly`` is release with three seeds,
 lengths up to 32k, and ``head-dims``; ``fidelity`` is the fixed list the model is compared with
-production on (``fa4-audit fidelity``).
+production on (``fa4-audit fidelity``); ``mods`` is every library score_mod and mask_mod, alone
+and paired, dense and block-sparse, with the cross-check pairs (:func:`mods_suite`,
+``docs/mods.md``), part of release and nightly; smoke has a few mod cases (:func:`smoke_mods`).
+A mod case runs only on a kernel whose domain declares its kinds (``audits.domain`` ``mods``).
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ from numerics.code_paths import Call
 __all__ = [
     "Case", "varlen_case", "smoke_suite", "smoke_varlen", "release_suite", "release_varlen", "nightly_suite",
     "pairwise", "SUITES", "suite", "fidelity_cases", "fidelity_suite", "head_dim_sweep", "head_dims_suite",
-    "class_cases", "SM90_HEAD_DIMS", "NONFINITE_MASKS",
+    "class_cases", "SM90_HEAD_DIMS", "NONFINITE_MASKS", "MOD_KINDS", "mods_suite", "smoke_mods", "MOD_BLOCK",
+    "MOD_BLOCK_SM100", "mods_cross_checks", "MODS_ADVERSARIAL",
 ]  # fmt: skip
+
+#: the kinds of the programmable surface a case may use and a domain may declare
+#: (``audits.domain`` key ``mods``; ``docs/mods.md``)
+MOD_KINDS = ("score_mod", "mask_mod", "block_sparse")
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,13 @@ class Case:
     num_splits: int = 1
     #: pack_gqa: None = the kernel's default
     pack_gqa: bool | None = None
+    #: the programmable surface (``docs/mods.md``): a score_mod and a mask_mod of the library
+    #: (``numerics.mod_library.SCORE_MODS`` / ``MASK_MODS``; "" = none), and block sparsity built
+    #: from the mask_mod at (block_q, block_k) tokens (() = dense).  ``audits.inputs.make_inputs``
+    #: builds them (``fa4.mods.build_mods``) into the call's keywords.
+    score_mod: str = ""
+    mask_mod: str = ""
+    block_sparse: tuple = ()
 
     @property
     def local(self) -> bool:
@@ -82,6 +97,7 @@ class Case:
             parts.append("sink")
         if self.layout != "contiguous":
             parts.append(self.layout)
+        parts += self._mod_parts()
         parts += self._varlen_parts()
         parts += [self.family, f"seed{self.seed}"]
         return "-".join(parts)
@@ -90,6 +106,18 @@ class Case:
     def varlen(self) -> bool:
         """A case of the varlen entry (``docs/varlen.md``)."""
         return bool(self.seqlens)
+
+    @property
+    def mods(self) -> tuple[str, ...]:
+        """The mod kinds this case uses (``audits.domain`` ``mods``): among "score_mod",
+        "mask_mod", "block_sparse"."""
+        have = (self.score_mod, self.mask_mod, self.block_sparse)
+        return tuple(k for k, on in zip(MOD_KINDS, have) if on)
+
+    def _mod_parts(self) -> list[str]:
+        parts = [f"sm-{self.score_mod}"] if self.score_mod else []
+        parts += [f"mm-{self.mask_mod}"] if self.mask_mod else []
+        return parts + ([f"bs{self.block_sparse[0]}x{self.block_sparse[1]}"] if self.block_sparse else [])
 
     def _varlen_parts(self) -> list[str]:
         if not self.varlen:
@@ -121,6 +149,11 @@ class Case:
             self.page_size,
             self.num_splits,
             self.pack_gqa,
+            # production hashes the mod callables into its compile key (interface._flash_attn_fwd
+            # score_mod_hash / mask_mod_hash) and specialises on block sparsity's tile fit
+            self.score_mod,
+            self.mask_mod,
+            tuple(self.block_sparse),
         )
 
     @property
@@ -131,7 +164,15 @@ class Case:
         return self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * (self.d + self.dv)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The JSON form (``case_from_dict`` reads it back).  The mod fields are left out when
+        unset, so that reports and reproducers of cases without mods read as before."""
+        d = asdict(self)
+        for k in ("score_mod", "mask_mod", "block_sparse"):
+            if not d[k]:
+                del d[k]
+        if "block_sparse" in d:
+            d["block_sparse"] = list(d["block_sparse"])
+        return d
 
     def call(self, *, deterministic: bool = False) -> Call:
         """The parts of this case that select production's code path
@@ -141,7 +182,8 @@ class Case:
             dtype=self.dtype, d=self.d, dv=self.dv, causal=self.causal, local=self.local, softcap=self.softcap > 0,
             sink=self.sink, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, heads_q=self.heads_q,
             heads_kv=self.heads_kv, varlen=self.varlen, paged=self.page_size > 0, num_splits=self.num_splits,
-            pack_gqa=self.pack_gqa, deterministic=deterministic,
+            pack_gqa=self.pack_gqa, deterministic=deterministic, score_mod=bool(self.score_mod),
+            mask_mod=bool(self.mask_mod), block_sparse=tuple(self.block_sparse),
         )  # fmt: skip
 
 
@@ -199,7 +241,110 @@ def smoke_suite() -> list[Case]:
         Case("float8_e5m2", 64, 64, 1, 2, 2, 64, 200, family="near_max"),
     ]
     steps = [Case("bfloat16", 64, 64, 1, 1, 1, 32, 1024, family=f) for f in FAMILIES if f.startswith("tile_step_")]
-    return base + steps + smoke_varlen()
+    return base + steps + smoke_varlen() + smoke_mods()
+
+
+#: the block size of the suites' block-sparse cases, (block_q, block_k): production's default
+#: sparse block (``block_sparsity.py``: SM90's backward derives 128-row sparse blocks when none is
+#: given) and one SM90 takes at d <= 128 in both directions: the forward's tile_n 128 equals
+#: block_k (``normalize_block_sparse_config`` requires it), tile_m 128 (or 192 -> 128,
+#: ``_tile_size_fwd_sm90``) divides block_q; the backward's 64- or 128-row tile divides it
+#: (``_tile_size_bwd_sm90`` with sparse_block_size_q).  SM100 takes it only where one Q stage
+#: runs (at most 128 packed query rows): with two, block_q must be a multiple of 256
+#: (``infer_block_sparse_expected_shapes``: q_stage * tile_m), hence :data:`MOD_BLOCK_SM100`.
+MOD_BLOCK = (128, 128)
+#: a block both archs take at any length (d <= 128): 256 query rows (SM100's two 128-row Q
+#: stages; SM90's 128- and 64-row tiles divide it), 128 keys (both forwards' tile_n)
+MOD_BLOCK_SM100 = (256, 128)
+
+
+def smoke_mods() -> list[Case]:
+    """smoke's mod cases (``docs/mods.md``), each kind at least once and every library mod at
+    least once, small enough for the model on 2 cores: lengths off the 128-token block (partial
+    blocks, and full ones), GQA, the per-head aux tensors of ALiBi and the relative bias,
+    block-sparse from a mask_mod with partial and full blocks (at blocks both archs take for the
+    shape: :data:`MOD_BLOCK_SM100` with two SM100 Q stages, :data:`MOD_BLOCK` with one), and a
+    mask_mod beside causal=True (the semantic trap: production drops causal).  Families keep
+    clear of the name globs other tests select fixed-length smoke cases by (``*normal*``,
+    ``*drift-seed0``, ``*uniform*``, ``*tile_step*``, ``*sink*``); inside every 16-bit domain
+    that declares the mods.  ``tests/test_mod_catalogue.py`` catches each seeded mod bug on these."""
+    return [
+        # ALiBi (per-head slopes, aux) with prefix-LM (a prefix length per batch, aux), block-sparse,
+        # GQA: the seed puts batch 0's prefix at 249 keys, batch 1's at 262, so full blocks (inside
+        # the prefix: one in batch 0, two in batch 1) and partial ones (the causal part, the ragged
+        # 200 x 300 ends) differ per batch
+        Case("bfloat16", 64, 64, 2, 2, 1, 200, 300, family="student_t", score_mod="alibi", mask_mod="prefix_lm",
+             block_sparse=MOD_BLOCK_SM100, seed=8),
+        # the relative-position bias (per-head table, bucket aux) with a document mask (segment
+        # ids per token, aux), dense, fp16
+        Case("float16", 64, 64, 1, 2, 2, 160, 256, family="offset", score_mod="relbias", mask_mod="document",
+             seed=4),
+        # softcap as a score_mod (its derivative is not constant) on a sliding window, block-sparse:
+        # the window cuts both visited key blocks (partial ones), the first is skipped
+        Case("bfloat16", 128, 128, 1, 2, 2, 128, 384, family="outliers", score_mod="softcap",
+             mask_mod="sliding_window", block_sparse=MOD_BLOCK, seed=5),
+        # a mask_mod beside causal=True: the audit's meaning is the intersection; production drops causal
+        Case("bfloat16", 64, 64, 1, 2, 2, 130, 200, causal=True, family="flat", mask_mod="causal", seed=6),
+    ]  # fmt: skip
+
+
+#: the adversarial input families the ``mods`` suite takes in turn, one per mod configuration
+#: beside ``normal``: logits drifting along the keys (a bias growing with the key distance, as
+#: ALiBi's, moves the maximum further), outlier channels (large scores through softcap's tanh),
+#: one dominant key (a mask must hide it or keep it exactly), mass in small entries
+MODS_ADVERSARIAL = ("drift", "outliers", "peaked", "long_tail")
+
+
+def _mod_configs() -> list[dict]:
+    """The mod configurations of the ``mods`` suite: every library score mod alone, every mask
+    mod alone dense and block-sparse (:data:`MOD_BLOCK`, and :data:`MOD_BLOCK_SM100`, which
+    SM100 takes at the suite's lengths), and every pair, dense and block-sparse (:data:`MOD_BLOCK`)."""
+    from numerics.mod_library import MASK_MODS, SCORE_MODS
+
+    out = [{"score_mod": s} for s in SCORE_MODS]
+    out += [{"mask_mod": m, "block_sparse": bs} for m in MASK_MODS for bs in ((), MOD_BLOCK, MOD_BLOCK_SM100)]
+    out += [{"score_mod": s, "mask_mod": m, "block_sparse": bs} for s in SCORE_MODS for m in MASK_MODS
+            for bs in ((), MOD_BLOCK)]  # fmt: skip
+    return out
+
+
+def mods_cross_checks() -> dict[str, tuple[Case, Case]]:
+    """The cross-check pairs of the ``mods`` suite (``docs/mods.md``), each two cases of one shape,
+    family and seed (same inputs) that must give the same attention: softcap as a score_mod and
+    ``softcap=SOFTCAP_CAP``; causal as a mask_mod and ``causal=True``; sliding_window as a
+    mask_mod and ``window_size=(WINDOW, 0)``; a block-sparse mask_mod and the same mask_mod dense;
+    and a mask_mod with ``causal=True`` against the intersection (the mask_mod alone differs from
+    it: production drops causal, ``interface._resolve_causal_local_window``)."""
+    from numerics.mod_library import SOFTCAP_CAP, WINDOW
+
+    base = dict(dtype="bfloat16", d=64, dv=64, batch=2, heads_q=4, heads_kv=2, seqlen_q=256, seqlen_k=384)
+    mk = lambda tag, **kw: Case(**base, seed=_seed_of("mods-cross", tag), **kw)
+    return {
+        "softcap": (mk("softcap", score_mod="softcap"), mk("softcap", softcap=SOFTCAP_CAP)),
+        "causal": (mk("causal", mask_mod="causal"), mk("causal", causal=True)),
+        "sliding_window": (mk("window", mask_mod="sliding_window"), mk("window", window=(WINDOW, 0))),
+        "block_sparse": (mk("bs", mask_mod="document", block_sparse=MOD_BLOCK), mk("bs", mask_mod="document")),
+        "mask_with_causal": (mk("mwc", mask_mod="document", causal=True), mk("mwc", mask_mod="document")),
+    }
+
+
+def mods_suite() -> list[Case]:
+    """The ``mods`` suite (GPU): every mod configuration (:func:`_mod_configs`: 39) at bf16 and
+    fp16, batch 2, 4 query heads on 2 KV heads, 256 queries x 384 keys (partial 128-blocks at the
+    keys' end, none at the queries'), head dim 64 and 128 in turn, family ``normal``, plus the
+    configuration once with an adversarial family (:data:`MODS_ADVERSARIAL` in turn); then the
+    cross-check pairs (:func:`mods_cross_checks`).  Seeds derived from the case."""
+    out = []
+    for i, cfg in enumerate(_mod_configs()):
+        tag = sorted(cfg.items())
+        for j, dtype in enumerate(("bfloat16", "float16")):
+            d = (64, 128)[(i + j) % 2]
+            out.append(Case(dtype, d, d, 2, 4, 2, 256, 384, seed=_seed_of("mods", dtype, d, tag), **cfg))
+        fam = MODS_ADVERSARIAL[i % len(MODS_ADVERSARIAL)]
+        d = (128, 64)[i % 2]
+        out.append(Case("bfloat16", d, d, 2, 4, 2, 256, 384, family=fam, seed=_seed_of("mods", fam, d, tag), **cfg))
+    out += [c for pair in mods_cross_checks().values() for c in pair]
+    return list(dict.fromkeys(out))
 
 
 def smoke_varlen() -> list[Case]:
@@ -338,7 +483,8 @@ def release_case(row: dict, family: str, seed: int) -> Case:
 
 def release_suite(seeds: tuple[int, ...] = (0,), extra_pairs: list | None = None) -> list[Case]:
     """A pairwise-covering array of FA's test axes (``RELEASE_AXES``) times every input family,
-    then the varlen cases (:func:`release_varlen`) and the code-path cases (:func:`class_cases`)."""
+    then the varlen cases (:func:`release_varlen`), the code-path cases (:func:`class_cases`) and
+    the ``mods`` suite (:func:`mods_suite`)."""
     from audits.inputs import FAMILIES
 
     axes = dict(RELEASE_AXES)
@@ -347,7 +493,7 @@ def release_suite(seeds: tuple[int, ...] = (0,), extra_pairs: list | None = None
     rows = pairwise(axes)
     cases = [release_case(r, f, s) for s in seeds for f in FAMILIES for r in rows]
     # a family's fix-ups can make two rows one case
-    return list(dict.fromkeys(cases + release_varlen(seeds) + class_cases()))
+    return list(dict.fromkeys(cases + release_varlen(seeds) + class_cases() + mods_suite()))
 
 
 #: per-sequence (seqlen_q, seqlen_k) profiles of the release's varlen cases
@@ -476,8 +622,9 @@ def class_cases() -> list[Case]:
     backward tiles (the 80-row dQ_swapAB tile, 64x96 at both dv, 64x48); head dims padded at
     every granularity (16, 32, 64) and exact; SM100's 2-CTA and 1-CTA, one and two Q stages,
     (192, 128) and (256, 256) with the dedicated hd256 backward; GQA packed and not; softcap,
-    sink, varlen, paged and split-KV (with the 64-key tile of split d != dv).  Lengths off
-    every tile; batch 1-2.  ``tests/test_cases.py`` checks the coverage."""
+    sink, varlen, paged and split-KV (with the 64-key tile of split d != dv); score_mod,
+    mask_mod and block sparsity with SM90's block-sparse tiles.  Lengths off every tile; batch
+    1-2.  ``tests/test_cases.py`` checks the coverage."""
 
     families = iter(_CLASS_FAMILIES * 4)
 
@@ -509,6 +656,14 @@ def class_cases() -> list[Case]:
         fixed("bfloat16", 128, 128, 2, 2, 100, 333),  # SM100 q_stage 1: one M block, 1-CTA
         fixed("bfloat16", 256, 256, 6, 2, 300, 333),  # SM100 hd256 at 128 % 3 != 0: pack_gqa off
         fixed("bfloat16", 64, 64, 2, 2, 300, 333, softcap=15.0, sink=True),
+        # the mods (docs/mods.md), at blocks production's SM90 takes in both directions: score_mod,
+        # mask_mod and block sparsity; the 128-row forward tile at d <= 96 (block_q no multiple of 192)
+        fixed("bfloat16", 64, 64, 2, 2, 300, 333, score_mod="alibi", mask_mod="document", block_sparse=MOD_BLOCK),
+        fixed("float16", 96, 96, 2, 2, 300, 333, mask_mod="causal", block_sparse=MOD_BLOCK),
+        # hd256 block-sparse: backward 64x64 (block_k = its tile_n 64), forward 128x80 fitted to 64
+        fixed("bfloat16", 256, 256, 2, 2, 300, 333, mask_mod="sliding_window", block_sparse=(128, 64)),
+        # a 64-row sparse block: the forward's tile_m 64 (a fitted tile), the backward's 64 x 128
+        fixed("bfloat16", 128, 128, 2, 2, 300, 333, score_mod="softcap", mask_mod="prefix_lm", block_sparse=(64, 128)),
         var(((100, 400), (37, 300), (0, 20)), 64, 64, 4, 2, page_size=64, causal=True),  # varlen, paged
         var(((100, 400), (37, 300)), 64, 64, 4, 2, pack_gqa=False),  # GQA without pack_gqa
         var(((2, 700), (77, 400)), 64, 64, 4, 2, num_splits=3, pack_gqa=True),  # split-KV
@@ -557,6 +712,7 @@ def _suites() -> dict:
         "nightly": nightly_suite,
         "head-dims": head_dims_suite,
         "fidelity": fidelity_suite,
+        "mods": mods_suite,
     }
 
 
@@ -609,6 +765,7 @@ def case_from_dict(d: dict, *, where: str = "case") -> Case:
         if key in kw and kw[key] not in accepted:
             raise ValueError(f"{where}: {key} = {kw[key]!r} is not accepted; accepted: {', '.join(accepted)}")
     _varlen_fields(kw, where)
+    _mod_fields(kw, where)
     c = Case(**kw)
     if c.heads_q % c.heads_kv:
         raise ValueError(f"{where}: heads_q {c.heads_q} must be a multiple of heads_kv {c.heads_kv}")
@@ -648,6 +805,31 @@ def _varlen_fields(kw: dict, where: str) -> None:
         if bad:
             raise ValueError(f"{where}: a varlen case has {want}, got {bad} (batch and lengths follow seqlens)")
         kw.update(want)
+
+
+def _mod_fields(kw: dict, where: str) -> None:
+    """Validate (and turn a JSON list back into a tuple) the mod fields of a case dict: library
+    names (``numerics.mod_library``), block sparsity as two positive ints and only with a
+    mask_mod (the partial blocks apply it; production's ``BlockSparseTensorsTorch`` comes with
+    one), no mods on a varlen case (``fa4.mods.build_mods`` builds fixed-length calls)."""
+    from numerics.mod_library import MASK_MODS, SCORE_MODS
+
+    for key, accepted in (("score_mod", SCORE_MODS), ("mask_mod", MASK_MODS)):
+        v = kw.get(key, "")
+        if not isinstance(v, str) or (v and v not in accepted):
+            names = ", ".join(accepted)
+            raise ValueError(f"{where}: {key} = {v!r} is not accepted; accepted: {names} (or an empty string: none)")
+    bs = kw.get("block_sparse", ())
+    if not isinstance(bs, (list, tuple)) or (bs and (len(bs) != 2 or not all(_nonneg_int(x) and x > 0 for x in bs))):
+        raise ValueError(f"{where}: block_sparse = {bs!r} must be [block_q, block_k], two positive integers (or [])")
+    kw["block_sparse"] = tuple(bs)
+    if bs and not kw.get("mask_mod"):
+        raise ValueError(
+            f"{where}: block_sparse {list(bs)} needs a mask_mod (its blocks are built from it); "
+            f"accepted: {', '.join(MASK_MODS)}"
+        )
+    if kw.get("seqlens") and (kw.get("score_mod") or kw.get("mask_mod") or bs):
+        raise ValueError(f"{where}: score_mod, mask_mod and block_sparse apply to fixed-length cases, not varlen")
 
 
 def varlen_case(*, seqlens, **kw) -> Case:

@@ -63,13 +63,14 @@ def _compared(rec: dict, direction: str) -> bool:
 
 
 def _features(domain) -> list[str]:
-    """The feature values ``domain`` accepts (dtypes, masks, softcap, sink, GQA)."""
-    from audits.cases import DTYPES
+    """The feature values ``domain`` accepts (dtypes, masks, softcap, sink, GQA, its mod kinds)."""
+    from audits.cases import DTYPES, MOD_KINDS
 
     out = [f"dtype={d}" for d in (domain.dtypes or DTYPES)] + ["mask=none"]
     out += ["mask=causal"] if domain.causal else []
     out += ["mask=local"] if domain.local else []
-    return out + [f for f in ("softcap", "sink", "gqa") if getattr(domain, f)]
+    out += [f for f in ("softcap", "sink", "gqa") if getattr(domain, f)]
+    return out + [k for k in MOD_KINDS if domain.takes(k)]
 
 
 def _features_of(case) -> set[str]:
@@ -77,6 +78,7 @@ def _features_of(case) -> set[str]:
     got = {f"dtype={case.dtype}", f"mask={mask}"}
     got |= {"softcap"} if case.softcap > 0 else set()
     got |= {"sink"} if case.sink else set()
+    got |= set(case.mods)
     return got | ({"gqa"} if case.heads_q != case.heads_kv else set())
 
 
@@ -245,17 +247,25 @@ _SHAPES = (
 def _reachable(arch: str, domain) -> dict[str, set] | None:
     """The classes of ``arch`` some call inside ``domain`` falls in, per direction: every accepted
     (d, dv) with every mask the domain takes, over :data:`_SHAPES` (GQA ones only where it takes
-    GQA), then softcap, sink and the deterministic backward each where it takes them.  None (all
-    reachable) for a domain that restricts none of these.  Only what the domain states is left
-    out: lengths and the rest vary over shapes the domain is not asked about."""
+    GQA), then softcap, sink and the deterministic backward each where it takes them, and the mod
+    kinds it declares (block sparsity with a mask_mod, at every accepted head dim and the blocks of
+    :data:`_MOD_BLOCKS`).  None (all reachable) for a domain that restricts none of these.  Only
+    what the domain states is left out: lengths and the rest vary over shapes the domain is not
+    asked about."""
     import json
 
-    if domain.head_dim_pairs() is None and all(getattr(domain, k) for k in _TOGGLES):
+    from audits.cases import MOD_KINDS
+
+    full = all(getattr(domain, k) for k in _TOGGLES) and all(domain.takes(k) for k in MOD_KINDS)
+    if domain.head_dim_pairs() is None and full:
         return None
     return _reachable_cached(arch, json.dumps(domain.as_dict(), sort_keys=True))
 
 
 _TOGGLES = ("causal", "local", "gqa", "softcap", "sink", "deterministic")
+#: the sparse blocks :func:`_reachable` tries: the suites' (``audits.cases.MOD_BLOCK``) and the
+#: ones ``audits.cases.class_cases`` takes for SM90's block-sparse tiles
+_MOD_BLOCKS = ((128, 128), (128, 64), (64, 128))
 
 
 @functools.cache
@@ -277,7 +287,10 @@ def _reachable_cached(arch: str, domain_json: str) -> dict[str, set]:
         for d, dv in pairs for c, w in masks for hq, hk, pk, sq, sk, vl, pg, ns in shapes
     ]  # fmt: skip
     toggles = [k for k in ("softcap", "sink") if getattr(dom, k)] + ["deterministic"] * dom.deterministic
+    toggles += [k for k in ("score_mod", "mask_mod") if dom.takes(k)]
     calls += [dataclasses.replace(calls[0], **{k: True}) for k in toggles]
+    if dom.takes("block_sparse") and dom.takes("mask_mod"):  # a case's block sparsity comes from its mask_mod
+        calls += [dataclasses.replace(c, mask_mod=True, block_sparse=bs) for c in calls for bs in _MOD_BLOCKS]
     return {d: {n for c in calls for n in classes_of(arch, c, direction=d)} for d in DIRECTIONS}
 
 

@@ -8,6 +8,7 @@ A kernel declares it as an attribute of the callable, a plain dict whose keys ar
         "seqlen_multiple": 128, "equal_seqlens": True, "max_seqlen": 8192,
         "causal": True, "local": False, "softcap": False, "sink": False, "gqa": True,
         "layouts": ["contiguous", "strided"], "backward": False, "deterministic": False,
+        "mods": ["score_mod", "mask_mod", "block_sparse"],
     }
 
 or in a TOML file with the same keys (a file narrows what the attribute allows); the attribute
@@ -17,7 +18,13 @@ ranges, and lists mixing them (:class:`HeadDims`, :data:`HEAD_DIM_FORMS`): produ
 ``[{"d": {"min": 8, "max": 128, "step": 8}, "dv": {"min": 8, "max": 128, "step": 8}}, [192, 128],
 256, [64, 512], 512]``.  Head dims are one set for every dtype: what depends on the dtype
 (production SM100's fp8 alignment of 16) stays a run-time refusal.  ``seqlen_q_multiple`` /
-``seqlen_k_multiple`` constrain the two lengths apart (``seqlen_multiple``: both).
+``seqlen_k_multiple`` constrain the two lengths apart (``seqlen_multiple``: both).  ``mods``: the
+kinds of the programmable surface the kernel takes (``audits.cases.MOD_KINDS``: "score_mod",
+"mask_mod", "block_sparse"; ``docs/mods.md``).  In a kernel's own declaration (:func:`domain_of`)
+an absent ``mods`` means *none*, unlike every other key: a kernel that does not say it takes a
+score_mod has its mod cases skipped as outside its domain (and left out of the suites built for
+it), never run without the mod and passed.  Elsewhere (a ``--domain`` file, ``Domain()``) an
+absent ``mods`` restricts nothing, as every absent key.
 
 :func:`domain_of` reads the attribute; :meth:`Domain.narrow` / :meth:`Domain.widen` take the
 intersection / the union (several kernels sharing one suite); :meth:`Domain.from_dict` /
@@ -33,7 +40,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from audits.cases import DTYPES, LAYOUTS, Case
+from audits.cases import DTYPES, LAYOUTS, MOD_KINDS, Case
 from audits.common import read_toml
 
 __all__ = ["Domain", "DomainError", "HeadDims", "HEAD_DIM_FORMS", "domain_of"]
@@ -284,7 +291,8 @@ class Domain:
     equal_seqlens: seqlen_q == seqlen_k; min_seqlen / max_seqlen: bounds on both lengths;
     causal, local (windows), softcap, sink (a learnable sink), gqa (heads_q > heads_kv):
     supported or not; backward, deterministic: whether ``run --backward`` / ``--deterministic``
-    apply."""
+    apply; mods: the mod kinds supported (:data:`audits.cases.MOD_KINDS`; None = any, () = none:
+    a kernel's declaration without the key reads as none, :func:`domain_of`)."""
 
     dtypes: tuple[str, ...] | None = None
     head_dims: HeadDims | None = None
@@ -301,10 +309,18 @@ class Domain:
     layouts: tuple[str, ...] | None = None
     backward: bool = True
     deterministic: bool = True
+    mods: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.head_dims is not None and not isinstance(self.head_dims, HeadDims):
             object.__setattr__(self, "head_dims", HeadDims.parse(self.head_dims, where="Domain(head_dims=...)"))
+        # one order (MOD_KINDS'), so that equal sets compare equal however they were declared
+        if self.mods is not None:
+            object.__setattr__(self, "mods", _mod_kinds(self.mods, where="Domain(mods=...)"))
+
+    def takes(self, kind: str) -> bool:
+        """Whether the domain takes the mod kind ``kind`` (one of :data:`audits.cases.MOD_KINDS`)."""
+        return self.mods is None or kind in self.mods
 
     @property
     def seqlen_multiple(self) -> int:
@@ -361,7 +377,7 @@ class Domain:
             **{k: _lcm(getattr(self, k), getattr(other, k)) for k in _MULTIPLE_KEYS},
             equal_seqlens=self.equal_seqlens or other.equal_seqlens,
             min_seqlen=max(self.min_seqlen, other.min_seqlen), max_seqlen=min(lo) if lo else None,
-            layouts=meet(self.layouts, other.layouts),
+            layouts=meet(self.layouts, other.layouts), mods=meet(self.mods, other.mods),
             **{k: getattr(self, k) and getattr(other, k) for k in _BOOL_KEYS if k != "equal_seqlens"},
         )  # fmt: skip
 
@@ -382,7 +398,7 @@ class Domain:
             **{k: math.gcd(getattr(self, k), getattr(other, k)) for k in _MULTIPLE_KEYS},
             equal_seqlens=self.equal_seqlens and other.equal_seqlens,
             min_seqlen=min(self.min_seqlen, other.min_seqlen), max_seqlen=hi,
-            layouts=join(self.layouts, other.layouts),
+            layouts=join(self.layouts, other.layouts), mods=join(self.mods, other.mods),
             **{k: getattr(self, k) or getattr(other, k) for k in _BOOL_KEYS if k != "equal_seqlens"},
         )  # fmt: skip
 
@@ -402,7 +418,16 @@ class Domain:
             (self.layouts is not None and case.layout not in self.layouts,
              f"layout {case.layout} not in {self.layouts}"),
         )  # fmt: skip
-        return next((why for bad, why in checks if bad), None)
+        return next((why for bad, why in checks if bad), None) or self._mods_refusal(case)
+
+    def _mods_refusal(self, case: Case) -> str | None:
+        """Why the case's mods lie outside (the first kind the domain does not declare), or None."""
+        kind = next((k for k in case.mods if not self.takes(k)), None)
+        if kind is None:
+            return None
+        have = ", ".join(self.mods) if self.mods else "none"
+        return (f"{kind} unsupported (the domain's mods: {have}; a kernel taking it declares "
+                f"mods = [{', '.join(repr(k) for k in MOD_KINDS)}] or the kinds it takes)")  # fmt: skip
 
     def _length_refusal(self, sq: int, sk: int) -> str | None:
         """Why lengths ``sq`` x ``sk`` lie outside the domain's length keys, or None."""
@@ -433,11 +458,14 @@ class Domain:
 
     def as_dict(self) -> dict:
         """The declaration in the dict form (lists for tuples, head dims as
-        :meth:`HeadDims.as_value`), for reports; ``from_dict`` reads it back to an equal domain."""
+        :meth:`HeadDims.as_value`; ``mods`` left out when None, any), for reports; ``from_dict``
+        reads it back to an equal domain."""
         out = {}
         for f in _FIELDS:
             v = getattr(self, f)
             out[f] = v.as_value() if isinstance(v, HeadDims) else list(v) if isinstance(v, tuple) else v
+        if self.mods is None:  # any (absent, as a --domain file says it; TOML has no null)
+            del out["mods"]
         return out
 
 
@@ -463,6 +491,8 @@ def _value(key: str, v, where: str):
         if not _positive(v):
             raise bad("a positive integer")
         return v
+    if key == "mods":
+        return _mod_kinds(v, where=where)
     accepted = {"dtypes": DTYPES, "layouts": LAYOUTS}.get(key)
     if accepted is not None:
         if not isinstance(v, (list, tuple)) or not v or any(x not in accepted for x in v):
@@ -471,18 +501,30 @@ def _value(key: str, v, where: str):
     return HeadDims.parse(v, where=where, key=key)
 
 
+def _mod_kinds(v, *, where: str) -> tuple[str, ...]:
+    """A declared ``mods`` value: a list (possibly empty: none) of :data:`audits.cases.MOD_KINDS`,
+    returned in MOD_KINDS' order without repeats; :class:`DomainError` naming the accepted kinds."""
+    if not isinstance(v, (list, tuple)) or any(not isinstance(x, str) or x not in MOD_KINDS for x in v):
+        raise DomainError(
+            f"{where}: domain key 'mods' = {v!r}: expected a list of {', '.join(MOD_KINDS)} (the mod kinds the "
+            "kernel takes; [] or absent: none)"
+        )
+    return tuple(k for k in MOD_KINDS if k in v)
+
+
 def domain_of(fn) -> Domain:
     """The domain a kernel declares (its ``fa4_audit_domain`` attribute: a dict or a Domain, or
     a callable returning one, evaluated now: production's depends on the GPU it runs on); the
-    unrestricted domain when it declares none."""
+    unrestricted domain when it declares none — but for the mods: a declaration that does not
+    name ``mods`` (or none at all) takes none (module doc)."""
     d = getattr(fn, "fa4_audit_domain", None)
     if callable(d):
         d = d()
     if d is None:
-        return Domain()
-    if isinstance(d, Domain):
-        return d
-    return Domain.from_dict(d, where=f"{getattr(fn, '__qualname__', fn)!s}.fa4_audit_domain")
+        return Domain(mods=())
+    if not isinstance(d, Domain):
+        d = Domain.from_dict(d, where=f"{getattr(fn, '__qualname__', fn)!s}.fa4_audit_domain")
+    return d if d.mods is not None else dataclasses.replace(d, mods=())
 
 
 #: multiples of the domain's block that generated lengths take: one block, not-a-power-of-two
@@ -592,7 +634,8 @@ def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: lis
     fits the domain (``nan_inf_masked`` needs keys no query sees: a left window and unequal
     lengths) is listed with the reason, never a case outside the domain.  Then release's varlen
     cases that lie inside the domain (:func:`_varlen_within`), and the code-path class cases
-    (``audits.cases.class_cases``) that lie inside it."""
+    (``audits.cases.class_cases``) that lie inside it, and the ``mods`` suite within it
+    (:func:`mods_within`)."""
     from audits.cases import class_cases, pairwise, release_varlen
     from audits.inputs import FAMILIES
 
@@ -610,6 +653,7 @@ def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: lis
         cases += ok
     cases += _varlen_within(d, release_varlen(seeds))
     cases += [c for c in class_cases() if d.refusal(c) is None]
+    cases += mods_within(d)["cases"]
     return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
             "not_applicable": missing}  # fmt: skip
 
@@ -647,11 +691,11 @@ def smoke_within(d: Domain) -> dict:
     key beyond the causal diagonal is another test than one in an unmasked row),
     as :func:`release_within` reports them, then smoke's varlen cases inside the domain.  The
     unrestricted domain gives smoke itself."""
-    from audits.cases import NONFINITE_MASKS, pairwise, smoke_suite, smoke_varlen
+    from audits.cases import NONFINITE_MASKS, pairwise, smoke_mods, smoke_suite, smoke_varlen
     from audits.inputs import FAMILIES
 
-    if d == Domain():
-        return {"cases": smoke_suite(), "axes": None, "pairs_covered": None, "not_applicable": {}}
+    if _unrestricted_but_mods(d):
+        return {"cases": _with_mods(d, smoke_suite()), "axes": None, "pairs_covered": None, "not_applicable": {}}
     short = dataclasses.replace(d, max_seqlen=min(d.max_seqlen or 1 << 30, max(3 * d.seqlen_multiple, 256)))
     axes = {**axes_within(d), "seqlens": seqlens_within(short, [(64, 128), (130, 70), (200, 300), (256, 256)])}
     rows, fams = pairwise(axes), list(FAMILIES)
@@ -672,6 +716,7 @@ def smoke_within(d: Domain) -> dict:
             case = next((c for c, _ in tries if c is not None and mask_kind(c) == m), None)
             cases += [case] if case is not None else []
     cases += _varlen_within(d, smoke_varlen())
+    cases += mods_within(d, smoke_mods())["cases"]
     return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
             "not_applicable": missing}  # fmt: skip
 
@@ -738,21 +783,60 @@ def named_suite_within(name: str, d: Domain) -> dict:
     when ``d`` restricts no case (``backward`` and ``deterministic`` choose no case)."""
     from audits.cases import suite
 
-    if dataclasses.replace(d, backward=True, deterministic=True) == Domain():
-        return {"cases": suite(name), "axes": None, "pairs_covered": None, "not_applicable": {}}
+    if _unrestricted_but_mods(d):
+        return {"cases": _with_mods(d, suite(name)), "axes": None, "pairs_covered": None, "not_applicable": {}}
     return suite_within(name, d)
 
 
+def _unrestricted_but_mods(d: Domain) -> bool:
+    """Whether ``d`` restricts no case but by its mod kinds (``backward`` and ``deterministic``
+    choose no case)."""
+    return dataclasses.replace(d, backward=True, deterministic=True, mods=None) == Domain()
+
+
+def _with_mods(d: Domain, cases: list[Case]) -> list[Case]:
+    """``cases`` without the mod cases whose kinds ``d`` does not declare: a suite built for a
+    kernel has a mod case only where its domain takes the mod (never one to skip)."""
+    return [c for c in cases if all(d.takes(k) for k in c.mods)]
+
+
+def mods_within(d: Domain, cases: list[Case] | None = None) -> dict:
+    """The ``mods`` suite (``audits.cases.mods_suite``; or ``cases``, mod cases of another suite)
+    over the domain: nothing when it declares no mod kind; else each case whose kinds it takes,
+    moved into it along the axes a mod case does not test (lengths, heads, layout: :func:`_fit`;
+    a dtype or head dim outside it is not moved).  A case that still lies outside is left out
+    and counted under ``not_applicable["mods"]`` with the first reason."""
+    from audits.cases import mods_suite
+
+    cases = mods_suite() if cases is None else cases
+    if d.mods == ():
+        why = (
+            "the domain declares no mod kinds (mods = [], or absent in a kernel's declaration): mod cases run only "
+            "where the kernel takes them"
+        )
+        return {"cases": [], "axes": None, "pairs_covered": None, "not_applicable": {"mods": why}}
+    placed = [_fit(d, c) for c in _with_mods(d, cases)]
+    kept = [c for c, _ in placed if c is not None]
+    missing = {}
+    if len(kept) < len(placed):
+        why = next(w for _, w in placed if w is not None)
+        n = len(placed) - len(kept)
+        missing["mods"] = f"{n} of {len(placed)} mod cases fit no length, head or layout of the domain; e.g. {why}"
+    return {"cases": list(dict.fromkeys(kept)), "axes": None, "pairs_covered": None, "not_applicable": missing}
+
+
 def suite_within(name: str, d: Domain) -> dict:
-    """A named suite built over the domain (``smoke``, ``release``, ``head-dims``, ``nightly``:
-    release's over three seeds and long lengths, plus the head-dim sweep); a fixed list
-    (``fidelity``) filtered to it."""
+    """A named suite built over the domain (``smoke``, ``release``, ``head-dims``, ``mods``,
+    ``nightly``: release's over three seeds and long lengths, plus the head-dim sweep); a fixed
+    list (``fidelity``) filtered to it."""
     if name == "smoke":
         return smoke_within(d)
     if name == "release":
         return release_within(d)
     if name == "head-dims":
         return head_dims_within(d)
+    if name == "mods":
+        return mods_within(d)
     if name == "nightly":
         built = release_within(d, seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
         sweep = head_dims_within(d)

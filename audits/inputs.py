@@ -14,7 +14,10 @@ small noise of the remaining channels and the dtype's rounding.
 
 from __future__ import annotations
 
+import copyreg
 import math
+import pickle
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +25,7 @@ import torch
 
 __all__ = [
     "Family", "FAMILIES", "SINK_PLACES", "TILE_STEPS_LOG2", "make_inputs", "DO_FAMILIES", "make_grad_output",
-    "NotApplicable", "make_varlen_inputs", "page_table", "paged",
+    "NotApplicable", "make_varlen_inputs", "page_table", "paged", "saveable_kw", "rebuild_mod",
 ]  # fmt: skip
 
 
@@ -255,7 +258,9 @@ def _layout(t: torch.Tensor, layout: str, g: torch.Generator) -> torch.Tensor:
 
 def make_inputs(case, *, device: str | torch.device = "cpu") -> dict:
     """q, k, v (case.dtype, on ``device``, laid out per ``case.layout``) and the keyword
-    arguments of the audited call for ``case`` (an ``audits.cases.Case``)."""
+    arguments of the audited call for ``case`` (an ``audits.cases.Case``), with its mods
+    (``fa4.mods.build_mods``: score_mod, mask_mod, aux_tensors, block_sparse_tensors) when it
+    has any; :class:`NotApplicable` where the family's or a mod's precondition fails."""
     if case.family not in FAMILIES:
         raise ValueError(f"unknown input family {case.family!r}; accepted: {', '.join(FAMILIES)}")
     g = torch.Generator().manual_seed(case.seed)
@@ -279,7 +284,124 @@ def make_inputs(case, *, device: str | torch.device = "cpu") -> dict:
     kw = {"causal": case.causal, "window_size": tuple(case.window), "softcap": case.softcap}
     if case.sink:
         kw["learnable_sink"] = _sink(q, k, case, g).to(device)
+    if case.score_mod or case.mask_mod or case.block_sparse:
+        kw.update(_mods(case, v, device))
     return {"q": q, "k": k, "v": v, "kw": kw}
+
+
+def _mods(case, v: torch.Tensor, device) -> dict:
+    """The call's mod keywords for ``case`` (``fa4.mods.build_mods``: score_mod, mask_mod,
+    aux_tensors, block_sparse_tensors), deterministic from the case's seed, or
+    :class:`NotApplicable` where a mod breaks the family's precondition:
+
+    - ``relbias`` reads a bucket table covering distances up to ``RELBIAS_SPAN``
+      (``numerics.mod_library``): longer sequences have no bias to read;
+    - ``nan_inf_visible`` puts inf in V at a key every query sees under the flags
+      (:func:`_seen_by_all`); a mask_mod (or block sparsity) that hides it from some query makes a
+      correct tiled kernel's 0 * inf in P V a NaN the reference does not have — the family would
+      then fail correct kernels, so it is not applicable there."""
+    from fa4.mods import build_mods
+    from numerics.mod_library import RELBIAS_SPAN
+
+    if case.score_mod == "relbias" and max(case.seqlen_q, case.seqlen_k) > RELBIAS_SPAN:
+        raise NotApplicable(
+            f"score_mod relbias covers sequences up to {RELBIAS_SPAN} tokens (its bucket table); the case has "
+            f"{case.seqlen_q}x{case.seqlen_k}"
+        )
+    recipe = dict(
+        score_mod=case.score_mod, mask_mod=case.mask_mod, block_sparse=tuple(case.block_sparse), batch=case.batch,
+        heads_q=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, seed=case.seed,
+    )  # fmt: skip
+    mods = build_mods(**recipe, device=device)
+    for key in ("score_mod", "mask_mod"):
+        if key in mods:
+            _RECIPES[mods[key]] = (key, recipe)
+    if case.family == "nan_inf_visible" and (case.mask_mod or case.block_sparse):
+        _inf_key_seen_by_all(case, v, mods)
+    return mods
+
+
+#: how each library mod :func:`_mods` built can be built again: mod -> (its keyword in
+#: ``fa4.mods.build_mods``'s result, the build's arguments).  Weak: a mod no call holds goes.
+_RECIPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rebuild_mod(key: str, recipe: dict):
+    """The library mod ``key`` ("score_mod" / "mask_mod") of ``fa4.mods.build_mods(**recipe)``,
+    on the CPU (a mod holds no tensor: it reads the call's aux tensors, which travel apart).
+    Public: what a pickled library mod unpickles by (:func:`_reduce_mod`)."""
+    from fa4.mods import build_mods
+
+    return build_mods(**recipe, device="cpu")[key]
+
+
+def _reduce_mod(mod):
+    """Pickle a library mod by its recipe: its reference form is a closure, which pickle cannot
+    write, and the kernel worker (``audits.worker``: ``run``'s isolated kernel process) receives
+    the call's keywords pickled.  A mod built elsewhere (a user's own) pickles as before."""
+    got = _RECIPES.get(mod)
+    return (rebuild_mod, got) if got is not None else mod.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+
+
+def _register_reducers() -> None:
+    from numerics.mods import MaskMod, ScoreMod
+
+    for cls in (ScoreMod, MaskMod):
+        copyreg.pickle(cls, _reduce_mod)
+
+
+_register_reducers()
+
+
+def _inf_key_seen_by_all(case, v: torch.Tensor, mods: dict) -> None:
+    """:class:`NotApplicable` unless every query row that sees some key under the flags and the
+    mods sees the key ``nan_inf_visible`` put inf in V at (a row seeing no key has no P V)."""
+    from numerics.mods import visibility
+    from numerics.reference import visible_mask
+
+    keys = torch.isinf(v).flatten(2).any(-1).any(0).nonzero().flatten().cpu()
+    flags = visible_mask(case.seqlen_q, case.seqlen_k, causal=case.causal, window_size=tuple(case.window))
+    aux = [t.cpu() for t in mods.get("aux_tensors") or []]
+    vis = visibility(batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k,
+                     mask_mod=mods.get("mask_mod"), block_sparse=_cpu_blocks(mods.get("block_sparse_tensors")),
+                     aux=aux)  # fmt: skip
+    vis = vis.expand(case.batch, case.heads_q, case.seqlen_q, case.seqlen_k) & flags
+    rows = vis.any(-1)
+    for j in keys.tolist():
+        blind = rows & ~vis[..., j]
+        if bool(blind.any()):
+            b, h, i = (int(x) for x in blind.nonzero()[0])
+            raise NotApplicable(
+                f"family nan_inf_visible puts inf in V at key {j}, which the mods ({case.mask_mod}"
+                f"{', block-sparse' if case.block_sparse else ''}) hide from query {i} (batch {b}, head {h}): a "
+                "correct tiled kernel's 0 * inf there is a NaN the reference does not have"
+            )
+
+
+def _cpu_blocks(bs):
+    """A ``numerics.mods.BlockSparse`` with its block masks on the CPU (None stays None)."""
+    if bs is None:
+        return None
+    from dataclasses import replace
+
+    return replace(bs, full=bs.full.cpu(), partial=bs.partial.cpu())
+
+
+def saveable_kw(kw: dict) -> dict:
+    """The call's keywords in a form ``torch.save`` writes without pickling code: a mod object
+    (its reference form is a closure) by its name, block sparsity as its block masks and size,
+    tensors as they are.  The case (``Case.as_dict``, saved beside) rebuilds the mods themselves."""
+    from numerics.mods import BlockSparse, MaskMod, ScoreMod
+
+    out = {}
+    for key, val in kw.items():
+        if isinstance(val, (ScoreMod, MaskMod)):
+            out[key] = val.name
+        elif isinstance(val, BlockSparse):
+            out[key] = {"full": val.full, "partial": val.partial, "block_size": tuple(val.block_size)}
+        else:
+            out[key] = val
+    return out
 
 
 #: the learnable sink's place against its head's largest logit, head h taking SINK_PLACES[h % 3]:

@@ -14,11 +14,13 @@
   ``NotImplementedError`` at run time (rows with no visible key: SDPA gives NaN there where FA's
   convention is 0; bottom-right causal masks on flash and cudnn), and ``return_lse`` yields
   ``None``.
+* ``flex``: PyTorch's ``flex_attention`` as a peer (compiled on CUDA, eager and forward-only on
+  the CPU), with the mods (``numerics.mods``) in flex's own form; no sink, no fp8.
 * ``module:attr`` or ``path/to/file.py:fn``: any callable with that signature.
 
 Each built-in declares its domain (``fn.fa4_audit_domain``, ``audits.domain``): production's per
 GPU architecture (``fa4.production.production_domain``), the models' (``_MODEL_DOMAINS``),
-SDPA's per backend (``_sdpa_domain``).
+SDPA's per backend (``_sdpa_domain``), flex's (``_flex.fa4_audit_domain``).
 
 ``fa4_numerics(name)`` says which ``FA4Numerics`` family a kernel implements, so the runner
 can hold it to ``numerics.forward_bound``; None for the peers.
@@ -27,6 +29,7 @@ can hold it to ``numerics.forward_bound``; None for the peers.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -61,7 +64,11 @@ def _model_of(arch: str, mma: str = "exact"):
 
         from fa4.model import FA4Numerics, attention
 
-        nm = FA4Numerics.for_inputs(arch, q, k, v, causal, window_size)
+        # production's numerics for this call: a mask_mod drops the flags from the forward's
+        # configuration (interface._resolve_causal_local_window), block sparsity fits the tiles
+        flags = (False, (None, None)) if kw.get("mask_mod") is not None else (causal, window_size)
+        bs = kw.get("block_sparse_tensors")
+        nm = FA4Numerics.for_inputs(arch, q, k, v, *flags, block_sparse=None if bs is None else tuple(bs.block_size))
         nm = dataclasses.replace(nm, bwd_deterministic=bool(deterministic), mma=mma)
         return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
 
@@ -76,7 +83,11 @@ def _model_of(arch: str, mma: str = "exact"):
 #: (``FA4Numerics.sm90`` raises NotImplementedError for fp8, fa4/model.py, after production's
 #: flash_fwd.py _check_type).  Their backward's head-dim limits (fa4/model_bwd.py ``bwd_plan``,
 #: ``_hd256_refusals``) concern the backward only and stay run-time refusals.
-_MODEL_DOMAINS = {"sm100": {}, "sm90": {"dtypes": ["bfloat16", "float16"]}}
+#: Both model every mod kind (fa4/model.py, "Mods"); their varlen entries refuse mods at run time.
+_MODEL_DOMAINS = {
+    "sm100": {"mods": ["score_mod", "mask_mod", "block_sparse"]},
+    "sm90": {"dtypes": ["bfloat16", "float16"], "mods": ["score_mod", "mask_mod", "block_sparse"]},
+}
 
 
 def _production(q, k, v, *, deterministic=False, **kw):
@@ -182,6 +193,203 @@ def _sdpa_domain(backend: str) -> dict:
     return {**d, "local": False} if backend in ("flash", "cudnn") else d
 
 
+#: flex_attention's recompile allowance on CUDA: dynamo specialises the compiled kernel on the
+#: score_mod / mask_mod closures, which change with every case's mods (their constants, aux
+#: tensors), and past torch's default of 8 it would fall back to the unfused eager path
+#: silently; an audit run's distinct mod configurations stay well under this
+FLEX_RECOMPILE_LIMIT = 512
+
+
+def _flex_compiled():
+    """``flex_attention`` compiled by ``torch.compile`` (once per process): the fused Triton
+    kernel the peer audits on CUDA (eager flex materialises the scores, another algorithm)."""
+    global _FLEX_COMPILED
+    if _FLEX_COMPILED is None:
+        import torch._dynamo.config as dynamo_config
+        from torch.nn.attention.flex_attention import flex_attention
+
+        for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(dynamo_config, knob):
+                setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), FLEX_RECOMPILE_LIMIT))
+        # specialize_float: a mod's float constant (softcap's cap) would otherwise enter the graph
+        # as a 0-d CPU float64 input, which flex's lowering rejects (InductorError "unbacked_bindings",
+        # every softcap case on the H200, torch 2.11, 2026-12-02); dynamic=False: one kernel per shape,
+        # as flex is used (no symbolic lengths in its block masks)
+        if hasattr(dynamo_config, "specialize_float"):
+            dynamo_config.specialize_float = True
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+_FLEX_COMPILED = None
+
+
+def _flag_mask(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> Callable | None:
+    """The flags' mask as a flex mask_mod ``(b, h, q_idx, kv_idx) -> bool`` (None: keeps every
+    key): ``numerics.reference.visible_key_range``'s rule, bottom-right aligned."""
+    from numerics.reference import effective_window
+
+    left, right = effective_window(causal=causal, window_size=window_size)
+    if left is None and right is None:
+        return None
+    off = seqlen_k - seqlen_q
+
+    def keep(b, h, q_idx, kv_idx):
+        diag = q_idx + off
+        ok = kv_idx >= diag - left if left is not None else kv_idx >= 0
+        return ok & (kv_idx <= diag + right) if right is not None else ok
+
+    return keep
+
+
+def _flex_block_mask(bs, mask_mod, seqlen_q: int, seqlen_k: int, device):
+    """flex's ``BlockMask`` of a :class:`numerics.mods.BlockSparse`: the partial blocks as its
+    ``kv_num_blocks`` / ``kv_indices`` (``mask_mod`` applied there), the full ones as
+    ``full_kv_*`` (not masked), the lists ascending as ``create_block_mask`` orders them;
+    ``BlockMask.from_kv_blocks`` derives the transposed lists the backward walks."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from fa4.mods import block_sparse_index_lists
+
+    cnt, idx = block_sparse_index_lists(bs.partial.to(device))
+    full_cnt, full_idx = block_sparse_index_lists(bs.full.to(device))
+    return BlockMask.from_kv_blocks(
+        cnt, idx, full_cnt, full_idx, BLOCK_SIZE=tuple(bs.block_size), mask_mod=mask_mod,
+        seq_lengths=(seqlen_q, seqlen_k),
+    )  # fmt: skip
+
+
+def _eager_block_mask_mod(bs, mask_mod, device) -> Callable:
+    """The block structure of ``bs`` folded into the mask_mod: ``full | (partial & mask_mod)``
+    per key.  flex's eager path (the CPU) evaluates only the BlockMask's mask_mod, on every score
+    (``torch._higher_order_ops.flex_attention``, ``_math_attention_inner``), never its block
+    lists; on a partial block this is the mask_mod itself, so where the block lists are used
+    (the compiled kernel) it changes nothing."""
+    full, part = bs.full.to(device), bs.partial.to(device)
+    bq, bk = bs.block_size
+
+    def keep(b, h, q_idx, kv_idx):
+        bb = b if full.shape[0] > 1 else torch.zeros_like(b)
+        hh = h if full.shape[1] > 1 else torch.zeros_like(h)
+        i, j = q_idx // bq, kv_idx // bk
+        inner = part[bb, hh, i, j] if mask_mod is None else part[bb, hh, i, j] & mask_mod(b, h, q_idx, kv_idx)
+        return full[bb, hh, i, j] | inner
+
+    return keep
+
+
+def _flex_mods(q, k, *, causal, window_size, softcap, score_mod, mask_mod, aux, block_sparse):
+    """(score_mod, block_mask) of a flex call for the contract's flags and mods (:func:`_flex`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, sq, hq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+    flags = _flag_mask(causal, window_size, sq, sk)
+    sm = None
+    if score_mod is not None:
+        fn = score_mod.fn
+        sm = lambda s, bi, hi, qi, ki: fn(s, bi, hi, qi, ki, aux)  # noqa: E731
+    elif softcap and softcap > 0:
+        cap = float(softcap)
+        sm = lambda s, bi, hi, qi, ki: cap * torch.tanh(s / cap)  # noqa: E731
+    mm_obj = mask_mod if mask_mod is not None else (block_sparse.mask_mod if block_sparse is not None else None)
+    mm = None
+    if mm_obj is not None:
+        mfn = mm_obj.fn
+        mm = lambda bi, hi, qi, ki: mfn(bi, hi, qi, ki, aux)  # noqa: E731
+    if block_sparse is not None:
+        if not q.is_cuda:
+            mm = _eager_block_mask_mod(block_sparse, mm, q.device)
+        block_mask = _flex_block_mask(block_sparse, mm, sq, sk, q.device)
+        if flags is None:
+            return sm, block_mask
+        inner = sm
+
+        def flagged(s, bi, hi, qi, ki):  # the flags hold on full blocks too: -inf where they hide the key
+            s2 = inner(s, bi, hi, qi, ki) if inner is not None else s
+            return torch.where(flags(bi, hi, qi, ki), s2, torch.full_like(s2, -math.inf))
+
+        return flagged, block_mask
+    if mm is not None and flags is not None:
+        inner_mm = mm
+        mm = lambda bi, hi, qi, ki: inner_mm(bi, hi, qi, ki) & flags(bi, hi, qi, ki)  # noqa: E731
+    elif mm is None:
+        mm = flags
+    if mm is None:
+        return sm, None
+    per_head = mm_obj is not None and mm_obj.per_head
+    return sm, create_block_mask(mm, b, hq if per_head else None, sq, sk, device=q.device)
+
+
+def _flex(
+    q,
+    k,
+    v,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(None, None),
+    softcap=0.0,
+    learnable_sink=None,
+    return_lse=False,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors=None,
+    block_sparse_tensors=None,
+):
+    """PyTorch's ``flex_attention`` as a peer (kernel ``flex``): compiled on CUDA, eager on the
+    CPU (forward only there: flex refuses a CPU backward, NotImplementedError).  The mods are
+    the contract's (``numerics.mods``) reference forms, which flex evaluates on its own
+    (``score_mod(score, b, h, q_idx, kv_idx)`` on ``scale * q.k``, the semantics production's
+    forms share), closing over the call's ``aux_tensors``.  The flags intersect a mask_mod (the
+    audit's meaning, ``numerics.mods``): without block sparsity both go into the mask_mod of
+    ``create_block_mask``; with it the blocks are the BlockSparse's (``BlockMask.from_kv_blocks``,
+    the mask_mod on partial blocks only; on the CPU, whose eager flex reads no block lists, the
+    blocks are folded into the mask_mod: :func:`_eager_block_mask_mod`) and the flags, which
+    must hold on full blocks too, become a score_mod setting hidden keys to -inf.  ``softcap``
+    becomes the score_mod ``c * tanh(s / c)`` (with a score_mod too it is refused, as
+    production refuses it); ``learnable_sink`` is refused (flex has no sink).  The LSE
+    (``return_aux=AuxRequest(lse=True)``; ``return_lse`` before torch 2.9) is natural-log (flex
+    rescales its base-2 statistics: ``_finalize_outputs``); GQA through ``enable_gqa``."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    if learnable_sink is not None:
+        raise NotImplementedError("flex_attention has no learnable sink")
+    if softcap and score_mod is not None:
+        raise NotImplementedError("softcap and a score_mod together: one score_mod only (production refuses it too)")
+    sm, block_mask = _flex_mods(
+        q, k, causal=causal, window_size=window_size, softcap=softcap, score_mod=score_mod, mask_mod=mask_mod,
+        aux=list(aux_tensors or []), block_sparse=block_sparse_tensors,
+    )  # fmt: skip
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    run = _flex_compiled() if q.is_cuda else flex_module.flex_attention
+    # torch >= 2.9 asks for the LSE through return_aux (return_lse deprecated); older, return_lse
+    request = {"return_aux": flex_module.AuxRequest(lse=True)} if hasattr(flex_module, "AuxRequest") else {}
+    try:
+        res = run(
+            qt, kt, vt, score_mod=sm, block_mask=block_mask, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
+            **(request or {"return_lse": True}),
+        )  # fmt: skip
+    except Exception as exc:
+        cause = exc.__cause__ or exc.__context__
+        while cause is not None and not isinstance(cause, NotImplementedError):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(exc, NotImplementedError) or cause is not None:  # flex's own refusal (maybe wrapped)
+            raise NotImplementedError(f"flex_attention: {cause or exc}") from exc
+        raise
+    o, stats = res
+    lse = stats.lse if request else stats
+    o = o.transpose(1, 2)
+    return (o, lse.float()) if return_lse else o
+
+
+_flex.fa4_audit_domain = {
+    "dtypes": ["bfloat16", "float16"],
+    "sink": False,
+    "deterministic": False,
+    "mods": ["score_mod", "mask_mod", "block_sparse"],
+}
+
+
 KERNELS: dict[str, Callable] = {
     "fa4": _production,
     **{name: _model_of(*family) for name, family in MODELS.items()},
@@ -189,15 +397,17 @@ KERNELS: dict[str, Callable] = {
     "sdpa-flash": _sdpa("flash"),
     "sdpa-efficient": _sdpa("efficient"),
     "sdpa-cudnn": _sdpa("cudnn"),
+    "flex": _flex,
 }
 
 
 def claims_nonfinite_inputs(name: str) -> bool:
     """Whether a kernel claims defined results for NaN/inf inputs (FA's convention: masked
     positions never leak).  PyTorch's SDPA makes no such claim — its additive mask lets a NaN at
-    a masked key reach every row — so cases with non-finite inputs are out of its domain.  FA4
+    a masked key reach every row — so cases with non-finite inputs are out of its domain; nor
+    does flex_attention (its P.V meets a NaN value at a masked key of a visited block).  FA4
     kernels and user kernels (``module:attr``) are held to it."""
-    return not name.startswith("sdpa-")
+    return not name.startswith("sdpa-") and name != "flex"
 
 
 def production_arch() -> str:

@@ -38,6 +38,48 @@ where it happens (flash-attn-4 4.0.0b36, ``flash_attn/cute``):
 NaN semantics come along: a NaN score is ignored by the row max, swallowed (P = 0) where the
 polynomial exp2 handles it and propagated by the hardware exp2.
 
+Mods (``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``: the ``numerics.mods``
+objects; the reference forms evaluated in float32), where production applies them:
+
+* score_mod, step 2 (``flash_fwd_sm90.py`` ``mma_one_n_block`` / ``first_half_block_overlap``,
+  ``flash_fwd_sm100.py`` ``softmax_step``: ``apply_score_mod`` *before* the mask, on every
+  visited block): ``softmax.py`` ``apply_score_mod_inner`` takes ``fl32(S * softmax_scale)`` (one
+  FMUL) and the mod's float32 result (:func:`fa4.primitives.apply_score_mod`);
+  ``utils.compute_softmax_scale_log2`` makes ``scale_log2 = LOG2_E`` (not ``fl32(scale *
+  LOG2_E)``): so an identity score_mod gives ``fma(fl32(S*scale), LOG2_E, bias)`` where no mod
+  gives ``fma(S, fl32(scale*LOG2_E), bias)`` — not the same bits in general.  ``softcap`` and a
+  score_mod together are refused (``interface._flash_attn_fwd``).
+* mask_mod, step 3 (``mask.py`` ``AttentionMask.apply_mask``'s mask_mod branch, SM100
+  ``apply_mask_sm100``): a key is kept where the mod keeps it, and (on the first block visited,
+  ``mask_seqlen=True``) below seqlen_k.  ``interface._resolve_causal_local_window`` drops
+  ``causal`` and the window when a mask_mod is given (``causal=False, local=False``): every KV
+  block is visited (``get_n_block_min_max`` without causal), from the last to the first, the
+  mask_mod applied on every one (the interior loop runs ``mask_fn`` "if mask_mod is not None"),
+  and the tiles / exp2 interleave are the non-causal ones (``FA4Numerics.for_inputs`` gets
+  ``causal=False``).  The backward keeps ``causal`` (``fa4.model_bwd``).
+* block sparsity (``block_sparse_utils.py`` ``consume_block_sparse_loads`` on SM90,
+  ``softmax_block_sparse_sm100`` on SM100): per query tile only the listed KV blocks, the
+  *partial* ("mask") list first, then the *full* list, each list from its last entry to its
+  first (lists ascending, as ``compute_block_sparsity`` / flex's ``BlockMask`` build them: so
+  each list runs from its highest block down); a sparse KV block of ``kv_subtile_factor`` tiles
+  from its last tile to its first; the mask_mod on partial blocks only (full blocks:
+  ``mask_mod=None``, seqlen masking only); the causal/window flags, when no mask_mod dropped them,
+  on every visited block — but on SM100 the full list's inner blocks (all but its first coarse
+  block) run with ``mask_fn=None`` (``softmax_block_sparse_sm100_list``,
+  ``allow_unmasked_inner_blocks``): there not even the flags mask.  A query tile with no block:
+  out 0, LSE -inf (SM90 ``softmax.reset(); acc_O.fill(0)``; SM100
+  ``handle_block_sparse_empty_tile_correction_sm100``).  Block sizes:
+  ``block_sparsity.normalize_block_sparse_config`` requires the sparse query block to be a
+  multiple of ``q_stage * tile_m`` and the sparse KV block a multiple of tile_n (SM90: equal to
+  it, after ``interface._fit_sm90_fwd_tile_to_block_sparsity``), and SM100 turns 2-CTA off
+  (``use_2cta_instrs ... and not use_block_sparsity``): ``FA4Numerics.for_inputs(...,
+  block_sparse=(block_q, block_k))`` picks the tiles as production does.
+* mask_mod or block sparsity make visibility per element and the visit order per tile, so they
+  take the plain loop (torch); a score_mod alone keeps the fast loop (its step 2 is in
+  :meth:`_Loop.scores`, before the compiled step).  ``masked_exp2="hardware"``: with a mask_mod
+  every iteration applies a mask; with block sparsity the partial blocks and the first KV block
+  of the full list (its seqlen mask), as ``softmax_block_sparse_sm100_list`` calls ``mask_fn``.
+
 On CPU the loop runs fast (numba) and gives the bits of the plain loop — every row of
 every block through the torch functions of steps 3-9, S and P V by einsums over all rows: a
 block's float64 GEMMs cover only a window of the rows that visit it (:func:`_row_window`; MKL
@@ -69,16 +111,30 @@ from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
 from fa4.model_bwd import attention_backward
 from fa4.primitives import FP8 as _FP8
 from fa4.primitives import LOG2_E as _LOG2_E
+from fa4.primitives import (
+    apply_mask_mod,
+    apply_score_mod,
+    check_block_sparse,
+    check_mods,
+    hardware_exp2,
+    hardware_lg2,
+    hardware_rcp,
+    softcap_tanh,
+    visible_bounds,
+)
 from fa4.primitives import fma as _fma
-from fa4.primitives import hardware_exp2, hardware_lg2, hardware_rcp, softcap_tanh, visible_bounds
 from fa4.primitives import scales as _scales
 from numerics.code_paths import SM100_TILE_M, SM100_TILE_N, sm90_fwd_tile, sm100_fwd_geometry
 from numerics.fp import fma_f32, format_of, round_to
 from numerics.fp import to_f32 as _f32
+from numerics.mods import BlockSparse, MaskMod, ScoreMod, index_grid
 from numerics.tensor_core import tc_dot
 from numerics.tiles import block_ranges, masked_blocks
 
-__all__ = ["FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES"]
+__all__ = [
+    "FA4Numerics", "attention", "hardware_exp2", "SUPPORTED_DTYPES", "FwdMods", "block_sparse_kv_order",
+    "sm90_sparse_fwd_tile",
+]  # fmt: skip
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 _LN2 = math.log(2.0)
@@ -218,6 +274,7 @@ class FA4Numerics:
         use_2cta: bool | None = None,
         pack_gqa: bool | None = None,
         varlen_q: bool = False,
+        block_sparse: tuple[int, int] | None = None,
     ) -> FA4Numerics:
         """Production SM100 defaults, as ``interface._flash_attn_fwd`` and
         ``FlashAttentionForwardSm100.__init__``/``__call__`` choose them for these inputs:
@@ -231,9 +288,13 @@ class FA4Numerics:
         assumes a long sequence.  ``pack_gqa=None`` is production's default: ``qhead_per_kvhead >
         1``.  ``varlen_q`` (cu_seqlens_q or seqused_q given): packed GQA at padded head dim > 64
         without masks interleaves every 32nd fragment instead of the tuned 10th
-        (``FlashAttentionForwardSm100.__call__``, after ``_setup_attributes``).
+        (``FlashAttentionForwardSm100.__call__``, after ``_setup_attributes``).  ``block_sparse``
+        (the sparse block size, or None): block sparsity turns 2-CTA off (``interface.py``:
+        ``use_2cta_instrs = ... and not use_block_sparsity``).
         """
         _check_dtype(dtype)
+        if block_sparse is not None:
+            use_2cta = False
         fp8 = dtype in _FP8
         hdp = int(math.ceil(head_dim / 16) * 16)
         pack_gqa = qhead_per_kvhead > 1 if pack_gqa is None else pack_gqa
@@ -276,15 +337,19 @@ class FA4Numerics:
         causal: bool = False,
         local: bool = False,
         head_dim_v: int | None = None,
+        block_sparse: tuple[int, int] | None = None,
     ) -> FA4Numerics:
         """The Hopper path (``flash_fwd_sm90.py``): hardware exp2, the max moves at every block,
         no threshold, no max_offset; tiles from ``interface._tile_size_fwd_sm90``
-        (``numerics.code_paths.sm90_fwd_tile``)."""
+        (``numerics.code_paths.sm90_fwd_tile``), fitted to the sparse block size ``block_sparse``
+        = (block_q, block_k) when given (:func:`sm90_sparse_fwd_tile`)."""
         if dtype in _FP8:
             raise NotImplementedError("the SM90 path supports only bf16 and fp16 (flash_fwd.py _check_type)")
         _check_dtype(dtype)
         dv = head_dim if head_dim_v is None else head_dim_v
         tm, tn = sm90_fwd_tile(d=head_dim, dv=dv, causal=causal, local=local)
+        if block_sparse is not None:
+            tm, tn = sm90_sparse_fwd_tile(head_dim, tm, tn, block_sparse)
         return FA4Numerics(arch="sm90", tile_m=tm, tile_n=tn, exp2="hardware", rescale_threshold=0.0, max_offset=0)
 
     @staticmethod
@@ -295,9 +360,14 @@ class FA4Numerics:
         v: torch.Tensor,
         causal: bool = False,
         window_size: tuple = (None, None),
+        *,
+        block_sparse: tuple[int, int] | None = None,
     ) -> FA4Numerics:
         """Production's numerics of ``arch`` (``"sm100"`` or ``"sm90"``) for a call on these
-        inputs: head dims, seqlen_q and GQA grouping from the shapes, local from the window."""
+        inputs: head dims, seqlen_q and GQA grouping from the shapes, local from the window;
+        ``block_sparse``: the sparse block size (block_q, block_k) of a block-sparse call.  With a
+        mask_mod, pass causal=False and no window (production drops them:
+        ``interface._resolve_causal_local_window``; ``attention`` does so)."""
         local = not causal and any(w is not None for w in window_size)
         if arch == "sm100":
             return FA4Numerics.sm100(
@@ -308,10 +378,29 @@ class FA4Numerics:
                 seqlen_q=q.shape[1],
                 qhead_per_kvhead=q.shape[2] // k.shape[2],
                 head_dim_v=v.shape[-1],
+                block_sparse=block_sparse,
             )
         if arch == "sm90":
-            return FA4Numerics.sm90(q.dtype, q.shape[-1], causal=causal, local=local, head_dim_v=v.shape[-1])
+            return FA4Numerics.sm90(
+                q.dtype, q.shape[-1], causal=causal, local=local, head_dim_v=v.shape[-1], block_sparse=block_sparse
+            )
         raise ValueError(f"arch must be 'sm100' or 'sm90', got {arch!r}")
+
+
+def sm90_sparse_fwd_tile(head_dim: int, tm: int, tn: int, block_sparse: tuple[int, int]) -> tuple[int, int]:
+    """SM90's forward tile with block sparsity of sparse block (block_q, block_k):
+    ``interface._tile_size_fwd_sm90(..., sparse_block_size_q)`` (head dim <= 96: 128 x 128 when
+    block_q is not a multiple of 192) then ``_fit_sm90_fwd_tile_to_block_sparsity`` (tile_m 64
+    when block_q is not a multiple of tile_m but of 64; tile_n = block_k when block_k is smaller
+    and a multiple of 16).  (tm, tn): the tile without block sparsity."""
+    bq, bk = block_sparse
+    if head_dim <= 96 and bq % 192 != 0:
+        tm, tn = 128, 128
+    if bq % tm != 0 and bq % 64 == 0:
+        tm = 64
+    if bk < tn and bk % 16 == 0:
+        tn = bk
+    return tm, tn
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -504,6 +593,7 @@ class _Loop:
     p_dtype: torch.dtype
     compiled: dict | None = None  # fast: the block-independent arguments of the compiled step
     bufs: dict | None = None  # fast: flat float64 storage reused by every block (no page faults)
+    mods: FwdMods | None = None  # the call's mods (module doc, "Mods")
 
     def buffer(self, name: str, shape: tuple) -> torch.Tensor:
         """A contiguous float64 tensor of ``shape`` (fast: carved from the reused storage)."""
@@ -513,7 +603,7 @@ class _Loop:
 
     def scores(self, j0: int, j1: int, r0: int, r1: int) -> torch.Tensor:
         """Steps 1-2 for keys [j0, j1) and rows [r0, r1): (b, heads_q, rows, nc), float64 S (its
-        float32 rounding is the consumer's) or, with softcap, float32."""
+        float32 rounding is the consumer's) or, with softcap or a score_mod, float32."""
         if self.nm.mma == "tensor_core":  # the plain loop's layout (b, seqlen, heads, d)
             q_ = self.q64.permute(0, 2, 1, 3).unsqueeze(3)
             k_ = self.k64[:, j0:j1].permute(0, 2, 1, 3).unsqueeze(2)
@@ -523,6 +613,9 @@ class _Loop:
             s = torch.matmul(q, k, out=self.buffer("s", (*q.shape[:3], j1 - j0)))  # step 1
         else:
             s = torch.einsum("bihd,bjhd->bhij", self.q64, self.k64[:, j0:j1])  # step 1
+        if self.mods is not None and self.mods.score_mod is not None:  # step 2: apply_score_mod_inner
+            idx = index_grid(s.shape[0], s.shape[1], 0, 0, rows=range(r0, r1), keys=range(j0, j1), device=s.device)
+            return apply_score_mod(s.float(), self.scale, self.mods.score_mod, idx, self.mods.aux)[1]
         return _softcap(s.float(), self.scale, self.softcap) if self.softcap > 0 else s  # step 2
 
     def pv(self, p64: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
@@ -570,17 +663,34 @@ class _Block:
         return bh * sq + self.r0 + r, (bh % hq) * sq + self.r0 + r, r
 
 
-def _torch_rows(st: _RowState, lp: _Loop, s: torch.Tensor, blk: _Block, idx, p64, acc, first) -> None:
+def _torch_rows(
+    st: _RowState, lp: _Loop, s: torch.Tensor, blk: _Block, idx, p64, acc, first, masked=None, hw_rows=None
+) -> None:
     """Steps 3-8 in torch on window rows ``idx`` (the plain loop: every active row; the fast
-    loop: those its compiled step left), written into the state and the block's buffers."""
+    loop: those its compiled step left), written into the state and the block's buffers.
+    With a mask_mod: ``masked`` (bool, flat over the block's (b, heads_q, window rows); None: all
+    rows) says where this block applies it; ``hw_rows`` (same layout) which rows run this block
+    as a masked iteration (``masked_exp2="hardware"``; None: the flag rule)."""
     nm, tn = lp.nm, lp.nm.tile_n
     nc = blk.j1 - blk.j0
     f, hr, r = blk.rows_of(idx, st.row_max.shape[1], st.row_max.shape[2])
     col = torch.arange(blk.j0, blk.j1, device=s.device)
     vis = (col >= lp.vis[0][blk.r0 + r, None]) & (col < lp.vis[1][blk.r0 + r, None])  # visible_bounds' rule
+    if hw_rows is not None and nm.arch == "sm100":
+        # softmax_block_sparse_sm100_list runs the full list's inner blocks with mask_fn=None: not even
+        # the causal / window flags mask them (SM90's consume_block_sparse_loads keeps the flags there)
+        vis = vis | ~hw_rows[idx, None]
+    if lp.mods is not None and lp.mods.mask_mod is not None:
+        b, hq = st.row_max.shape[:2]
+        grid = index_grid(b, hq, 0, 0, rows=range(blk.r0, blk.r1), keys=range(blk.j0, blk.j1), device=s.device)
+        mm = apply_mask_mod(lp.mods.mask_mod, grid, lp.mods.aux).expand(b, hq, blk.r1 - blk.r0, nc)
+        mm = mm.reshape(-1, nc)[idx]
+        vis = vis & (mm if masked is None else (mm | ~masked[idx, None]))  # mask.py: the mask_mod branch
     sc = _pad_mask(s.reshape(-1, nc)[idx].float(), vis, tn)  # step 3
     hw = None
-    if nm.masked_exp2 == "hardware":
+    if nm.masked_exp2 == "hardware" and lp.mods is not None and lp.mods.per_element:
+        hw = torch.ones_like(idx, dtype=torch.bool) if hw_rows is None else hw_rows[idx]
+    elif nm.masked_exp2 == "hardware":
         m_hi, m_lo = (x.reshape(-1)[hr] for x in lp.ranges[2:])
         hw = (blk.n >= m_hi) | (blk.n < m_lo) | (nc < tn)
     rm, rs, pt, sd = st.row_max.view(-1), st.row_sum.view(-1), st.partial.view(-1, 4), st.started.view(-1)
@@ -661,9 +771,13 @@ def _accumulate_tc(st: _RowState, lp: _Loop, p64, blk: _Block, acc, first, idx) 
     ao[f] = out
 
 
-def _run_block(st: _RowState, lp: _Loop, n: int) -> None:
-    """Steps 1-9 for KV block ``n`` on the rows whose query tile visits it (``active``)."""
-    active = (n >= lp.ranges[0]) & (n < lp.ranges[1])  # (heads_q, sq)
+def _run_block(st: _RowState, lp: _Loop, n: int, active=None, masked=None, hw_rows=None) -> None:
+    """Steps 1-9 for KV block ``n`` on the rows whose query tile visits it (``active``: by default
+    from the block ranges, (heads_q, sq); block sparsity gives it, (b, heads_q, sq), with
+    ``masked`` / ``hw_rows`` of that shape: where the block applies the mask_mod / runs as a
+    masked iteration, :func:`_torch_rows`)."""
+    if active is None:
+        active = (n >= lp.ranges[0]) & (n < lp.ranges[1])  # (heads_q, sq)
     if not bool(active.any()):
         return
     b, hq, sq = st.row_max.shape
@@ -675,8 +789,9 @@ def _run_block(st: _RowState, lp: _Loop, n: int) -> None:
     acc = torch.empty(b * hq * (r1 - r0), dtype=torch.float32, device=s.device)
     first = torch.empty(b * hq * (r1 - r0), dtype=torch.bool, device=s.device)
     idx = active.expand(b, hq, sq).reshape(-1).nonzero().flatten()
+    flat = (lambda x: None if x is None else x.expand(b, hq, sq).reshape(-1))  # fmt: skip
     if idx.numel():
-        _torch_rows(st, lp, s, blk, idx, p64, acc, first)  # steps 3-8
+        _torch_rows(st, lp, s, blk, idx, p64, acc, first, flat(masked), flat(hw_rows))  # steps 3-8
     if lp.nm.mma == "tensor_core":
         _accumulate_tc(st, lp, p64, blk, acc, first, idx)  # step 9 as the tensor cores sum it
     else:
@@ -728,10 +843,10 @@ def _run_fast(st: _RowState, lp: _Loop, blocks: list[_Block]) -> None:
         _accumulate(st, lp.pv(p64, blk.j0, blk.j1), blk, acc, first, geo, status, idx)  # step 9
 
 
-def _make_loop(q, k, v, nm: FA4Numerics, vis, ranges, scales: tuple) -> _Loop:
+def _make_loop(q, k, v, nm: FA4Numerics, vis, ranges, scales: tuple, mods: FwdMods | None = None) -> _Loop:
     """The inputs exactly in float64 (k, v repeated per query head), laid out for the loop."""
     scale, softcap, sl2 = scales
-    fast = _FAST_CPU and q.device.type == "cpu" and nm.mma == "exact"
+    fast = _FAST_CPU and q.device.type == "cpu" and nm.mma == "exact" and not (mods is not None and mods.per_element)
     rep = q.shape[2] // k.shape[2]
     if fast:  # head-major, converted in one pass, into the thread's kept scratch
         sizes = [x.numel() * (rep if x is not q else 1) for x in (q, k, v)]
@@ -745,7 +860,7 @@ def _make_loop(q, k, v, nm: FA4Numerics, vis, ranges, scales: tuple) -> _Loop:
     lp = _Loop(
         nm, fast, q64, k64, v64, vis, k.shape[1], ranges, scale, softcap,
         torch.tensor(sl2, dtype=torch.float32, device=q.device),
-        torch.tensor(float(nm.max_offset), dtype=torch.float32, device=q.device), p_dtype,
+        torch.tensor(float(nm.max_offset), dtype=torch.float32, device=q.device), p_dtype, mods=mods,
     )  # fmt: skip
     if fast:
         lp.compiled = _compiled_args(nm, p_dtype, sl2, vis, ranges)
@@ -773,22 +888,37 @@ def attention(
     learnable_sink: torch.Tensor | None = None,
     return_lse: bool = False,
     numerics: FA4Numerics | None = None,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors: BlockSparse | None = None,
 ):
     """The FA4 forward pass as production computes it (module doc), on q's device.
 
     q: (b, sq, hq, d); k: (b, sk, hk, d); v: (b, sk, hk, dv); hq % hk == 0; dtype bf16, fp16,
     fp8 e4m3fn / e5m2 (descale 1).  Returns out (b, sq, hq, dv) in the input dtype (bf16 for
     fp8 inputs) and, with ``return_lse``, lse (b, hq, sq) float32.  ``numerics=None``:
-    ``FA4Numerics.sm100`` for these inputs.  Differentiable when q, k, v or learnable_sink
-    requires grad (grad mode on): the backward is production's, ``fa4.model_bwd``.
+    ``FA4Numerics.sm100`` for these inputs (with a mask_mod: as non-causal; with block
+    sparsity: its block size).  Differentiable when q, k, v or learnable_sink requires grad
+    (grad mode on): the backward is production's, ``fa4.model_bwd``.  The mods (module doc,
+    "Mods"): ``numerics.mods`` objects; ``aux_tensors`` the list every mod reads from.  With a
+    mask_mod, ``causal`` and ``window_size`` are ignored in the forward, as production ignores
+    them (``interface._resolve_causal_local_window``); the backward keeps them.
     """
     validate_inputs(q, k, v, learnable_sink)
+    check_mods(softcap, score_mod, mask_mod, aux_tensors, block_sparse_tensors)
+    mods = dict(
+        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors
+    )
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
-        kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+        kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, **mods)
         return _differentiable(q, k, v, learnable_sink, numerics, return_lse, kw)
-    nm = numerics if numerics is not None else FA4Numerics.for_inputs("sm100", q, k, v, causal, window_size)
+    fm = FwdMods.of(**mods)
+    if mask_mod is not None:  # interface._resolve_causal_local_window: a mask_mod drops causal and local
+        causal, window_size = False, (None, None)
+    nm = numerics if numerics is not None else _default_numerics(q, k, v, causal, window_size, block_sparse_tensors)
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
-    st, sl2_t, off = forward_loop(q, k, v, nm, **kw)
+    st, sl2_t, off = forward_loop(q, k, v, nm, **kw, mods=fm)
     out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
     out, lse = finalize(nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2_t, off, learnable_sink, out_dtype)
     out = out.permute(0, 2, 1, 3).contiguous()
@@ -806,11 +936,15 @@ def forward_loop(
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
     ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
+    mods: FwdMods | None = None,
 ) -> tuple[_RowState, torch.Tensor, torch.Tensor]:
     """Steps 1-9 (module doc): the softmax loop over KV blocks from the last to the first, each
     row visiting the blocks of its range.  ``ranges`` = per (head, row) [n_min, n_max) of shape
     (heads_q, seqlen_q) (``fa4.varlen``: pack_gqa, split-KV); None: :func:`kv_block_ranges`.
-    Returns the loop's final state and the float32 scale_log2 and max_offset tensors."""
+    ``mods``: the call's mods (module doc, "Mods"; ``causal`` / ``window_size`` already resolved:
+    off with a mask_mod); block sparsity visits each query tile's blocks in production's order
+    (:func:`block_sparse_kv_order`).  Returns the loop's final state and the float32 scale_log2
+    and max_offset tensors."""
     b, sq, hq, d = q.shape
     sk, dv = k.shape[1], v.shape[-1]
     dev = q.device
@@ -819,8 +953,19 @@ def forward_loop(
     if ranges is not None:
         n_min, n_max = ranges
     vis = visible_bounds(sq, sk, causal, window_size, dev)
-    lp = _make_loop(q, k, v, nm, vis, (n_min, n_max, m_hi, m_lo), _scales(d, softmax_scale, softcap))
+    mods = None if mods is None or mods.empty else mods
+    if mods is not None and mods.score_mod is not None:
+        # utils.compute_softmax_scale_log2: the scale is the mod's (applied before it); exp2 takes LOG2_E
+        scale = _scales(d, softmax_scale, 0.0)[0]
+        sc = (scale, 0.0, _f32(_LOG2_E))
+    else:
+        sc = _scales(d, softmax_scale, softcap)
+    lp = _make_loop(q, k, v, nm, vis, (n_min, n_max, m_hi, m_lo), sc, mods)
     st = _RowState.empty((b, hq, sq), dv, dev)
+    if mods is not None and mods.block_sparse is not None:
+        for n, active, masked, hw in _sparse_steps(mods.block_sparse, nm, b, hq, sq, sk, dev):
+            _run_block(st, lp, n, active, masked, hw)
+        return st, lp.sl2_t, lp.off
     blocks = _fast_blocks(lp, sq, nblk) if lp.fast else []
     if blocks:
         _run_fast(st, lp, blocks)
@@ -830,10 +975,98 @@ def forward_loop(
     return st, lp.sl2_t, lp.off
 
 
+@dataclass(frozen=True)
+class FwdMods:
+    """A call's mods as the forward loop applies them (module doc, "Mods"): the ``numerics.mods``
+    objects and the whole ``aux_tensors`` list (production hands every mod the same list).
+    Public for ``fa4.varlen``, which refuses them."""
+
+    score_mod: ScoreMod | None = None
+    mask_mod: MaskMod | None = None
+    aux: tuple = ()
+    block_sparse: BlockSparse | None = None
+
+    @classmethod
+    def of(cls, *, score_mod=None, mask_mod=None, aux_tensors=None, block_sparse_tensors=None) -> FwdMods:
+        return cls(score_mod, mask_mod, tuple(aux_tensors or ()), block_sparse_tensors)
+
+    @property
+    def empty(self) -> bool:
+        return self.score_mod is None and self.mask_mod is None and self.block_sparse is None
+
+    @property
+    def per_element(self) -> bool:
+        """Visibility per element and a per-tile visit order: the plain loop."""
+        return self.mask_mod is not None or self.block_sparse is not None
+
+
+def _default_numerics(q, k, v, causal, window_size, bs: BlockSparse | None) -> FA4Numerics:
+    return FA4Numerics.for_inputs(
+        "sm100", q, k, v, causal, window_size, block_sparse=None if bs is None else tuple(bs.block_size)
+    )
+
+
+def block_sparse_kv_order(bs: BlockSparse, b: int, h: int, qb: int, tile_n: int, sk: int) -> list[tuple[int, str]]:
+    """The KV tiles a query tile of sparse query block ``qb`` (batch ``b``, head ``h``, indices
+    into the block masks, broadcast dims 0) visits, in production's order, each with its kind:
+    ``"partial"`` (the mask_mod applied), ``"full_first"`` (no mask_mod; the full list's first
+    coarse block, which ``softmax_block_sparse_sm100_list`` runs with the seqlen ``mask_fn``) or
+    ``"full"``.  ``consume_block_sparse_loads`` (SM90) / ``softmax_block_sparse_sm100``: the
+    partial list, then the full list, each from its last entry to its first
+    (``mask_block_idx[cnt - 1 - i]``), the lists ascending (the block masks' order); a coarse
+    block of ``kv_subtile_factor`` tiles from its last tile to its first
+    (``sparse_physical_n_block_forward`` over descending offsets).  Tiles at or beyond seqlen_k
+    (a coarse block's tail) are dropped: production runs them fully masked, which leaves the
+    row's state as it was (row max -inf, sum and O 0 times a 0 rescale) on finite inputs."""
+    f = bs.block_size[1] // tile_n
+    nblk = -(-sk // tile_n)
+    out = []
+    for mask, kind in ((bs.partial, "partial"), (bs.full, "full")):
+        lst = mask[b, h, qb].nonzero().flatten().tolist()
+        for i, c in enumerate(reversed(lst)):
+            k = "full_first" if kind == "full" and i == 0 else kind
+            out += [(c * f + j, k) for j in reversed(range(f)) if c * f + j < nblk]
+    return out
+
+
+def _sparse_steps(bs: BlockSparse, nm: FA4Numerics, b: int, hq: int, sq: int, sk: int, dev):
+    """The block-sparse forward schedule: (n, active, masked, hw) per step, each (b, heads_q, sq)
+    bool — the rows visiting KV tile n at that step of their tile's order
+    (:func:`block_sparse_kv_order`), those applying the mask_mod there (partial blocks) and those
+    running it as a masked iteration (partial, or the full list's first coarse block).  Rows are
+    independent, so the steps only keep each row's own order."""
+    check_block_sparse(bs, b, hq, sq, sk, nm.tile_m, nm.tile_n, nm.arch)
+    B, H, nq, _ = bs.full.shape
+    full, part = bs.full.cpu(), bs.partial.cpu()
+    bsc = BlockSparse(full, part, tuple(bs.block_size))
+    kinds = {"partial": 0, "full_first": 1, "full": 2}
+    orders = [
+        [[block_sparse_kv_order(bsc, i, j, qb, nm.tile_n, sk) for qb in range(nq)] for j in range(H)] for i in range(B)
+    ]
+    steps = max((len(o) for ob in orders for oh in ob for o in oh), default=0)
+    n_at = torch.full((B, H, nq, max(steps, 1)), -1, dtype=torch.int64)
+    k_at = torch.zeros_like(n_at)
+    for i in range(B):
+        for j in range(H):
+            for qb in range(nq):
+                for t, (n, kind) in enumerate(orders[i][j][qb]):
+                    n_at[i, j, qb, t], k_at[i, j, qb, t] = n, kinds[kind]
+    row_blk = torch.arange(sq) // bs.block_size[0]
+    n_rows, k_rows = (x[:, :, row_blk].expand(b, hq, sq, -1).to(dev) for x in (n_at, k_at))
+    for t in range(steps):
+        nt, kt = n_rows[..., t], k_rows[..., t]
+        for n in sorted(set(nt.unique().tolist()) - {-1}):
+            active = nt == n
+            yield n, active, active & (kt == 0), active & (kt <= 1)
+
+
 def _differentiable(q, k, v, sink, numerics, return_lse: bool, kw: dict):
     """``attention`` through :class:`_AttentionFn` (numerics resolved here, as ``attention`` does,
-    so that the backward sees the same record)."""
-    nm = numerics if numerics is not None else FA4Numerics.for_inputs("sm100", q, k, v, kw["causal"], kw["window_size"])
+    so that the backward sees the same record; ``kw`` carries the mods to both directions, as
+    ``interface.FlashAttnFunc`` saves them on ``ctx``)."""
+    causal, window = (False, (None, None)) if kw.get("mask_mod") is not None else (kw["causal"], kw["window_size"])
+    bs = kw.get("block_sparse_tensors")
+    nm = numerics if numerics is not None else _default_numerics(q, k, v, causal, window, bs)
     out, lse = _AttentionFn.apply(q, k, v, sink, nm, kw)
     return (out, lse) if return_lse else out
 

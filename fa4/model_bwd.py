@@ -72,6 +72,40 @@ summation (as in the forward model), the order ``TensorSSA.reduce`` folds a thre
 themselves on CUDA (``fa4.mufu``); on the CPU they are modelled correctly rounded, and they are
 not (about 2 ULP), so there the model can differ from the device by that much per element.
 
+Mods (``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``; ``fa4.model``'s
+module doc for the forward), as ``flash_bwd_sm90.py`` ``mma_one_m_block`` (SM100:
+``flash_bwd_sm100.py`` ``compute_loop``) applies them:
+
+* step 3 with a score_mod: the pre-mod S is kept (``acc_S_pre``), ``apply_score_mod`` as in the
+  forward (``fl32(S * scale)``, the mod in float32: ``fa4.primitives.apply_score_mod``),
+  ``scale_log2 = LOG2_E`` (``FlashAttentionBackwardSm90.__call__``: "softmax_scale_log2 =
+  LOG2_E" with a score_mod); step 6: after ``dS = P * (dP - D')``, ``apply_score_mod_bwd``:
+  ``dS <- score_mod_bwd(dS, fl32(S_pre * scale))`` (``softmax.py`` ``apply_score_mod_bwd_inner``),
+  the mod's ``grad`` in float32, on every element of the tile (masked ones carry dS = 0); then
+  the cast and the dK / dQ MMAs as without a mod (dK and dQ still times the scale at the end).
+  No score_mod_bwd (``grad`` None): refused, as ``interface._flash_attn_bwd`` asserts.
+* step 4 with a mask_mod: ``mask.py`` ``apply_mask`` (``mask_seqlen=True`` on every block).  The
+  backward resolves the flags *without* the mask_mod (``_flash_attn_bwd`` calls
+  ``_resolve_causal_local_window(causal, ...)`` with no mask_mod; ``FlashAttnFunc.backward`` passes
+  ``ctx.causal``): with ``causal`` or a window, the tiles, the block range and the mask are the
+  flags' and ``apply_mask``'s causal / local branch ignores the mask_mod; without them every
+  query block is visited (all of ``get_m_block_min_max``) and the mask_mod masks each.  The
+  forward did the opposite (a mask_mod drops the flags there), so with both given forward and
+  backward differentiate different functions: production's behaviour, modelled as is.
+* block sparsity (``block_sparse_utils.py`` ``consume_block_sparse_mma_bwd_sm90``; SM100
+  ``get_m_block_from_iter_bwd``): per KV block, the query blocks of its *partial* list (the
+  mask_mod applied; ascending list order, each sparse block's ``q_subtile_factor`` tiles in
+  order), then of its *full* list (no mask_mod, seqlen masking only), skipping tiles at or past
+  ``m_block_max``; dK / dV accumulate in that order (the first visited starts them), dQ adds into
+  dq_accum per (query block, KV block) in ascending KV block (the model's order, and the
+  deterministic ``dq_write_order`` rank).  A KV block with no query block: dK = dV = 0
+  ("KV tile with zero Q blocks produces no dK/dV; write zeros").  Tiles from
+  ``_tile_size_bwd_sm90(..., sparse_block_size_q)`` (:func:`bwd_plan`); the sparse block must be
+  (q_subtile_factor * tile_m, tile_n) on SM90 (``normalize_block_sparse_config_bwd``); SM100 takes
+  2-CTA when ``kv_subtile_factor`` is even (``block_sparse_bwd_supports_2cta``) — that CTA-pair
+  dQ reduction under block sparsity is not modelled (refused), nor are mods on SM100's
+  dedicated head-dim-256 kernels.
+
 This module does not import ``fa4.model`` (which imports it): the primitives it shares with
 the forward — the exp2 model, the mask rule, the float32 scales and the broadcasting FFMA —
 come from ``fa4.primitives``, the same functions the forward calls.
@@ -86,8 +120,8 @@ import torch
 
 from fa4.primitives import FP8 as _FP8
 from fa4.primitives import LOG2_E as _LOG2_E
+from fa4.primitives import apply_mask_mod, apply_score_mod, check_block_sparse, check_mods, hardware_exp2, softcap_tanh
 from fa4.primitives import fma as _fma
-from fa4.primitives import hardware_exp2, softcap_tanh
 from fa4.primitives import scales as _scales
 from fa4.primitives import visible as _visible
 from numerics.code_paths import sm90_bwd_tile, sm100_bwd_tile
@@ -118,15 +152,26 @@ class BwdPlan:
     hd256: bool = False
 
 
-def bwd_plan(numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool) -> BwdPlan:
+def bwd_plan(
+    numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool, *, block_sparse: tuple | None = None
+) -> BwdPlan:
     """The tiles production picks (``interface._flash_attn_bwd``: SM90 ``_tile_size_bwd_sm90``;
     SM100 128 x 128, 2-CTA for head_dim >= 128; ``numerics.code_paths.sm90_bwd_tile`` /
-    ``sm100_bwd_tile``), overridden by the numerics' ``bwd_*`` knobs."""
+    ``sm100_bwd_tile``), overridden by the numerics' ``bwd_*`` knobs.  ``block_sparse``: the
+    sparse block size (block_q, block_k) of a block-sparse call: SM90 ``_tile_size_bwd_sm90(...,
+    sparse_block_size_q)`` (head dim in (96, 128]: tile_m 64 when block_q is not a multiple of
+    80; head dim > 192: 64 x 64); SM100 2-CTA only when block_k covers an even number of tiles
+    (``block_sparse_bwd_supports_2cta``)."""
     if numerics.arch == "sm90":
         cfg = sm90_bwd_tile(d=head_dim, dv=head_dim_v, causal=causal, local=local)
         tm, tn = cfg.tile_m, cfg.tile_n
+        if block_sparse is not None and 96 < head_dim <= 128 and block_sparse[0] % tm:
+            tm = 64
+        swap_ab = cfg.dkv_swap_ab
+        if block_sparse is not None and head_dim > 192:  # "keep it at 64": 64 x 64, no dKV_swapAB
+            tm, tn, swap_ab = 64, 64, False
         # num_threads_post_dQ: 128 with dQ_single_wg, else num_wg (2) * 128; hdim_multiple_of 64 with dKV_swapAB
-        cta_pair, post, mult = False, 128 if cfg.dq_single_wg else 256, 64 if cfg.dkv_swap_ab else 32
+        cta_pair, post, mult = False, 128 if cfg.dq_single_wg else 256, 64 if swap_ab else 32
     elif (head_dim, head_dim_v) == (256, 256) and not numerics.bwd_hd256_generic:
         # interface._flash_attn_bwd: use_dedicated_hd256_kernel; dQ kernel tiles (128, 128), one
         # dQ MMA per KV block of 128; dK/dV kernel 128 query rows per MMA (no CTA-pair dQ reduction)
@@ -140,6 +185,8 @@ def bwd_plan(numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool
             )
         # use_2cta_instrs: head_dim >= 128; FLASH_ATTENTION_HD256_GENERIC_BWD: n_block_size 64
         tm, tn, cta_pair, _ = sm100_bwd_tile(d=head_dim, dv=head_dim_v, hd256_generic=numerics.bwd_hd256_generic)
+        if block_sparse is not None and block_sparse[1] % tn == 0:
+            cta_pair = cta_pair and (block_sparse[1] // tn) % 2 == 0
         post, mult = 128, 32
     tm = numerics.bwd_tile_m or tm
     tn = numerics.bwd_tile_n or tn
@@ -274,16 +321,20 @@ def _mm(a64: torch.Tensor, b64: torch.Tensor, mma: str, c: torch.Tensor | None =
     return a64 @ b64
 
 
-def _p_and_ds(x: _Inputs, blk: _MBlock, vis, scale: float, softcap: float, sl2: float, mma: str = "exact"):
+def _p_and_ds(x: _Inputs, blk: _MBlock, vis, scale: float, softcap: float, sl2: float, mma: str = "exact", mod=None):
     """Steps 2-6 on one block: P and dS (float32).  S = Q K^T and dP = dO V^T are MMAs (exact
     products, one rounding); softcap as the forward model's ``_block_scores``
     (``apply_score_mod_inner``: FMUL, div.rn, tanh.approx, FMUL);
     P = ex2.approx(fma(S, scale_log2, -lse_log2)); dS = P * (dP - D') (FSUB, FMUL); softcap
-    backward (``create_softcap_scoremod_bwd``): dS * (1 - t*t), ``1 - t*t`` one FFMA."""
+    backward (``create_softcap_scoremod_bwd``): dS * (1 - t*t), ``1 - t*t`` one FFMA.
+    ``mod`` = (score_mod, index tensors, aux) (module doc, "Mods"): the mod replaces softcap;
+    ``vis`` may be (n | 1, rows, keys) (a mask_mod's, per head)."""
     rows, keys = slice(blk.i0, blk.i1), slice(blk.j0, blk.j1)
     s = _mm(x.q[:, rows], x.k[:, keys].mT, mma).float()
-    t = None
-    if softcap > 0:
+    t = xs = None
+    if mod is not None:  # apply_score_mod on S (acc_S_pre kept for score_mod_bwd)
+        xs, s = apply_score_mod(s, scale, *mod)
+    elif softcap > 0:
         t = softcap_tanh(s, scale, softcap)
         s = t * _f32(softcap)
     if vis is not None:
@@ -291,7 +342,13 @@ def _p_and_ds(x: _Inputs, blk: _MBlock, vis, scale: float, softcap: float, sl2: 
     p = hardware_exp2(_fma(s, sl2, x.neg_lse_log2[:, rows, None]))
     dp = _mm(x.do[:, rows], x.v[:, keys].mT, mma).float().sub_(x.d_prime[:, rows, None])
     ds = torch.mul(p, dp, out=dp)
-    if t is not None:
+    if mod is not None:  # apply_score_mod_bwd_inner: dS <- score_mod_bwd(dS, fl32(S_pre * scale))
+        bwd = mod[0].forms.get("model_bwd") if "model_bwd" in mod[0].forms else None  # fa4.mod_forms
+        ds = (bwd or mod[0].grad)(ds, xs, *mod[1], list(mod[2]))
+        if not isinstance(ds, torch.Tensor) or ds.dtype != torch.float32:
+            raise TypeError(f"score_mod {mod[0].name!r}'s grad returned {getattr(ds, 'dtype', type(ds))} on float32")
+        ds = ds.expand(xs.shape).contiguous()
+    elif t is not None:
         ds = ds * _fma(-t, t, 1.0)
     return p, ds
 
@@ -402,6 +459,10 @@ def attention_backward(
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
     numerics,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ):
     """Production's backward (module doc) of ``fa4.model.attention``; ``numerics`` an
     ``fa4.model.FA4Numerics`` (arch and the ``bwd_*`` / ``ds_dtype`` knobs).
@@ -409,30 +470,103 @@ def attention_backward(
     q: (b, sq, hq, d); k: (b, sk, hk, d); v: (b, sk, hk, dv), bf16 or fp16; out, do: (b, sq,
     hq, dv) in the input dtype (out as the forward returned it); lse, dlse: (b, hq, sq) float32.
     Returns (dq, dk, dv) in the input dtype and dsink in the sink's dtype (None without sink).
+    The mods: ``numerics.mods`` objects (module doc, "Mods"); ``causal`` / ``window_size`` as the
+    caller gave them (production's backward keeps them beside a mask_mod).
     """
     _validate(q, k, v, out, do)
+    check_mods(softcap, score_mod, mask_mod, aux_tensors, block_sparse_tensors)
+    if score_mod is not None and score_mod.grad is None:
+        raise NotImplementedError(
+            f"score_mod {score_mod.name!r} has no backward (grad): interface._flash_attn_bwd asserts "
+            "'score_mod_bwd is required when score_mod is provided'"
+        )
     b, sq, hq, d = q.shape
     sk, hk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     local = not causal and any(w is not None for w in window_size)
-    plan = bwd_plan(numerics, d, dv_, causal, local)
+    bs = block_sparse_tensors
+    plan = bwd_plan(numerics, d, dv_, causal, local, block_sparse=None if bs is None else tuple(bs.block_size))
     if plan.hd256:
         _hd256_refusals(softcap, local, learnable_sink, dlse)
+        if score_mod is not None or mask_mod is not None or bs is not None:
+            raise NotImplementedError("mods on SM100's dedicated head_dim=256 backward kernels are not modelled")
     scale, softcap, sl2 = _scales(d, softmax_scale, softcap)
+    if score_mod is not None:  # FlashAttentionBackwardSm90/Sm100.__call__: LOG2_E only, the scale is the mod's
+        sl2 = _f32(_LOG2_E)
+    aux = tuple(aux_tensors or ())
+    flags = causal or local  # mask.py apply_mask: the causal / local branch ignores the mask_mod
+    use_mm = mask_mod is not None and not flags
     out_t, do_t = out.permute(0, 2, 1, 3), do.permute(0, 2, 1, 3)
     d_prime, lse_log2 = _preprocess(out_t, do_t, lse.float(), dlse, plan)  # step 1
-    sched = _schedule(plan, sq, sk, causal, window_size)
-    masks = [_block_mask(blk, sq, sk, causal, window_size, q.device) for blk in sched]
     ds_dtype = numerics.ds_dtype or q.dtype
     mma = numerics.mma
+    if bs is not None and plan.dq_keys != plan.tile_n:
+        raise NotImplementedError(
+            "the SM100 block-sparse backward with 2-CTA (an even kv_subtile_factor at head_dim >= 128: "
+            "block_sparse_bwd_supports_2cta) is not modelled"
+        )
+    mods = (score_mod, mask_mod if use_mm else None, aux)
+    if bs is not None:
+        acc, dq = _sparse_backward(
+            q, k, v, do, d_prime, lse_log2, plan, bs, (causal, window_size), mods, (scale, softcap, sl2), ds_dtype,
+            mma, numerics.arch,
+        )  # fmt: skip
+    else:
+        acc, dq = _dense_backward(
+            q, k, v, do, d_prime, lse_log2, plan, (causal, window_size), mods, (scale, softcap, sl2), ds_dtype, mma
+        )
+    chain = plan.hd256 and hq > hk
+    h_acc = hk if chain else hq
+    dv = _reduce_heads(acc["dv"].view(b, h_acc, sk, dv_), hk, 1.0, q.dtype)
+    dk = _reduce_heads(acc["dk"].view(b, h_acc, sk, d), hk, scale, q.dtype)
+    dq = dq if plan.hd256 else dq * scale
+    dq = dq.to(q.dtype).view(b, hq, sq, d).permute(0, 2, 1, 3).contiguous()
+    dsink = None if learnable_sink is None else _dsink(learnable_sink, lse.float(), d_prime, plan.post_threads)
+    return dq, dk, dv, dsink
+
+
+def _mod_index(bh: torch.Tensor, hq: int, rows: tuple[int, int], keys: tuple[int, int]) -> tuple:
+    """Index tensors (b, h, q_idx, kv_idx) of a backward tile: ``bh`` the (batch x query head)
+    rows (flat), each (n, 1, 1); q_idx (1, rows, 1); kv_idx (1, 1, keys): broadcasting to the
+    tile's (n, rows, keys) (the mods are elementwise, ``numerics.mods``)."""
+    dev = bh.device
+    q = torch.arange(*rows, device=dev).view(1, -1, 1)
+    kv = torch.arange(*keys, device=dev).view(1, 1, -1)
+    return (bh // hq).view(-1, 1, 1), (bh % hq).view(-1, 1, 1), q, kv
+
+
+def _tile_mods(mods: tuple, bh: torch.Tensor, hq: int, blk: _MBlock, apply_mask: bool = True):
+    """(``_p_and_ds``'s ``mod``, the mask_mod's visibility or None) for one tile."""
+    score_mod, mask_mod, aux = mods
+    if score_mod is None and (mask_mod is None or not apply_mask):
+        return None, None
+    idx = _mod_index(bh, hq, (blk.i0, blk.i1), (blk.j0, blk.j1))
+    mod = None if score_mod is None else (score_mod, idx, aux)
+    vis = apply_mask_mod(mask_mod, idx, aux) if mask_mod is not None and apply_mask else None
+    return mod, vis
+
+
+def _dense_backward(q, k, v, do, d_prime, lse_log2, plan: BwdPlan, flags: tuple, mods: tuple, sc: tuple, ds_dtype, mma):
+    """Steps 2-9 over production's (query block, key group) schedule (``_schedule``), streamed by
+    chunks of (batch x head) rows.  Returns the float32 dK / dV accumulators and dq_accum."""
+    b, sq, hq, d = q.shape
+    sk, hk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
+    causal, window_size = flags
+    scale, softcap, sl2 = sc
+    sched = _schedule(plan, sq, sk, causal, window_size)
+    masks = [_block_mask(blk, sq, sk, causal, window_size, q.device) for blk in sched]
     chain = plan.hd256 and hq > hk  # GQA summed in one MMA chain, head-major
     n_acc = b * hk if chain else b * hq
     acc = {n: torch.zeros(n_acc, sk, c, dtype=torch.float32, device=q.device) for n, c in (("dk", d), ("dv", dv_))}
     dq = torch.zeros(b * hq, sq, d, dtype=torch.float32, device=q.device)
     step = max(1, _CHUNK_ELEMENTS // (plan.tile_m * sk))
+    all_bh = torch.arange(b * hq, device=q.device)
     for rows_q, rows_acc, first in _row_chunks(b, hq, hk, step, chain, q.device):
         x = _heads_major(q, k, v, do, d_prime, lse_log2, rows_q)
         for blk, vis in zip(sched, masks):
-            p, ds = _p_and_ds(x, blk, vis, scale, softcap, sl2, mma)  # steps 2-6
+            mod, mm = _tile_mods(mods, all_bh[rows_q], hq, blk)
+            if mm is not None:  # the mask_mod branch of apply_mask (no flags), with mask_seqlen
+                vis = mm
+            p, ds = _p_and_ds(x, blk, vis, scale, softcap, sl2, mma, mod)  # steps 2-6
             p64 = round_to(p, q.dtype).double()  # step 7
             ds_k = ds.masked_fill(~vis, 0.0) if plan.hd256 and causal and vis is not None else ds
             ds64 = round_to(ds_k, ds_dtype, saturate=ds_dtype in _FP8).double()
@@ -444,13 +578,74 @@ def attention_backward(
                 dq[rows_q, rows] = _dq_chain(ds_q, x.k[:, keys], plan, mma)
             else:
                 dq[rows_q, rows] = _dq_block(ds64, x.k[:, keys], plan, mma)  # step 9
-    h_acc = hk if chain else hq
-    dv = _reduce_heads(acc["dv"].view(b, h_acc, sk, dv_), hk, 1.0, q.dtype)
-    dk = _reduce_heads(acc["dk"].view(b, h_acc, sk, d), hk, scale, q.dtype)
-    dq = dq if plan.hd256 else dq * scale
-    dq = dq.to(q.dtype).view(b, hq, sq, d).permute(0, 2, 1, 3).contiguous()
-    dsink = None if learnable_sink is None else _dsink(learnable_sink, lse.float(), d_prime, plan.post_threads)
-    return dq, dk, dv, dsink
+    return acc, dq
+
+
+def block_sparse_q_order(bs, b: int, h: int, n: int, plan: BwdPlan, m_block_max: int) -> list[tuple[int, bool]]:
+    """The query tiles KV tile ``n`` (batch ``b``, head ``h``: indices into the block masks,
+    broadcast dims 0) visits in production's backward, each with whether it is partial (the
+    mask_mod applied): ``consume_block_sparse_mma_bwd_sm90`` / ``get_m_block_from_iter_bwd`` —
+    the partial list, then the full list, each in list order (ascending), a sparse query block's
+    ``q_subtile_factor`` tiles in order, tiles at or past ``m_block_max`` skipped."""
+    qsub = bs.block_size[0] // plan.tile_m
+    c = n // (bs.block_size[1] // plan.tile_n)
+    out = []
+    for mask, partial in ((bs.partial, True), (bs.full, False)):
+        for sb in mask[b, h, :, c].nonzero().flatten().tolist():
+            out += [(sb * qsub + j, partial) for j in range(qsub) if sb * qsub + j < m_block_max]
+    return out
+
+
+def _sparse_backward(
+    q, k, v, do, d_prime, lse_log2, plan: BwdPlan, bs, flags: tuple, mods: tuple, sc: tuple, ds_dtype, mma, arch
+):
+    """Steps 2-9 under block sparsity (module doc, "Mods"): per KV tile (ascending: dQ's adds in
+    that order, descending with ``dq_descending``), per group of (batch x head) rows sharing a
+    visit order (:func:`block_sparse_q_order`), the query tiles in that order: dK / dV start on the
+    first, dq_accum takes each tile's dQ MMA (``reduce_add``).  Returns the accumulators."""
+    b, sq, hq, d = q.shape
+    sk, dv_ = k.shape[1], v.shape[-1]
+    causal, window = flags
+    scale, softcap, sl2 = sc
+    tm, tn = plan.tile_m, plan.tile_n
+    check_block_sparse(bs, b, hq, sq, sk, tm, tn, arch)
+    left = None if causal else window[0]
+    acc = {n: torch.zeros(b * hq, sk, c, dtype=torch.float32, device=q.device) for n, c in (("dk", d), ("dv", dv_))}
+    dq = torch.zeros(b * hq, sq, d, dtype=torch.float32, device=q.device)
+    x = _heads_major(q, k, v, do, d_prime, lse_log2, slice(None))
+    B, H = bs.full.shape[:2]
+    full, part = bs.full.cpu(), bs.partial.cpu()
+    bsc = type(bs)(full, part, tuple(bs.block_size))
+    bh_all = torch.arange(b * hq).view(b, hq)
+    n_blocks = range(-(-sk // tn))
+    for n in reversed(n_blocks) if plan.dq_descending else n_blocks:
+        m_max = -(-sq // tm)  # get_m_block_min_max: only a left window lowers m_block_max
+        if left is not None:
+            m_max = min(m_max, -(-((n + 1) * tn + sq - sk + left) // tm))
+        groups: dict[tuple, list] = {}
+        for i in range(B):
+            for j in range(H):
+                order = tuple(block_sparse_q_order(bsc, i, j, n, plan, m_max))
+                rows = bh_all[i if B > 1 else slice(None)][..., j if H > 1 else slice(None)]
+                groups.setdefault(order, []).append(rows.reshape(-1))
+        j0, j1 = n * tn, min((n + 1) * tn, sk)
+        for order, rows in groups.items():
+            bh = torch.cat(rows).sort().values.to(q.device)
+            xg = _Inputs(*(t[bh] for t in (x.q, x.k, x.v, x.do, x.d_prime, x.neg_lse_log2)))
+            for t, (m, partial) in enumerate(order):
+                i0, i1 = m * tm, min((m + 1) * tm, sq)
+                blk = _MBlock(i0, i1, j0, j1, j0 if t == 0 else j1)
+                vis = _block_mask(blk, sq, sk, causal, window, q.device)  # the flags (causal / local branch)
+                mod, mm = _tile_mods(mods, bh, hq, blk, apply_mask=partial)
+                if mm is not None:  # a partial block: the mask_mod branch of apply_mask
+                    vis = mm
+                p, ds = _p_and_ds(xg, blk, vis, scale, softcap, sl2, mma, mod)  # steps 2-6
+                p64 = round_to(p, q.dtype).double()  # step 7
+                ds64 = round_to(ds, ds_dtype, saturate=ds_dtype in _FP8).double()
+                _accumulate_keys(acc["dv"], bh, (p64.mT, xg.do[:, i0:i1]), blk, True, mma)  # step 8
+                _accumulate_keys(acc["dk"], bh, (ds64.mT, xg.q[:, i0:i1]), blk, True, mma)
+                dq[bh, i0:i1] = reduce_add(dq[bh, i0:i1], _mm(ds64, xg.k[:, j0:j1], mma).float())  # step 9
+    return acc, dq
 
 
 def _row_chunks(b: int, hq: int, hk: int, step: int, chain: bool, device):

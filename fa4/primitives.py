@@ -1,7 +1,9 @@
 """The primitives the FA4 forward model (``fa4.model``) and backward model (``fa4.model_bwd``)
-share, stated once: the hardware exp2 (MUFU.EX2), the mask rule, the float32 scales, and the
-broadcasting FFMA both build on.  ``fa4.model`` imports ``fa4.model_bwd`` (its autograd hook), so
-they live here rather than in either; this module imports only torch, math and ``numerics``.
+share, stated once: the hardware exp2 (MUFU.EX2), the mask rule, the float32 scales, the
+broadcasting FFMA both build on, and how a call's mods apply (``apply_score_mod``,
+``apply_mask_mod``, the checks of ``check_mods`` / ``check_block_sparse``).  ``fa4.model``
+imports ``fa4.model_bwd`` (its autograd hook), so they live here rather than in either; this
+module imports only torch, math and ``numerics``.
 
 Production citations are flash-attn-4 4.0.0b36, ``flash_attn/cute``.
 """
@@ -14,10 +16,11 @@ import torch
 
 from numerics.fp import CANONICAL_NAN_BITS, fma_f32
 from numerics.fp import to_f32 as _f32
+from numerics.mods import BlockSparse, MaskMod, ScoreMod
 
 __all__ = [
     "FP8", "LOG2_E", "div_rn", "softcap_tanh", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh",
-    "scales", "visible", "visible_bounds",
+    "scales", "visible", "visible_bounds", "apply_score_mod", "apply_mask_mod", "check_mods", "check_block_sparse",
 ]  # fmt: skip
 
 #: the float8 input formats: P and dS round to them saturating, and the forward's output is bfloat16
@@ -153,6 +156,89 @@ def scales(d: int, softmax_scale: float | None, softcap: float) -> tuple[float, 
     else:
         sl2 = _f32(scale * _f32(LOG2_E))
     return scale, softcap, sl2
+
+
+def check_mods(softcap: float, score_mod, mask_mod, aux_tensors, block_sparse_tensors) -> None:
+    """Reject what production rejects, and what the model cannot hold, before any work:
+    ``softcap`` with a ``score_mod`` (``interface._flash_attn_fwd`` / ``_flash_attn_bwd``: "softcap and
+    score_mod cannot be used together"; production's softcap *is* a score_mod), a mod that is not
+    a ``numerics.mods`` object, aux tensors not a list / tuple of tensors."""
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        raise TypeError(f"score_mod must be a numerics.mods.ScoreMod, got {type(score_mod).__name__}")
+    if mask_mod is not None and not isinstance(mask_mod, MaskMod):
+        raise TypeError(f"mask_mod must be a numerics.mods.MaskMod, got {type(mask_mod).__name__}")
+    if block_sparse_tensors is not None and not isinstance(block_sparse_tensors, BlockSparse):
+        raise TypeError(
+            f"block_sparse_tensors must be a numerics.mods.BlockSparse, got {type(block_sparse_tensors).__name__}"
+        )
+    if aux_tensors is not None and not (
+        isinstance(aux_tensors, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in aux_tensors)
+    ):
+        raise TypeError("aux_tensors must be a list of tensors (production hands every mod the whole list)")
+    if score_mod is not None and softcap:
+        raise ValueError("softcap and score_mod cannot be used together (interface._flash_attn_fwd asserts it)")
+
+
+def apply_score_mod(s: torch.Tensor, scale: float, score_mod, idx: tuple, aux) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax.py`` ``apply_score_mod_inner`` on float32 scores ``s`` (the QK^T accumulator):
+    ``x = s * softmax_scale`` (one FMUL, rounded to float32), then the mod's reference form in
+    float32, ``f = score_mod.fn(x, b, h, q_idx, kv_idx, aux)`` (each torch operation one rounding,
+    the order the mod's docstring gives: ``numerics.mods``) — or, when the mod has a model form
+    (``forms["model"]``, ``fa4.mod_forms``), that form on the unscaled ``s``: the compiled code
+    contracts the FMUL with the mod's first addition (one FFMA), which the reference form cannot
+    say.  ``idx`` = (b, h, q_idx, kv_idx)
+    int64 index tensors broadcasting to ``s`` (logical indices: production divides pack_gqa's
+    packed row back to (row, head) before calling the mod).  Returns (x, f): the backward's
+    ``apply_score_mod_bwd_inner`` hands ``x`` (it rescales the saved pre-mod S the same way,
+    ``score_tensor * softmax_scale``) to ``score_mod_bwd``.  Used by the forward (``fa4.model``
+    step 2) and the backward (``fa4.model_bwd`` step 3) alike."""
+    x = s * _f32(scale)
+    model = score_mod.forms.get("model") if "model" in score_mod.forms else None
+    if model is not None:  # production's contraction (fa4.mod_forms): e.g. fma(scale, acc, bias)
+        f = model(s, scale, *idx, list(aux or ()))
+    else:
+        f = score_mod.fn(x, *idx, list(aux or ()))
+    if not isinstance(f, torch.Tensor) or f.dtype != torch.float32:
+        raise TypeError(
+            f"score_mod {score_mod.name!r} returned {getattr(f, 'dtype', type(f))} on float32 scores: a reference "
+            "form must compute in its input's dtype (numerics.mods: the model evaluates it in float32)"
+        )
+    return x, f.expand(x.shape).contiguous()
+
+
+def apply_mask_mod(mask_mod, idx: tuple, aux) -> torch.Tensor:
+    """``mask.py`` ``AttentionMask.apply_mask`` / ``apply_mask_sm100``'s mask_mod branch: the
+    mod's kept keys (True) at the index tensors ``idx`` = (b, h, q_idx, kv_idx), a bool tensor of
+    their broadcast shape (the caller intersects seqlen_k: production's ``mask_seqlen``)."""
+    return mask_mod.fn(*idx, list(aux or ())).to(torch.bool)
+
+
+def check_block_sparse(bs, batch: int, heads: int, sq: int, sk: int, tile_m: int, tile_n: int, arch: str):
+    """What ``block_sparsity.normalize_block_sparse_config`` (forward; ``normalize_block_sparse_config_bwd``
+    with the backward's tiles) accepts, with its reasons: block masks (1|batch, 1|heads,
+    ceil(sq / block_q), ceil(sk / block_k)); block_q a multiple of the tile's rows (``q_stage *
+    tile_m``), block_k a multiple of tile_n (SM90: ``kv_subtile_factor`` must be 1, block_k ==
+    tile_n).  Returns (q_subtile_factor, kv_subtile_factor)."""
+    bq, bk = bs.block_size
+    want = (math.ceil(sq / bq), math.ceil(sk / bk))
+    B, H = bs.full.shape[:2]
+    if B not in (1, batch) or H not in (1, heads) or tuple(bs.full.shape[2:]) != want:
+        raise ValueError(
+            f"block masks of shape {tuple(bs.full.shape)} do not fit batch {batch}, heads {heads}, block size "
+            f"{(bq, bk)} and seqlens ({sq}, {sk}): expected (1|{batch}, 1|{heads}, {want[0]}, {want[1]})"
+        )
+    if bq % tile_m:
+        raise ValueError(
+            f"Block sparse tensors have block size {bq}, which must be a multiple of {tile_m} (q_stage * tile_m: "
+            "block_sparsity.infer_block_sparse_expected_shapes)"
+        )
+    if bk % tile_n or (arch == "sm90" and bk != tile_n):
+        raise ValueError(
+            f"Block sparsity requires sparse_block_size[1]={bk} to "
+            + ("match" if arch == "sm90" else "be a multiple of")
+            + f" tile_n={tile_n} (block_sparsity.normalize_block_sparse_config)"
+        )
+    return bq // tile_m, bk // tile_n
 
 
 def fma(a: torch.Tensor, b, c) -> torch.Tensor:

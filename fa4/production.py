@@ -30,7 +30,7 @@ import torch
 __all__ = [
     "REFUSALS", "Refusal", "refusal_of", "SM90_HEAD_DIMS", "SM100_HEAD_DIMS", "production_domain", "ProductionError",
     "ProductionUnavailable", "INSTALL_HINT", "COMPILE_CACHE_ENV", "enable_compile_cache", "require_production",
-    "ex2_kernel", "EX2_VARIANTS", "flash_attn_varlen",
+    "ex2_kernel", "EX2_VARIANTS", "flash_attn_varlen", "PRODUCTION_MODS",
 ]  # fmt: skip
 
 INSTALL_HINT = (
@@ -97,7 +97,71 @@ REFUSALS: tuple[Refusal, ...] = (
         "flash_attn/cute/sm100_hd256_2cta_fmha_backward.py, BlackwellFusedMultiHeadAttentionBackward.__init__: "
         "assert not is_local",
     ),
+    # the programmable surface (docs/mods.md): what production refuses of a mod configuration
+    Refusal(
+        AssertionError,
+        r"softcap and score_mod(/score_mod_bwd)? cannot be used together",
+        "flash_attn/cute/interface.py, _flash_attn_fwd: assert score_mod is None when softcap is set (softcap is "
+        "itself a score_mod, utils.create_softcap_scoremod); _flash_attn_bwd: the same for score_mod_bwd",
+    ),
+    Refusal(
+        NotImplementedError,
+        r"Custom user-provided score_mod is not supported on SM8x",
+        "flash_attn/cute/interface.py, _flash_attn_fwd / _flash_attn_bwd: arch 8.x raises for a score_mod",
+    ),
+    Refusal(
+        AssertionError,
+        r"(Block sparsity|score_mod|mask_mod) backward not supported on SM 12\.0",
+        "flash_attn/cute/interface.py, _flash_attn_bwd: SM120 asserts no block sparsity, score_mod or mask_mod",
+    ),
+    Refusal(
+        AssertionError,
+        r"Varlen backward with block sparsity is not yet supported",
+        "flash_attn/cute/interface.py, _flash_attn_bwd: asserts no cu_seqlens/seqused with block sparsity",
+    ),
+    Refusal(
+        ValueError,
+        r"Block sparsity requires sparse_block_size\[1\](=\d+)? (to match|to be a multiple of) tile_n=\d+",
+        "flash_attn/cute/block_sparsity.py, normalize_block_sparse_config: the key block must be a multiple of the "
+        "forward's tile_n, and equal to it on SM90 (no KV subtiles: allow_kv_subtile only on SM100/110)",
+    ),
+    Refusal(
+        ValueError,
+        r"Block sparse tensors\w* have block size \d+, which must be a multiple of \d+",
+        "flash_attn/cute/block_sparsity.py, infer_block_sparse_expected_shapes: the query block must be a multiple "
+        "of q_stage * tile_m of the forward",
+    ),
+    Refusal(
+        ValueError,
+        r"Block sparse tensors\w* require BLOCK_SIZE_KV to be a multiple of \d+",
+        "flash_attn/cute/block_sparsity.py, infer_block_sparse_expected_shapes: the key block must be a multiple "
+        "of tile_n",
+    ),
+    Refusal(
+        ValueError,
+        r"Block sparsity requires sparse_block_size\[0\] to be a multiple of tile_m=\d+",
+        "flash_attn/cute/interface.py, _flash_attn_bwd: the query block must be a multiple of the backward's tile_m",
+    ),
+    Refusal(
+        ValueError,
+        r"Block sparsity expects sparse_block_size(_q=\d+ for q_subtile_factor|\[1\]=\d+ for kv_subtile_factor"
+        r"|\[1\] to be a multiple of tile_n)",
+        "flash_attn/cute/block_sparsity.py, normalize_block_sparse_config_bwd / get_kv_subtile_factor: the blocks "
+        "must be whole multiples of the backward's tiles",
+    ),
+    Refusal(
+        ValueError,
+        r"SM100 block-sparse backward with head_dim=192 requires 2CTA",
+        "flash_attn/cute/interface.py, _flash_attn_bwd: block-sparse hdim 192 needs 2CTA, which needs an even "
+        "number of tile_n tiles per key block",
+    ),
 )
+
+
+#: the mod kinds production takes (``audits.cases.MOD_KINDS``; ``audits.domain`` key ``mods``):
+#: ``flash_attn_func``'s score_mod / score_mod_bwd, mask_mod (with aux_tensors) and
+#: block_sparse_tensors / block_sparse_tensors_bwd (flash_attn/cute/interface.py)
+PRODUCTION_MODS = ("score_mod", "mask_mod", "block_sparse")
 
 
 def _steps(lo: int, hi: int, step: int) -> dict:
@@ -134,18 +198,22 @@ def production_domain(major: int | None = None) -> dict:
       ``_validate_head_dims`` and are not modelled here).
 
     Masks, softcap, the sink, GQA, layouts, the backward and ``deterministic`` are supported on
-    both; what depends on several axes at once (fp8's head-dim alignment of 16, SM100's
-    head-dim-256 backward without softcap, sink or windows) stays a run-time refusal matched by
-    :data:`REFUSALS`.  ``tests/test_production_domain.py`` checks the head dims against
-    ``_validate_head_dims`` itself, read from production's source, for every (d, dv) in 1..520."""
+    both, and so is the programmable surface (``mods``: :data:`PRODUCTION_MODS`, score_mod with
+    score_mod_bwd, mask_mod and block sparsity in ``flash_attn_func``'s signature on SM90 and
+    SM100/110; SM8x refuses a score_mod, SM120's backward all of them, not declared here); what
+    depends on several axes at once (fp8's head-dim alignment of 16, SM100's head-dim-256
+    backward without softcap, sink or windows, block sizes that are no multiple of the tiles)
+    stays a run-time refusal matched by :data:`REFUSALS`.  ``tests/test_production_domain.py``
+    checks the head dims against ``_validate_head_dims`` itself, read from production's source,
+    for every (d, dv) in 1..520."""
     if major is None:
         if not torch.cuda.is_available():
             return {}
         major = torch.cuda.get_device_capability()[0]
     declared = {
-        9: {"dtypes": ["bfloat16", "float16"], "head_dims": SM90_HEAD_DIMS},
-        10: {"head_dims": SM100_HEAD_DIMS},
-        11: {"dtypes": ["bfloat16", "float16"], "head_dims": SM100_HEAD_DIMS},
+        9: {"dtypes": ["bfloat16", "float16"], "head_dims": SM90_HEAD_DIMS, "mods": list(PRODUCTION_MODS)},
+        10: {"head_dims": SM100_HEAD_DIMS, "mods": list(PRODUCTION_MODS)},
+        11: {"dtypes": ["bfloat16", "float16"], "head_dims": SM100_HEAD_DIMS, "mods": list(PRODUCTION_MODS)},
     }.get(major, {})
     return copy.deepcopy(declared)  # the caller's to change
 
@@ -340,21 +408,38 @@ def flash_attn(
     learnable_sink=None,
     return_lse: bool = False,
     deterministic: bool = False,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors=None,
+    block_sparse_tensors=None,
 ):
     """The audited-callable adapter of production ``flash_attn.cute.flash_attn_func`` (kernel
-    ``fa4``); ``deterministic`` is its flag (the backward's semaphore-ordered dQ).  A refusal
-    matched by a rule of :data:`REFUSALS` becomes ``NotImplementedError`` (verdict ``skipped``);
-    every other exception, ``NotImplementedError`` included, propagates as
-    :class:`ProductionError` (verdict ``error``): an unknown failure is never a skip.  (Errors in
-    the backward are raised by ``torch.autograd.grad``, outside this call: the runner maps them
-    through the same rules, ``audits.runner.backward``.)"""
+    ``fa4``); ``deterministic`` is its flag (the backward's semaphore-ordered dQ).  The mods
+    (``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``: the contract's
+    objects, ``numerics.mods``) are converted by ``fa4.mods.production_kwargs`` into
+    production's callables and ``BlockSparseTensorsTorch`` (forward and backward, with
+    ``score_mod_bwd``).  Production's meaning of a mask_mod with ``causal`` / a window is its own
+    (``_resolve_causal_local_window`` drops the flags in the forward): passed as given, the
+    audit's reference (their intersection) surfaces the difference.  A refusal matched by a rule
+    of :data:`REFUSALS` becomes ``NotImplementedError`` (verdict ``skipped``); every other
+    exception, ``NotImplementedError`` included, propagates as :class:`ProductionError` (verdict
+    ``error``): an unknown failure is never a skip.  (Errors in the backward are raised by
+    ``torch.autograd.grad``, outside this call: the runner maps them through the same rules,
+    ``audits.runner.backward``.)"""
     require_production()
     from flash_attn.cute import flash_attn_func
 
+    from fa4.mods import production_kwargs
+
+    given = dict(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                 block_sparse_tensors=block_sparse_tensors)  # fmt: skip
+    mods = production_kwargs({k_: v_ for k_, v_ in given.items() if v_ is not None}, device=q.device,
+                             deterministic=deterministic)  # fmt: skip
     try:
         out, lse = flash_attn_func(
             q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
             softcap=softcap, learnable_sink=learnable_sink, return_lse=return_lse, deterministic=deterministic,
+            **mods,
         )  # fmt: skip
     except Exception as exc:
         rule = refusal_of(exc)
@@ -379,22 +464,43 @@ _VARLEN_KEYS = (
 )  # fmt: skip
 
 
+#: the mod keywords the varlen adapter takes (block sparsity refused: see flash_attn_varlen)
+_VARLEN_MOD_KEYS = ("score_mod", "mask_mod", "aux_tensors", "block_sparse_tensors")
+
+
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, **kw):
     """The varlen-contract adapter (``docs/varlen.md``) of production
     ``flash_attn.cute.flash_attn_varlen_func``: the contract's keywords passed through (the
     forward ones and ``cu_seqlens_q/k``, ``max_seqlen_q/k``, ``seqused_q/k``, ``page_table``,
-    ``num_splits``, ``pack_gqa``); refusals mapped by :data:`REFUSALS` as in :func:`flash_attn`
-    (split-KV on SM90 among them)."""
+    ``num_splits``, ``pack_gqa``) and the mods (``score_mod``, ``mask_mod``, ``aux_tensors``, as in
+    :func:`flash_attn`; block sparsity is refused, NotImplementedError); refusals mapped by
+    :data:`REFUSALS` as in :func:`flash_attn` (split-KV on SM90 among them)."""
     require_production()
     from flash_attn.cute import flash_attn_varlen_func
 
     unknown = sorted(
-        set(kw) - set(_VARLEN_KEYS) - {"softmax_scale", "causal", "window_size", "softcap", "learnable_sink"}
+        set(kw)
+        - set(_VARLEN_KEYS)
+        - {"softmax_scale", "causal", "window_size", "softcap", "learnable_sink"}
+        - set(_VARLEN_MOD_KEYS)
     )
     if unknown:
         raise TypeError(f"flash_attn_varlen: unknown keyword(s) {', '.join(unknown)}")
     if "window_size" in kw:
         kw["window_size"] = tuple(kw["window_size"])
+    if kw.get("block_sparse_tensors") is not None:
+        # production's varlen block sparsity takes packed per-sequence lists (cu_total_m_blocks,
+        # cu_block_idx_offsets: block_sparsity.normalize_block_sparse_config); a dense
+        # (B, H, nq, nk) BlockSparse has no such layout here, so this adapter does not pass it
+        raise NotImplementedError(
+            "flash_attn_varlen: this adapter does not convert block sparsity to production's varlen layout "
+            "(cu_total_m_blocks / cu_block_idx_offsets)"
+        )
+    from fa4.mods import production_kwargs
+
+    mods = {n: kw.pop(n) for n in _VARLEN_MOD_KEYS if kw.get(n) is not None}
+    kw.pop("block_sparse_tensors", None)
+    kw.update(production_kwargs(mods, device=q.device))
     try:
         res = flash_attn_varlen_func(q, k, v, return_lse=return_lse, **kw)
     except Exception as exc:

@@ -178,6 +178,10 @@ def varlen_attention(
     arch: str = "sm100",
     num_sms: int = 148,
     mma: str = "exact",
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ):
     """The varlen entry as production computes it (module doc).
 
@@ -189,8 +193,17 @@ def varlen_attention(
     queries, seqused_q, splits or pages other than 128, as ``interface._flash_attn_fwd``).
     ``num_sms``: the GPU's SM count (148: B200), which sets SM100's per-sequence split counts on
     varlen queries (:func:`dynamic_splits`).  ``mma``: ``FA4Numerics.mma`` of those per-sequence
-    numerics (ignored with ``numerics``).
+    numerics (ignored with ``numerics``).  ``score_mod`` / ``mask_mod`` / ``aux_tensors`` /
+    ``block_sparse_tensors``: the contract's mods, refused here (NotImplementedError): production
+    takes them on varlen (aux indices wrapped per sequence by ``fastdiv_mods``, block sparsity
+    through ``cu_total_m_blocks`` / ``cu_block_idx_offsets``); the model does not model that:
+    ``fa4.model.attention`` models them on fixed-length batches.
     """
+    if any(x is not None for x in (score_mod, mask_mod, aux_tensors, block_sparse_tensors)):
+        raise NotImplementedError(
+            "mods with varlen (score_mod, mask_mod, aux_tensors, block_sparse_tensors) are not modelled by "
+            "fa4.varlen: fa4.model.attention models them on fixed-length batches"
+        )
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1 (the model takes no heuristic 0), got {num_splits!r}")
     packed_q = cu_seqlens_q is not None

@@ -14,7 +14,8 @@ Notation, one batch and query head (indices b, h dropped), query row i, key j, c
 ``u = 2**-24``; ``gamma(m) = m u / (1 - m u)``; exact FP64 quantities from the exact inputs and
 the FP64 reference (``numerics.grad_reference``): logits ``s_ij``, ``lse_i``, ``P_ij =
 exp(s_ij - lse_i)``, ``o_i``, ``dP_ij = dO_i.v_j``, ``D'_i = dO_i.o_i - dlse_i``, ``x_ij = dP_ij
-- D'_i``, ``dS_ij = P_ij x_ij`` (times ``f_ij = 1 - tanh^2(r_ij / cap)`` with a softcap).  Hatted
+- D'_i``, ``dS_ij = P_ij x_ij`` (times ``f'(r_ij)`` with a softcap, ``1 - tanh^2(r_ij / cap)``, or
+a score_mod f).  Hatted
 quantities are the kernel's.  ``dl_i = |lse^_i - lse_i|`` is measured (0 where both are -inf).
 Absolute terms ``2**-126`` per product / add cover flush-to-zero of float32 subnormals.
 
@@ -35,11 +36,23 @@ Absolute terms ``2**-126`` per product / add cover flush-to-zero of float32 subn
 3. dP = dO V^T, float32 MMA of dv exact products: ``edP = gamma(dv) sum_c |dO| |v| + dv 2**-126``.
 4. dS.  ``x^ = fl(dP^ - D'^)``: ``ex = edP + eD + u (|x| + edP + eD)`` — the absolute errors
    scale with |dP| + |D| (steps 2-3), never with the cancelling |dP - D|.  ``dS^ = fl(P^ x^)``:
-   ``edS = eP (|x| + ex) + P ex + u (P + eP)(|x| + ex) + 2**-126``.  Softcap: ``t^`` is MUFU.TANH of
-   ``x^_t = fl(fl(fl(q.k) scale32) / cap)``: ``|x^_t - r/cap| <= ex_t`` (float32 roundings as in
-   the forward), ``et = ex_t + TANH_ABS`` (tanh is 1-Lipschitz), ``f^ = fma(-t^, t^, 1)``:
-   ``ef = et (2|t| + et) + u (f + et (2|t| + et))``; then ``fl(dS^ f^)``:
-   ``edS <- edS (f + ef) + |dS| ef + u (|dS| + edS)(f + ef) + 2**-126`` with dS <- dS f.
+   ``edS = eP (|x| + ex) + P ex + u (P + eP)(|x| + ex) + 2**-126``.
+   Score mods (softcap included, as ``numerics.forward_bound.softcap_score_mod``: production's
+   ``create_softcap_scoremod_bwd``).  ``flash_bwd_sm90.py`` ``mma_one_m_block`` keeps the
+   pre-mod S (``acc_S_pre``), and after ``dS = P (dP - D)`` calls ``score_mod_bwd(dS, S_pre *
+   scale)`` (``softmax.py`` ``apply_score_mod_bwd_inner``): ``dS_pre^ = grad^(g^, s^)`` with
+   ``g^`` the float32 dS_post (exact ``g = dS``, error ``e_g = edS`` above) and ``s^ =
+   fl(fl32(q.k) scale32)`` within ``e_pre`` of the pre-mod score s (the forward's step 1).
+   Exactly ``dS_pre = g f'(s)``, and
+   ``grad^(g^, s^) - g f'(s) = [grad^(g^, s^) - g^ f'(s^)] + g^ [f'(s^) - f'(s)] + (g^ - g) f'(s)``,
+   so ``edS_pre = grad_error(|g| + e_g, s^) + (|g| + e_g) curvature(I) e_pre + e_g |f'(s)| +
+   2**-126`` (mean value theorem for f' on ``I = [s - e_pre, s + e_pre]``; grad_error, which
+   must be nondecreasing in |g|, at I's ends as in the forward; 2**-126 for a flushed result),
+   and dS <- g f'(s), with ``f'`` from the mod's ``grad(1, s)`` in float64.  A grad_error or
+   curvature hook that is None makes the dS error +inf wherever the mod applies.  Softcap's
+   hooks (``numerics.forward_bound.softcap_grad_error``, ``softcap_curvature``): ``t^`` MUFU.TANH
+   of the float32 quotient, ``f^ = 1 - t^ t^`` (FFMA or FMUL+FSUB), ``fl(g f^)``; ``|f''| =
+   (2/cap) |tanh sech^2|``, at most ``4 / (3 sqrt(3) cap)``.
    Cast to ds_dtype (``nm.ds_dtype`` or the input dtype): ``edS~ = edS + u_ds (|dS| + edS) +
    sub_ds / 2`` (inf where |dS| + edS may exceed the format's max).
 5. dV_j = sum over the query rows and GQA heads seeing j of ``P~ dO`` (exact products), float32,
@@ -58,6 +71,11 @@ Absolute terms ``2**-126`` per product / add cover flush-to-zero of float32 subn
    fl(log2 e)``, ``y = sink - lse^``; ``eP_s`` as in step 1.  The FFMA chain and butterflies
    sum N = b sq exact products (any order): ``|sum P_s delta| + sum eP_s (|D'| + eD) + P_s r_D
    + gamma(N) sum (P_s + eP_s)(|D'| + eD) + 2 N 2**-126``, then the cast to the sink's dtype.
+
+Mask mods and block sparsity change only the visible pairs, per batch and head
+(``numerics.reference.call_visibility`` of each row chunk); the counts n_i, n_j of steps 5-6 are
+then per (batch, row, head) and per (batch, key, kv head).  docs/mods.md "Bounds with mods" gives the
+whole derivation with mods.
 
 Rows with no visible key contribute exact zeros (dQ bound 0; keys no query sees: dK, dV bound 0)
 unless inputs are non-finite.  Any NaN in the bound's evaluation (non-finite inputs reaching it,
@@ -80,7 +98,16 @@ from dataclasses import dataclass
 
 import torch
 
-from numerics.forward_bound import MUFU, dot_products, gamma, step1_score
+from numerics.forward_bound import (
+    MUFU,
+    TINY32,
+    dot_products,
+    gamma,
+    hook_at_ends,
+    mod_score,
+    softcap_score_mod,
+    step1_score,
+)
 from numerics.forward_bound import UNIT_ROUNDOFF as _U
 from numerics.fp import format_of
 from numerics.fp import to_f32 as _f32
@@ -99,19 +126,6 @@ def _ex2_err(p, log2p, e, mask):
     rel = p * (torch.exp2(e) * (1 + MUFU["ex2_rel"]) - 1)
     flush = torch.where(log2p + e < -125, torch.full_like(p, _TINY), torch.zeros_like(p))
     return torch.where(mask, rel + flush, torch.zeros_like(p))
-
-
-def _softcap_factor(dot, e_dot, scale: float, scale32: float, cap: float):
-    """Step 4, softcap: (f, ef): the exact chain factor 1 - tanh^2(r/cap) and the error of f^."""
-    x = dot * scale / cap
-    ea0 = e_dot * scale32 + dot.abs() * abs(scale32 - scale)
-    ea = ea0 + _U * (dot.abs() * scale + ea0)
-    ex_t = ea / cap + _U * (x.abs() + ea / cap)
-    et = ex_t + MUFU["tanh_abs"]
-    t = torch.tanh(x).abs()
-    f = torch.cosh(x).pow(-2)
-    dt2 = et * (2 * t + et)
-    return f, dt2 + _U * (f + dt2)
 
 
 def _cast(e, exact_abs, fmt):
@@ -134,7 +148,9 @@ _LIVE = 16
 @dataclass(frozen=True)
 class _Consts:
     """Scalars of one bound evaluation: scale (exact and as the kernel's float32), softcap,
-    log2 e (both), the input and dS formats, the GQA group size."""
+    log2 e (both), the input and dS formats, the GQA group size; and the call's mods:
+    ``score_mod`` (the softcap flag as ``numerics.forward_bound.softcap_score_mod``, production's
+    own form of it), ``aux`` (its aux tensors), ``mask_mod`` and ``block_sparse``."""
 
     scale: float
     scale32: float
@@ -144,15 +160,22 @@ class _Consts:
     fmt_in: object
     fmt_ds: object
     g: int
+    score_mod: object = None
+    aux: object = None
+    mask_mod: object = None
+    block_sparse: object = None
 
     @classmethod
-    def of(cls, q, k, v, nm, softmax_scale, softcap) -> _Consts:
+    def of(cls, q, k, v, nm, softmax_scale, softcap, mods: dict | None = None) -> _Consts:
         d = q.shape[-1]
         scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
         l2e = math.log2(math.e)
         fmt_ds = format_of(getattr(nm, "ds_dtype", None) or q.dtype)
-        return cls(scale, _f32(scale), float(softcap or 0.0), l2e, _f32(l2e), format_of(q.dtype), fmt_ds,
-                   q.shape[2] // k.shape[2])  # fmt: skip
+        mods = mods or {}
+        cap = float(softcap or 0.0)
+        sm = softcap_score_mod(cap) if cap > 0 else mods.get("score_mod")
+        return cls(scale, _f32(scale), cap, l2e, _f32(l2e), format_of(q.dtype), fmt_ds, q.shape[2] // k.shape[2],
+                   sm, mods.get("aux_tensors"), mods.get("mask_mod"), mods.get("block_sparse_tensors"))  # fmt: skip
 
     def scaled(self, e_acc, exact):
         """Step 6: the FMUL by the float32 scale on an accumulator with error ``e_acc``, then the
@@ -182,13 +205,17 @@ def _row_terms(q, do, out, lse, dlse, reference, c: _Consts) -> dict:
             "dprime": dprime, "e_d": delta.abs() + r_d}  # fmt: skip
 
 
-def _p_ds(qc, k, v, doc, vis, rw: dict, c: _Consts):
-    """Steps 1 and 3-4 on a chunk of query rows: (P, its cast error eP~, |dS|, its cast error
-    eDS~), each (b, h, rows, sk)."""
+def _p_ds(qc, k, v, doc, vis, rw: dict, c: _Consts, rows: torch.Tensor):
+    """Steps 1 and 3-4 on a chunk of query rows (indices ``rows``): (P, its cast error eP~,
+    |dS|, its cast error eDS~), each (b, h, rows, sk)."""
     zero = torch.zeros((), dtype=torch.float64, device=qc.device)
     dot, e_dot, v64 = dot_products(qc, k, v)
-    _sl2, d_sl2, base, e_score = step1_score(dot, e_dot, c.scale, c.scale32, c.softcap, c.l2e)
-    s_nat = c.softcap * torch.tanh(dot * c.scale / c.softcap) if c.softcap > 0 else dot * c.scale
+    if c.score_mod is None:
+        _sl2, d_sl2, base, e_score = step1_score(dot, e_dot, c.scale, c.scale32, 0.0, c.l2e)
+        s_nat = dot * c.scale
+    else:  # step1_score's score_mod branch, keeping e_pre for step 4's f'
+        s_pre, e_pre, s_nat, e_post = mod_score(dot, e_dot, c.scale, c.scale32, c.score_mod, c.aux, rows=rows)
+        d_sl2, base, e_score = abs(c.l2e32 - c.l2e), s_nat, e_post * c.l2e32
     log2p = torch.where(vis, (s_nat - rw["lse_ex"].unsqueeze(-1)) * c.l2e, -math.inf)
     p = torch.where(vis, torch.exp2(log2p), zero)
     e1 = e_score + base.abs() * d_sl2 + rw["e_lse"]
@@ -204,53 +231,108 @@ def _p_ds(qc, k, v, doc, vis, rw: dict, c: _Consts):
     ex = ex + _U * (x.abs() + ex)
     ds = torch.where(vis, p * x, zero)
     e_ds = ep * (x.abs() + ex) + p * ex + _U * (p + ep) * (x.abs() + ex) + _TINY
-    if c.softcap > 0:
-        f, ef = _softcap_factor(dot, e_dot, c.scale, c.scale32, c.softcap)
-        e_ds = e_ds * (f + ef) + ds.abs() * ef + _U * (ds.abs() + e_ds) * (f + ef) + _TINY
-        ds = ds * f
+    if c.score_mod is not None:
+        ds, e_ds = _mod_chain(ds, e_ds, s_pre, e_pre, c, rows)
+        ds = torch.where(vis, ds, zero)  # f' may be non-finite at masked pairs: 0 * inf is not 0
     e_ds = torch.where(vis, e_ds, zero)
     e_ds_t = torch.where(vis, _cast(e_ds, ds.abs(), c.fmt_ds), zero)
     e_ds_t = torch.where(ds.abs() + e_ds > c.fmt_ds.max, torch.full_like(e_ds_t, math.inf), e_ds_t)
     return p, ep_t, ds.abs(), e_ds_t
 
 
+def _mod_chain(ds, e_ds, s_pre, e_pre, c: _Consts, rows):
+    """Step 4, score_mod: ``(dS_pre, its error)`` from ``dS_post`` = ``ds`` (error ``e_ds``)
+    through ``score_mod_bwd`` at the kernel's float32 pre-mod score ``s^`` (within ``e_pre`` of
+    s): ``|grad^(g^, s^) - g f'(s)| <= grad_error(|g| + e_g, s^) + (|g| + e_g) curvature e_pre +
+    e_g |f'(s)| + 2**-126`` (module doc, step 4).  A hook that is None gives +inf."""
+    from numerics.mods import index_grid
+    from numerics.reference import score_mod_derivative
+
+    sm = c.score_mod
+    fprime = score_mod_derivative(s_pre, sm, c.aux, rows=rows)
+    if sm.grad_error is None or sm.curvature is None:
+        return ds * fprime, torch.full_like(ds, math.inf)
+    b, h, i, j = s_pre.shape
+    idx = (*index_grid(b, h, i, j, rows=rows, device=s_pre.device), c.aux)
+    lo, hi = s_pre - e_pre, s_pre + e_pre
+    g_hi = ds.abs() + e_ds
+    moved = torch.where(e_pre > 0, g_hi * sm.curvature(lo, hi, *idx).to(ds.dtype) * e_pre, torch.zeros_like(ds))
+    own = hook_at_ends(lambda s, *ix: sm.grad_error(g_hi, s, *ix), lo, hi, *idx).to(ds.dtype)
+    return ds * fprime, own + moved + e_ds * fprime.abs() + TINY32
+
+
+def _mod_chunk_vis(q, k, causal, window, c: _Consts, rows, acc: dict) -> torch.Tensor:
+    """With a mask_mod or block sparsity: the visibility of query rows ``rows``,
+    (B|1, H|1, rows, sk) (``numerics.reference.call_visibility``), counted into ``acc["n_q"]``
+    (keys per (batch, row, head)) and ``acc["n_key"]`` ((row) pairs per (batch, key, head))."""
+    from numerics.reference import call_visibility
+
+    b, sq, hq, _ = q.shape
+    sk, r = k.shape[1], rows.numel()
+    vis = call_visibility(
+        batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window, mask_mod=c.mask_mod,
+        block_sparse_tensors=c.block_sparse, aux_tensors=c.aux, rows=rows, device=q.device,
+    )  # fmt: skip
+    vis_f = vis.expand(b, hq, r, sk).to(torch.float64)
+    acc["n_q"][:, rows] = vis_f.sum(-1).permute(0, 2, 1).unsqueeze(-1)  # (b, rows, hq, 1)
+    acc["n_key"] += vis_f.sum(-2).permute(0, 2, 1).unsqueeze(-1)
+    return vis
+
+
 def _accumulate(q, k, v, do, causal, window, reference, rw: dict, c: _Consts, nm) -> dict:
     """Steps 1-6's sums over query-row chunks (``CHUNK_BUDGET``): dV's and dK's two error sums
-    per key, accumulated over the chunks, and dQ's accumulator error per row."""
+    per key, accumulated over the chunks, and dQ's accumulator error per row.  Without a
+    mask_mod or block sparsity the visibility is the flag mask, one (sq, sk) tensor as before
+    mods; with them it is computed per chunk, (B|1, H|1, rows, sk), as are the counts."""
     from numerics.reference import visible_mask
 
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     dev = q.device
-    vis_all = visible_mask(sq, sk, causal=causal, window_size=window, device=dev)
     k64 = k.double().repeat_interleave(c.g, dim=2)
     ak = k64.abs()
     f64 = dict(dtype=torch.float64, device=dev)
     acc = {n: torch.zeros(b, sk, hq, w, **f64) for n, w in (("v1", v.shape[-1]), ("v2", v.shape[-1]), ("k1", d),
                                                             ("k2", d))}  # fmt: skip
     acc["q"] = torch.zeros(b, sq, hq, d, **f64)
-    n_q = vis_all.sum(-1).to(torch.float64).view(1, sq, 1, 1)  # keys per row (dQ)
-    acc["n_key"] = (vis_all.sum(-2).to(torch.float64) * c.g).view(1, sk, 1, 1)  # (head, row) pairs per key
+    masks = c.mask_mod is not None or c.block_sparse is not None
+    if not masks:
+        vis_all = visible_mask(sq, sk, causal=causal, window_size=window, device=dev)
+        n_q = vis_all.sum(-1).to(torch.float64).view(1, sq, 1, 1)  # keys per row (dQ)
+        acc["n_key"] = (vis_all.sum(-2).to(torch.float64) * c.g).view(1, sk, 1, 1)  # (head, row) pairs per key
+    else:
+        n_q = torch.zeros(b, sq, hq, 1, **f64)
+        acc["n_key"] = torch.zeros(b, sk, hq, 1, **f64)  # per query head here; per kv head after the loop
     acc["n_q"] = n_q
-    step = max(1, CHUNK_BUDGET // (_LIVE * 8 * b * hq * max(sk, 1)))
+    live = _LIVE + (8 if c.score_mod is not None else 0)  # the score_mod's interval, f', hooks
+    step = max(1, CHUNK_BUDGET // (live * 8 * b * hq * max(sk, 1)))
     hd256 = _dq_scales_ds(nm, d, v.shape[-1])
     for i0 in range(0, sq, step):
         i1 = min(sq, i0 + step)
+        rows = torch.arange(i0, i1, device=dev)
         rwc = {n: rw[n][:, :, i0:i1] for n in ("lse_ex", "e_lse", "dprime", "e_d")}  # (b, h, rows[, 1])
-        vis = vis_all[i0:i1].view(1, 1, i1 - i0, sk)
-        p, ep_t, ads, e_ds_t = _p_ds(q[:, i0:i1], k, v, do[:, i0:i1], vis, rwc, c)
+        if not masks:
+            vis = vis_all[i0:i1].view(1, 1, i1 - i0, sk)
+        else:
+            vis = _mod_chunk_vis(q, k, causal, window, c, rows, acc)
+        nq = n_q[:, i0:i1]
+        p, ep_t, ads, e_ds_t = _p_ds(q[:, i0:i1], k, v, do[:, i0:i1], vis, rwc, c, rows)
         ado, aq = do[:, i0:i1].double().abs(), q[:, i0:i1].double().abs()
         acc["v1"] += torch.einsum("bhij,bihc->bjhc", ep_t, ado)
         acc["v2"] += torch.einsum("bhij,bihc->bjhc", p + ep_t, ado)
         acc["k1"] += torch.einsum("bhij,bihd->bjhd", e_ds_t, aq)
         acc["k2"] += torch.einsum("bhij,bihd->bjhd", ads + e_ds_t, aq)
         t2 = torch.einsum("bhij,bjhd->bihd", ads + e_ds_t, ak)
-        nq = n_q[:, i0:i1]
         e_q = torch.einsum("bhij,bjhd->bihd", e_ds_t, ak) + gamma(nq) * t2 + 2 * nq * _TINY
         if hd256:  # one more rounding per term, the cast's floor at the scaled size (module doc, step 6)
-            vis_k = torch.einsum("xyij,bjhd->bihd", vis.to(torch.float64), ak)
+            if vis.shape[0] == 1 and vis.shape[1] == 1:
+                vis_k = torch.einsum("xyij,bjhd->bihd", vis.to(torch.float64), ak)
+            else:
+                vis_k = torch.einsum("bhij,bjhd->bihd", vis.expand(b, hq, i1 - i0, sk).to(torch.float64), ak)
             e_q = e_q + _U * t2 + c.fmt_ds.smallest_subnormal / 2 / c.scale32 * vis_k
         acc["q"][:, i0:i1] = e_q
+    if masks:  # (b, sk, hq, 1) -> (b, sk, hk, 1): the (head, row) pairs of each kv head's query heads
+        acc["n_key"] = acc["n_key"].view(b, sk, hq // c.g, c.g, 1).sum(3)
     return acc
 
 
@@ -300,19 +382,29 @@ def backward_error_bound(
     learnable_sink: torch.Tensor | None = None,
     dlse: torch.Tensor | None = None,
     reference: dict | None = None,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ) -> dict:
     """Float64 bounds ``{"dq", "dk", "dv", "dsink"}`` on |grad - exact| elementwise (module doc),
     shaped like the gradients (dsink None without a sink).  ``out``, ``lse``: the forward's
     returned output and float32 LSE; ``reference``: the dict of
-    ``numerics.grad_reference.attention_grad_reference`` for these inputs (computed if None)."""
+    ``numerics.grad_reference.attention_grad_reference`` for these inputs (computed if None).
+    ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``: the call's mods
+    (module doc, "Mods")."""
     from numerics.grad_reference import attention_grad_reference
+    from numerics.reference import check_mods
 
+    check_mods(softcap, score_mod)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                block_sparse_tensors=block_sparse_tensors)  # fmt: skip
     if reference is None:
         reference = attention_grad_reference(
             q, k, v, do, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-            learnable_sink=learnable_sink, dlse=dlse,
+            learnable_sink=learnable_sink, dlse=dlse, **mods,
         )  # fmt: skip
-    c = _Consts.of(q, k, v, nm, softmax_scale, softcap)
+    c = _Consts.of(q, k, v, nm, softmax_scale, softcap, mods)
     rows = _row_terms(q, do, out, lse, dlse, reference, c)
     acc = _accumulate(q, k, v, do, causal, window_size, reference, rows, c, nm)
     b, sq, hq, d = q.shape

@@ -9,7 +9,8 @@ sum in.
 
 Notation, for one query row (index i dropped), visible keys j = 1..n, output column c:
 ``u = 2**-24``; ``gamma(m) = m u / (1 - m u)``; ``s_j`` the exact logit in natural units
-(``scale * q.k_j``, or ``softcap * tanh(scale * q.k_j / softcap)``); ``m`` the row max of s;
+(``scale * q.k_j``, ``softcap * tanh(scale * q.k_j / softcap)``, or a score_mod's
+``f(scale * q.k_j)``); ``m`` the row max of s;
 ``p_j = 2**((s_j - m) log2 e + max_offset)`` ("P units": the kernel's P when its reference max
 equals m; by (R2) of ``numerics.bounds`` the denominator is >= 2**max_offset in these units,
 so fixed absolute errors weigh most here); ``o = sum p_j v_j / sum p_j`` (+ sink) the exact output.
@@ -25,8 +26,24 @@ so fixed absolute errors weigh most here); ``o = sum p_j v_j / sum p_j`` (+ sink
    times the running sum of |terms| (first order), which is below ``gamma(K) sum|terms|`` for
    every K >= 8 (K = 8: 6.5 u against 8 u; K = 16: 10.5 u against 16 u; then 10.5 u per 16).  So
    the bound covers production's tensor cores for every head dim FA4 accepts (>= 8), and step 6's
-   gamma for the P V sums likewise.  Softcap: ``fl(s*scale)``, ``div.rn``, MUFU.TANH
-   (absolute error <= TANH_ABS), ``fl(*softcap)`` add u-relative roundings and TANH_ABS*softcap.
+   gamma for the P V sums likewise.
+   Score mods (softcap included: production's softcap flag *is* the score_mod
+   ``utils.create_softcap_scoremod``, here :func:`softcap_score_mod`).  The kernel keeps the
+   scale apart (``utils.compute_softmax_scale_log2``): ``s^ = fl(fl32(q.k) scale32)``
+   (``softmax.py`` ``apply_score_mod_inner``), within ``e_pre = e_a + u (|q.k| scale + e_a)``,
+   ``e_a = E_dot scale32 + |q.k| |scale32 - scale|``, of ``s = scale q.k``; then the mod's
+   float32 form ``f^ = fl32(f)(s^)``, and the exponent uses ``sl2 = fl32(log2 e)`` on f^ in
+   natural units.  By the mean value theorem on ``I = [s - e_pre, s + e_pre]``:
+   ``|f^ - f(s)| <= |f^ - f(s^)| + |f(s^) - f(s)| <= value_error(s^) + sup_I |f'| e_pre``,
+   with the mod's hooks ``slope(I) >= sup_I |f'|`` and ``value_error`` (its own float32
+   rounding at a float32 argument), which is taken as ``max(value_error(s - e_pre),
+   value_error(s + e_pre))`` (:func:`hook_at_ends`: exact for the quasi-convex hooks the
+   contract asks for), plus 2**-126 for a flushed result (:func:`mod_score`).  A hook that is
+   None makes the score error +inf wherever the mod applies (every visible key): those rows'
+   bounds are +inf, as for infinite LSEs.  Softcap's hooks: ``s / cap`` (div.rn, or a
+   multiply by fl(1/cap): relative 2u + u^2), MUFU.TANH (absolute ``TANH_ABS``), tanh's slope
+   ``sech^2`` at the quotient's nearest value, the FMUL by cap (:func:`softcap_value_error`);
+   ``slope = sech^2`` at the interval's least |s| (:func:`softcap_slope`).
 2. Exponent.  The kernel computes ``t_j = fma(s^_j, sl2, fma(-m_ref, sl2, offset))`` with
    ``sl2 = fl32(fl32(scale) fl32(log2 e))``.  A shift common to the row cancels in the output,
    so only the j-dependent part of the error counts:
@@ -59,8 +76,17 @@ LSE.  The kernel computes ``ln2_f32 * fma(m_ref, sl2, fl(lg2(D^) - offset))``; t
 term equals the one inside the exponents, so the row shift cancels again, leaving the full
 (not j-relative) exponent errors ``E'_j = E_dot sl2 + |q.k_j| |sl2 - scale log2 e| + u |t_j| +
 u (|m| sl2 + threshold + offset + 1)``, the relative error of D, lg2.approx (``LG2_REL`` |L| for
-|L| >= 1, ``LG2_ABS`` otherwise), two roundings and ln2_f32.  Rows with no visible key have an
+|L| >= 1, ``LG2_ABS`` otherwise), two roundings and ln2_f32; where D's relative error bound
+reaches 1 (D may be 0: an unbounded score error, e.g. a score_mod without hooks) the LSE bound
+is +inf.  Rows with no visible key have an
 exact output (0) and LSE (-inf, or the sink up to its few roundings).
+
+Mask mods and block sparsity (``numerics.mods.visibility``) only change which keys are visible,
+now per batch and head: every sum above runs over the visible keys of the row, so the bound
+evaluates with a (B|1, H|1, sq, sk) visibility (the flags intersected with the mods:
+``numerics.reference.call_visibility``) and nothing else changes.  The model's visit order under
+block sparsity (partial blocks first, each list from its last entry) is one order of the sums,
+which the bound covers for any order.  docs/mods.md "Bounds with mods" gives the whole derivation.
 
 Inputs that are not finite give an infinite bound where they can reach (the model's NaN
 semantics are audited separately).
@@ -74,7 +100,10 @@ import torch
 
 from numerics.fp import to_f32 as _f32
 
-__all__ = ["forward_error_bound", "split_error_bound", "MUFU"]
+__all__ = [
+    "forward_error_bound", "split_error_bound", "MUFU", "mod_score", "softcap_score_mod", "softcap_value_error",
+    "softcap_slope", "softcap_curvature", "softcap_grad_error", "hook_at_ends",
+]  # fmt: skip
 
 #: MUFU accuracy measured over all 2**32 float32 inputs on the H200 (reports/fidelity,
 #: ``fa4-audit fidelity --mufu``), rounded up: ex2 relative 1.4584e-7; lg2 absolute 7.778e-6
@@ -107,28 +136,184 @@ def dot_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return dot, e_dot, v64
 
 
-def step1_score(dot, e_dot, scale: float, scale32: float, softcap: float, l2e: float):
-    """Step 1 (score error, with softcap's roundings and MUFU.TANH) and the exponent's scale:
-    (sl2, |sl2 - ideal|, base, e_score) where the ideal exponent is ``base * ideal`` (log2 units)
-    and ``e_score`` the score's error in log2 units.  Public: the backward bound recomputes P
-    from the same scores (its step 4(b))."""
-    if softcap > 0:  # step 1, softcap branch; exponent in natural units s, sl2 = fl32(log2 e)
+#: float32's smallest normal: a float32 result below it may be flushed to zero (FTZ), an
+#: absolute error of at most this much
+TINY32 = 2.0**-126
+#: a relative error of a quotient ``x / c`` computed as ``div.rn`` (one rounding, production's
+#: softcap, ``fa4.primitives.div_rn``) or as ``x * fl(1/c)`` (two: torch on CUDA, a compiler
+#: with fast division): ``(1 + u)^2 - 1``
+_DIV_REL = 2 * _U + _U * _U
+
+
+def hook_at_ends(hook, lo, hi, *idx):
+    """A value_error or grad_error hook evaluated for every float32 point of [lo, hi]:
+    ``max(hook(lo), hook(hi))``.  The bound knows the kernel's float32 score only to within
+    [lo, hi]; the hooks' contract (docs/mods.md "Bounds with mods") is that this maximum bounds the
+    hook over the interval, which holds for every hook that is quasi-convex in s (u |s + bias|,
+    or any function nondecreasing in |s|)."""
+    return torch.maximum(hook(lo, *idx), hook(hi, *idx))
+
+
+def mod_score(dot, e_dot, scale: float, scale32: float, score_mod, aux_tensors, *, rows=None):
+    """The score_mod step (module doc, step 1 with a score_mod): ``(s, e_pre, f, e_post)``.
+
+    ``s = scale * q.k`` the exact pre-mod score (natural units); the kernel's float32 score is
+    ``s^ = fl(fl32(q.k) * scale32)`` (``apply_score_mod_inner``: ``score_tensor * softmax_scale``),
+    within ``e_pre = e_a + u (|q.k| scale + e_a)``, ``e_a = E_dot scale32 + |q.k| |scale32 -
+    scale|`` (the dot's error, the scale's float32 rounding, then the FMUL's rounding of
+    ``|a^ scale32| <= |q.k| scale + e_a``).  ``f = fn(s)`` in float64; the kernel's ``f^ =
+    fl32(fn)(s^)`` obeys ``|f^ - f(s)| <= |f^ - f(s^)| + |f(s^) - f(s)| <= value_error +
+    slope e_pre + 2**-126`` (the mean value theorem on [s - e_pre, s + e_pre]; the value_error
+    hook at the interval's ends, :func:`hook_at_ends`; 2**-126 for a flushed result) = ``e_post``.
+    A hook that is None makes e_post +inf (a mod without bounds is unbounded, element by
+    element); a zero e_pre makes the slope term 0 whatever the slope (s^ = s exactly).
+    ``dot``, ``e_dot``: (batch, heads_q, rows, seqlen_k); ``rows``: the query indices of dim 2.
+    Public: the backward bound recomputes P through it and needs e_pre for ``f'``."""
+    from numerics.reference import apply_score_mod
+
+    s = dot * scale
+    e_a = e_dot * scale32 + dot.abs() * abs(scale32 - scale)
+    e_pre = dot.abs().mul_(_U * scale).add_(e_a, alpha=1 + _U)  # e_a + u (|q.k| scale + e_a)
+    del e_a  # full-size float64 tensors: the bound holds as few at once as it can
+    f = apply_score_mod(s, score_mod, aux_tensors, rows=rows)
+    if score_mod.slope is None or score_mod.value_error is None:
+        return s, e_pre, f, torch.full_like(s, math.inf)
+    from numerics.mods import index_grid
+
+    b, h, i, j = s.shape
+    idx = (*index_grid(b, h, i, j, rows=rows, device=s.device), aux_tensors)
+    lo, hi = s - e_pre, s + e_pre
+    moved = score_mod.slope(lo, hi, *idx).to(s.dtype) * e_pre
+    e_post = torch.where(e_pre > 0, moved, 0.0)  # inf * 0 is no error: s^ = s exactly
+    del moved
+    e_post = e_post.add_(hook_at_ends(score_mod.value_error, lo, hi, *idx).to(s.dtype)).add_(TINY32)
+    return s, e_pre, f, e_post.expand(s.shape)
+
+
+def step1_score(dot, e_dot, scale: float, scale32: float, softcap: float, l2e: float, *, score_mod=None,
+                aux_tensors=None, rows=None):  # fmt: skip
+    """Step 1 (score error) and the exponent's scale: (sl2, |sl2 - ideal|, base, e_score) where
+    the ideal exponent is ``base * ideal`` (log2 units) and ``e_score`` the score's error in
+    log2 units.  With a score_mod, or the softcap flag (production's softcap *is* a score_mod,
+    ``utils.create_softcap_scoremod``; here :func:`softcap_score_mod`), the kernel keeps the scale
+    apart (``utils.compute_softmax_scale_log2``): ``base = f(s)`` in natural units, ``sl2 =
+    fl32(log2 e)``, and the error is :func:`mod_score`'s.  Public: the backward bound recomputes
+    P from the same scores (its step 4(b))."""
+    if softcap > 0:
+        score_mod, aux_tensors = softcap_score_mod(softcap), None
+    if score_mod is not None:  # step 1, score_mod branch: exponent fma(f^, fl32(log2 e), ...)
         sl2 = _f32(l2e)
-        x = dot * scale / softcap
-        s_nat = softcap * torch.tanh(x)
-        ea = e_dot * scale32 + dot.abs() * abs(scale32 - scale) + _U * (dot.abs() * scale + e_dot * scale32)
-        ex = ea / softcap + _U * (x.abs() + ea / softcap)
-        es = softcap * (ex + MUFU["tanh_abs"]) + _U * softcap * (torch.tanh(x).abs() + ex + MUFU["tanh_abs"])
-        d_sl2 = abs(sl2 - l2e)
-        base = s_nat  # exponent = base * log2e (ideal)
-        e_score = es * sl2
-    else:
-        sl2 = _f32(scale32 * _f32(l2e))
-        d_sl2 = abs(sl2 - scale * l2e)
-        base = dot  # exponent = dot * scale * log2e (ideal)
-        s_nat = dot * scale
-        e_score = e_dot * sl2
+        _s, _e_pre, f, e_post = mod_score(dot, e_dot, scale, scale32, score_mod, aux_tensors, rows=rows)
+        return sl2, abs(sl2 - l2e), f, e_post * sl2
+    sl2 = _f32(scale32 * _f32(l2e))
+    d_sl2 = abs(sl2 - scale * l2e)
+    base = dot  # exponent = dot * scale * log2e (ideal)
+    e_score = e_dot * sl2
     return sl2, d_sl2, base, e_score
+
+
+def _sech2(x):
+    """sech^2 x in float64, without cancellation (cosh = inf past 710 gives the limit 0)."""
+    return torch.cosh(x).pow(-2)
+
+
+#: x sech^2(x (1 - _DIV_REL)) rises for x below this (its peak is at 0.7717 / (1 - _DIV_REL),
+#: where 2 x tanh x = 1) ...
+_X_RISE = 0.77
+#: ... and never exceeds this (max_z z sech^2 z = 0.44787 at z = 0.7717, over 1 - _DIV_REL)
+_XSECH2_MAX = 0.4479
+
+
+def _tanh_input_error(x):
+    """How far tanh moves when softcap's quotient ``x = |s| / cap`` is computed in float32,
+    made nondecreasing in x: ``sech^2(x (1 - _DIV_REL)) (_DIV_REL x + 2**-126)`` (tanh's slope
+    at the quotient's nearest possible value times the quotient's error) below ``_X_RISE``,
+    where it rises, and its maximum over all x past it."""
+    rising = _sech2(x * (1 - _DIV_REL)) * (_DIV_REL * x + TINY32)
+    return torch.where(x < _X_RISE, rising, torch.full_like(x, _XSECH2_MAX * _DIV_REL + TINY32))
+
+
+def softcap_value_error(s, cap: float):
+    """value_error hook of the softcap score_mod ``cap * tanh(s / cap)`` at a float32 score s
+    (``utils.create_softcap_scoremod``: ``s / cap`` div.rn, ``cute.math.tanh(fastmath=True)`` =
+    MUFU.TANH, ``cap * t`` FMUL; ``cap`` representable in float32).  With x = s / cap: the
+    quotient ``x^ = x (1 + d)``, ``|d| <= _DIV_REL`` (div.rn, or a multiply by fl(1/cap)), plus
+    2**-126 if flushed; tanh moves by at most ``dt`` (:func:`_tanh_input_error`); MUFU.TANH is
+    within ``MUFU["tanh_abs"]`` of tanh(x^) (exhaustive H200 measurement; a correctly rounded
+    tanh, the CPU model's, is within 2**-24); the FMUL rounds ``u cap |t^|``.  So
+    ``|f^ - f| <= cap (TANH_ABS + dt) + u cap (|tanh x| + TANH_ABS + dt)``, nondecreasing in |s|
+    (quasi-convex: the contract of :func:`hook_at_ends`)."""
+    x = s.abs() / cap
+    dt = _tanh_input_error(x)
+    tanh_abs = MUFU["tanh_abs"]
+    return cap * (tanh_abs + dt) + _U * cap * (torch.tanh(x) + tanh_abs + dt)
+
+
+def softcap_slope(lo, hi, cap: float):
+    """slope hook of the softcap score_mod: sup of ``f' = sech^2(s / cap)`` over [lo, hi], at the
+    point of least |s| (0 when the interval straddles it)."""
+    a = torch.where((lo <= 0) & (hi >= 0), torch.zeros_like(lo), torch.minimum(lo.abs(), hi.abs()))
+    return _sech2(a / cap)
+
+
+#: atanh(1/sqrt(3)): where |tanh y sech^2 y| peaks, at 2 / (3 sqrt 3)
+_Y_PEAK = math.atanh(1 / math.sqrt(3))
+
+
+def softcap_curvature(lo, hi, cap: float):
+    """curvature hook of the softcap score_mod: sup of ``|f''| = (2 / cap) |tanh(y) sech^2(y)|``
+    (y = s / cap) over [lo, hi].  ``tanh y sech^2 y`` rises on [0, _Y_PEAK] to 2 / (3 sqrt 3)
+    and falls after it, so its sup over |y| in [a, b] is the peak when a <= _Y_PEAK <= b, else
+    the value at the end nearer the peak."""
+    a = torch.where((lo <= 0) & (hi >= 0), torch.zeros_like(lo), torch.minimum(lo.abs(), hi.abs())) / cap
+    b = torch.maximum(lo.abs(), hi.abs()) / cap
+    g = lambda y: torch.tanh(y) * _sech2(y)
+    peak = torch.full_like(a, 2 / (3 * math.sqrt(3)))
+    sup = torch.where(b < _Y_PEAK, g(b), torch.where(a > _Y_PEAK, g(a), peak))
+    return 2 / cap * sup
+
+
+def softcap_grad_error(g, s, cap: float):
+    """grad_error hook of the softcap score_mod: a bound on ``|fl32(grad)(g, s) - g f'(s)|`` for
+    float32 g (|g| given) and s, production's ``create_softcap_scoremod_bwd``: ``x^ = s / cap``
+    (as in :func:`softcap_value_error`), ``t^ = MUFU.TANH(x^)`` within ``et = TANH_ABS + dt`` of
+    ``t = tanh x``; ``f^ = 1 - t^ t^`` (one FFMA, or FMUL then FSUB: both covered) within
+    ``ef = e2 + u (|t| + et)^2 + u (1 + e2 + u (|t| + et)^2) + 2**-126`` of ``f = sech^2 x``,
+    ``e2 = et (2|t| + et) >= |t^2 - t^^2|`` (f <= 1 bounds the last rounding's size); then
+    ``fl(g f^)``: ``|g| ef + u |g| (1 + ef)``.  Nondecreasing in |g| and in |s|."""
+    x = s.abs() / cap
+    et = MUFU["tanh_abs"] + _tanh_input_error(x)
+    t = torch.tanh(x)
+    sq = _U * (t + et) ** 2
+    e2 = et * (2 * t + et)
+    ef = e2 + sq + _U * (1 + e2 + sq) + TINY32
+    ga = g.abs()
+    return ga * ef + _U * ga * (1 + ef)
+
+
+def softcap_score_mod(cap: float):
+    """The softcap flag as a score_mod (production's own form, ``utils.create_softcap_scoremod``
+    and ``create_softcap_scoremod_bwd``) with its bound hooks: the forward and backward bounds
+    treat ``softcap=cap`` as this mod, so the flag and ``numerics.mod_library``'s softcap mod share
+    one derivation.  ``fn``/``grad`` are the mathematical function (float64 here)."""
+    from numerics.mods import ScoreMod
+
+    cap = float(cap)
+
+    def fn(s, b, h, q, kv, aux):
+        return cap * torch.tanh(s / cap)
+
+    def grad(g, s, b, h, q, kv, aux):
+        return g * _sech2(s / cap)
+
+    return ScoreMod(
+        "softcap_flag", fn, grad,
+        value_error=lambda s, b, h, q, kv, aux: softcap_value_error(s, cap),
+        slope=lambda lo, hi, b, h, q, kv, aux: softcap_slope(lo, hi, cap),
+        grad_error=lambda g, s, b, h, q, kv, aux: softcap_grad_error(g, s, cap),
+        curvature=lambda lo, hi, b, h, q, kv, aux: softcap_curvature(lo, hi, cap),
+        params={"cap": cap}, per_head=False,
+    )  # fmt: skip
 
 
 def _step2_exponent(base, vis, e_score, d_sl2: float, ideal: float, thr: float, off: float, ninf):
@@ -174,14 +359,15 @@ def _step4_cast(p, eta, vis, fmt_p, thr: float):
     return rho, sigma
 
 
-def _sink_terms(learnable_sink, m_base, shape, dev, *, softcap: float, scale: float, l2e: float, thr, off):
+def _sink_terms(learnable_sink, m_base, shape, dev, *, natural: bool, scale: float, l2e: float, thr, off):
     """The sink's term of step 5: (p_s, eta_s), p_s in P units and the bound on |eta_s| (zeros
-    without a sink)."""
+    without a sink); ``natural``: ``m_base`` is in natural units (softcap, a score_mod), else in
+    units of q.k."""
     p_s = torch.zeros(shape, dtype=torch.float64, device=dev)
     eta_s = torch.zeros_like(p_s)
     if learnable_sink is not None:
         sink = learnable_sink.double().view(1, shape[1], 1, 1)
-        m_nat = m_base * (1.0 if softcap > 0 else scale)
+        m_nat = m_base * (1.0 if natural else scale)
         m_nat_safe = torch.where(torch.isfinite(m_nat), m_nat, torch.zeros_like(m_nat))
         p_s = torch.where(torch.isfinite(m_nat), torch.exp2((sink - m_nat_safe) * l2e + off), torch.zeros_like(p_s))
         e_s = (
@@ -245,7 +431,8 @@ def _lse_bound(w, rel_d, ref_lse, n_vis, learnable_sink, *, hq: int, off: float,
     no visible key: the sink's few roundings, or 0 (LSE -inf exactly); NaN -> inf."""
     log2_d = torch.log2(w)
     lg2_err = torch.where(log2_d.abs() >= 1, MUFU["lg2_rel"] * log2_d.abs(), torch.full_like(log2_d, MUFU["lg2_abs"]))
-    l2_total = -torch.log2((1 - rel_d).clamp(min=1e-300))  # max |log2(1 +- r)| = -log2(1 - r)
+    # max |log2(1 +- r)| = -log2(1 - r); r >= 1: D may be 0, the LSE unbounded (not a clamp's 996)
+    l2_total = torch.where(rel_d < 1, -torch.log2((1 - rel_d).clamp(min=1e-300)), math.inf)
     lse_abs = ref_lse.unsqueeze(-1).abs()
     x_log2 = lse_abs / math.log(2) + off + 1.0
     lse_b = (
@@ -283,6 +470,10 @@ def forward_error_bound(
     pack_gqa: bool = False,
     key_mask: torch.Tensor | None = None,
     partial: bool = False,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_bound, lse_bound): float64 tensors shaped like the output (b, sq, hq, dv) and the
     LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc).
@@ -290,12 +481,17 @@ def forward_error_bound(
     these inputs, when the caller has it (computed here otherwise).  ``num_splits`` > 1:
     split-KV and its combine (:func:`split_error_bound`; ``pack_gqa`` moves the splits).
     ``key_mask`` (heads_q, sq, sk) restricts each row to some keys and ``partial`` drops the
-    output cast (a split's float32 partial): the bound of one split's partial results."""
+    output cast (a split's float32 partial): the bound of one split's partial results.
+    ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``: the call's mods
+    (``numerics.mods``; module doc, "Mods")."""
     from numerics.fp import format_of
-    from numerics.reference import attention_reference, visible_mask
+    from numerics.reference import attention_reference, call_visibility, check_mods
 
+    check_mods(softcap, score_mod)
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                block_sparse_tensors=block_sparse_tensors)  # fmt: skip
     if num_splits > 1:
-        kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+        kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, **mods)
         return split_error_bound(
             q, k, v, numerics, num_splits=num_splits, pack_gqa=pack_gqa, learnable_sink=learnable_sink,
             reference=reference, **kw,
@@ -313,18 +509,25 @@ def forward_error_bound(
     dev = q.device
 
     dot, e_dot, v64 = dot_products(q, k, v)
-    vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=dev).view(1, 1, sq, sk)
+    vis = call_visibility(
+        batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size, mask_mod=mask_mod,
+        block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, device=dev,
+    )  # fmt: skip
+    vis = vis.view(1, 1, sq, sk) if vis.dim() == 2 else vis  # (1|B, 1|H, sq, sk)
     if key_mask is not None:
         vis = vis & key_mask.to(dev).view(1, hq, sq, sk)
     ninf = torch.tensor(-math.inf, dtype=torch.float64, device=dev)
 
-    sl2, d_sl2, base, e_score = step1_score(dot, e_dot, scale, scale32, softcap, l2e)
-    ideal = l2e if softcap > 0 else scale * l2e  # log2 units per unit of `base`
+    sl2, d_sl2, base, e_score = step1_score(
+        dot, e_dot, scale, scale32, softcap, l2e, score_mod=score_mod, aux_tensors=aux_tensors
+    )
+    natural = softcap > 0 or score_mod is not None  # base in natural units (module doc, step 1)
+    ideal = l2e if natural else scale * l2e  # log2 units per unit of `base`
     m_base, m_safe, rel_exp, t_abs, e_j = _step2_exponent(base, vis, e_score, d_sl2, ideal, thr, off, ninf)
     eps, p, eta, low, alpha = _step3_exp2(nm, sk, dev, vis, rel_exp, e_j, off)
     rho, sigma = _step4_cast(p, eta, vis, fmt_p, thr)
     p_s, eta_s = _sink_terms(
-        learnable_sink, m_base, (b, hq, sq, 1), dev, softcap=softcap, scale=scale, l2e=l2e, thr=thr, off=off
+        learnable_sink, m_base, (b, hq, sq, 1), dev, natural=natural, scale=scale, l2e=l2e, thr=thr, off=off
     )
 
     if reference is None:
@@ -339,6 +542,7 @@ def forward_error_bound(
             learnable_sink=learnable_sink,
             return_lse=True,
             key_mask=key_mask,
+            **mods,
         )
     ref, ref_lse = reference
     o = ref.permute(0, 2, 1, 3)  # (b, h, i, c)
@@ -371,6 +575,10 @@ def split_error_bound(
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
     reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""(out_bound, lse_bound) of split-KV: each split's float32 partials, then the combine
     (``flash_fwd_combine.py``; ``fa4.varlen.combine``), for any order of its sums.
@@ -400,13 +608,16 @@ def split_error_bound(
     LSE: ``fl(lg2(sum a_s) ln2_f + M)``: the sum's relative error ``2**E_max (1 + x)(1 +
     gamma(S)) - 1``, lg2.approx (``lg2_rel`` |y| or ``lg2_abs``), ``|ln2_f - ln2| |y|``, two
     roundings (u each on |L| + beta_max), and ``beta_max`` from the partial LSEs (``ln sum e^{L^_s}``
-    moves by at most max_s beta_s).  Rows where every split is empty: out 0, LSE -inf, bound 0."""
+    moves by at most max_s beta_s).  Rows where every split is empty: out 0, LSE -inf, bound 0.
+    Mods: each split's keys are its share intersected with the mods' visibility (the partial
+    bound applies them); the combine does not see the mods."""
     from numerics.fp import format_of
     from numerics.reference import attention_reference
     from numerics.tiles import split_key_masks
 
     b, sq, hq, d = q.shape
-    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, score_mod=score_mod,
+              mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors)  # fmt: skip
     pack = hq // k.shape[2] if pack_gqa else 1
     masks = split_key_masks(sq, k.shape[1], numerics.tile_m, numerics.tile_n, causal, window_size, q.device,
                             heads=hq, pack=pack, num_splits=num_splits)  # fmt: skip
@@ -461,7 +672,8 @@ def _combine_bound(parts, o_full, lse_full, n: int) -> tuple[torch.Tensor, torch
     rel = 2.0**e_max * (1 + x) * (1 + gam) - 1
     lg2_err = torch.maximum(MUFU["lg2_rel"] * y, torch.full_like(y, MUFU["lg2_abs"]))
     lse_b = (
-        beta_max + ln2 * (-torch.log2((1 - rel).clamp(min=1e-300)) + lg2_err) + abs(_f32(ln2) - ln2) * y
+        beta_max + ln2 * (torch.where(rel < 1, -torch.log2((1 - rel).clamp(min=1e-300)), math.inf) + lg2_err)
+        + abs(_f32(ln2) - ln2) * y
         + 2 * _U * margin * (fin(lse_full).abs() + beta_max + y)
     )  # fmt: skip
     return out_b, lse_b

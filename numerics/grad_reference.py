@@ -25,6 +25,16 @@ Derivation (one batch, one query head h, one query row i; j runs over the keys v
   ``d out_i / d sink_h = -P_sink,i out_i`` and ``dsink_h = sum_{batch, i} (dlse_i P_sink,i -
   P_sink,i dO_i.out_i) = -sum_{batch, i} P_sink,i D'_i``.
 
+Mods (``numerics.mods``; the forward reference's module doc): with a score_mod the logit is
+``s_ij = f(r_ij)`` (f the mod's ``fn`` at the scaled score r, in float64) and the chain factor
+is ``f'(r_ij)``, computed by the mod's backward reference form ``grad(1, r)`` (the reference form
+of production's ``score_mod_bwd``: ``grad(g, r) = g f'(r)``), so ``dS_raw = dS * f'(r)``; the
+softcap flag is the special case ``f = cap tanh(r / cap)``, kept on its own (its factor as
+``cosh**-2``, below) because its closed form is better conditioned than ``1 - tanh^2``.  A
+mask_mod and block sparsity only change which pairs are visible, now per batch and head:
+``numerics.reference.call_visibility`` of each row chunk, (B|1, H|1, rows, seqlen_k), grouped
+here as (B|1, hk|1, g|1, rows, seqlen_k).
+
 Rows with no visible key and no sink have P = 0, out = 0, lse = -inf and contribute exactly zero to
 every gradient (their dS row is empty); keys no query sees get exactly zero dK and dV.  With a sink
 an empty row has P_sink = 1 and lse = sink: it adds ``dlse_i - dO_i.out_i = dlse_i`` to dsink.
@@ -58,7 +68,15 @@ from dataclasses import dataclass
 import mpmath
 import torch
 
-from numerics.reference import fsum2, mp_softmax, visible_mask
+from numerics.reference import (
+    apply_score_mod,
+    call_visibility,
+    check_mods,
+    fsum2,
+    mod_logits_row,
+    mp_softmax,
+    score_mod_derivative,
+)
 
 __all__ = ["attention_grad_reference", "attention_lowprec_grads", "exact_grad_elements", "default_chunk_rows"]
 
@@ -69,11 +87,18 @@ CHUNK_BUDGET = 256 * 2**20
 _LIVE = 4
 
 
-def default_chunk_rows(*, batch: int, heads_q: int, seqlen_k: int, budget: int = CHUNK_BUDGET) -> int:
+#: more such tensors a score_mod holds at its peak: its derivative's ones, the mod's result and
+#: its in-place copy (``_chunk_forward``)
+_LIVE_MOD = 3
+
+
+def default_chunk_rows(
+    *, batch: int, heads_q: int, seqlen_k: int, budget: int = CHUNK_BUDGET, score_mod: bool = False
+) -> int:
     """Query rows per chunk keeping ``_LIVE`` float64 tensors of (batch, heads_q, rows, seqlen_k)
-    under ``budget`` bytes (at least one row).  Inputs with NaN or inf take a slower path in
-    :func:`_contract` that holds a few more such tensors."""
-    per_row = _LIVE * 8 * batch * heads_q * max(seqlen_k, 1)
+    (``_LIVE + _LIVE_MOD`` with a score_mod) under ``budget`` bytes (at least one row).  Inputs
+    with NaN or inf take a slower path in :func:`_contract` that holds a few more such tensors."""
+    per_row = (_LIVE + (_LIVE_MOD if score_mod else 0)) * 8 * batch * heads_q * max(seqlen_k, 1)
     return max(1, budget // per_row)
 
 
@@ -101,6 +126,28 @@ def _visible_rows(
     if left is not None:
         m &= j >= diag - left
     return m
+
+
+def _grouped(m: torch.Tensor, hk: int, g: int) -> torch.Tensor:
+    """A (B|1, H|1, rows, sk) visibility as (B|1, hk|1, g|1, rows, sk): the heads grouped per kv
+    head as the chunk's tensors are (query head h = kh * g + gi)."""
+    bb, hh, r, sk = m.shape
+    return m.view(bb, 1, 1, r, sk) if hh == 1 else m.view(bb, hk, g, r, sk)
+
+
+def _chunk_visibility(r0: int, r1: int, dims: tuple, mods: dict, *, causal, window_size, device) -> torch.Tensor:
+    """The visible pairs of query rows r0:r1: :func:`_visible_rows` (rows, sk) without a
+    mask_mod or block sparsity (the path before mods, unchanged); with them the intersection
+    with ``numerics.mods.visibility`` of these rows only, grouped (:func:`_grouped`)."""
+    b, sq, hq, sk, hk, g = dims
+    if mods["mask_mod"] is None and mods["block_sparse_tensors"] is None:
+        return _visible_rows(r0, r1, sq, sk, causal=causal, window_size=window_size, device=device)
+    m = call_visibility(
+        batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size,
+        mask_mod=mods["mask_mod"], block_sparse_tensors=mods["block_sparse_tensors"], aux_tensors=mods["aux_tensors"],
+        rows=torch.arange(r0, r1, device=device), device=device,
+    )  # fmt: skip
+    return _grouped(m, hk, g)
 
 
 def _contract(eq: str, w: torch.Tensor, vis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -167,6 +214,10 @@ def attention_grad_reference(
     learnable_sink: torch.Tensor | None = None,
     dlse: torch.Tensor | None = None,
     chunk_rows: int | None = None,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ) -> dict[str, torch.Tensor]:
     """FP64 gradients of attention from the exact inputs: ``{"dq", "dk", "dv", "out", "lse"}``
     plus ``"dsink"`` (heads_q,) with a sink, all float64 on q's device, by the closed form of
@@ -182,8 +233,16 @@ def attention_grad_reference(
     Query rows are processed ``chunk_rows`` at a time (default :func:`default_chunk_rows`: the
     (b, heads_q, chunk, seqlen_k) float64 intermediates stay under ~256 MiB); dq, out and lse are
     per row, dk, dv and dsink are accumulated across chunks in float64.  Inputs are not modified.
+    The mods (module doc) are evaluated per chunk too (their visibility with
+    ``call_visibility(rows=...)``, the score_mod on the chunk's scores); without them the
+    computation is the one before they existed.
     """
     b, sq, hq, d, sk, hk, dv = _check_shapes(q, k, v, do, learnable_sink, dlse)
+    check_mods(softcap, score_mod)
+    if score_mod is not None and score_mod.grad is None:
+        raise ValueError(f"score_mod {score_mod.name!r} has no grad (no score_mod_bwd): its backward is refused")
+    mods = {"score_mod": score_mod, "mask_mod": mask_mod, "aux_tensors": aux_tensors,
+            "block_sparse_tensors": block_sparse_tensors}  # fmt: skip
     g = hq // hk
     dev, f64 = q.device, torch.float64
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -197,18 +256,20 @@ def attention_grad_reference(
         "lse": torch.empty(b, hq, sq, dtype=f64, device=dev),
     }
     dsink = torch.zeros(hk, g, dtype=f64, device=dev)
-    rows = default_chunk_rows(batch=b, heads_q=hq, seqlen_k=sk) if chunk_rows is None else int(chunk_rows)
+    dims = (b, sq, hq, sk, hk, g)
+    auto = default_chunk_rows(batch=b, heads_q=hq, seqlen_k=sk, score_mod=score_mod is not None)
+    rows = auto if chunk_rows is None else int(chunk_rows)
     if rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
     for r0 in range(0, sq, rows):
         r1 = min(sq, r0 + rows)
         c = r1 - r0
-        vis = _visible_rows(r0, r1, sq, sk, causal=causal, window_size=window_size, device=dev)
+        vis = _chunk_visibility(r0, r1, dims, mods, causal=causal, window_size=window_size, device=dev)
         # Heads are kept grouped, (b, hk, g, ...): the GQA sums of dK and dV over each kv head's g
         # query heads then happen inside the contractions, and k, v are never expanded.
         qs = (q[:, r0:r1].to(dev, f64) * scale).reshape(b, c, hk, g, d)  # a copy: inputs stay untouched
         dos = do[:, r0:r1].to(dev, f64).reshape(b, c, hk, g, dv)
-        fw = _chunk_forward(qs, k64, v64, vis, sink=sink, softcap=softcap)
+        fw = _chunk_forward(qs, k64, v64, vis, sink=sink, softcap=softcap, mods=mods, r0=r0)
         # D'_i = dO_i.out_i - dlse_i
         dprime = (fw["out"] * dos).sum(dim=-1).permute(0, 2, 3, 1)  # (b, hk, g, c)
         if dlse is not None:
@@ -227,10 +288,11 @@ def attention_grad_reference(
     return res
 
 
-def _chunk_forward(qs, k64, v64, vis, *, sink, softcap: float) -> dict[str, torch.Tensor]:
-    """One chunk of query rows, forward: ``p`` (P, exactly 0 at masked pairs), ``den`` (the
-    row denominators, 1 where 0), ``out``, ``lse``, ``fac`` (the softcap chain factor, or None)
-    and ``p_sink`` (the sink's unnormalised weight, or None); heads grouped (b, hk, g, ...)."""
+def _chunk_forward(qs, k64, v64, vis, *, sink, softcap: float, mods: dict | None = None, r0: int = 0) -> dict:
+    """One chunk of query rows (from row ``r0``), forward: ``p`` (P, exactly 0 at masked pairs),
+    ``den`` (the row denominators, 1 where 0), ``out``, ``lse``, ``fac`` (the chain factor of
+    softcap or the score_mod, or None) and ``p_sink`` (the sink's unnormalised weight, or None);
+    heads grouped (b, hk, g, ...)."""
     b, c, hk, g, _ = qs.shape
     masked = ~vis
     s = torch.einsum("bihgd,bjhd->bhgij", qs, k64)  # (b, hk, g, c, sk): r = scale * q.k
@@ -239,6 +301,11 @@ def _chunk_forward(qs, k64, v64, vis, *, sink, softcap: float) -> dict[str, torc
         s.div_(softcap)
         fac = torch.cosh(s).pow_(-2)  # sech^2(r/cap); cosh = inf past 710 gives the limit 0
         s.tanh_().mul_(softcap)
+    elif mods is not None and mods["score_mod"] is not None:  # f'(r) at the pre-mod score, then f(r)
+        sm, aux, rows = mods["score_mod"], mods["aux_tensors"], torch.arange(r0, r0 + c, device=s.device)
+        flat = s.reshape(b, hk * g, c, s.shape[-1])  # (b, heads_q, rows, sk): the mods' head index
+        fac = score_mod_derivative(flat, sm, aux, rows=rows).reshape(s.shape)
+        s = apply_score_mod(flat, sm, aux, rows=rows).reshape(s.shape).clone()  # in place below
     s.masked_fill_(masked, -math.inf)
     m = s.amax(dim=-1, keepdim=True)  # NaN-propagating, as in the forward reference
     if sink is not None:
@@ -254,8 +321,9 @@ def _chunk_forward(qs, k64, v64, vis, *, sink, softcap: float) -> dict[str, torc
     out = _contract("bhgij,bjhc->bihgc", p, vis, v64).div_(den.permute(0, 3, 1, 2, 4))
     lse = (m_safe + torch.log(denom)).squeeze(-1)  # (b, hk, g, c)
     if sink is None:
-        empty = ~vis.any(dim=-1)  # (c,)
-        out.masked_fill_(empty.view(1, c, 1, 1, 1), 0.0)
+        empty = ~vis.any(dim=-1)  # (c,), or (B|1, hk|1, g|1, c) with mods
+        e_out = empty.view(1, c, 1, 1, 1) if empty.dim() == 1 else empty.permute(0, 3, 1, 2).unsqueeze(-1)
+        out.masked_fill_(e_out, 0.0)
         lse.masked_fill_(empty, -math.inf)
     # P; the masked_fill keeps masked pairs at exactly 0 where den is NaN (0 / NaN = NaN).  A row
     # whose largest score is +inf has the indeterminate softmax inf/inf: its P is NaN at every
@@ -286,7 +354,9 @@ class _Row:
 
 def _exact_row(t: dict, vis_row: torch.Tensor, bi: int, h: int, i: int, scale, softcap: float) -> _Row | None:
     """The softmax and dS of one row, exactly as :func:`exact_grad_elements` explains; None when
-    one of its visible inputs is not finite (the FP64 reference's IEEE business)."""
+    one of its visible inputs is not finite (the FP64 reference's IEEE business).  A score_mod
+    (``t["score_mod"]``): f and f' in float64 at the rounded exact scores
+    (``numerics.reference.mod_logits_row``)."""
     kh = h // t["g"]
     js = torch.nonzero(vis_row).flatten().tolist()
     qi, doi = t["q"][bi, i, h], t["do"][bi, i, h]
@@ -305,6 +375,11 @@ def _exact_row(t: dict, vis_row: torch.Tensor, bi: int, h: int, i: int, scale, s
             fac.append(mpmath.sech(u) ** 2)
         else:
             logits.append(r)
+    sm = t.get("score_mod")
+    if sm is not None:
+        where = dict(batch_idx=bi, head_idx=h, q_idx=i, keys=js, aux_tensors=t["aux_tensors"], device=t["device"])
+        fac = [mpmath.mpf(x) for x in mod_logits_row(sm, logits, derivative=True, **where)]
+        logits = [mpmath.mpf(x) for x in mod_logits_row(sm, logits, **where)]
     w = mp_softmax(logits, None if sink is None else mpmath.mpf(sink))
     if w is None:  # no visible key, no sink: P = 0, out = 0, nothing flows
         return _Row({}, [], [], None, mpmath.mpf(0))
@@ -321,15 +396,16 @@ def _exact_row(t: dict, vis_row: torch.Tensor, bi: int, h: int, i: int, scale, s
     return _Row({j: n for n, j in enumerate(js)}, p, ds, p_sink, dprime)
 
 
-def _key_sums(row, t: dict, name: str, seen_by: torch.Tensor, bi: int, j: int, kh: int) -> list | None:
+def _key_sums(row, t: dict, name: str, seen_by, bi: int, j: int, kh: int) -> list | None:
     """``sum_{h in kh's group} sum_{i sees j} w_hij x_hi`` per column, exactly (mpmath.fsum): for
     ``name`` "dk" w = dS_raw and x = q (the scale is applied by the caller), for "dv" w = P and
-    x = dO.  None when a row that sees key j is not finite."""
+    x = dO; ``seen_by(bi, h, j)``: bool (seqlen_q,), the rows of head h that see key j.  None
+    when a row that sees key j is not finite."""
     g = t["g"]
     x_all = t["q"] if name == "dk" else t["do"]
     terms: list[list] = [[] for _ in range(x_all.shape[-1])]
     for h in range(kh * g, (kh + 1) * g):
-        for i in torch.nonzero(seen_by).flatten().tolist():
+        for i in torch.nonzero(seen_by(bi, h, j)).flatten().tolist():
             r = row(bi, h, i)
             if r is None:
                 return None
@@ -356,6 +432,10 @@ def exact_grad_elements(
     learnable_sink: torch.Tensor | None = None,
     dlse: torch.Tensor | None = None,
     dps: int = 30,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ) -> dict[str, dict]:
     """Sampled gradient elements of :func:`attention_grad_reference` in exact arithmetic:
     ``{"dq": {(b, i, h): [d mpf]}, "dk": {(b, j, kh): [d mpf]}, "dv": {(b, j, kh): [dv mpf]},
@@ -384,17 +464,37 @@ def exact_grad_elements(
     of kv head kh needs every row of its g query heads that sees key j, and dsink_h every row of
     head h in every batch; keep those problems small (seqlen <= 64 runs in seconds).  mpmath's
     precision is restored afterwards, whatever happens.
+
+    Mods: the visible pairs are the call's (``numerics.reference.call_visibility``, per batch and
+    head); a score_mod's f and f' are the one inexact step, evaluated in float64 at the exact
+    scores correctly rounded to float64 (``numerics.reference.mod_logits_row`` says why and
+    what it costs: ~1e-16 relative, so the certification checks everything but f's own float64
+    evaluation).
     """
     if any(t.dtype == torch.float64 for t in (q, k, v, do)):
         raise ValueError("exact_grad_elements needs inputs of <= 26 significant bits (fp8/fp16/bf16/float32)")
     b, sq, hq, d, sk, hk, dv = _check_shapes(q, k, v, do, learnable_sink, dlse)
+    check_mods(softcap, score_mod)
     g = hq // hk
     cpu = lambda x: None if x is None else x.detach().double().cpu()
     t = {"q": cpu(q), "k": cpu(k), "v": cpu(v), "do": cpu(do), "g": g}
     t["sink"] = None if learnable_sink is None else cpu(learnable_sink).tolist()
     t["dlse"] = None if dlse is None else cpu(dlse).tolist()
+    t.update(score_mod=score_mod, aux_tensors=aux_tensors, device=q.device)
     dq_rows, dk_rows, dv_rows, dsink_heads = (list(x) for x in (dq_rows, dk_rows, dv_rows, dsink_heads))
-    vis = lambda r0, r1: _visible_rows(r0, r1, sq, sk, causal=causal, window_size=window_size, device="cpu")
+    mods = {"mask_mod": mask_mod, "block_sparse_tensors": block_sparse_tensors, "aux_tensors": aux_tensors}
+    dims = (b, sq, hq, sk, hk, g)
+    win = dict(causal=causal, window_size=window_size)
+
+    def vis(r0: int, r1: int) -> torch.Tensor:  # (B|1, H|1, rows, sk): per batch and head with mods
+        if mask_mod is None and block_sparse_tensors is None:
+            return _visible_rows(r0, r1, sq, sk, device="cpu", **win).view(1, 1, r1 - r0, sk)
+        m = _chunk_visibility(r0, r1, dims, mods, device=q.device, **win).cpu()
+        return m.reshape(m.shape[0], -1, r1 - r0, sk)
+
+    def at(m: torch.Tensor, bi: int, h: int) -> torch.Tensor:
+        return m[bi if m.shape[0] > 1 else 0, h if m.shape[1] > 1 else 0]
+
     old = mpmath.mp.dps
     try:
         mpmath.mp.dps = dps
@@ -403,7 +503,7 @@ def exact_grad_elements(
 
         def row(bi: int, h: int, i: int) -> _Row | None:
             if (bi, h, i) not in cache:
-                cache[bi, h, i] = _exact_row(t, vis(i, i + 1)[0], bi, h, i, scale, softcap)
+                cache[bi, h, i] = _exact_row(t, at(vis(i, i + 1), bi, h)[0], bi, h, i, scale, softcap)
             return cache[bi, h, i]
 
         res: dict[str, dict] = {"dq": {}, "dk": {}, "dv": {}, "dsink": {}}
@@ -418,7 +518,7 @@ def exact_grad_elements(
         col_vis = vis(0, sq) if (dk_rows or dv_rows) else None
         for name, keys in (("dk", dk_rows), ("dv", dv_rows)):
             for bi, j, kh in keys:
-                sums = _key_sums(row, t, name, col_vis[:, j], bi, j, kh)
+                sums = _key_sums(row, t, name, lambda bi, h, j: at(col_vis, bi, h)[:, j], bi, j, kh)
                 if sums is not None and name == "dk":  # dK_j = scale sum dS_raw q
                     sums = [scale * x for x in sums]
                 res[name][bi, j, kh] = sums
@@ -443,15 +543,22 @@ def attention_lowprec_grads(
     window_size: tuple[int | None, int | None] = (None, None),
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ) -> dict[str, torch.Tensor]:
     """The gradients PyTorch gets doing the same math in the input dtype — FlashAttention's
     ``attention_ref(upcast=False)`` differentiated by autograd, the ``pt`` of FA's backward
     criterion (``flash-attention/tests/cute/test_flash_attn.py``): ``{"dq", "dk", "dv"}`` (and
     ``"dsink"``) in the inputs' dtypes.  Scores ``(q * scale) k^T``, softcap ``cap *
-    tanh(s / cap)``, masked scores -inf, the sink as one more column, softmax by ``exp(s - max)
-    / sum``, rows with no visible key giving 0."""
+    tanh(s / cap)`` or the score_mod's ``fn`` (in the input dtype, differentiated by autograd
+    as flex_attention's eager reference is: the mod's own ``grad`` is the kernel's business),
+    masked scores -inf (the flag masks and the mods' visibility), the sink as one more column,
+    softmax by ``exp(s - max) / sum``, rows with no visible key giving 0."""
     b, sq, hq, d = q.shape
     sk, g = k.shape[1], hq // k.shape[2]
+    check_mods(softcap, score_mod)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     with torch.enable_grad():
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
@@ -460,7 +567,13 @@ def attention_lowprec_grads(
         s = torch.einsum("bihd,bjhd->bhij", qq * scale, kk)
         if softcap:
             s = torch.tanh(s / softcap) * softcap
-        s = s.masked_fill(~visible_mask(sq, sk, causal=causal, window_size=window_size, device=q.device), -math.inf)
+        if score_mod is not None:
+            s = apply_score_mod(s, score_mod, aux_tensors)
+        vis = call_visibility(
+            batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size, mask_mod=mask_mod,
+            block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, device=q.device,
+        )  # fmt: skip
+        s = s.masked_fill(~vis, -math.inf)
         if sink is not None:
             s = torch.cat([s, sink.to(s.dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)], dim=-1)
         m = s.detach().amax(-1, keepdim=True)

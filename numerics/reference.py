@@ -12,6 +12,15 @@ Conventions (docs/design.md; the audited-callable signature of ``flash_attn.cute
   right``; None means unbounded on that side.
 * learnable_sink: (heads_q,) logits in natural-log units, *not* multiplied by softmax_scale: one
   extra softmax column per head with no value vector (it enlarges the normaliser and the LSE).
+* Mods (``numerics.mods``; the kernel contract's ``score_mod``, ``mask_mod``, ``aux_tensors``,
+  ``block_sparse_tensors``): the logit is ``score_mod.fn(s, b, h, q_idx, kv_idx, aux_tensors)``
+  evaluated in the reference's dtype (float64) at ``s = softmax_scale * q.k`` (production's
+  order: the scale before the mod, ``softmax.py`` ``apply_score_mod_inner``); a key is visible
+  where the flag masks (causal, window) *and* ``numerics.mods.visibility`` keep it (the audit's
+  meaning of flags with a mask_mod is the intersection; production drops the flags,
+  ``interface.py`` ``_resolve_causal_local_window``, which the audit surfaces).  The visibility
+  is then per batch and head, (B|1, H|1, seqlen_q, seqlen_k).  softcap and a score_mod are
+  exclusive, as production asserts (``interface.py``).
 * Rows with no visible key (and no sink): out = 0 and lse = -inf.  With a sink such a row has
   out = 0 and lse = sink.
 * out: (batch, seqlen_q, heads_q, dv); lse: (batch, heads_q, seqlen_q), natural log.
@@ -36,7 +45,8 @@ import torch
 
 __all__ = [
     "visible_mask", "visible_key_range", "effective_window", "attention_reference", "attention_lowprec",
-    "mp_attention_rows", "exact_attention_rows",
+    "mp_attention_rows", "exact_attention_rows", "call_visibility", "apply_score_mod", "score_mod_derivative",
+    "check_mods", "mod_logits_row",
 ]  # fmt: skip
 
 
@@ -87,6 +97,106 @@ def visible_mask(
     return (j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None])
 
 
+def check_mods(softcap: float, score_mod) -> None:
+    """Refuse what production refuses: softcap with a score_mod (``interface.py``: "softcap and
+    score_mod cannot be used together"; the softcap flag *is* a score_mod there)."""
+    if score_mod is not None and softcap and softcap > 0:
+        raise ValueError("softcap and score_mod are exclusive (production asserts it; softcap is itself a score_mod)")
+
+
+def call_visibility(
+    *,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool = False,
+    window_size: tuple[int | None, int | None] = (None, None),
+    mask_mod=None,
+    block_sparse_tensors=None,
+    aux_tensors=None,
+    rows: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """The keys a call keeps: the flag mask :func:`visible_mask` (``(rows, seqlen_k)``, exactly
+    what it was before mods existed) when there is neither a mask_mod nor block sparsity; else
+    its intersection with ``numerics.mods.visibility``, bool ``(B|1, H|1, rows, seqlen_k)`` (B,
+    H: 1 where the mods do not depend on the batch / head).  ``rows``: these query rows only."""
+    from numerics.mods import visibility
+
+    flags = visible_mask(seqlen_q, seqlen_k, causal=causal, window_size=window_size, device=device, rows=rows)
+    mods = visibility(
+        batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mask_mod=mask_mod,
+        block_sparse=block_sparse_tensors, aux=aux_tensors, rows=rows, device=device,
+    )  # fmt: skip
+    if mods is None:
+        return flags
+    return flags.view(1, 1, *flags.shape) & mods.view(*((1,) * (4 - mods.dim())), *mods.shape[-4:])
+
+
+def _grid(s: torch.Tensor, rows):
+    """The index tensors of a (b, h, rows, keys) score tensor (``numerics.mods.index_grid``)."""
+    from numerics.mods import index_grid
+
+    b, h, i, j = s.shape
+    return index_grid(b, h, i, j, rows=rows, device=s.device)
+
+
+def apply_score_mod(s: torch.Tensor, score_mod, aux_tensors, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``score_mod.fn`` on a (batch, heads_q, rows, seqlen_k) score tensor in its dtype (a new
+    tensor of s's shape and dtype); ``rows``: the query indices of dim 2 (default 0..)."""
+    f = score_mod.fn(s, *_grid(s, rows), aux_tensors)
+    return f.to(s.dtype).expand(s.shape)
+
+
+def score_mod_derivative(s: torch.Tensor, score_mod, aux_tensors, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """f'(s) per element, as the mod's backward reference form computes it: ``score_mod.grad``
+    with an upstream gradient of ones (the chain rule's factor; ``grad(g, s) = g f'(s)``).  A
+    mod without ``grad`` has no backward: refused, as ``numerics.mods.ScoreMod`` says."""
+    if score_mod.grad is None:
+        raise ValueError(f"score_mod {score_mod.name!r} has no grad (no score_mod_bwd): its backward is refused")
+    return score_mod.grad(torch.ones_like(s), s, *_grid(s, rows), aux_tensors).to(s.dtype).expand(s.shape)
+
+
+def mod_logits_row(
+    score_mod,
+    scores: list,
+    *,
+    batch_idx: int,
+    head_idx: int,
+    q_idx: int,
+    keys: list,
+    aux_tensors,
+    device="cpu",
+    derivative: bool = False,
+) -> list[float]:
+    """One row of a score_mod for the exact rows (:func:`exact_attention_rows`,
+    ``numerics.grad_reference.exact_grad_elements``): ``fn`` (or, with ``derivative``, f' by
+    ``grad(1, s)``) evaluated in float64 at each exact score correctly rounded to float64
+    (``float(mpf)`` rounds to nearest).  Why float64 and not mpmath: a mod's reference form is a
+    torch function (index tensors, aux reads), which mpmath cannot run; so with a score_mod the
+    exact rows certify everything *but* f's own float64 evaluation, which differs from f at
+    the exact score by at most ``|f'| 2**-53 |s|`` (the rounding of s) plus f's float64
+    rounding, a few units of 2**-53 |f| for the library mods (one add; tanh and one multiply and
+    divide) — relative ~1e-15, orders below the kernels' errors and five below the
+    certification threshold (``audits/runner/thresholds.toml``: ``mpmath_max_abs = 1e-10``)."""
+    if not keys:
+        return []
+    dev = torch.device(device)
+    s = torch.tensor([float(x) for x in scores], dtype=torch.float64, device=dev).view(1, 1, 1, -1)
+    b = torch.tensor([batch_idx], device=dev).view(-1, 1, 1, 1)
+    h = torch.tensor([head_idx], device=dev).view(1, -1, 1, 1)
+    qi = torch.tensor([q_idx], device=dev).view(1, 1, -1, 1)
+    kv = torch.as_tensor(keys, device=dev).long().view(1, 1, 1, -1)
+    if derivative:
+        if score_mod.grad is None:
+            raise ValueError(f"score_mod {score_mod.name!r} has no grad (no score_mod_bwd): its backward is refused")
+        out = score_mod.grad(torch.ones_like(s), s, b, h, qi, kv, aux_tensors)
+    else:
+        out = score_mod.fn(s, b, h, qi, kv, aux_tensors)
+    return out.to(torch.float64).expand(s.shape).reshape(-1).cpu().tolist()
+
+
 def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
     hk = t.shape[2]
     if heads_q % hk:
@@ -97,8 +207,8 @@ def _expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
 def _masked_matmul(w: torch.Tensor, vis: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """sum_j w_ij v_jc over *visible* j only, with IEEE semantics for non-finite v at visible
     positions (w * inf = inf, 0 * inf = NaN, inf - inf = NaN) and none at masked ones — a plain
-    einsum would turn 0 * inf at a masked key into NaN.  w: (b, h, i, j); vis: (i, j) or (h, i, j);
-    v: (b, j, h, c); returns (b, i, h, c)."""
+    einsum would turn 0 * inf at a masked key into NaN.  w: (b, h, i, j); vis: (i, j), (h, i, j)
+    or (B|1, H|1, i, j) (mods); v: (b, j, h, c); returns (b, i, h, c)."""
     fin = torch.isfinite(v)
     out = torch.einsum("bhij,bjhc->bihc", w, torch.where(fin, v, torch.zeros_like(v)))
     if bool(fin.all()):
@@ -127,11 +237,17 @@ def attention_reference(
     return_lse: bool = False,
     dtype: torch.dtype = torch.float64,
     key_mask: torch.Tensor | None = None,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ):
     """Attention computed in ``dtype`` (float64) from the exact inputs; ``out`` (and ``lse``)
     in ``dtype``.  Same signature and conventions as the audited callables (module doc).
     ``key_mask``: bool (heads_q, seqlen_q, seqlen_k), the keys each row may see besides the
-    masks (a split-KV split's share: ``numerics.tiles.split_key_masks``)."""
+    masks (a split-KV split's share: ``numerics.tiles.split_key_masks``).  The mods (module
+    doc) cost nothing when absent: the path without them is the one before they existed."""
+    check_mods(softcap, score_mod)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -143,9 +259,14 @@ def attention_reference(
     s = torch.einsum("bihd,bjhd->bhij", q64 * scale, k64)  # scale folded into q: b*i*h*d products, not b*h*i*j
     if softcap and softcap > 0:
         s.div_(softcap).tanh_().mul_(softcap)
-    vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=q.device)
+    if score_mod is not None:
+        s = apply_score_mod(s, score_mod, aux_tensors).clone()  # a fresh tensor: the passes below are in place
+    vis = call_visibility(
+        batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size, mask_mod=mask_mod,
+        block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, device=q.device,
+    )  # fmt: skip
     if key_mask is not None:
-        vis = vis.view(1, sq, sk) & key_mask.to(q.device)
+        vis = (vis.view(1, sq, sk) if vis.dim() == 2 else vis) & key_mask.to(q.device)
     if not bool(vis.all()):
         s.masked_fill_(~vis, -math.inf)
     m = s.amax(dim=-1, keepdim=True)  # NaN-propagating, like the math
@@ -164,10 +285,10 @@ def attention_reference(
         out = _masked_matmul(p.div_(den), vis, v64)
     lse = (m_safe + torch.log(denom)).squeeze(-1)
     if learnable_sink is None:
-        empty = ~vis.any(dim=-1)  # (sq,) or (hq, sq)
-        e2 = empty.view(1, -1, sq) if empty.dim() == 2 else empty.view(1, 1, sq)
-        out = out.masked_fill(e2.permute(0, 2, 1).unsqueeze(-1), 0.0)
-        lse = lse.masked_fill(e2, -math.inf)
+        empty = ~vis.any(dim=-1)  # (sq,), (hq, sq) or, with mods, (B|1, H|1, sq)
+        e3 = empty.view((1,) * (3 - empty.dim()) + tuple(empty.shape))  # (1|B, 1|H, sq)
+        out = out.masked_fill(e3.permute(0, 2, 1).unsqueeze(-1), 0.0)
+        lse = lse.masked_fill(e3, -math.inf)
     return (out, lse) if return_lse else out
 
 
@@ -176,6 +297,26 @@ def attention_lowprec(q, k, v, **kw) -> torch.Tensor:
     ``out_lowprec`` of FA's test criterion (``numerics.metrics.fa_criterion``)."""
     dt = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
     return attention_reference(q, k, v, dtype=dt, **kw)
+
+
+def _row_visibility(q, k, causal, window_size, mask_mod, block_sparse_tensors, aux_tensors):
+    """``vis(batch, head_q, query) -> bool (seqlen_k,)`` on the CPU for the exact rows: the whole
+    flag mask once without mods (as before them), one row of :func:`call_visibility` per call
+    with them (a row's mods visibility is per batch and head)."""
+    b, sq, hq, _ = q.shape
+    sk = k.shape[1]
+    if mask_mod is None and block_sparse_tensors is None:
+        flags = visible_mask(sq, sk, causal=causal, window_size=window_size)
+        return lambda bi, h, i: flags[i]
+
+    def one(bi: int, h: int, i: int) -> torch.Tensor:
+        m = call_visibility(
+            batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size, mask_mod=mask_mod,
+            block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, rows=torch.tensor([i]), device=q.device,
+        )  # fmt: skip
+        return m[bi if m.shape[0] > 1 else 0, h if m.shape[1] > 1 else 0, 0].cpu()
+
+    return one
 
 
 def mp_softmax(logits: list, sink) -> tuple | None:
@@ -203,14 +344,21 @@ def mp_attention_rows(
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
     dps: int = 50,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ) -> list[tuple[list[mpmath.mpf], mpmath.mpf]]:
     """Output rows and LSE in mpmath at ``dps`` digits, for (batch, head_q, query) triples:
     ``[(out_row, lse), ...]``.  Used to certify the FP64 reference on samples (slow: pure
-    Python).  mpmath's working precision is restored afterwards, whatever happens."""
+    Python).  mpmath's working precision is restored afterwards, whatever happens.  A
+    score_mod is evaluated in float64 at the exact score rounded to float64
+    (:func:`mod_logits_row` says why and what that costs)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
+    check_mods(softcap, score_mod)
     scale = mpmath.mpf(1) / mpmath.sqrt(d) if softmax_scale is None else mpmath.mpf(float(softmax_scale))
-    vis = visible_mask(sq, sk, causal=causal, window_size=window_size)
+    row_vis = _row_visibility(q, k, causal, window_size, mask_mod, block_sparse_tensors, aux_tensors)
     qd, kd, vd = q.double().cpu(), k.double().cpu(), v.double().cpu()
     old = mpmath.mp.dps
     try:
@@ -220,13 +368,18 @@ def mp_attention_rows(
             kh = h // (hq // hk)
             qi = [mpmath.mpf(float(x)) for x in qd[bi, i, h]]
             logits = []
+            vis = row_vis(bi, h, i)
             for j in range(sk):
-                if not vis[i, j]:
+                if not vis[j]:
                     continue
                 s = mpmath.fsum(a * mpmath.mpf(float(c)) for a, c in zip(qi, kd[bi, j, kh])) * scale
                 if softcap and softcap > 0:
                     s = softcap * mpmath.tanh(s / softcap)
                 logits.append((j, s))
+            if score_mod is not None:
+                f = mod_logits_row(score_mod, [s for _, s in logits], batch_idx=bi, head_idx=h, q_idx=i,
+                                   keys=[j for j, _ in logits], aux_tensors=aux_tensors, device=q.device)  # fmt: skip
+                logits = [(j, mpmath.mpf(x)) for (j, _), x in zip(logits, f)]
             dv = v.shape[-1]
             w = mp_softmax(
                 [s for _, s in logits], None if learnable_sink is None else mpmath.mpf(float(learnable_sink[h]))
@@ -290,12 +443,12 @@ def _exact_weighted_sum(e: list, vj: torch.Tensor, den, dv: int) -> list:
     return [fsum2(t) / den for t in terms]
 
 
-def _exact_row(q, k, v, vis, row: tuple[int, int, int], scale, softcap: float, learnable_sink):
+def _exact_row(q, k, v, row_vis, row: tuple[int, int, int], scale, softcap: float, learnable_sink, mods: dict):
     """One (batch, head_q, query) row of :func:`exact_attention_rows` (current mpmath precision)."""
     bi, h, i = row
     hq, hk = q.shape[2], k.shape[2]
     kh = h // (hq // hk)
-    js = torch.nonzero(vis[i]).flatten().to(k.device)
+    js = torch.nonzero(row_vis(bi, h, i)).flatten().to(k.device)
     qi = q[bi, i, h].double().cpu()
     kj = k[bi, js, kh].double().cpu()
     vj = v[bi, js, kh].double().cpu()
@@ -305,6 +458,10 @@ def _exact_row(q, k, v, vis, row: tuple[int, int, int], scale, softcap: float, l
     ):
         return None
     logits = _exact_logits(qi, kj, scale, softcap)
+    if mods["score_mod"] is not None:  # f in float64 at the rounded exact score (mod_logits_row)
+        f = mod_logits_row(mods["score_mod"], logits, batch_idx=bi, head_idx=h, q_idx=i, keys=js.tolist(),
+                           aux_tensors=mods["aux_tensors"], device=q.device)  # fmt: skip
+        logits = [mpmath.mpf(x) for x in f]
     dv = v.shape[-1]
     w = mp_softmax(logits, None if sink is None else mpmath.mpf(sink))
     if w is None:
@@ -327,6 +484,10 @@ def exact_attention_rows(
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
     dps: int = 30,
+    score_mod=None,
+    mask_mod=None,
+    aux_tensors: list | None = None,
+    block_sparse_tensors=None,
 ) -> list[tuple[list[mpmath.mpf], mpmath.mpf] | None]:
     """:func:`mp_attention_rows` to ~2**-78 relative in milliseconds per row; ``None`` for a row
     whose visible inputs are not all finite (IEEE semantics are the FP64 reference's business).
@@ -346,6 +507,17 @@ def exact_attention_rows(
     The result therefore differs from the exact attention by a relative ~2**-78 (3e-24) of the
     row's largest |v| — ten orders below the FP64 reference's own error.  Tests check it
     against :func:`mp_attention_rows` at 50 digits.
+
+    Mods.  The visible keys are the call's (:func:`call_visibility`, row by row).  A score_mod's
+    logit ``f(s)`` is the one step not exact: f is evaluated in float64 at the exact score
+    correctly rounded to float64 (:func:`mod_logits_row`: a reference form is a torch function
+    mpmath cannot run), so each logit carries f's float64 evaluation error, ~1e-16 relative
+    for the library mods, and the certification compares the FP64 reference against this
+    "f in float64" attention: it checks the softmax, the sums and the masks exactly, and f only
+    to float64.  The choice is sound for the audit because both sides then agree on f to
+    ~1e-16 |f| while the threshold they are held to is orders larger; a mod whose float64
+    evaluation is itself inaccurate (a catastrophic cancellation inside f) would pass here
+    unnoticed, and its own documentation must say so.
     """
     if q.dtype == torch.float64 or k.dtype == torch.float64 or v.dtype == torch.float64:
         raise ValueError(
@@ -353,12 +525,13 @@ def exact_attention_rows(
             "use mp_attention_rows"
         )
     b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    vis = visible_mask(sq, sk, causal=causal, window_size=window_size)
+    check_mods(softcap, score_mod)
+    row_vis = _row_visibility(q, k, causal, window_size, mask_mod, block_sparse_tensors, aux_tensors)
+    mods = {"score_mod": score_mod, "aux_tensors": aux_tensors}
     old = mpmath.mp.dps
     try:
         mpmath.mp.dps = dps
         scale = mpmath.mpf(1) / mpmath.sqrt(d) if softmax_scale is None else mpmath.mpf(float(softmax_scale))
-        return [_exact_row(q, k, v, vis, row, scale, softcap, learnable_sink) for row in rows]
+        return [_exact_row(q, k, v, row_vis, row, scale, softcap, learnable_sink, mods) for row in rows]
     finally:
         mpmath.mp.dps = old

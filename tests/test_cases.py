@@ -117,7 +117,9 @@ def test_smoke_pairs_each_nonfinite_family_with_every_mask_it_applies_to():
 
 
 def test_suite_sizes():
-    assert len(suite("smoke")) <= 45, "smoke stays small"
+    # 45 without mods, 4 mod cases (smoke_mods: each mod kind and library mod once, skipped before
+    # the call on a kernel whose domain declares no mods)
+    assert len(suite("smoke")) <= 49, "smoke stays small"
     rel = suite("release")
     assert len(rel) == len(set(rel))
 

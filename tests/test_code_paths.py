@@ -41,6 +41,10 @@ def _reach_calls():
     for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
         yield Call("float16", d, dv, softcap=True, sink=True, varlen=True, paged=True, num_splits=3, deterministic=True)
         yield Call("float16", d, dv, seqlen_k=64 * 128 + 1, num_splits=2)
+    # the mods (docs/mods.md): every head-dim band with a mask_mod, a score_mod and block sparsity
+    # at the suites' (128, 128) and at a block SM90 fits its tile to (64 x 64)
+    for (d, dv), bs in itertools.product(dims, ((), (128, 128), (64, 64))):
+        yield Call("bfloat16", d, dv, score_mod=True, mask_mod=True, block_sparse=bs)
 
 
 def test_every_class_is_reachable_and_classes_of_names_only_listed_classes():

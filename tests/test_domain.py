@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from audits.cases import Case, case_from_dict, release_suite
+from audits.cases import Case, case_from_dict, mods_suite, release_suite
 from audits.domain import Domain, DomainError, domain_of, release_within
 
 #: the issue's example: a Triton-tutorial-like kernel
@@ -98,7 +98,7 @@ def test_domain_of_a_kernel():
     def k(q, k, v, **kw):
         return q
 
-    assert domain_of(k) == Domain()
+    assert domain_of(k) == Domain(mods=())  # unrestricted, but a kernel takes no mods unless it says so
     k.fa4_audit_domain = TRITON
     assert domain_of(k).seqlen_k_multiple == 128
     k.fa4_audit_domain = {"causal": 1}
@@ -128,7 +128,7 @@ def test_release_is_built_within_the_domain_not_filtered():
     assert {c.family for c in r["cases"]} == set(FAMILIES) - {"nan_inf_masked"}
     lengths = {c.seqlen_q for c in r["cases"]}
     assert {128, 384, 640, 8192} <= lengths and max(lengths) <= 8192
-    normal = [c for c in r["cases"] if c.family == "normal"]
+    normal = [c for c in r["cases"] if c.family == "normal" and not c.mods]  # the mods suite: docs/mods.md
     value = {
         "dtype": lambda c: c.dtype, "d": lambda c: (c.d, c.dv), "heads": lambda c: (c.heads_q, c.heads_kv),
         "seqlens": lambda c: (c.seqlen_q, c.seqlen_k), "layout": lambda c: c.layout,
@@ -139,6 +139,11 @@ def test_release_is_built_within_the_domain_not_filtered():
         seen = {(value[a](c), value[b](c)) for c in normal}
         assert seen == set(itertools.product(axes[a], axes[b])), (a, b)
     assert release_within(Domain())["cases"] == release_suite()
+    # a domain taking no mods (a kernel declaring none) has none of the mods suite (its cross-check
+    # partners without mods check nothing alone) and no other mod case
+    mods = set(mods_suite())
+    want = [c for c in release_suite() if not c.mods and c not in mods]
+    assert release_within(Domain(mods=()))["cases"] == want
 
 
 @pytest.mark.slow  # the whole smoke suite in a domain: 86 s CPU
@@ -245,9 +250,10 @@ def test_the_builtin_kernels_declare_their_domains(monkeypatch):
         assert sm100.refusal(dataclasses.replace(bf16, d=d, dv=dv)) is None, (d, dv)
     assert sm100.backward and sm100.deterministic and sm90.backward and sm90.deterministic
     _gpu(monkeypatch, None)
-    assert kernel_domain("fa4") == Domain()  # no GPU: production cannot run; nothing declared
-    assert kernel_domain("fa4-model") == Domain()  # the SM100 model computes every configuration
-    assert kernel_domain("fa4-model-sm90") == Domain(dtypes=("bfloat16", "float16"))
+    assert kernel_domain("fa4") == Domain(mods=())  # no GPU: production cannot run; nothing declared
+    # the SM100 model computes every configuration (the mod kinds it declares: tests/test_mod_cases.py)
+    assert dataclasses.replace(kernel_domain("fa4-model"), mods=None) == Domain()
+    assert dataclasses.replace(kernel_domain("fa4-model-sm90"), mods=None) == Domain(dtypes=("bfloat16", "float16"))
     with pytest.raises(NotImplementedError, match="only bf16 and fp16"):  # what the declaration replaces
         from audits.inputs import make_inputs
 

@@ -14,7 +14,7 @@ ALLOWED = {"numerics": {"numerics"}, "fa4": {"numerics", "fa4"}, "audits": {"num
 #: modules of ``audits`` every audit subpackage may use; the rest of ``audits`` is one folder per audit
 SHARED = {
     "audits.common", "audits.cases", "audits.inputs", "audits.kernels", "audits.domain", "audits.suite_file",
-    "audits.selection", "audits.worker", "audits.coverage",
+    "audits.selection", "audits.worker", "audits.coverage", "audits.mod_strategies",
 }  # fmt: skip
 
 

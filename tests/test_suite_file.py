@@ -118,15 +118,15 @@ seeds = [0, 2]
 
 def test_the_release_axes_in_a_file_give_release_itself(tmp_path):
     """The same generator: a file listing ``RELEASE_AXES`` (all families, seed 0) is ``release``
-    (its covering-array cases: the varlen ones come from ``VARLEN_AXES`` and the code-path ones
-    from ``class_cases``, no suite-file axis)."""
-    from audits.cases import class_cases
+    (its covering-array cases: the varlen ones come from ``VARLEN_AXES``, the code-path ones
+    from ``class_cases`` and the mod ones from ``mods_suite``, no suite-file axis)."""
+    from audits.cases import class_cases, mods_suite
 
     ax = RELEASE_AXES
     lines = [f"{k} = {json.dumps(ax[k])}" for k in ("dtype", "mask", "softcap", "heads", "seqlens", "layout")]
     lines += [f"head_dims = {json.dumps([[d, d] for d in ax['d']])}", "sink = [false, true]"]
     f = write(tmp_path, "[axes]\n" + "\n".join(lines) + "\n")
-    classes = set(class_cases())
+    classes = set(class_cases()) | set(mods_suite())  # and the mods suite's (docs/mods.md): no axis either
     assert build(load(f))["cases"] == [c for c in release_suite() if not c.varlen and c not in classes]
 
 

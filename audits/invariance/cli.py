@@ -26,13 +26,26 @@ SCHEMA = "fa4-audit/invariance/2"
 
 
 def _required(text: str | None) -> list[str]:
-    from audits.invariance.core import PROPERTIES
+    from audits.invariance.core import ALL_PROPERTIES
 
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
-    bad = [n for n in names if n not in PROPERTIES]
+    bad = [n for n in names if n not in ALL_PROPERTIES]
     if bad:
-        raise UsageError(f"--require {text!r}: unknown property {', '.join(bad)}; accepted: {', '.join(PROPERTIES)}")
+        raise UsageError(
+            f"--require {text!r}: unknown property {', '.join(bad)}; accepted: {', '.join(ALL_PROPERTIES)}"
+        )
     return list(dict.fromkeys(names))
+
+
+def _properties(args) -> dict:
+    """The properties to run: the default five, with ``--mods`` the mod properties too, and any
+    ``--require``'d mod property (a gate on a property not run would compare nothing)."""
+    from audits.invariance.core import ALL_PROPERTIES, PROPERTIES
+
+    want = set(PROPERTIES) | set(_required(args.require))
+    if getattr(args, "mods", False):
+        want |= set(ALL_PROPERTIES)
+    return {p: d for p, d in ALL_PROPERTIES.items() if p in want}
 
 
 def _out_dir(out: Path, kern: str, several: bool) -> Path:
@@ -98,11 +111,12 @@ def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
     records = []
     limit, workers = _in_workers(args, [t, model], device)
     t, model = limit
+    props = _properties(args)
     try:
         with progress(Console(stderr=True), quiet=args.quiet) as bar:
             task = bar.add_task(f"invariance {t.name} / {label}", total=len(cases))
             for c in cases:
-                records.append(core.run_case(c, t, device=device, model=model))
+                records.append(core.run_case(c, t, device=device, model=model, properties=list(props)))
                 bar.advance(task)
     finally:
         for w in workers:
@@ -111,7 +125,7 @@ def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
     summary = core.summarize(records, _required(args.require), mname)
     return {
         "schema": SCHEMA, "kernel": t.name, "predict": mname, "suite": label, **meta, "device": str(device),
-        "seconds": round(time.perf_counter() - t0, 2), "properties": core.PROPERTIES, "summary": summary,
+        "seconds": round(time.perf_counter() - t0, 2), "properties": props, "summary": summary,
         "cases": records,
     }  # fmt: skip
 
@@ -180,7 +194,7 @@ def _print_summary(report: dict, d: Path) -> None:
 
 def register(sub) -> None:
     """Add ``invariance`` to the ``fa4-audit`` parser."""
-    from audits.invariance.core import PROPERTIES
+    from audits.invariance.core import ALL_PROPERTIES, MOD_PROPERTIES
     from audits.selection import add_case_arguments
     from audits.worker import IN_PROCESS_NOTE, add_timeout_argument
 
@@ -203,8 +217,11 @@ def register(sub) -> None:
     )  # fmt: skip
     add_case_arguments(r, default_suite="smoke")
     r.add_argument("--require", default=None,
-                   help=f"comma-separated properties that gate the exit code ({', '.join(PROPERTIES)}); "
-                   "the others are reported only")  # fmt: skip
+                   help=f"comma-separated properties that gate the exit code ({', '.join(ALL_PROPERTIES)}); "
+                   "the others are reported only (a required mod property is run without --mods)")  # fmt: skip
+    r.add_argument("--mods", action="store_true",
+                   help=f"also run the mod properties ({', '.join(MOD_PROPERTIES)}: block-sparse vs dense, mask_mod / "
+                   "score_mod vs the causal / window / softcap flags; docs/invariance.md)")  # fmt: skip
     r.add_argument("--predict", default=None, metavar="MODEL",
                    help="run the same properties on MODEL (a kernel name) with the same inputs and report its "
                    "verdicts beside the measured ones; 'none': no prediction; default: for fa4 the model of this "

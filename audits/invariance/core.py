@@ -21,11 +21,13 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from audits.invariance import fixed, varlen
+from audits.invariance import fixed, mods, varlen
 from audits.invariance.compare import RESULTS, Broken, Refused, TimedOut, compare
+from audits.invariance.mods import MOD_PROPERTIES
 
 __all__ = [
-    "PROPERTIES", "DECODE_ROWS", "RESULTS", "Target", "target", "default_model", "run_case", "summarize", "compare",
+    "PROPERTIES", "MOD_PROPERTIES", "ALL_PROPERTIES", "DECODE_ROWS", "RESULTS", "Target", "target", "default_model",
+    "run_case", "summarize", "compare",
     "in_worker", "uncompared",
 ]  # fmt: skip
 
@@ -38,6 +40,9 @@ PROPERTIES = {
     "pack_gqa": "pack_gqa on == off (varlen, GQA cases)",
 }
 VARLEN_ONLY = ("split", "paged", "pack_gqa")
+#: every property: the five above, run by default, and the mod properties
+#: (``audits.invariance.mods``), run when asked (``invariance --mods`` or ``--require``)
+ALL_PROPERTIES = {**PROPERTIES, **MOD_PROPERTIES}
 DECODE_ROWS = fixed.DECODE_ROWS
 
 
@@ -115,6 +120,8 @@ class _Shared:
             case = case or self.case
             if kind == "varlen":
                 self._made[key] = varlen.VarlenInputs(case, self.device)
+            elif kind == "mods":
+                self._made[key] = mods.ModInputs(case, self.device)
             elif kind == "fixed-batch":  # a batch-1 case widened to a batch of 2
                 self._made[key] = fixed.FixedInputs(dataclasses.replace(case, batch=max(2, case.batch)), self.device)
             else:
@@ -123,6 +130,13 @@ class _Shared:
 
 
 def _not_applicable(prop: str, case, t: Target) -> str | None:
+    if prop in MOD_PROPERTIES:
+        return "a varlen case: the mods apply to fixed-length calls" if case.varlen else None
+    if getattr(case, "mods", ()):
+        # a sliced, restricted or repacked call would reuse the mods of the whole call: aux tensors
+        # indexed by batch (prefix_lm, document), positions by query row (every mask mod, ALiBi)
+        return (f"a case with mods ({', '.join(case.mods)}): this property slices or repacks the call, and the "
+                "mods' aux tensors and query positions are built for the whole call")  # fmt: skip
     if t.varlen is None and prop in VARLEN_ONLY:
         return "the kernel has no varlen entry (fixed-length): split-KV, paged KV and pack_gqa are varlen features"
     if t.varlen is None and case.varlen:
@@ -131,6 +145,8 @@ def _not_applicable(prop: str, case, t: Target) -> str | None:
 
 
 def _property(prop: str, shared: _Shared, t: Target) -> dict:
+    if prop in MOD_PROPERTIES:  # on the fixed-length entry, whatever other entries the kernel has
+        return getattr(mods, prop)(shared.get("mods"), t)
     if t.varlen is not None:
         return getattr(varlen, prop)(shared.get("varlen"), t)
     if prop == "decode":
@@ -147,14 +163,14 @@ def _property(prop: str, shared: _Shared, t: Target) -> dict:
     return fixed.batch(shared.get("fixed-batch" if note else "fixed"), t, note)
 
 
-def _measure(shared: _Shared, t: Target) -> dict:
-    """Every property of the shared case for target ``t``."""
+def _measure(shared: _Shared, t: Target, properties=PROPERTIES) -> dict:
+    """The ``properties`` of the shared case for target ``t``."""
     from audits.inputs import NotApplicable
 
     case = shared.case
     no = t.domain.refusal(case) if t.domain is not None else None
     res = {}
-    for prop in PROPERTIES:
+    for prop in properties:
         why = _not_applicable(prop, case, t)
         if why:
             res[prop] = {"result": "not applicable", "reason": why}
@@ -184,14 +200,19 @@ def agreement(measured: dict, predicted: dict) -> str | None:
     return "agree" if a == b else "disagree"
 
 
-def run_case(case, t: Target, *, device, model: Target | None = None) -> dict:
-    """The case's record: every property for ``t`` and, with ``model``, its prediction on the
-    same inputs (``predicted``, each with ``agreement``)."""
+def run_case(case, t: Target, *, device, model: Target | None = None, properties=None) -> dict:
+    """The case's record: the ``properties`` (names of :data:`ALL_PROPERTIES`; default the five
+    of :data:`PROPERTIES`) for ``t`` and, with ``model``, its prediction on the same inputs
+    (``predicted``, each with ``agreement``)."""
     t0 = time.perf_counter()
+    props = list(PROPERTIES if properties is None else properties)
+    bad = [p for p in props if p not in ALL_PROPERTIES]
+    if bad:
+        raise ValueError(f"unknown invariance property {', '.join(bad)}; accepted: {', '.join(ALL_PROPERTIES)}")
     shared = _Shared(case, device)
-    rec = {"case": case.name, "config": case.as_dict(), "properties": _measure(shared, t)}
+    rec = {"case": case.name, "config": case.as_dict(), "properties": _measure(shared, t, props)}
     if model is not None:
-        pred = _measure(shared, model)
+        pred = _measure(shared, model, props)
         for p, r in pred.items():
             r["agreement"] = agreement(rec["properties"][p], r)
         rec["predicted"] = pred
@@ -199,8 +220,14 @@ def run_case(case, t: Target, *, device, model: Target | None = None) -> dict:
     return rec
 
 
+def _run(records: list[dict]) -> list[str]:
+    """The properties the records hold, in :data:`ALL_PROPERTIES`' order (the default five when none)."""
+    seen = {p for r in records for p in r["properties"]}
+    return [p for p in ALL_PROPERTIES if p in seen] or list(PROPERTIES)
+
+
 def _prediction_summary(records: list[dict]) -> dict:
-    per = {p: {"agree": 0, "disagree": 0, "not compared": 0} for p in PROPERTIES}
+    per = {p: {"agree": 0, "disagree": 0, "not compared": 0} for p in _run(records)}
     disagreements = []
     for r in records:
         for p, res in r["predicted"].items():
@@ -220,7 +247,7 @@ def uncompared(prop: str, records: list[dict]) -> str:
         return "0 comparisons: no case was run"
     by: dict[tuple, int] = {}
     for r in records:
-        res = r["properties"][prop]
+        res = r["properties"].get(prop, {"result": "not run", "reason": "the property was not asked for"})
         key = (res["result"], res.get("reason", ""))
         by[key] = by.get(key, 0) + 1
     top = sorted(by.items(), key=lambda kv: -kv[1])
@@ -234,11 +261,12 @@ def summarize(records: list[dict], required: list[str], model: str | None = None
     property fails when it differs, errs or timed out anywhere, and when it made no comparison
     at all (``uncompared``: property -> why, :func:`uncompared`): a gate that compared nothing
     passes nothing.  With a model, how many of its predictions agree with the measurement."""
-    counts = {p: dict.fromkeys(RESULTS, 0) for p in PROPERTIES}
+    run = _run(records)
+    counts = {p: dict.fromkeys(RESULTS, 0) for p in run + [p for p in required if p not in run]}
     for r in records:
         for p, res in r["properties"].items():
             counts[p][res["result"]] += 1
-    compared = sum(counts[p]["holds"] + counts[p]["differs"] for p in PROPERTIES)
+    compared = sum(counts[p]["holds"] + counts[p]["differs"] for p in counts)
     none = {p: uncompared(p, records) for p in required if not counts[p]["holds"] + counts[p]["differs"]}
     failing = [p for p in required if counts[p]["differs"] or counts[p]["error"] or counts[p]["timeout"] or p in none]
     s = {"counts": counts, "required": required, "compared": compared, "failing": failing, "uncompared": none,

@@ -31,7 +31,7 @@ import torch
 from audits.cases import Case
 from numerics.fp import bit_view, format_of, ulp_distance, ulp_of
 from numerics.metrics import bound_check, fa_floor, output_errors, ulp_diff_histogram
-from numerics.reference import visible_mask
+from numerics.reference import call_visibility
 
 __all__ = ["BackwardOptions", "GRADS", "grad_call", "analyse_backward", "accepts_deterministic"]
 
@@ -154,14 +154,31 @@ def _fa_floor(got, ref, low) -> dict:
     return res
 
 
-def _zeros(grads: dict, case: Case, device) -> dict:
-    """Exact zeros the semantics demand: dK / dV of keys no query sees, dQ of rows that see no
-    key (non-zero elements counted; NaN counts as non-zero)."""
-    vis = visible_mask(case.seqlen_q, case.seqlen_k, causal=case.causal, window_size=tuple(case.window), device=device)
-    unseen, empty = ~vis.any(0), ~vis.any(1)
+def _call_vis(case: Case, kw: dict, device="cpu") -> torch.Tensor:
+    """The keys the call keeps, bool (batch, heads_q, seqlen_q, seqlen_k): the flags and, when the
+    call has them, the mods' mask (``numerics.reference.call_visibility``)."""
+    mods = {k: kw[k] for k in ("mask_mod", "block_sparse_tensors", "aux_tensors") if k in kw}
+    vis = call_visibility(
+        batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, causal=case.causal,
+        window_size=tuple(case.window), device=device, **mods,
+    )  # fmt: skip
+    return vis.to(device).expand(case.batch, case.heads_q, case.seqlen_q, case.seqlen_k)
+
+
+def _zeros(grads: dict, case: Case, kw: dict, device) -> dict:
+    """Exact zeros the semantics demand: dK / dV of keys no query (of the kv head's group) sees,
+    dQ of rows that see no key (non-zero elements counted; NaN counts as non-zero)."""
+    vis = _call_vis(case, kw, device)
+    g = case.heads_q // case.heads_kv
+    # (b, sk, hk): no (head of the group, row) sees the key; (b, sq, hq): the row sees no key
+    unseen = ~vis.reshape(case.batch, case.heads_kv, g, case.seqlen_q, case.seqlen_k).any(2).any(2).transpose(1, 2)
+    empty = ~vis.any(3).transpose(1, 2)
 
     def nz(t, m):  # in float32: comparisons are not implemented for fp8
-        return 0 if t is None else int((t[:, m].float() != 0).sum() + torch.isnan(t[:, m].float()).sum())
+        if t is None:
+            return 0
+        sel = t.float()[m]
+        return int((sel != 0).sum() + torch.isnan(sel).sum())
 
     return {
         "dk_unseen_nonzero": nz(grads.get("dk"), unseen),
@@ -182,10 +199,9 @@ def _certify(x: dict, do: torch.Tensor, ref: dict, case: Case) -> dict:
     dQ is ~0 while its terms are not)."""
     from numerics.grad_reference import exact_grad_elements
 
-    vis = visible_mask(case.seqlen_q, case.seqlen_k, causal=case.causal, window_size=tuple(case.window))
-    seen = vis.sum(0) * (case.heads_q // case.heads_kv)
+    b, hk, g = case.batch - 1, case.heads_kv - 1, case.heads_q // case.heads_kv
+    seen = _call_vis(case, x["kw"])[b, hk * g : (hk + 1) * g].sum((0, 1))  # (head, row) pairs of kv head hk per key
     j = int(torch.where(seen > 0, seen, 1 << 30).argmin())
-    b, hk = case.batch - 1, case.heads_kv - 1
     want = {"dq_rows": [(b, case.seqlen_q - 1, case.heads_q - 1)]}
     if 0 < int(seen[j]) * case.seqlen_k <= 1 << 14:
         want["dk_rows"] = want["dv_rows"] = [(b, j, hk)]
@@ -268,7 +284,7 @@ def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, 
             f"{', '.join(rec['overflow'])} elements overflow where the backward bound is infinite: dS or the "
             f"gradient can exceed the range of {q.dtype} that the kernel rounds them to by design"
         )
-    rec["zeros"] = _zeros(runs[0], case, q.device)
+    rec["zeros"] = _zeros(runs[0], case, kw, q.device)
     rec["spread"] = _spread(runs) if len(runs) > 1 else {}
     rec["certified"] = cert
     return rec

@@ -484,10 +484,16 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         except ThresholdsError as exc:
             raise UsageError(str(exc)) from exc
         backward = BackwardOptions(repeat=2)
-    res = fuzz(
-        args.kernel, budget=args.budget, device=device, thresholds=th, database=args.database,
-        max_seqlen=args.max_seqlen, seed=args.seed, backward=backward, narrow=narrow, timeout=_timeout(args),
-    )  # fmt: skip
+    try:
+        res = fuzz(
+            args.kernel, budget=args.budget, device=device, thresholds=th, database=args.database,
+            max_seqlen=args.max_seqlen, seed=args.seed, backward=backward, narrow=narrow, timeout=_timeout(args),
+            mods=args.mods,
+        )  # fmt: skip
+    except ValueError as exc:  # --mods on a kernel whose domain declares no mod kind
+        if not args.mods:
+            raise
+        raise UsageError(str(exc)) from exc
     atomic_write(Path(args.out) / "fuzz.json", json.dumps(res, indent=1) + "\n")
     print(f"{res['examples']} examples; largest error/bound {res['best_tightness']} ({res['best_case']})")
     if res["failure"]:
@@ -497,9 +503,37 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _register_fuzz(sub) -> None:
+    """The ``fuzz`` subcommand's arguments."""
+    from audits.worker import IN_PROCESS_NOTE, add_timeout_argument
+
+    fz = sub.add_parser("fuzz", help="Hypothesis search for a failing case, climbing toward the largest error/bound")
+    fz.add_argument(
+        "--kernel", required=True, help="a kernel name (fa4-model, sdpa-math, ...), module:attr or path/to/file.py:fn"
+    )
+    fz.add_argument("--budget", type=int, default=200, help="examples to try (default 200)")
+    fz.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernel runs (default cpu)")
+    fz.add_argument("--max-seqlen", type=int, default=512, help="longest seqlen_q / seqlen_k drawn (default 512)")
+    fz.add_argument("--database", default=".hypothesis/fa4-audit", help="Hypothesis example database")
+    fz.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/runner/thresholds.toml)")
+    fz.add_argument("--backward", action="store_true", help="audit the gradients too (as run --backward, 2 repeats)")
+    fz.add_argument("--seed", type=int, default=None, help="a fixed search (the database is then not used)")
+    fz.add_argument(
+        "--domain", default=None, metavar="FILE.toml",
+        help="a TOML file of domain keys (audits/domain.py) narrowing what the kernel declares: dtypes and lengths "
+        "are drawn inside it, other draws outside it are skipped",
+    )  # fmt: skip
+    fz.add_argument(
+        "--mods", action="store_true",
+        help="draw the library mods (score_mod, mask_mod, block sparsity) the kernel's domain declares (docs/mods.md)",
+    )  # fmt: skip
+    fz.add_argument("--out", default="reports/fuzz-latest", help="writes OUT/fuzz.json (default reports/fuzz-latest)")
+    add_timeout_argument(fz, note=IN_PROCESS_NOTE)
+    fz.set_defaults(func=cmd_fuzz)
+
+
 def register(sub) -> None:
     """Add the report commands, ``list`` and ``fuzz`` to the ``fa4-audit`` parser."""
-    from audits.worker import IN_PROCESS_NOTE, add_timeout_argument
 
     g = sub.add_parser("gate", help="re-judge a report under thresholds (and against a baseline report)")
     g.add_argument("report", help="the report.json (or .json.gz / .json.xz) to re-judge")
@@ -553,25 +587,7 @@ def register(sub) -> None:
     mg.add_argument("reports", nargs="+", help="the shard reports (report.json of each run --shard I/N)")
     mg.add_argument("--out", required=True, help="directory of the merged report (json, md, html, junit)")
     mg.set_defaults(func=cmd_merge)
-    fz = sub.add_parser("fuzz", help="Hypothesis search for a failing case, climbing toward the largest error/bound")
-    fz.add_argument(
-        "--kernel", required=True, help="a kernel name (fa4-model, sdpa-math, ...), module:attr or path/to/file.py:fn"
-    )
-    fz.add_argument("--budget", type=int, default=200, help="examples to try (default 200)")
-    fz.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernel runs (default cpu)")
-    fz.add_argument("--max-seqlen", type=int, default=512, help="longest seqlen_q / seqlen_k drawn (default 512)")
-    fz.add_argument("--database", default=".hypothesis/fa4-audit", help="Hypothesis example database")
-    fz.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/runner/thresholds.toml)")
-    fz.add_argument("--backward", action="store_true", help="audit the gradients too (as run --backward, 2 repeats)")
-    fz.add_argument("--seed", type=int, default=None, help="a fixed search (the database is then not used)")
-    fz.add_argument(
-        "--domain", default=None, metavar="FILE.toml",
-        help="a TOML file of domain keys (audits/domain.py) narrowing what the kernel declares: dtypes and lengths "
-        "are drawn inside it, other draws outside it are skipped",
-    )  # fmt: skip
-    fz.add_argument("--out", default="reports/fuzz-latest", help="writes OUT/fuzz.json (default reports/fuzz-latest)")
-    add_timeout_argument(fz, note=IN_PROCESS_NOTE)
-    fz.set_defaults(func=cmd_fuzz)
+    _register_fuzz(sub)
     ls = sub.add_parser("list", help="kernels, suites (case and compile-key counts) and input families")
     ls.set_defaults(func=cmd_list)
     sm = sub.add_parser("summary", help="several reports side by side (one column each), per configuration group")

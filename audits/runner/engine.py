@@ -30,12 +30,13 @@ from pathlib import Path
 import torch
 
 from audits.cases import Case
-from audits.inputs import NotApplicable, make_grad_output, make_inputs, make_varlen_inputs
+from audits.inputs import NotApplicable, make_grad_output, make_inputs, make_varlen_inputs, saveable_kw
 from audits.kernels import (
     KERNELS,
     VARLEN_KERNELS,
     claims_nonfinite_inputs,
     contract_error,
+    fa4_arch,
     fa4_numerics,
     fa4_varlen_numerics,
     fa4_varlen_splits,
@@ -158,15 +159,33 @@ def _peer_numerics(q: torch.Tensor):
     )
 
 
+def _fa4_numerics(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case):
+    """The FA4Numerics a kernel implementing FA4's numerics runs ``case`` with (None for the
+    others), the call resolved as production resolves it: with a mask_mod, causal and the window
+    dropped (``interface._resolve_causal_local_window(..., mask_mod)``; the model's ``attention``
+    does the same, and its backward runs with the forward's record); with block sparsity, the
+    tiles fitted to the sparse block (``FA4Numerics.for_inputs(..., block_sparse=)``)."""
+    nmf = fa4_numerics(kernel)
+    if nmf is None:
+        return None
+    causal, window = (False, (None, None)) if case.mask_mod else (case.causal, tuple(case.window))
+    if not case.block_sparse:
+        return nmf(q, k, v, causal, window)
+    from fa4.model import FA4Numerics
+
+    return FA4Numerics.for_inputs(fa4_arch(kernel), q, k, v, causal, window, block_sparse=tuple(case.block_sparse))
+
+
 def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device,
              keep: CaseTensors) -> None:  # fmt: skip
     """Reference, metrics, bound and criteria of a kernel result, into ``rec``; the tensors a
     failing verdict is localized with, into ``keep``."""
     q, k, v = x["q"], x["k"], x["v"]
-    nmf = fa4_numerics(kernel)
-    nm = nmf(q, k, v, case.causal, tuple(case.window)) if nmf is not None else _peer_numerics(q)
+    nm = _fa4_numerics(kernel, q, k, v, case)
+    kind = "fa4" if nm is not None else "peer"
+    nm = nm if nm is not None else _peer_numerics(q)
     refs, bounds = _reference(case, str(device)), _bound(case, str(device), nm)
-    _measure(rec, kernel, case, x, out, lse, refs, bounds, ("fa4" if nmf is not None else "peer", nm), keep)
+    _measure(rec, kernel, case, x, out, lse, refs, bounds, (kind, nm), keep)
 
 
 def _measure(rec: dict, kernel: str, case: Case, x: dict, out, lse, refs: tuple, bounds: tuple, nm: tuple,
@@ -396,9 +415,9 @@ def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.devi
     b = {**status, "do_family": fam, "repeat": opts.repeat, "deterministic": opts.deterministic}
     if res is None:
         return b
-    nmf = fa4_numerics(kernel)
     q, k, v = x["q"], x["k"], x["v"]
-    nm = (nmf(q, k, v, case.causal, tuple(case.window)), "fa4") if nmf is not None else (_peer_numerics(q), "peer")
+    nm = _fa4_numerics(kernel, q, k, v, case)
+    nm = (nm, "fa4") if nm is not None else (_peer_numerics(q), "peer")
     try:
         b.update(analyse_backward(nm, x, do, res, case, keep=keep))
     except torch.OutOfMemoryError as exc:
@@ -640,7 +659,8 @@ def _save_inputs(st: dict, c: Case) -> str:
     rdir.mkdir(exist_ok=True)
     x = make_varlen_inputs(c, device="cpu") if c.varlen else make_inputs(c, device="cpu")
     tensors = {n: x[n].contiguous() for n in ("q", "k", "v")}
-    torch.save({**tensors, "kw": x["kw"], "case": c.as_dict()}, rdir / f"{c.name}.pt")
+    # the mods' reference forms are closures: saved by name (the case rebuilds them), their tensors as they are
+    torch.save({**tensors, "kw": saveable_kw(x["kw"]), "case": c.as_dict()}, rdir / f"{c.name}.pt")
     return f"repro/{c.name}.pt"
 
 

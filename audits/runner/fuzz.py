@@ -7,6 +7,11 @@ shrinking moves toward small shapes, no mask and the ``normal`` family, so a fai
 minimal reproducer.
 ``fuzz`` climbs toward the largest error relative to the per-element bound with
 ``hypothesis.target`` and keeps Hypothesis' example database between runs.
+
+With ``mods`` (``fuzz --mods``) a case also draws the programmable surface the kernel's domain
+declares (``audits.domain`` key ``mods``): a library score_mod and mask_mod
+(``numerics.mod_library``) and block sparsity built from the mask_mod (:func:`draw_mods`).
+Without it the draws are exactly those of before (the mod fields stay unset).
 """
 
 from __future__ import annotations
@@ -20,18 +25,42 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from audits.cases import Case
+from audits.cases import MOD_BLOCK, MOD_BLOCK_SM100, Case
 from audits.domain import Domain
 from audits.inputs import FAMILIES
 from audits.runner.repro import reproducer
 from audits.runner.schema import FAILING
 
-__all__ = ["cases", "fuzz"]
+__all__ = ["cases", "fuzz", "draw_mods", "MOD_BLOCKS"]
 
 
 #: head dims drawn where the domain does not restrict them (d = dv)
 _HEAD_DIMS = (64, 128, 96, 256)
 _DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+#: block sparsity's (block_q, block_k) drawn by ``--mods``: the blocks the mods suite uses
+#: (``audits.cases.MOD_BLOCK``, ``MOD_BLOCK_SM100``), drawn only at d <= 128 where both archs'
+#: forward tile_n is 128 (``interface._tile_size_fwd_sm90``; SM90's ``normalize_block_sparse_config``
+#: wants block_k == tile_n, and tile_n is 112 / 80 above d = 128)
+MOD_BLOCKS = (MOD_BLOCK, MOD_BLOCK_SM100)
+
+
+def draw_mods(draw, dom: Domain, d: int) -> dict:
+    """The mod fields of a case inside ``dom`` (its ``mods`` kinds): a score_mod of
+    ``numerics.mod_library.SCORE_MODS`` or none, a mask_mod of ``MASK_MODS`` or none, block
+    sparsity (:data:`MOD_BLOCKS`) only with a mask_mod, the kind declared and d <= 128.  Each
+    shrinks toward none."""
+    from numerics.mod_library import MASK_MODS, SCORE_MODS
+
+    out = {"score_mod": "", "mask_mod": "", "block_sparse": ()}
+    if "score_mod" in dom.mods:
+        out["score_mod"] = draw(st.sampled_from(("",) + SCORE_MODS))
+    if "mask_mod" in dom.mods:
+        out["mask_mod"] = draw(st.sampled_from(("",) + MASK_MODS))
+    if out["mask_mod"] and "block_sparse" in dom.mods and d <= 128:
+        out["block_sparse"] = draw(st.sampled_from(((),) + MOD_BLOCKS))
+    return out
 
 
 def _length(draw, m: int, lo: int, hi: int) -> int:
@@ -42,14 +71,24 @@ def _length(draw, m: int, lo: int, hi: int) -> int:
 
 
 @st.composite
-def cases(draw, *, max_seqlen: int = 512, dtypes: tuple[str, ...] = _DTYPES, domain: Domain | None = None) -> Case:
+def cases(
+    draw, *, max_seqlen: int = 512, dtypes: tuple[str, ...] = _DTYPES, domain: Domain | None = None, mods: bool = False
+) -> Case:
     """Any audit case with sequence lengths up to ``max_seqlen``, drawn inside ``domain`` (an
     ``audits.domain.Domain``; None: unrestricted): its dtypes, its accepted (d, dv) pairs
     (``Domain.head_dim_pairs``), lengths as multiples of ``seqlen_q_multiple`` /
     ``seqlen_k_multiple`` within its bounds (equal when it wants them), the masks and features it
     supports, its layouts; an input family only where the domain can hold it (``nan_inf_masked``
     needs a left window and more keys than queries).  ``Domain.refusal`` stays the judge:
-    :func:`fuzz` counts a draw it refuses (none expected) as ``outside_domain``."""
+    :func:`fuzz` counts a draw it refuses (none expected) as ``outside_domain``.
+
+    ``mods``: draw the mods too (:func:`draw_mods`), drawn before the flags they exclude: a
+    mask_mod comes without the causal / window flags (production drops them beside a mask_mod,
+    ``interface._resolve_causal_local_window``: every such draw would fail on that one known
+    trap, which the catalogue's own case reports) and without the nan_inf families (their
+    infinities sit at keys chosen under the flags; ``audits.inputs`` refuses them beside a mask
+    it would break); a score_mod comes without softcap (production asserts the two are not used
+    together, ``interface._flash_attn_fwd``)."""
     dom = domain or Domain()
     kinds = [t for t in dtypes if dom.dtypes is None or t in dom.dtypes] or list(dom.dtypes or dtypes)
     dtype = draw(st.sampled_from(kinds))
@@ -63,9 +102,12 @@ def cases(draw, *, max_seqlen: int = 512, dtypes: tuple[str, ...] = _DTYPES, dom
         sq = sk = _length(draw, qm * km // math.gcd(qm, km), lo, hi)
     else:
         sq, sk = _length(draw, qm, lo, hi), _length(draw, km, lo, hi)
-    mask = draw(st.sampled_from(["none"] + ["causal"] * dom.causal + ["local"] * dom.local))
-    fams = [f for f in FAMILIES if f != "nan_inf_masked"]
-    masked = dom.local and not dom.equal_seqlens  # nan_inf_masked: keys no query sees, a left window short of them
+    mod = draw_mods(draw, dom, d) if mods else {}
+    masking = not mod.get("mask_mod")
+    mask = draw(st.sampled_from(["none"] + ["causal"] * (dom.causal and masking) + ["local"] * (dom.local and masking)))
+    fams = [f for f in FAMILIES if f != "nan_inf_masked" and (masking or not f.startswith("nan_inf"))]
+    # nan_inf_masked: keys no query sees, a left window short of them
+    masked = dom.local and not dom.equal_seqlens and masking
     family = draw(st.sampled_from(fams + ["nan_inf_masked"] * masked))
     window = (None, None)
     if mask == "local":
@@ -89,11 +131,12 @@ def cases(draw, *, max_seqlen: int = 512, dtypes: tuple[str, ...] = _DTYPES, dom
         sk,
         causal=mask == "causal",
         window=window,
-        softcap=draw(st.sampled_from([0.0, 30.0, 5.0] if dom.softcap else [0.0])),
+        softcap=draw(st.sampled_from([0.0, 30.0, 5.0] if dom.softcap and not mod.get("score_mod") else [0.0])),
         sink=draw(st.booleans()) if dom.sink else False,
         layout=layout,
         family=family,
         seed=draw(st.integers(0, 2**16)),
+        **mod,
     )
 
 
@@ -109,6 +152,7 @@ def fuzz(
     backward=None,
     narrow=None,
     timeout: float | None = None,
+    mods: bool = False,
 ) -> dict:
     """Search for a failing case; returns {examples, best_tightness, best_case, failure}.  A
     failure is the minimal case Hypothesis shrank to, with its verdict's reasons.  ``backward``
@@ -119,7 +163,9 @@ def fuzz(
     case and counted (``outside_domain``).  ``timeout``
     (seconds, ``fuzz --timeout``): the kernel runs in a worker process (``audits.worker``)
     and a call past the limit is the example's ``timeout`` verdict, a failure; None: in this
-    process, no limit."""
+    process, no limit.  ``mods`` (``fuzz --mods``): draw the library mods the domain declares
+    (:func:`cases`); ValueError when it declares none (a search that cannot draw what it was
+    asked to)."""
     from audits.kernels import get_kernel, kernel_domain
     from audits.runner.engine import evaluate_case
     from audits.worker import Isolated
@@ -128,7 +174,13 @@ def fuzz(
     domain = kernel_domain(kernel)
     if narrow is not None:
         domain = domain.narrow(narrow)
-    draw = {"max_seqlen": max_seqlen, "domain": domain}  # drawn inside the kernel's domain, as run builds suites
+    if mods and not domain.mods:
+        raise ValueError(
+            f"fuzz --mods: kernel {kernel!r} declares no mod kinds (domain key 'mods'); nothing to draw. A kernel "
+            "taking them declares mods = ['score_mod', 'mask_mod', 'block_sparse'] or the kinds it takes"
+        )
+    # drawn inside the kernel's domain, as run builds suites
+    draw = {"max_seqlen": max_seqlen, "domain": domain, "mods": mods}
     state = {"examples": 0, "outside": 0, "best": (-1.0, None), "fail": None}
 
     @settings(
@@ -184,6 +236,7 @@ def fuzz(
         "kernel": kernel,
         "examples": state["examples"],
         "domain": domain.as_dict(),
+        **({"mods": True} if mods else {}),
         "outside_domain": state["outside"],
         "best_tightness": best_t if best_c else None,
         "best_case": best_c.name if best_c else None,

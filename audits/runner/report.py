@@ -267,9 +267,10 @@ class ReportError(ValueError):
     """A file that is not a valid fa4-audit report; the message names the field."""
 
 
-#: Case fields younger than the report schema (the varlen ones, docs/varlen.md): a report written
-#: before them holds fixed-length cases only, for which they take their defaults
-_LATER_FIELDS = ("seqlens", "seqused_k", "page_size", "num_splits", "pack_gqa")
+#: Case fields younger than the report schema (the varlen ones, docs/varlen.md; the mods,
+#: docs/mods.md, which ``Case.as_dict`` leaves out when unset): a report written before them holds
+#: fixed-length cases without mods only, for which they take their defaults
+_LATER_FIELDS = ("seqlens", "seqused_k", "page_size", "num_splits", "pack_gqa", "score_mod", "mask_mod", "block_sparse")
 
 
 def validate_report(rep, where: str) -> dict:

@@ -49,7 +49,7 @@ def backward_groups(cases: list[Case]) -> list[tuple[Case, list[str]]]:
     non-fp8 fixed-length ``cases`` (module doc), with the names of the cases it stands for; suite order."""
     groups: dict = {}
     for c in cases:
-        if is_fp8(c) or c.varlen:  # the varlen entry's backward is not audited
+        if is_fp8(c) or c.varlen or c.mods:  # the varlen entry's backward and the mod cases' are not audited
             continue
         key = (c.compile_key, c.seqlen_q <= 128, c.seqlen_k <= 128)
         rep = dataclasses.replace(c, batch=1, layout="contiguous", family="normal", seed=0)
