@@ -14,6 +14,7 @@ from audits import mod_strategies as ms
 from audits.domain import Domain
 from audits.runner.fuzz import MOD_BLOCKS, cases, fuzz
 from numerics.mods import block_sparse_from_mask, index_grid, visibility
+from tests.production_defects import SM90_GQA_SCORE_MOD_BWD
 
 #: few examples: each draws a whole chain and evaluates it on thousands of points
 FEW = settings(max_examples=25, derandomize=True, database=None, deadline=None,
@@ -412,6 +413,7 @@ def _both(q, k, v, do, **kw):
 
 
 @pytest.mark.gpu
+@SM90_GQA_SCORE_MOD_BWD  # each spec reads the position or the head, on GQA inputs: tests/production_defects.py
 @pytest.mark.parametrize("spec", _GPU_SPECS)
 def test_random_score_forms_on_production(spec):
     """A random chain's CuTe forms (forward and score_mod_bwd) compile in production and compute

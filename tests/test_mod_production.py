@@ -21,6 +21,7 @@ from fa4.production import PRODUCTION_MODS, REFUSALS, production_domain, refusal
 from numerics.mod_library import MASK_MODS, SCORE_MODS, make_mask_mod, make_score_mod
 from numerics.mods import BlockSparse, index_grid, visibility
 from numerics.reference import visible_mask
+from tests.production_defects import SM90_GQA_SCORE_MOD_BWD
 
 SHAPE = dict(batch=2, heads_q=4, seqlen_q=48, seqlen_k=80)
 
@@ -337,8 +338,11 @@ def test_flex_block_sparse_without_the_mask_mod_visits_partial_blocks_whole():
 # ---- production on the GPU -------------------------------------------------------------------------
 
 _GPU_SHAPE = dict(batch=2, heads_q=4, seqlen_q=256, seqlen_k=384)
-_GPU_CONFIGS = [
-    *[dict(score_mod=s) for s in SCORE_MODS],
+_GPU_CONFIGS = [  # GQA 4:2 (_gpu_inputs): the bias score mods meet production's GQA backward defect
+    *[
+        dict(score_mod=s) if s == "softcap" else pytest.param(dict(score_mod=s), marks=SM90_GQA_SCORE_MOD_BWD)
+        for s in SCORE_MODS
+    ],
     *[dict(mask_mod=m) for m in MASK_MODS],
     *[dict(mask_mod=m, block_sparse=(128, 128)) for m in MASK_MODS],
 ]
@@ -391,8 +395,11 @@ def test_softcap_score_mod_equals_the_softcap_flag_bitwise():
     ``utils.create_softcap_scoremod``): the same code, so the same bits."""
     q, k, v, do = _gpu_inputs()
     kw = build_mods(score_mod="softcap", seed=1, device="cuda", **_GPU_SHAPE)
-    as_mod = _run_production(q, k, v, do, softmax_scale=0.088, **kw)
-    as_flag = _run_production(q, k, v, do, softmax_scale=0.088, softcap=kw["score_mod"].params["cap"])
+    # deterministic: dQ's reduce-adds in a fixed order; without it two runs of one call differ in a
+    # few dQ bits (H200, 2026-12-02: 0.002% of dQ between the flag and the mod, dK/dV/out/LSE equal)
+    as_mod = _run_production(q, k, v, do, softmax_scale=0.088, deterministic=True, **kw)
+    cap = kw["score_mod"].params["cap"]
+    as_flag = _run_production(q, k, v, do, softmax_scale=0.088, deterministic=True, softcap=cap)
     for name in as_mod:
         assert torch.equal(as_mod[name], as_flag[name]), name
 
