@@ -374,47 +374,39 @@ def phase_cross(r: Runner, tag: str) -> None:
         r.save()
 
 
-def phase_model(r: Runner, tag: str) -> None:
+def _phase_kernel(r: Runner, tag: str, kernel: str, phase: str, against_production: bool) -> None:
+    """``kernel`` with each library configuration against float64 (and, ``against_production``,
+    its bits against production's run of the same configuration)."""
     from audits.kernels import get_kernel
 
     q, k, v, do = r.x[tag]
-    model = get_kernel("fa4-model-sm90")
+    fn = get_kernel(kernel)
     for cfg in library_configs():
         name = _cfg_name(cfg, {})
-        rec = {"phase": f"model-{tag}", "name": name, "dtype": tag, "mods": cfg}
+        rec = {"phase": f"{phase}-{tag}", "name": name, "dtype": tag, "mods": cfg}
 
         def body(rec, cfg=cfg, name=name):
             kw = build_mods(**cfg, seed=SEED, device=DEVICE, **SHAPE)
-            got = run(model, q, k, v, do, **kw)
+            got = run(fn, q, k, v, do, **kw)
             rec.update(fwd_s=got["fwd_s"], bwd_s=got["bwd_s"], errors=errors(got, reference(q, k, v, do, **kw)))
-            # production's run of this configuration: this process's, or run now (a warm machine
-            # has it in production's compile cache from an earlier call)
-            prod = r.results.get((tag, name)) or r.production(tag, DTYPES[tag], cfg)
-            if prod is not None:
-                rec["bitwise_vs_production"] = bitwise(got, prod)
+            if against_production:
+                # production's run of this configuration: this process's, or run now (a warm
+                # machine has it in production's compile cache from an earlier call)
+                prod = r.results.get((tag, name)) or r.production(tag, DTYPES[tag], cfg)
+                if prod is not None:
+                    rec["bitwise_vs_production"] = bitwise(got, prod)
 
         r.summary["configs"].append(rec)
         r.attempt(rec, body)
         r.save()
+
+
+def phase_model(r: Runner, tag: str) -> None:
+    _phase_kernel(r, tag, "fa4-model-sm90", "model", against_production=True)
 
 
 def phase_flex(r: Runner, tag: str) -> None:
-    from audits.kernels import get_kernel
-
-    q, k, v, do = r.x[tag]
-    flex = get_kernel("flex")
-    for cfg in library_configs():
-        name = _cfg_name(cfg, {})
-        rec = {"phase": f"flex-{tag}", "name": name, "dtype": tag, "mods": cfg}
-
-        def body(rec, cfg=cfg, name=name):
-            kw = build_mods(**cfg, seed=SEED, device=DEVICE, **SHAPE)
-            got = run(flex, q, k, v, do, **kw)
-            rec.update(fwd_s=got["fwd_s"], bwd_s=got["bwd_s"], errors=errors(got, reference(q, k, v, do, **kw)))
-
-        r.summary["configs"].append(rec)
-        r.attempt(rec, body)
-        r.save()
+    _phase_kernel(r, tag, "flex", "flex", against_production=False)
 
 
 def env_info() -> dict:
