@@ -184,6 +184,7 @@ def test_a_domain_built_suite_runs_with_jobs_and_resumes(tmp_path):
     ``--resume`` continues them: the report holds exactly the cases the domain built."""
     from audits import cli
     from audits.domain import smoke_within
+    from audits.kernels import kernel_domain
 
     kern = "examples/restricted_kernel.py:attention"
     narrow = tmp_path / "d.toml"
@@ -191,7 +192,8 @@ def test_a_domain_built_suite_runs_with_jobs_and_resumes(tmp_path):
     argv = ["run", "--kernel", kern, "--suite", "smoke", "--domain", str(narrow), "--jobs", "2", "--quiet"]
     out = tmp_path / "j"
     assert cli.main([*argv, "--out", str(out)]) == 0
-    want = {c.name for c in smoke_within(Domain.from_dict(TRITON, where="k").narrow(Domain.from_toml(narrow)))["cases"]}
+    # the kernel's own declaration (kernel_domain: mods it does not declare are none), narrowed
+    want = {c.name for c in smoke_within(kernel_domain(kern).narrow(Domain.from_toml(narrow)))["cases"]}
     first = {c["case"]: c["seconds"] for c in json.loads((out / "report.json").read_text())["cases"]}
     assert set(first) == want
     assert cli.main([*argv, "--out", str(out), "--resume"]) == 0
@@ -317,20 +319,23 @@ def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_
     from audits import cli
     from audits.cases import smoke_suite
 
-    outside = {c.name for c in smoke_suite() if c.softcap or c.sink or c.dtype.startswith("float8")}
-    assert len(outside) == 12  # 8 fp8, 2 softcap, 2 sink
+    outside = {c.name for c in smoke_suite() if c.softcap or c.sink or c.dtype.startswith("float8") or c.mods}
+    assert len(outside) == 16  # 8 fp8, 2 softcap, 2 sink, 4 mods
     out = tmp_path / "two"
     argv = ["run", "--kernel", "fa4-model", "--kernel", "sdpa-math", "--suite", "smoke", "--quiet"]
     cli.main([*argv, "--out", str(out)])
-    assert f"sdpa-math skips 12 of {len(smoke_suite())} cases outside its declared domain" in capsys.readouterr().err
+    # outside: SDPA's flags and dtypes, and smoke's 4 mod cases (SDPA declares no mods)
+    assert f"sdpa-math skips 16 of {len(smoke_suite())} cases outside its declared domain" in capsys.readouterr().err
     reps = {k: json.loads((out / k / "report.json").read_text()) for k in ("fa4-model", "sdpa-math")}
     assert [c["case"] for c in reps["fa4-model"]["cases"]] == [c.name for c in smoke_suite()]
     assert [c["case"] for c in reps["sdpa-math"]["cases"]] == [c.name for c in smoke_suite()]
     info = reps["sdpa-math"]["domain"]
-    assert info == reps["fa4-model"]["domain"] and info["rule"] == "union" and info["domain"] == Domain().as_dict()
+    # unrestricted: every key open, and every mod kind declared (absent would mean none for a kernel)
+    unrestricted = Domain(mods=("score_mod", "mask_mod", "block_sparse")).as_dict()
+    assert info == reps["fa4-model"]["domain"] and info["rule"] == "union" and info["domain"] == unrestricted
     sdpa = info["kernels"]["sdpa-math"]
-    assert sdpa["domain"]["softcap"] is False and sdpa["cases_outside"] == 12
-    assert info["kernels"]["fa4-model"] == {"domain": Domain().as_dict(), "cases_outside": 0}
+    assert sdpa["domain"]["softcap"] is False and sdpa["cases_outside"] == 16
+    assert info["kernels"]["fa4-model"] == {"domain": unrestricted, "cases_outside": 0}
     declared = {c["case"] for c in reps["sdpa-math"]["cases"]
                 if c["reasons"][0].startswith("outside the kernel's declared domain: ")}  # fmt: skip
     assert declared == outside
