@@ -343,7 +343,7 @@ def _p_and_ds(x: _Inputs, blk: _MBlock, vis, scale: float, softcap: float, sl2: 
     dp = _mm(x.do[:, rows], x.v[:, keys].mT, mma).float().sub_(x.d_prime[:, rows, None])
     ds = torch.mul(p, dp, out=dp)
     if mod is not None:  # apply_score_mod_bwd_inner: dS <- score_mod_bwd(dS, fl32(S_pre * scale))
-        bwd = mod[0].forms.get("model_bwd") if "model_bwd" in mod[0].forms else None  # fa4.mod_forms
+        bwd = mod[0].forms.get("model_bwd")  # fa4.mod_forms
         ds = (bwd or mod[0].grad)(ds, xs, *mod[1], list(mod[2]))
         if not isinstance(ds, torch.Tensor) or ds.dtype != torch.float32:
             raise TypeError(f"score_mod {mod[0].name!r}'s grad returned {getattr(ds, 'dtype', type(ds))} on float32")

@@ -193,7 +193,7 @@ def apply_score_mod(s: torch.Tensor, scale: float, score_mod, idx: tuple, aux) -
     ``score_tensor * softmax_scale``) to ``score_mod_bwd``.  Used by the forward (``fa4.model``
     step 2) and the backward (``fa4.model_bwd`` step 3) alike."""
     x = s * _f32(scale)
-    model = score_mod.forms.get("model") if "model" in score_mod.forms else None
+    model = score_mod.forms.get("model")
     if model is not None:  # production's contraction (fa4.mod_forms): e.g. fma(scale, acc, bias)
         f = model(s, scale, *idx, list(aux or ()))
     else:
