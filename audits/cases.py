@@ -27,12 +27,12 @@ __all__ = [
     "Case", "varlen_case", "smoke_suite", "smoke_varlen", "release_suite", "release_varlen", "nightly_suite",
     "pairwise", "SUITES", "suite", "fidelity_cases", "fidelity_suite", "head_dim_sweep", "head_dims_suite",
     "class_cases", "SM90_HEAD_DIMS", "NONFINITE_MASKS", "MOD_KINDS", "mods_suite", "smoke_mods", "MOD_BLOCK",
-    "MOD_BLOCK_SM100", "mods_cross_checks", "MODS_ADVERSARIAL",
+    "MOD_BLOCK_SM100", "mods_cross_checks", "MODS_ADVERSARIAL", "varlen_mods",
 ]  # fmt: skip
 
 #: the kinds of the programmable surface a case may use and a domain may declare
 #: (``audits.domain`` key ``mods``; ``docs/mods.md``)
-MOD_KINDS = ("score_mod", "mask_mod", "block_sparse")
+MOD_KINDS = ("score_mod", "mask_mod", "block_sparse", "aux_scalars")
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,11 @@ class Case:
     @property
     def mods(self) -> tuple[str, ...]:
         """The mod kinds this case uses (``audits.domain`` ``mods``): among "score_mod",
-        "mask_mod", "block_sparse"."""
-        have = (self.score_mod, self.mask_mod, self.block_sparse)
+        "mask_mod", "block_sparse", and "aux_scalars" when a mod reads runtime scalars (the call
+        then passes ``aux_scalars=``, a keyword a kernel must declare it takes)."""
+        from numerics.mod_library import SCALAR_SCORE_MODS
+
+        have = (self.score_mod, self.mask_mod, self.block_sparse, self.score_mod in SCALAR_SCORE_MODS)
         return tuple(k for k, on in zip(MOD_KINDS, have) if on)
 
     def _mod_parts(self) -> list[str]:
@@ -183,7 +186,7 @@ class Case:
             sink=self.sink, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, heads_q=self.heads_q,
             heads_kv=self.heads_kv, varlen=self.varlen, paged=self.page_size > 0, num_splits=self.num_splits,
             pack_gqa=self.pack_gqa, deterministic=deterministic, score_mod=bool(self.score_mod),
-            mask_mod=bool(self.mask_mod), block_sparse=tuple(self.block_sparse),
+            mask_mod=bool(self.mask_mod), block_sparse=tuple(self.block_sparse), aux_scalars="aux_scalars" in self.mods,
         )  # fmt: skip
 
 
@@ -241,7 +244,7 @@ def smoke_suite() -> list[Case]:
         Case("float8_e5m2", 64, 64, 1, 2, 2, 64, 200, family="near_max"),
     ]
     steps = [Case("bfloat16", 64, 64, 1, 1, 1, 32, 1024, family=f) for f in FAMILIES if f.startswith("tile_step_")]
-    return base + steps + smoke_varlen() + smoke_mods()
+    return base + steps + smoke_varlen() + smoke_mods() + varlen_mods(smoke=True)
 
 
 #: the block size of the suites' block-sparse cases, (block_q, block_k): production's default
@@ -298,13 +301,20 @@ MODS_ADVERSARIAL = ("drift", "outliers", "peaked", "long_tail")
 def _mod_configs() -> list[dict]:
     """The mod configurations of the ``mods`` suite: every library score mod alone, every mask
     mod alone dense and block-sparse (:data:`MOD_BLOCK`, and :data:`MOD_BLOCK_SM100`, which
-    SM100 takes at the suite's lengths), and every pair, dense and block-sparse (:data:`MOD_BLOCK`)."""
-    from numerics.mod_library import MASK_MODS, SCORE_MODS
+    SM100 takes at the suite's lengths), and every pair, dense and block-sparse (:data:`MOD_BLOCK`);
+    then, after them (so that the configurations before keep their place, head dim and family), each
+    score mod reading runtime scalars (``SCALAR_SCORE_MODS``: ``temperature``) alone, with the
+    document mask dense and with prefix-LM block-sparse."""
+    from numerics.mod_library import MASK_MODS, SCALAR_SCORE_MODS, SCORE_MODS
 
-    out = [{"score_mod": s} for s in SCORE_MODS]
+    plain = [s for s in SCORE_MODS if s not in SCALAR_SCORE_MODS]
+    out = [{"score_mod": s} for s in plain]
     out += [{"mask_mod": m, "block_sparse": bs} for m in MASK_MODS for bs in ((), MOD_BLOCK, MOD_BLOCK_SM100)]
-    out += [{"score_mod": s, "mask_mod": m, "block_sparse": bs} for s in SCORE_MODS for m in MASK_MODS
+    out += [{"score_mod": s, "mask_mod": m, "block_sparse": bs} for s in plain for m in MASK_MODS
             for bs in ((), MOD_BLOCK)]  # fmt: skip
+    for s in SCALAR_SCORE_MODS:
+        out += [{"score_mod": s}, {"score_mod": s, "mask_mod": "document"},
+                {"score_mod": s, "mask_mod": "prefix_lm", "block_sparse": MOD_BLOCK}]  # fmt: skip
     return out
 
 
@@ -329,7 +339,7 @@ def mods_cross_checks() -> dict[str, tuple[Case, Case]]:
 
 
 def mods_suite() -> list[Case]:
-    """The ``mods`` suite (GPU): every mod configuration (:func:`_mod_configs`: 39) at bf16 and
+    """The ``mods`` suite (GPU): every mod configuration (:func:`_mod_configs`: 42) at bf16 and
     fp16, batch 2, 4 query heads on 2 KV heads, 256 queries x 384 keys (partial 128-blocks at the
     keys' end, none at the queries'), head dim 64 and 128 in turn, family ``normal``, plus the
     configuration once with an adversarial family (:data:`MODS_ADVERSARIAL` in turn); then the
@@ -344,7 +354,66 @@ def mods_suite() -> list[Case]:
         d = (128, 64)[i % 2]
         out.append(Case("bfloat16", d, d, 2, 4, 2, 256, 384, family=fam, seed=_seed_of("mods", fam, d, tag), **cfg))
     out += [c for pair in mods_cross_checks().values() for c in pair]
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(out + varlen_mods()))
+
+
+def varlen_mods(*, smoke: bool = False) -> list[Case]:
+    """The varlen cases with mods (``docs/varlen.md``, "Mods on varlen cases"): every library
+    score mod and mask mod through the varlen entry, on mixed lengths with an empty sequence (no
+    query), a 1x1 one and one with queries and no key, GQA and MQA, packed and paged keys,
+    ``seqused_k``, split-KV with pack_gqa, a window beside a score mod, decode rows.  Each mod
+    sees the sequence as its batch index and positions within the sequence; the library mods' aux
+    tensors have a row per sequence (``audits.inputs._varlen_mods``); block sparsity per sequence
+    (production's varlen layout) at SM90's and SM100's sparse blocks.  ``smoke``:
+    the first case only (ALiBi with a document mask on mixed lengths, small enough for 2 cores);
+    all of them are in the ``mods`` suite."""
+    mixed = ((0, 50), (1, 1), (37, 30), (5, 0), (64, 100))
+    cases = [
+        # ALiBi (per-head aux) with a document mask (per-sequence segment ids): an empty sequence, 1x1,
+        # queries without keys, GQA 4:2
+        varlen_case(seqlens=mixed, dtype="bfloat16", d=64, dv=64, heads_q=4, heads_kv=2, family="student_t",
+                    score_mod="alibi", mask_mod="document", seed=11),
+    ]  # fmt: skip
+    if smoke:
+        return cases
+    cases += [
+        # the relative bias with prefix-LM (a prefix per sequence), keys used below the allocation, fp16, d 128
+        varlen_case(seqlens=((100, 300), (64, 256), (1, 90), (0, 7)), seqused_k=(150, 200, 90, 7), dtype="float16",
+                    d=128, dv=128, heads_q=2, heads_kv=2, score_mod="relbias", mask_mod="prefix_lm", seed=12),
+        # softcap as a score_mod on a sliding window, paged keys (64-key pages), MQA
+        varlen_case(seqlens=((70, 300), (1, 129), (200, 200)), page_size=64, seqused_k=(300, 129, 200),
+                    dtype="bfloat16", d=64, dv=64, heads_q=4, heads_kv=1, family="outliers", score_mod="softcap",
+                    mask_mod="sliding_window", seed=13),
+        # causal as a mask_mod, split-KV with pack_gqa (the model's SM100 split path; SM90 refuses splits)
+        varlen_case(seqlens=((2, 700), (77, 400), (100, 300)), num_splits=3, pack_gqa=True, dtype="bfloat16",
+                    d=64, dv=64, heads_q=4, heads_kv=2, family="drift", mask_mod="causal", seed=14),
+        # ALiBi alone on decode rows against long caches, 48-key pages (not dividing the tile)
+        varlen_case(seqlens=((1, 1000), (4, 1024), (3, 500)), page_size=48, seqused_k=(1000, 1000, 480),
+                    dtype="bfloat16", d=64, dv=64, heads_q=8, heads_kv=2, family="peaked", score_mod="alibi",
+                    seed=15),
+        # the relative bias beside a local window (the flags stay with a score_mod alone), fp16
+        varlen_case(seqlens=((200, 400), (65, 65), (10, 300), (0, 3)), window=(96, 8), dtype="float16", d=64,
+                    dv=64, heads_q=4, heads_kv=4, family="long_tail", score_mod="relbias", seed=16),
+        # the document mask alone, causal flag off, fp16, on chunked-prefill lengths
+        varlen_case(seqlens=((128, 384), (129, 257), (1, 1)), dtype="float16", d=128, dv=128, heads_q=4,
+                    heads_kv=2, mask_mod="document", seed=17),
+        # block-sparse per sequence (production's varlen layout: cu_total_m_blocks), ALiBi with a document
+        # mask: full and partial blocks, sequences without queries or keys; SM90's sparse block (128 rows:
+        # q_stage * tile_m), and SM100's (two 128-row Q stages) on prefix-LM with keys used below the allocation
+        varlen_case(seqlens=((0, 50), (1, 1), (200, 300), (5, 0), (130, 260)), dtype="bfloat16", d=64, dv=64,
+                    heads_q=4, heads_kv=2, score_mod="alibi", mask_mod="document", block_sparse=MOD_BLOCK, seed=18),
+        varlen_case(seqlens=((300, 400), (1, 129), (256, 256)), seqused_k=(380, 129, 200), dtype="float16", d=128,
+                    dv=128, heads_q=4, heads_kv=2, family="drift", mask_mod="prefix_lm", block_sparse=MOD_BLOCK_SM100,
+                    seed=19),
+    ]  # fmt: skip
+    from numerics.mod_library import MASK_MODS, SCORE_MODS
+
+    # a library mod none of the above names (one added later): alone, on the mixed lengths
+    for key, names in (("score_mod", SCORE_MODS), ("mask_mod", MASK_MODS)):
+        for name in (n for n in names if n not in {getattr(c, key) for c in cases}):
+            cases.append(varlen_case(seqlens=mixed, dtype="bfloat16", d=64, dv=64, heads_q=4, heads_kv=2,
+                                     seed=_seed_of("varlen-mods", name), **{key: name}))  # fmt: skip
+    return cases
 
 
 def smoke_varlen() -> list[Case]:
@@ -811,7 +880,8 @@ def _mod_fields(kw: dict, where: str) -> None:
     """Validate (and turn a JSON list back into a tuple) the mod fields of a case dict: library
     names (``numerics.mod_library``), block sparsity as two positive ints and only with a
     mask_mod (the partial blocks apply it; production's ``BlockSparseTensorsTorch`` comes with
-    one), no mods on a varlen case (``fa4.mods.build_mods`` builds fixed-length calls)."""
+    one); a varlen case takes them too (``docs/varlen.md``, "Mods on varlen cases": the blocks per
+    sequence)."""
     from numerics.mod_library import MASK_MODS, SCORE_MODS
 
     for key, accepted in (("score_mod", SCORE_MODS), ("mask_mod", MASK_MODS)):
@@ -828,8 +898,6 @@ def _mod_fields(kw: dict, where: str) -> None:
             f"{where}: block_sparse {list(bs)} needs a mask_mod (its blocks are built from it); "
             f"accepted: {', '.join(MASK_MODS)}"
         )
-    if kw.get("seqlens") and (kw.get("score_mod") or kw.get("mask_mod") or bs):
-        raise ValueError(f"{where}: score_mod, mask_mod and block_sparse apply to fixed-length cases, not varlen")
 
 
 def varlen_case(*, seqlens, **kw) -> Case:

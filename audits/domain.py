@@ -8,7 +8,7 @@ A kernel declares it as an attribute of the callable, a plain dict whose keys ar
         "seqlen_multiple": 128, "equal_seqlens": True, "max_seqlen": 8192,
         "causal": True, "local": False, "softcap": False, "sink": False, "gqa": True,
         "layouts": ["contiguous", "strided"], "backward": False, "deterministic": False,
-        "mods": ["score_mod", "mask_mod", "block_sparse"],
+        "mods": ["score_mod", "mask_mod", "block_sparse", "aux_scalars"],
     }
 
 or in a TOML file with the same keys (a file narrows what the attribute allows); the attribute
@@ -20,7 +20,7 @@ ranges, and lists mixing them (:class:`HeadDims`, :data:`HEAD_DIM_FORMS`): produ
 (production SM100's fp8 alignment of 16) stays a run-time refusal.  ``seqlen_q_multiple`` /
 ``seqlen_k_multiple`` constrain the two lengths apart (``seqlen_multiple``: both).  ``mods``: the
 kinds of the programmable surface the kernel takes (``audits.cases.MOD_KINDS``: "score_mod",
-"mask_mod", "block_sparse"; ``docs/mods.md``).  In a kernel's own declaration (:func:`domain_of`)
+"mask_mod", "block_sparse", "aux_scalars"; ``docs/mods.md``).  In a kernel's own declaration (:func:`domain_of`)
 an absent ``mods`` means *none*, unlike every other key: a kernel that does not say it takes a
 score_mod has its mod cases skipped as outside its domain (and left out of the suites built for
 it), never run without the mod and passed.  Elsewhere (a ``--domain`` file, ``Domain()``) an
@@ -691,7 +691,7 @@ def smoke_within(d: Domain) -> dict:
     key beyond the causal diagonal is another test than one in an unmasked row),
     as :func:`release_within` reports them, then smoke's varlen cases inside the domain.  The
     unrestricted domain gives smoke itself."""
-    from audits.cases import NONFINITE_MASKS, pairwise, smoke_mods, smoke_suite, smoke_varlen
+    from audits.cases import NONFINITE_MASKS, pairwise, smoke_mods, smoke_suite, smoke_varlen, varlen_mods
     from audits.inputs import FAMILIES
 
     if _unrestricted_but_mods(d):
@@ -716,7 +716,7 @@ def smoke_within(d: Domain) -> dict:
             case = next((c for c, _ in tries if c is not None and mask_kind(c) == m), None)
             cases += [case] if case is not None else []
     cases += _varlen_within(d, smoke_varlen())
-    cases += mods_within(d, smoke_mods())["cases"]
+    cases += mods_within(d, smoke_mods() + varlen_mods(smoke=True))["cases"]
     return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
             "not_applicable": missing}  # fmt: skip
 
@@ -744,6 +744,8 @@ def _fit(d: Domain, case: Case) -> tuple[Case | None, str | None]:
     equal heads without GQA, a declared layout), or why it still lies outside."""
     if d.refusal(case) is None:
         return case, None
+    if case.varlen:  # a varlen case's lengths are the serving mix, not an axis value (_varlen_within)
+        return None, d.refusal(case)
     sq, sk = next(iter(seqlens_within(d, [(case.seqlen_q, case.seqlen_k)])), (case.seqlen_q, case.seqlen_k))
     layout = case.layout if d.layouts is None or case.layout in d.layouts else d.layouts[0]
     moved = dataclasses.replace(case, seqlen_q=sq, seqlen_k=sk, layout=layout,

@@ -413,20 +413,53 @@ def _head_max_logits(q: torch.Tensor, k: torch.Tensor, case) -> torch.Tensor:
     """Per query head: the largest finite visible logit over the batch and every query row, in
     float64 from the rounded inputs, with the audited call's scale (1/sqrt(d)) and softcap;
     -inf for a head with no finite visible logit.  Chunked over queries so that the score
-    tensor stays small at 32k keys."""
-    from numerics.reference import visible_mask
+    tensor stays small at 32k keys.
+
+    With mods the logit is the one the softmax sees: the score mod's reference form in float64
+    on the scaled score (production's ``softmax.py`` ``apply_score_mod_inner``: scale, then the
+    mod) and "visible" is the flags intersected with the mask_mod and block sparsity
+    (``numerics.reference.call_visibility``), the mods built as the call's are
+    (``fa4.mods.build_mods`` from the case's seed, its ``aux_scalars`` bound by
+    ``numerics.mods.bind_aux_scalars``), so that the sink sits where ``SINK_PLACES``
+    says against what the kernel sees — against the flag-masked raw logits, a mask_mod hiding
+    the largest key or a bias shifting every logit would move it off its place."""
+    from numerics.mods import bind_aux_scalars
+    from numerics.reference import apply_score_mod, call_visibility
 
     b, sq, hq, d = q.shape
     sk = k.shape[1]
+    mods: dict = {}
+    if case.score_mod or case.mask_mod or case.block_sparse:
+        from fa4.mods import build_mods
+        from numerics.mod_library import RELBIAS_SPAN
+
+        if case.score_mod == "relbias" and max(sq, sk) > RELBIAS_SPAN:  # _mods refuses it too, after the sink
+            raise NotApplicable(
+                f"score_mod relbias covers sequences up to {RELBIAS_SPAN} tokens (its bucket table); the case has "
+                f"{sq}x{sk}"
+            )
+        mods = build_mods(score_mod=case.score_mod, mask_mod=case.mask_mod, block_sparse=tuple(case.block_sparse),
+                          batch=b, heads_q=hq, seqlen_q=sq, seqlen_k=sk, seed=case.seed, device=q.device)  # fmt: skip
+    aux = mods.get("aux_tensors")
+    score_mod, mask_mod, blocks = bind_aux_scalars(  # the call's runtime scalars, when it has any
+        mods.get("aux_scalars"), score_mod=mods.get("score_mod"), mask_mod=mods.get("mask_mod"),
+        block_sparse=mods.get("block_sparse_tensors"),
+    )  # fmt: skip
     kd = k.double().repeat_interleave(hq // k.shape[2], dim=2)
-    vis = visible_mask(sq, sk, causal=case.causal, window_size=tuple(case.window), device=q.device)
     best = torch.full((hq,), -math.inf, dtype=torch.float64, device=q.device)
     rows = max(1, (1 << 24) // max(1, b * hq * sk))
     for i0 in range(0, sq, rows):
+        idx = torch.arange(i0, min(i0 + rows, sq), device=q.device)
         s = torch.einsum("bihd,bjhd->bhij", q[:, i0 : i0 + rows].double() / math.sqrt(d), kd)
         if case.softcap and case.softcap > 0:
             s = case.softcap * torch.tanh(s / case.softcap)
-        s = s.masked_fill(~(vis[i0 : i0 + rows] & torch.isfinite(s)), -math.inf)
+        if score_mod is not None:
+            s = apply_score_mod(s, score_mod, aux, rows=idx)
+        vis = call_visibility(
+            batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=case.causal, window_size=tuple(case.window),
+            mask_mod=mask_mod, block_sparse_tensors=blocks, aux_tensors=aux, rows=idx, device=q.device,
+        )  # fmt: skip
+        s = s.masked_fill(~(vis & torch.isfinite(s)), -math.inf)
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     return best.cpu()
 
@@ -490,6 +523,46 @@ def make_grad_output(case, *, device: str | torch.device = "cpu") -> tuple[torch
     return do.to(dt).to(device), fam
 
 
+def _varlen_mods(case, device) -> dict:
+    """A varlen case's mod keywords: the library mods built as for a fixed-length batch of one
+    row per sequence at the call's largest lengths (:func:`_mods` on the case, whose ``batch``,
+    ``seqlen_q`` and ``seqlen_k`` are the sequence count and the largest lengths).  So a per-batch
+    aux tensor has one row per sequence, padded to the largest length (``document``: (sequences,
+    max_seqlen_q) and (sequences, max_seqlen_k) ids; ``prefix_lm``: one prefix per sequence), which
+    production indexes with the sequence as ``batch_idx`` and positions within it
+    (``fa4.varlen.sequence_mods``); a mod's offsets (``causal``, ``sliding_window``,
+    ``prefix_lm``: ``seqlen_k - seqlen_q``) are those largest lengths', one function for every
+    sequence, as one compiled mod is.  ``nan_inf_visible`` with a mask_mod is not applicable (its
+    inf key is placed per sequence without the mods).  ``block_sparse``: per sequence the mask
+    mod's blocks over its rows and used keys, as sequence i sees the mod
+    (``numerics.mods.block_sparse_from_mask`` of ``fa4.varlen.sequence_mods(i)``'s mask; None for a
+    sequence without queries or keys), each holding the call's mask mod (``fa4.varlen.varlen_block_sparse``)."""
+    from dataclasses import replace
+
+    if case.family == "nan_inf_visible" and (case.mask_mod or case.block_sparse):
+        raise NotApplicable(
+            "nan_inf_visible with a mask_mod on a varlen case: the inf key is drawn per sequence without the mods, "
+            "and a mask hiding it from some query makes a correct tiled kernel's 0 * inf a NaN"
+        )
+    mods = _mods(replace(case, block_sparse=()), None, device)
+    if case.block_sparse:
+        from fa4.varlen import sequence_mods
+        from numerics.mods import block_sparse_from_mask
+
+        mm, bq, bk, per = mods["mask_mod"], *case.block_sparse, []
+        for i, (sq, _) in enumerate(case.seqlens):
+            sk = case.seqused_k[i] if case.seqused_k else case.seqlens[i][1]
+            if sq == 0 or sk == 0:
+                per.append(None)
+                continue
+            own = sequence_mods(i, mask_mod=mm)["mask_mod"]
+            bs = block_sparse_from_mask(own, batch=1, heads=case.heads_q, seqlen_q=sq, seqlen_k=sk, block_size=(bq, bk),
+                                        aux=mods.get("aux_tensors"), device=device)  # fmt: skip
+            per.append(replace(bs, mask_mod=mm))
+        mods["block_sparse_tensors"] = per
+    return mods
+
+
 def _sequence_case(case, i: int, sq: int, sk: int):
     """Sequence ``i`` of a varlen case as a batch-1 fixed-length case (its own seed), at least
     one row and key long so that every family can draw (sliced back to the length after)."""
@@ -497,7 +570,8 @@ def _sequence_case(case, i: int, sq: int, sk: int):
 
     return replace(
         case, batch=1, seqlen_q=max(sq, 1), seqlen_k=max(sk, 1), seed=case.seed * 7919 + i, layout="contiguous",
-        sink=False, seqlens=(), seqused_k=(), page_size=0, num_splits=1, pack_gqa=None,
+        sink=False, seqlens=(), seqused_k=(), page_size=0, num_splits=1, pack_gqa=None, score_mod="", mask_mod="",
+        block_sparse=(),
     )  # fmt: skip
 
 
@@ -526,8 +600,10 @@ def make_varlen_inputs(case, *, device: str | torch.device = "cpu") -> dict:
     ``cu_seqlens_q``; k, v packed with ``cu_seqlens_k``, or in a shuffled paged cache with
     ``page_table`` (``page_size``); ``seqused_k`` when the case uses fewer keys than allocated
     (the allocated tail holds the family's values: finite, never visible).  The learnable sink
-    is drawn against sequence 0.  Returns q, k, v, kw (the call's keywords) and ``parts``: per
-    sequence (q_i, k_i, v_i) with the used keys only, batch 1 — what the sequence computes."""
+    is drawn against sequence 0.  A case's mods are built once for the call (:func:`_varlen_mods`:
+    per-batch aux tensors have a row per sequence).  Returns q, k, v, kw (the call's keywords) and
+    ``parts``: per sequence (q_i, k_i, v_i) with the used keys only, batch 1 — what the sequence
+    computes (its mods: ``fa4.varlen.sequence_mods``)."""
     dt = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(case.seed)
     qs, ks, vs, parts, sink = [], [], [], [], None
@@ -563,5 +639,7 @@ def make_varlen_inputs(case, *, device: str | torch.device = "cpu") -> dict:
     kw["num_splits"] = case.num_splits
     if case.pack_gqa is not None:
         kw["pack_gqa"] = case.pack_gqa
+    if case.score_mod or case.mask_mod or case.block_sparse:
+        kw.update(_varlen_mods(case, device))
     q = torch.cat(qs)
     return {"q": q.to(device), "k": k.to(dt).to(device), "v": v.to(dt).to(device), "kw": kw, "parts": parts}

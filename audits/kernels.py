@@ -66,9 +66,10 @@ def _model_of(arch: str, mma: str = "exact"):
 
         # production's numerics for this call: a mask_mod drops the flags from the forward's
         # configuration (interface._resolve_causal_local_window), block sparsity fits the tiles
-        flags = (False, (None, None)) if kw.get("mask_mod") is not None else (causal, window_size)
-        bs = kw.get("block_sparse_tensors")
-        nm = FA4Numerics.for_inputs(arch, q, k, v, *flags, block_sparse=None if bs is None else tuple(bs.block_size))
+        nm = FA4Numerics.for_call(
+            arch, q, k, v, causal=causal, window_size=window_size, mask_mod=kw.get("mask_mod"),
+            block_sparse_tensors=kw.get("block_sparse_tensors"),
+        )  # fmt: skip
         nm = dataclasses.replace(nm, bwd_deterministic=bool(deterministic), mma=mma)
         return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
 
@@ -85,8 +86,8 @@ def _model_of(arch: str, mma: str = "exact"):
 #: ``_hd256_refusals``) concern the backward only and stay run-time refusals.
 #: Both model every mod kind (fa4/model.py, "Mods"); their varlen entries refuse mods at run time.
 _MODEL_DOMAINS = {
-    "sm100": {"mods": ["score_mod", "mask_mod", "block_sparse"]},
-    "sm90": {"dtypes": ["bfloat16", "float16"], "mods": ["score_mod", "mask_mod", "block_sparse"]},
+    "sm100": {"mods": ["score_mod", "mask_mod", "block_sparse", "aux_scalars"]},
+    "sm90": {"dtypes": ["bfloat16", "float16"], "mods": ["score_mod", "mask_mod", "block_sparse", "aux_scalars"]},
 }
 
 
@@ -335,12 +336,14 @@ def _flex(
     mask_mod=None,
     aux_tensors=None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ):
     """PyTorch's ``flex_attention`` as a peer (kernel ``flex``): compiled on CUDA, eager on the
     CPU (forward only there: flex refuses a CPU backward, NotImplementedError).  The mods are
     the contract's (``numerics.mods``) reference forms, which flex evaluates on its own
     (``score_mod(score, b, h, q_idx, kv_idx)`` on ``scale * q.k``, the semantics production's
-    forms share), closing over the call's ``aux_tensors``.  The flags intersect a mask_mod (the
+    forms share), closing over the call's ``aux_tensors`` and ``aux_scalars`` (the latter handed to
+    the forms only when the call has some: ``numerics.mods.bind_aux_scalars``).  The flags intersect a mask_mod (the
     audit's meaning, ``numerics.mods``): without block sparsity both go into the mask_mod of
     ``create_block_mask``; with it the blocks are the BlockSparse's (``BlockMask.from_kv_blocks``,
     the mask_mod on partial blocks only; on the CPU, whose eager flex reads no block lists, the
@@ -356,6 +359,11 @@ def _flex(
         raise NotImplementedError("flex_attention has no learnable sink")
     if softcap and score_mod is not None:
         raise NotImplementedError("softcap and a score_mod together: one score_mod only (production refuses it too)")
+    from numerics.mods import bind_aux_scalars
+
+    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(
+        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
+    )  # fmt: skip
     sm, block_mask = _flex_mods(
         q, k, causal=causal, window_size=window_size, softcap=softcap, score_mod=score_mod, mask_mod=mask_mod,
         aux=list(aux_tensors or []), block_sparse=block_sparse_tensors,
@@ -386,7 +394,7 @@ _flex.fa4_audit_domain = {
     "dtypes": ["bfloat16", "float16"],
     "sink": False,
     "deterministic": False,
-    "mods": ["score_mod", "mask_mod", "block_sparse"],
+    "mods": ["score_mod", "mask_mod", "block_sparse", "aux_scalars"],
 }
 
 
@@ -442,22 +450,25 @@ def fa4_arch(name: str) -> str | None:
 
 
 def fa4_varlen_numerics(name: str):
-    """Callable (q, k, v, causal, window, *, num_splits, page_size, pack_gqa, max_seqlen_q) -> the
-    FA4Numerics of one sequence (batch-1 tensors) of a varlen call with packed queries, as the
-    kernel's varlen entry chooses them (``fa4.varlen``: SM100 without 2-CTA for packed queries,
-    splits and pages other than 128; tiles from ``max_seqlen_q``; the interleave of packed GQA);
-    ``page_size`` 0: no page table; ``pack_gqa`` None: the default (on for GQA).  None for
-    kernels that do not implement FA4's numerics."""
+    """Callable (q, k, v, causal, window, *, num_splits, page_size, pack_gqa, max_seqlen_q,
+    block_sparse=None) -> the FA4Numerics of one sequence (batch-1 tensors) of a varlen call with
+    packed queries, as the kernel's varlen entry chooses them (``fa4.varlen``: SM100 without
+    2-CTA for packed queries, splits and pages other than 128; tiles from ``max_seqlen_q``; the
+    interleave of packed GQA; tiles fitted to a sparse block); ``page_size`` 0: no page table;
+    ``pack_gqa`` None: the default (on for GQA).  None for kernels that do not implement FA4's
+    numerics."""
     from fa4.varlen import packs_gqa, sequence_numerics
 
     arch = fa4_arch(name)
     if arch is None:
         return None
 
-    def nm(q, k, v, causal, window, *, num_splits: int, page_size: int, pack_gqa, max_seqlen_q: int):
+    def nm(q, k, v, causal, window, *, num_splits: int, page_size: int, pack_gqa, max_seqlen_q: int,
+           block_sparse=None):  # fmt: skip
         pack = packs_gqa(pack_gqa, q.shape[2], k.shape[2])
         return sequence_numerics(arch, q, k, v, causal, window, varlen_q=True, num_splits=num_splits,
-                                 page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q)  # fmt: skip
+                                 page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q,
+                                 block_sparse=block_sparse)  # fmt: skip
 
     return nm
 
@@ -646,6 +657,13 @@ def per_sequence(fn: Callable) -> Callable:
         from fa4.varlen import VARLEN_KEYWORDS, empty_outputs, sequences
 
         vk = {n: kw.pop(n) for n in VARLEN_KEYWORDS if n in kw}
+        mods = [n for n in ("score_mod", "mask_mod", "aux_tensors", "block_sparse_tensors") if kw.get(n) is not None]
+        if mods:
+            raise NotImplementedError(
+                f"--per-sequence does not pass mods ({', '.join(mods)}): a batch-1 call per sequence would hand a "
+                "mod batch_idx 0 for every sequence, where the varlen entry hands it the sequence's index "
+                "(docs/varlen.md, 'Mods on varlen cases'); audit mods on varlen cases through a varlen entry"
+            )
         packed = vk.get("cu_seqlens_q") is not None
         seqs = sequences(q, k, **vk)
         out, lse = empty_outputs(q, v, packed=packed)

@@ -88,13 +88,19 @@ pattern inside (at least one key kept and one dropped where the block has two in
 elements); every query row keeps at least one key unless asked otherwise.  :func:`mask_mod_of`
 makes it a MaskMod reading the dense pattern from an aux tensor (int32, (B|1, H|1, sq, sk)),
 so its block sparsity (``numerics.mods.block_sparse_from_mask``) has the drawn full / partial /
-empty blocks.  Varlen: not drawn: the mods apply to fixed-length calls only
-(``audits.cases`` refuses mods on a varlen case; ``fa4.mods.build_mods`` builds fixed-length
-calls).
+empty blocks.
 
 Spec strings: a random score mod is also named by a string (:func:`score_spec`, ``"rand:"``
 then its ops), from which :func:`score_mod_from_spec` rebuilds it exactly, so that a case can
 carry one.
+
+Varlen
+======
+:func:`varlen_batches` draws a varlen call with mods: per-sequence lengths (empty sequences,
+1x1 ones, queries without keys among them), packed q and k, a random score mod and a random
+block mask drawn per sequence (the pattern's batch axis is the sequence: production hands a
+mod the sequence as ``batch_idx`` and positions within it, ``fa4.varlen.sequence_mods``).  No
+block sparsity: the model of the varlen entry does not model production's varlen layout.
 """
 
 from __future__ import annotations
@@ -625,3 +631,38 @@ def block_sparse_mods(draw, *, batch: int, heads_q: int, seqlen_q: int, seqlen_k
     bs = block_sparse_from_mask(mm, batch=batch, heads=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                 block_size=tuple(block_size), aux=full_aux, device=device)  # fmt: skip
     return mm, aux, bs
+
+
+@st.composite
+def varlen_batches(draw, *, max_sequences: int = 4, max_len: int = 48, device="cpu") -> dict:
+    """A varlen call with mods (module doc, "Varlen"): ``q`` (total_q, hq, d), ``k``, ``v``
+    (total_k, hk, d) bfloat16, ``kw`` (``cu_seqlens_q`` / ``_k``, ``max_seqlen_q`` / ``_k``,
+    ``score_mod``, ``mask_mod``, ``aux_tensors``: the score mod's from 0, the mask's pattern
+    last), ``seqlens`` (per sequence (seqlen_q, seqlen_k)) and ``pattern``: the mask's (sequences,
+    H|1, max_seqlen_q, max_seqlen_k) bool pattern, row i sequence i's (drawn per sequence, so a
+    mod reading another sequence's row reads another mask).  Lengths shrink toward one short
+    sequence; 0-length queries or keys and 1x1 sequences are drawn."""
+    n = draw(st.integers(1, max_sequences))
+    length = st.one_of(st.just(0), st.just(1), st.integers(2, max_len))
+    seqlens = [(draw(length), draw(length)) for _ in range(n)]
+    hk = draw(st.sampled_from([1, 2]))
+    hq = hk * draw(st.sampled_from([1, 2]))
+    d = 64
+    sm, sm_aux = draw(score_mods(heads_q=hq, max_ops=3, device=device))
+    mq, mk = max(1, max(a for a, _ in seqlens)), max(1, max(b for _, b in seqlens))
+    pat = random_mask(
+        batch=n, heads=hq, seqlen_q=mq, seqlen_k=mk, block_size=(16, 16), seed=draw(st.integers(0, 2**16)),
+        per_head=draw(st.booleans()), per_batch=True, density=draw(st.sampled_from([0.5, 0.1, 0.9])),
+    )  # fmt: skip
+    mm, mm_aux = mask_mod_of(pat, aux_base=len(sm_aux), device=device)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    tq, tk = sum(a for a, _ in seqlens), sum(b for _, b in seqlens)
+    q, k, v = (
+        torch.randn(t, h, d, generator=g).to(torch.bfloat16).to(device) for t, h in ((tq, hq), (tk, hk), (tk, hk))
+    )
+    cu = lambda ls: torch.tensor([0, *torch.tensor(ls, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {
+        "cu_seqlens_q": cu([a for a, _ in seqlens]).to(device), "cu_seqlens_k": cu([b for _, b in seqlens]).to(device),
+        "max_seqlen_q": mq, "max_seqlen_k": mk, "score_mod": sm, "mask_mod": mm, "aux_tensors": [*sm_aux, *mm_aux],
+    }  # fmt: skip
+    return {"q": q, "k": k, "v": v, "kw": kw, "seqlens": seqlens, "pattern": pat}

@@ -2,16 +2,19 @@
 model with SM90 knobs on identical inputs and identical dO, both against the FP64 gradients;
 and production with ``deterministic=True`` run twice.
 
-    python benchmarks/h200_backward.py --out DIR [--model fa4-model-sm90-tc] [--deterministic] [--stand-in]
+    python benchmarks/h200_backward.py --out DIR [--model fa4-model-sm90-tc] [--deterministic] [--stand-in] [--mods]
 
-Per case and gradient (dq, dk, dv, dsink): the share of elements bit-identical and within 1
+Per case and gradient (dq, dk, dv, dsink), and the forward's out: the share of elements bit-identical and within 1
 integer ULP step of the gradient's dtype, the share within 1 ULP at the row's largest |FP64|
-(row-scaled, as the forward fidelity report), and both kernels' max |error| against FP64.
+(row-scaled, as the forward fidelity report), and both kernels' max |error| against FP64; the
+share of LSE values bit-identical.
 ``--model``: the model compared (default ``fa4-model-sm90``; ``fa4-model-sm90-tc`` sums the
 MMAs as the H200's tensor cores do).  ``--deterministic``: both backwards with
 ``deterministic=True`` (production's semaphore-ordered dQ and dK/dV reductions; the model's
 ``bwd_deterministic``), so that the atomics' order is no longer a difference.  ``--stand-in``
-runs the model in place of production (to try the script without a GPU).
+runs the model in place of production (to try the script without a GPU).  ``--mods``: the mod
+cases instead (``_mod_cases``: one per library mod kind), production through the contract's
+adapter ``fa4.production.flash_attn``, which converts the mods to production's forms.
 """
 
 from __future__ import annotations
@@ -45,6 +48,25 @@ def _cases() -> dict[str, Case]:
         "d128_fp16": c(128, 256, 384, dtype="float16", seed=8),
         "d128_drift": c(128, 128, 1024, family="drift", seed=9),
         "d256": c(256, 128, 256, seed=10),
+    }
+
+
+def _mod_cases() -> dict[str, Case]:
+    """``--mods``: one case per library mod kind, d 128, bf16, 256 x 384, MHA where the score
+    mod reads the head or the query position (production's SM90 backward is wrong for those under
+    GQA, docs/h200-results.md, and the model follows the intended indices), GQA 4:2 otherwise;
+    block sparsity at (128, 128), SM90's forward tile at d 128."""
+    c = lambda hq, hk, seed, **kw: Case("bfloat16", 128, 128, 2, hq, hk, 256, 384, seed=seed, **kw)
+    bs = (128, 128)
+    return {
+        "alibi_mha": c(4, 4, 21, score_mod="alibi"),
+        "relbias_mha": c(4, 4, 22, score_mod="relbias"),
+        "softcap_mod_gqa": c(4, 2, 23, score_mod="softcap"),
+        "causal_mod_gqa": c(4, 2, 24, mask_mod="causal"),
+        "document_gqa": c(4, 2, 25, mask_mod="document"),
+        "sliding_window_bs_gqa": c(4, 2, 26, mask_mod="sliding_window", block_sparse=bs),
+        "prefix_lm_bs_gqa": c(4, 2, 27, mask_mod="prefix_lm", block_sparse=bs),
+        "alibi_document_bs_mha": c(4, 4, 28, score_mod="alibi", mask_mod="document", block_sparse=bs),
     }
 
 
@@ -83,7 +105,10 @@ def _production_bounds(x: dict, do, pg: dict, ref: dict) -> dict:
     from numerics.metrics import bound_check
 
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
-    nm = FA4Numerics.for_inputs("sm90", q, k, v, kw["causal"], kw["window_size"])
+    nm = FA4Numerics.for_call(
+        "sm90", q, k, v, causal=kw["causal"], window_size=kw["window_size"], mask_mod=kw.get("mask_mod"),
+        block_sparse_tensors=kw.get("block_sparse_tensors"),
+    )  # fmt: skip
     b = backward_error_bound(q, k, v, do, pg["out"], pg["lse"], nm, reference=ref, **kw)
     res = {}
     for n, bound in b.items():
@@ -95,6 +120,7 @@ def _production_bounds(x: dict, do, pg: dict, ref: dict) -> dict:
 
 def run_case(name: str, case: Case, production, model, device, deterministic: bool = False) -> dict:
     from numerics.grad_reference import attention_grad_reference
+    from numerics.reference import attention_reference
 
     x = make_inputs(case, device=device)
     g = torch.Generator().manual_seed(case.seed + 1000)
@@ -118,6 +144,11 @@ def run_case(name: str, case: Case, production, model, device, deterministic: bo
             "model_max_err": err(mg[n]),
             "production_vs_bound": bounds[n],
         }
+    ro, rl = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    rec["forward"] = {
+        "out": _compare(mg["out"], pg["out"], ro),
+        "lse_identical": float((mg["lse"].view(torch.int32) == pg["lse"].view(torch.int32)).double().mean()),
+    }
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
@@ -140,6 +171,7 @@ def main() -> None:
     ap.add_argument("--model", default="fa4-model-sm90", choices=["fa4-model-sm90", "fa4-model-sm90-tc"])
     ap.add_argument("--deterministic", action="store_true", help="both with deterministic=True")
     ap.add_argument("--stand-in", action="store_true", help="the SM90 model stands in for production")
+    ap.add_argument("--mods", action="store_true", help="the mod cases (one per library mod kind) instead")
     args = ap.parse_args()
     from audits.kernels import get_kernel
 
@@ -147,21 +179,27 @@ def main() -> None:
     model = get_kernel(args.model)
     if args.stand_in:
         production = lambda *a, deterministic=False, **kw: model(*a, **kw)
+    elif args.mods:  # the contract's mod objects converted to production's forms (fa4.mods.production_kwargs)
+        from fa4.production import flash_attn as production
     else:
         from flash_attn.cute import flash_attn_func as production
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     res = {"cases": [], "model": args.model, "deterministic": args.deterministic, "device": gpu}
     out = Path(args.out) / "backward.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    res["determinism"] = determinism(production, device)
-    print("determinism (elements differing between two runs):", res["determinism"], flush=True)
-    for name, case in _cases().items():  # written after each case: a call cut short keeps what finished
+    if not args.mods:
+        res["determinism"] = determinism(production, device)
+        print("determinism (elements differing between two runs):", res["determinism"], flush=True)
+    # written after each case: a call cut short keeps what finished
+    for name, case in (_mod_cases() if args.mods else _cases()).items():
         rec = run_case(name, case, production, model, device, args.deterministic)
         res["cases"].append(rec)
         out.write_text(json.dumps(res, indent=1) + "\n")
+        shown = {**rec["grads"], "out": rec["forward"]["out"]}
         print(
             name,
-            json.dumps({n: {k: v for k, v in g.items() if k != "ulp"} for n, g in rec["grads"].items()}),
+            json.dumps({n: {k: v for k, v in g.items() if k != "ulp"} for n, g in shown.items()}),
+            f"lse identical {rec['forward']['lse_identical']:.6f}",
             flush=True,
         )
 

@@ -8,7 +8,11 @@
 #   SUITE    the suite (default mods)     JOBS  parallel processes (default 12)
 #   LIMIT    seconds per audit run before it is stopped (default 200; a stopped run still writes its report)
 #   KERNELS  default "--kernel fa4 --kernel flex --kernel fa4-model-sm90" (FWD_KERNELS / BWD_KERNELS: per direction)
+#   SELECT   extra case selection for the audit runs, e.g. "--case *varlen*" (globs are not expanded by the shell)
 #   PROBE=1  then benchmarks/h200_mods_bwd_probe.py (which aux-reading score mods break the backward)
+#   BITEXACT=1  then benchmarks/h200_backward.py --mods --deterministic with fa4-model-sm90-tc: every out, LSE
+#            and gradient bit of the tensor-core model against production, one case per mod kind ($OUT/bitexact)
+#   TESTS="tests/x.py ..."  then pytest -m gpu on those files ($OUT/pytest_gpu.txt)
 # Reports come back in $OUT/mods-fwd.tgz and $OUT/mods-bwd.tgz, the log in $OUT/log.txt.
 set -uo pipefail
 . benchmarks/h200_env.sh
@@ -24,8 +28,10 @@ for dir in fwd bwd; do
   [ $dir = bwd ] && extra="--backward" && ks=${BWD_KERNELS:-$KERNELS}
   [ "$ks" = none ] && continue
   t0=$(date +%s)
-  timeout --signal=INT ${LIMIT:-200} python -m audits run $ks --suite ${SUITE:-mods} $extra --device cuda \
-    --jobs ${JOBS:-12} --out /tmp/mods-$dir --overwrite --quiet 2>&1 | filter 40 | tee -a "$log"
+  set -f  # SELECT's globs go to the audit as they are
+  timeout --signal=INT ${LIMIT:-200} python -m audits run $ks --suite ${SUITE:-mods} ${SELECT:-} $extra \
+    --device cuda --jobs ${JOBS:-12} --out /tmp/mods-$dir --overwrite --quiet 2>&1 | filter 40 | tee -a "$log"
+  set +f
   echo "mods $dir exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$log"
   # error maps stay behind (the backward's are tens of MB): the reports name them, re-render with show --plot
   (cd /tmp/mods-$dir && tar cJf $OUT/mods-$dir.tar.xz --exclude=jobs --exclude=repro --exclude=maps --exclude='*.html' \
@@ -33,6 +39,17 @@ for dir in fwd bwd; do
 done
 if [ "${PROBE:-0}" = 1 ]; then
   timeout ${PROBE_LIMIT:-150} python benchmarks/h200_mods_bwd_probe.py --out $OUT 2>&1 | filter 30 | tee -a "$log"
+fi
+if [ -n "${TESTS:-}" ]; then
+  t0=$(date +%s)
+  timeout ${TESTS_LIMIT:-200} python -m pytest -q -m gpu -p no:cacheprovider $TESTS > $OUT/pytest_gpu.txt 2>&1
+  echo "gpu tests exit $? after $(( $(date +%s) - t0 )) s" | tee -a "$log"; tail -15 $OUT/pytest_gpu.txt | tee -a "$log"
+fi
+if [ "${BITEXACT:-0}" = 1 ]; then
+  t0=$(date +%s)
+  timeout ${BITEXACT_LIMIT:-240} python benchmarks/h200_backward.py --mods --deterministic --model fa4-model-sm90-tc \
+    --out $OUT/bitexact 2>&1 | filter 30 | cut -c1-600 | tee -a "$log"
+  echo "bitexact exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$log"
 fi
 t0=$(date +%s)
 [ "${CHECK_LIMIT:-150}" != 0 ] && timeout ${CHECK_LIMIT:-150} python benchmarks/h200_mods.py --out $OUT/crosschecks.json 2>&1 | filter 80 | tee -a "$log"

@@ -13,11 +13,19 @@ nvidia-cutlass-dsl 4.8.1, compiled on a CPU-only machine in fake-tensor mode, 20
   ``fma.rn.f32 scale, acc, bias``;
 * softcap ``c * tanh(s / c)``: ``mul.f32`` (acc * scale) then ``div.rn.f32``: no contraction
   (a division is not an addition), as the model's softcap flag already computes
-  (``fa4.primitives.softcap_tanh``).
+  (``fa4.primitives.softcap_tanh``);
+* temperature ``s * aux_scalars[i]`` (the scalar a kernel parameter, ``.param .f32``):
+  ``mul.f32 scale, acc`` then ``mul.f32 tau, that``: two roundings, nothing to contract (the same
+  in sm_100a's forward).  Its backward (sm_90a ``FlashAttentionBackwardSm90``): the recomputed
+  P's score the same two FMULs, and ``score_mod_bwd`` one ``mul.f32 tau, dS`` after dS's
+  ``sub.f32`` / ``mul.f32`` (compiled with the scalar as ``cutlass.Float32``: a Python float does
+  not compile, ``fa4.mods.dsl_scalars``).
 
 Each form here has the signature ``model(acc, scale, b, h, q_idx, kv_idx, aux) -> float32``
 (``acc`` the float32 unscaled accumulator, ``scale`` the softmax scale) and the backward
-``model_bwd(g, x, b, h, q_idx, kv_idx, aux) -> float32`` (``g`` = dS after the mod, ``x`` =
+``model_bwd(g, x, b, h, q_idx, kv_idx, aux) -> float32``, each also taking the keyword
+``aux_scalars=`` (the call's runtime scalars, given only when there are any:
+``fa4.primitives.bind_model_scalars``) (``g`` = dS after the mod, ``x`` =
 ``fl32(S_pre * scale)``: ``apply_score_mod_bwd_inner`` scales the kept pre-mod score with one
 FMUL and hands it to the mod's backward, which the sm_90a PTX of the backward shows uncontracted
 for softcap; the bias mods' backward does no arithmetic).  The
@@ -53,27 +61,45 @@ def _fused_bias(acc: torch.Tensor, scale: float, bias: torch.Tensor) -> torch.Te
     return fma_f32(acc, _f(_f32(scale), acc), bias.to(torch.float32))
 
 
-def _alibi(acc, scale, b, h, q, kv, aux, *, aux_base: int):
+def _alibi(acc, scale, b, h, q, kv, aux, *, aux_base: int, aux_scalars=None):
     slope = aux[aux_base].to(acc.device)[h].to(torch.float32)
     bias = slope * (kv - q).to(torch.float32)  # mul.f32 of the exact distance: one rounding
     return _fused_bias(acc, scale, bias)
 
 
-def _relbias(acc, scale, b, h, q, kv, aux, *, aux_base: int, span: int):
+def _relbias(acc, scale, b, h, q, kv, aux, *, aux_base: int, span: int, aux_scalars=None):
     bucket = aux[aux_base + 1].to(acc.device)[(kv - q + span).long()].long()
     return _fused_bias(acc, scale, aux[aux_base].to(acc.device)[h, bucket].to(torch.float32))
 
 
-def _softcap(acc, scale, b, h, q, kv, aux, *, cap: float):
+def _softcap(acc, scale, b, h, q, kv, aux, *, cap: float, aux_scalars=None):
     """FMUL, div.rn, MUFU.TANH (the instruction on CUDA: ``fa4.primitives.hardware_tanh``), FMUL."""
     return softcap_tanh(acc, scale, cap) * _f32(cap)
+
+
+def _tau32(aux_scalars, i: int, like: torch.Tensor) -> torch.Tensor:
+    """The runtime scalar as the kernel holds it: production's DSL converts a Python float to a
+    Float32 argument (round to nearest; an int to Int32, exact below 2**24)."""
+    if aux_scalars is None or len(aux_scalars) <= i:
+        raise ValueError(f"score_mod temperature reads aux_scalars[{i}]; the call has aux_scalars={aux_scalars!r}")
+    return _f(float(aux_scalars[i]), like)
+
+
+def _temperature(acc, scale, b, h, q, kv, aux, *, scalar_base: int, aux_scalars=None):
+    """``fl(fl(acc * scale) * tau32)``: two FMULs, each rounded (a product of products does not contract)."""
+    return (acc * _f(_f32(scale), acc)) * _tau32(aux_scalars, scalar_base, acc)
+
+
+def _temperature_bwd(g, x, b, h, q, kv, aux, *, scalar_base: int, aux_scalars=None):
+    """``fl(g * tau32)``: one FMUL."""
+    return g * _tau32(aux_scalars, scalar_base, g)
 
 
 def _identity_bwd(g, x, b, h, q, kv, aux, **_):
     return g
 
 
-def _softcap_bwd(g, x, b, h, q, kv, aux, *, cap: float):
+def _softcap_bwd(g, x, b, h, q, kv, aux, *, cap: float, aux_scalars=None):
     """``create_softcap_scoremod_bwd`` on ``x = fl32(S_pre * scale)``: div.rn, MUFU.TANH, then
     ``1 - t*t`` as one FFMA and the FMUL by g."""
     t = hardware_tanh(div_rn(x, cap))
@@ -86,6 +112,7 @@ MODEL_FORMS = {
     "alibi": (_alibi, _identity_bwd),
     "relbias": (_relbias, _identity_bwd),
     "softcap": (_softcap, _softcap_bwd),
+    "temperature": (_temperature, _temperature_bwd),
 }
 
 
@@ -97,6 +124,8 @@ def forms_of(mod) -> dict:
     fwd, bwd = MODEL_FORMS[mod.name]
     if mod.name == "softcap":
         kw = {"cap": float(mod.params["cap"])}
+    elif mod.name == "temperature":
+        kw = {"scalar_base": int(mod.params["scalar_base"])}
     else:
         kw = {"aux_base": mod.aux_base, **({"span": RELBIAS_SPAN} if mod.name == "relbias" else {})}
     return {"model": functools.partial(fwd, **kw), "model_bwd": functools.partial(bwd, **kw)}

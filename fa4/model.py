@@ -114,6 +114,7 @@ from fa4.primitives import LOG2_E as _LOG2_E
 from fa4.primitives import (
     apply_mask_mod,
     apply_score_mod,
+    bind_model_scalars,
     check_block_sparse,
     check_mods,
     hardware_exp2,
@@ -385,6 +386,27 @@ class FA4Numerics:
                 q.dtype, q.shape[-1], causal=causal, local=local, head_dim_v=v.shape[-1], block_sparse=block_sparse
             )
         raise ValueError(f"arch must be 'sm100' or 'sm90', got {arch!r}")
+
+    @staticmethod
+    def for_call(
+        arch: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = False,
+        window_size: tuple = (None, None),
+        mask_mod=None,
+        block_sparse_tensors: BlockSparse | None = None,
+    ) -> FA4Numerics:
+        """:meth:`for_inputs` for a call with these keywords, resolved as production resolves it:
+        a mask_mod drops causal and the window from the forward's configuration
+        (``interface._resolve_causal_local_window``: the tiles and exp2 interleave are then the
+        non-causal ones), block sparsity fits the tiles to its sparse block size."""
+        if mask_mod is not None:
+            causal, window_size = False, (None, None)
+        bs = None if block_sparse_tensors is None else tuple(block_sparse_tensors.block_size)
+        return FA4Numerics.for_inputs(arch, q, k, v, causal, window_size, block_sparse=bs)
 
 
 def sm90_sparse_fwd_tile(head_dim: int, tm: int, tn: int, block_sparse: tuple[int, int]) -> tuple[int, int]:
@@ -892,6 +914,7 @@ def attention(
     mask_mod: MaskMod | None = None,
     aux_tensors: list | None = None,
     block_sparse_tensors: BlockSparse | None = None,
+    aux_scalars: tuple | None = None,
 ):
     """The FA4 forward pass as production computes it (module doc), on q's device.
 
@@ -901,12 +924,17 @@ def attention(
     ``FA4Numerics.sm100`` for these inputs (with a mask_mod: as non-causal; with block
     sparsity: its block size).  Differentiable when q, k, v or learnable_sink requires grad
     (grad mode on): the backward is production's, ``fa4.model_bwd``.  The mods (module doc,
-    "Mods"): ``numerics.mods`` objects; ``aux_tensors`` the list every mod reads from.  With a
-    mask_mod, ``causal`` and ``window_size`` are ignored in the forward, as production ignores
-    them (``interface._resolve_causal_local_window``); the backward keeps them.
+    "Mods"): ``numerics.mods`` objects; ``aux_tensors`` the list every mod reads from,
+    ``aux_scalars`` the runtime scalars (handed to the mods' forms only when given,
+    ``fa4.primitives.bind_model_scalars``; kept for the backward).  With a mask_mod, ``causal``
+    and ``window_size`` are ignored in the forward, as production ignores them
+    (``interface._resolve_causal_local_window``); the backward keeps them.
     """
     validate_inputs(q, k, v, learnable_sink)
     check_mods(softcap, score_mod, mask_mod, aux_tensors, block_sparse_tensors)
+    score_mod, mask_mod, block_sparse_tensors = bind_model_scalars(
+        aux_scalars, score_mod, mask_mod, block_sparse_tensors
+    )
     mods = dict(
         score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors
     )
@@ -916,7 +944,11 @@ def attention(
     fm = FwdMods.of(**mods)
     if mask_mod is not None:  # interface._resolve_causal_local_window: a mask_mod drops causal and local
         causal, window_size = False, (None, None)
-    nm = numerics if numerics is not None else _default_numerics(q, k, v, causal, window_size, block_sparse_tensors)
+    nm = numerics
+    if nm is None:
+        nm = FA4Numerics.for_call(
+            "sm100", q, k, v, causal=causal, window_size=window_size, block_sparse_tensors=block_sparse_tensors
+        )
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
     st, sl2_t, off = forward_loop(q, k, v, nm, **kw, mods=fm)
     out_dtype = torch.bfloat16 if q.dtype in _FP8 else q.dtype
@@ -1000,12 +1032,6 @@ class FwdMods:
         return self.mask_mod is not None or self.block_sparse is not None
 
 
-def _default_numerics(q, k, v, causal, window_size, bs: BlockSparse | None) -> FA4Numerics:
-    return FA4Numerics.for_inputs(
-        "sm100", q, k, v, causal, window_size, block_sparse=None if bs is None else tuple(bs.block_size)
-    )
-
-
 def block_sparse_kv_order(bs: BlockSparse, b: int, h: int, qb: int, tile_n: int, sk: int) -> list[tuple[int, str]]:
     """The KV tiles a query tile of sparse query block ``qb`` (batch ``b``, head ``h``, indices
     into the block masks, broadcast dims 0) visits, in production's order, each with its kind:
@@ -1064,9 +1090,12 @@ def _differentiable(q, k, v, sink, numerics, return_lse: bool, kw: dict):
     """``attention`` through :class:`_AttentionFn` (numerics resolved here, as ``attention`` does,
     so that the backward sees the same record; ``kw`` carries the mods to both directions, as
     ``interface.FlashAttnFunc`` saves them on ``ctx``)."""
-    causal, window = (False, (None, None)) if kw.get("mask_mod") is not None else (kw["causal"], kw["window_size"])
-    bs = kw.get("block_sparse_tensors")
-    nm = numerics if numerics is not None else _default_numerics(q, k, v, causal, window, bs)
+    nm = numerics
+    if nm is None:
+        nm = FA4Numerics.for_call(
+            "sm100", q, k, v, causal=kw["causal"], window_size=kw["window_size"], mask_mod=kw.get("mask_mod"),
+            block_sparse_tensors=kw.get("block_sparse_tensors"),
+        )  # fmt: skip
     out, lse = _AttentionFn.apply(q, k, v, sink, nm, kw)
     return (out, lse) if return_lse else out
 

@@ -120,7 +120,15 @@ import torch
 
 from fa4.primitives import FP8 as _FP8
 from fa4.primitives import LOG2_E as _LOG2_E
-from fa4.primitives import apply_mask_mod, apply_score_mod, check_block_sparse, check_mods, hardware_exp2, softcap_tanh
+from fa4.primitives import (
+    apply_mask_mod,
+    apply_score_mod,
+    bind_model_scalars,
+    check_block_sparse,
+    check_mods,
+    hardware_exp2,
+    softcap_tanh,
+)
 from fa4.primitives import fma as _fma
 from fa4.primitives import scales as _scales
 from fa4.primitives import visible as _visible
@@ -463,6 +471,7 @@ def attention_backward(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars: tuple | None = None,
 ):
     """Production's backward (module doc) of ``fa4.model.attention``; ``numerics`` an
     ``fa4.model.FA4Numerics`` (arch and the ``bwd_*`` / ``ds_dtype`` knobs).
@@ -471,10 +480,14 @@ def attention_backward(
     hq, dv) in the input dtype (out as the forward returned it); lse, dlse: (b, hq, sq) float32.
     Returns (dq, dk, dv) in the input dtype and dsink in the sink's dtype (None without sink).
     The mods: ``numerics.mods`` objects (module doc, "Mods"); ``causal`` / ``window_size`` as the
-    caller gave them (production's backward keeps them beside a mask_mod).
+    caller gave them (production's backward keeps them beside a mask_mod); ``aux_scalars`` the
+    forward's (``FlashAttnFunc.backward`` passes ``ctx.aux_scalars``), bound as the forward binds them.
     """
     _validate(q, k, v, out, do)
     check_mods(softcap, score_mod, mask_mod, aux_tensors, block_sparse_tensors)
+    score_mod, mask_mod, block_sparse_tensors = bind_model_scalars(
+        aux_scalars, score_mod, mask_mod, block_sparse_tensors
+    )
     if score_mod is not None and score_mod.grad is None:
         raise NotImplementedError(
             f"score_mod {score_mod.name!r} has no backward (grad): interface._flash_attn_bwd asserts "

@@ -24,7 +24,17 @@ How production calls them (flash-attn-4 4.0.0b36):
   pre-mod score (``apply_score_mod_bwd_inner``);
 * a mask mod, ``mask.py`` ``call_mask_mod``: ``mask_mod(batch_idx, head_idx, q_idx, kv_idx,
   seqlen_info, aux_tensors)`` positionally, one lane on SM90 (``flash_fwd.py`` refuses a
-  ``__vec_size__`` > 1), returning a Boolean TensorSSA (True: the key is kept).
+  ``__vec_size__`` > 1), returning a Boolean TensorSSA (True: the key is kept);
+* the call's ``aux_scalars`` (``interface._flash_attn_fwd``: ``AuxData(aux_tensors, aux_scalars)``)
+  reach a form only when the call has some (the compatibility shims of ``call_score_mod``,
+  ``call_score_mod_bwd``: the keyword ``aux_scalars=``; of ``call_mask_mod``: a 7th positional
+  argument), each a runtime DSL value: a Python float as Float32, an int as Int32
+  (``cutlass.base_dsl.runtime.jit_arg_adapters._PYTHON_SCALAR_CONVERSION_MAP``; the compile key
+  holds only their types, ``aux_scalar_metadata``).  :func:`build_mods` puts a library mod's
+  scalars (``params["aux_scalars"]``) into the call's ``aux_scalars``.  Production hands them to
+  every mod of the call, so every library form here takes ``aux_scalars=None`` (production's own
+  softcap score mod, ``utils.create_softcap_scoremod``, does not: ``softcap=`` beside a mask mod
+  reading scalars cannot compile).
 
 The aux-tensor reads follow production's own test mods (flash-attention ``tests/cute``
 ``score_mod_definitions.py``: an index stored into a one-element register fragment, the element
@@ -58,7 +68,7 @@ from numerics.mods import BlockSparse, MaskMod, ScoreMod, block_sparse_from_mask
 
 __all__ = [
     "LazyForms", "build_mods", "attach_forms", "production_kwargs", "block_sparse_index_lists",
-    "production_block_sparse", "SCORE_FORMS", "MASK_FORMS",
+    "production_block_sparse", "SCORE_FORMS", "MASK_FORMS", "dsl_scalars",
 ]  # fmt: skip
 
 
@@ -115,7 +125,7 @@ def _identity_bwd():
 
     @cute.jit
     def additive_bias_score_mod_bwd(
-        grad_out_SSA, score_SSA, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors
+        grad_out_SSA, score_SSA, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars=None
     ):
         return grad_out_SSA
 
@@ -132,7 +142,7 @@ def _alibi_form(slopes_index: int):
     cutlass, cute, _ = _dsl()
 
     @cute.jit
-    def alibi_score_mod(acc_S_SSA, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    def alibi_score_mod(acc_S_SSA, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars=None):
         slopes = aux_tensors[slopes_index]
         h_frag = cute.make_rmem_tensor(1, cutlass.Int32)
         h_frag.store(head_idx)
@@ -152,7 +162,7 @@ def _relbias_form(table_index: int, buckets_index: int, span: int):
     cutlass, cute, _ = _dsl()
 
     @cute.jit
-    def relbias_score_mod(acc_S_SSA, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    def relbias_score_mod(acc_S_SSA, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars=None):
         table = aux_tensors[table_index]
         buckets = aux_tensors[buckets_index]
         rel = kv_idx - q_idx + cute.full_like(q_idx, span)
@@ -178,6 +188,30 @@ def _softcap_forms(cap: float):
     return fa_utils.create_softcap_scoremod(cap), fa_utils.create_softcap_scoremod_bwd(cap)
 
 
+@functools.cache
+def _temperature_forms(scalar_index: int):
+    """``s * aux_scalars[scalar_index]`` and its backward ``g * aux_scalars[scalar_index]``: the
+    scalar arrives as a runtime value (module doc; ``cutlass.Float32(...)`` converts an Int32 one,
+    exactly below 2**24, and leaves a Float32 one as it is), multiplied into every lane of the
+    score (two per call in SM90's forward, four in its backward without aux tensors:
+    ``flash_fwd.py`` ``score_vec_size``, ``flash_bwd_sm90.py`` ``vec_size``; a TensorSSA times a
+    scalar broadcasts it); one FMUL each, which NVVM cannot contract with the scale's FMUL before
+    it (``fa4.mod_forms``)."""
+    cutlass, cute, _ = _dsl()
+
+    @cute.jit
+    def temperature_score_mod(acc_S_SSA, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
+        return acc_S_SSA * cutlass.Float32(aux_scalars[scalar_index])
+
+    @cute.jit
+    def temperature_score_mod_bwd(
+        grad_out_SSA, score_SSA, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars
+    ):
+        return grad_out_SSA * cutlass.Float32(aux_scalars[scalar_index])
+
+    return temperature_score_mod, temperature_score_mod_bwd
+
+
 def _score_factories(mod: ScoreMod) -> dict[str, Callable[[], object]]:
     a = mod.aux_base
     model = {k: (lambda f=f: f) for k, f in forms_of(mod).items()}  # fa4.mod_forms: the model's float32 forms
@@ -188,11 +222,14 @@ def _score_factories(mod: ScoreMod) -> dict[str, Callable[[], object]]:
     if mod.name == "softcap":
         cap = float(mod.params["cap"])
         return {"cute": lambda: _softcap_forms(cap)[0], "cute_bwd": lambda: _softcap_forms(cap)[1], **model}
+    if mod.name == "temperature":
+        i = int(mod.params["scalar_base"])
+        return {"cute": lambda: _temperature_forms(i)[0], "cute_bwd": lambda: _temperature_forms(i)[1], **model}
     raise ValueError(f"no CuTe-DSL form for score mod {mod.name!r}; accepted: {', '.join(SCORE_FORMS)}")
 
 
 #: the library score mods that have production forms here
-SCORE_FORMS = ("alibi", "relbias", "softcap")
+SCORE_FORMS = ("alibi", "relbias", "softcap", "temperature")
 
 
 # ---- mask mods --------------------------------------------------------------------------------
@@ -204,7 +241,7 @@ def _causal_form(offset: int):
     cutlass, cute, fa_utils = _dsl()
 
     @cute.jit
-    def causal_mask_mod(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    def causal_mask_mod(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars=None):
         off = fa_utils.scalar_to_ssa(offset, cutlass.Int32)
         return kv_idx <= q_idx + off
 
@@ -217,7 +254,7 @@ def _sliding_window_form(offset: int, window: int):
     cutlass, cute, fa_utils = _dsl()
 
     @cute.jit
-    def sliding_window_mask_mod(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    def sliding_window_mask_mod(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars=None):
         center = q_idx + fa_utils.scalar_to_ssa(offset, cutlass.Int32)
         lower = center - fa_utils.scalar_to_ssa(window, cutlass.Int32)
         return (kv_idx <= center) & (kv_idx >= lower)
@@ -236,7 +273,7 @@ def _document_form(q_doc_index: int, kv_doc_index: int, last_q: int, last_kv: in
     cutlass, cute, fa_utils = _dsl()
 
     @cute.jit
-    def document_mask_mod(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    def document_mask_mod(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars=None):
         q_doc = aux_tensors[q_doc_index]
         kv_doc = aux_tensors[kv_doc_index]
         qi = cutlass.min(q_idx[0], cutlass.Int32(last_q))
@@ -254,7 +291,7 @@ def _prefix_lm_form(prefix_index: int, offset: int):
     cutlass, cute, fa_utils = _dsl()
 
     @cute.jit
-    def prefix_lm_mask_mod(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    def prefix_lm_mask_mod(batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars=None):
         prefix = aux_tensors[prefix_index]
         p = fa_utils.scalar_to_ssa(prefix[batch_idx[0]], cutlass.Int32)
         off = fa_utils.scalar_to_ssa(offset, cutlass.Int32)
@@ -303,15 +340,19 @@ def build_mods(
 ) -> dict:
     """The call's mod keywords for library mods by name (module doc): any of ``score_mod``,
     ``mask_mod``, ``aux_tensors`` (the score mod's at 0.., the mask mod's after; absent when
-    neither has any) and ``block_sparse_tensors`` (``block_sparse`` = (block_q, block_k): the
-    mask mod's block masks, :func:`numerics.mods.block_sparse_from_mask`).  Empty names and ()
-    leave a keyword out; block sparsity needs a mask mod (its partial blocks apply it)."""
+    neither has any), ``aux_scalars`` (the score mod's runtime scalars, ``params["aux_scalars"]``;
+    absent when it has none: ``temperature``'s factor, drawn from ``seed``) and
+    ``block_sparse_tensors`` (``block_sparse`` = (block_q, block_k): the mask mod's block masks,
+    :func:`numerics.mods.block_sparse_from_mask`).  Empty names and () leave a keyword out; block
+    sparsity needs a mask mod (its partial blocks apply it)."""
     shape = dict(batch=batch, heads_q=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k, seed=seed, device=device)
     kw: dict = {}
     aux: list[torch.Tensor] = []
     if score_mod:
         sm, sm_aux = make_score_mod(score_mod, aux_base=len(aux), **shape)
         aux += sm_aux
+        if sm.params.get("aux_scalars"):
+            kw["aux_scalars"] = tuple(sm.params["aux_scalars"])
         kw["score_mod"] = attach_forms(sm, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     mm = None
     if mask_mod:
@@ -384,6 +425,28 @@ def production_block_sparse(bs: BlockSparse, *, device=None, deterministic: bool
     return fwd, bwd
 
 
+def dsl_scalars(aux_scalars) -> tuple | None:
+    """The call's ``aux_scalars`` as CuTe-DSL values: a Python float as ``cutlass.Float32``, an int
+    as ``cutlass.Int32``, a bool as ``cutlass.Boolean`` (the conversion the DSL itself documents for
+    a Python scalar argument, ``jit_arg_adapters._PYTHON_SCALAR_CONVERSION_MAP``); None for none
+    (production's ``tuple(aux_scalars) if aux_scalars else None``).  Why: with nvidia-cutlass-dsl
+    4.8.1, production's compile of a call with Python-number ``aux_scalars`` fails on SM90 and
+    SM100 alike (the scalars ride inside the ``utils.AuxData`` NamedTuple, which the DSL's argument
+    adapters do not enter, "Argument aux_data ... cannot be converted to a JitArgument"; the
+    kernel's flattened arguments then misalign and ``cute.compile`` raises "unable to convert
+    BlockArgument ... '!cuda.stream' ... to Numeric"), while the same scalars as DSL values compile
+    (CPU cross-compiles, 2026-12-02, ``tests/test_aux_scalars.py``).  The values, and the Float32
+    rounding of a float, are the same either way."""
+    from numerics.mods import check_aux_scalars
+
+    scalars = check_aux_scalars(aux_scalars)
+    if scalars is None:
+        return None
+    cutlass, _, _ = _dsl()
+    kinds = ((bool, cutlass.Boolean), (int, cutlass.Int32), (float, cutlass.Float32))
+    return tuple(next(dsl(x) for py, dsl in kinds if isinstance(x, py)) for x in scalars)
+
+
 def production_kwargs(kw: dict, *, device=None, deterministic: bool = False) -> dict:
     """The keywords ``kw`` (the contract's: ``score_mod``, ``mask_mod``, ``aux_tensors``,
     ``block_sparse_tensors``, anything else passed through) as production's ``flash_attn_func``
@@ -392,9 +455,12 @@ def production_kwargs(kw: dict, *, device=None, deterministic: bool = False) -> 
     MaskMod ``forms["cute"]``, a BlockSparse ``block_sparse_tensors`` and
     ``block_sparse_tensors_bwd`` (:func:`production_block_sparse`; production's autograd wrapper
     hands the backward only the latter, ``FlashAttnFunc.backward``; the BlockSparse's own
-    mask_mod when the call names none), aux tensors moved to ``device`` (contiguous).  Callables
+    mask_mod when the call names none), aux tensors moved to ``device`` (contiguous),
+    ``aux_scalars`` as DSL values (:func:`dsl_scalars`: a workaround, it says for what).  Callables
     (a user's own production forms) pass through as they are."""
     out = dict(kw)
+    if "aux_scalars" in out:
+        out["aux_scalars"] = dsl_scalars(out["aux_scalars"])
     sm = out.pop("score_mod", None)
     if isinstance(sm, ScoreMod):
         if "cute" not in sm.forms:

@@ -16,12 +16,17 @@ import torch
 
 from numerics.fp import CANONICAL_NAN_BITS, fma_f32
 from numerics.fp import to_f32 as _f32
-from numerics.mods import BlockSparse, MaskMod, ScoreMod
+from numerics.mods import BlockSparse, MaskMod, ScoreMod, bind_aux_scalars
 
 __all__ = [
     "FP8", "LOG2_E", "div_rn", "softcap_tanh", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh",
     "scales", "visible", "visible_bounds", "apply_score_mod", "apply_mask_mod", "check_mods", "check_block_sparse",
+    "MODEL_FORM_KEYS", "bind_model_scalars",
 ]  # fmt: skip
+
+#: the model's own forms of a mod (``fa4.mod_forms``): they take the call's aux_scalars as the
+#: reference forms do, where the kernel forms ("cute", "cute_bwd") get them from production itself
+MODEL_FORM_KEYS = ("model", "model_bwd")
 
 #: the float8 input formats: P and dS round to them saturating, and the forward's output is bfloat16
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -177,6 +182,19 @@ def check_mods(softcap: float, score_mod, mask_mod, aux_tensors, block_sparse_te
         raise TypeError("aux_tensors must be a list of tensors (production hands every mod the whole list)")
     if score_mod is not None and softcap:
         raise ValueError("softcap and score_mod cannot be used together (interface._flash_attn_fwd asserts it)")
+
+
+def bind_model_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors):
+    """(score_mod, mask_mod, block_sparse_tensors) with the call's runtime scalars bound for the
+    model (``numerics.mods.bind_aux_scalars``, the model forms too): production hands them to the
+    mods through ``AuxData(tensors, scalars)`` (``interface._flash_attn_fwd`` / ``_flash_attn_bwd``)
+    and ``softmax.py`` ``call_score_mod`` / ``call_score_mod_bwd`` / ``mask.py`` ``call_mask_mod``
+    pass them on only when there are any; ``FlashAttnFunc.backward`` keeps ``ctx.aux_scalars`` for
+    the backward, as :func:`fa4.model.attention` keeps the bound mods for its backward."""
+    return bind_aux_scalars(
+        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors,
+        form_keys=MODEL_FORM_KEYS,
+    )  # fmt: skip
 
 
 def apply_score_mod(s: torch.Tensor, scale: float, score_mod, idx: tuple, aux) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,6 +121,12 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         ValueError,
+        r"Varlen block sparsity requires sparse_block_size\[0\]=\d+ \(= q_stage \* tile_m\)",
+        "flash_attn/cute/block_sparsity.py, normalize_block_sparse_config: a varlen call's query block must be "
+        "q_stage * tile_m of the forward (no query subtiles on varlen)",
+    ),
+    Refusal(
+        ValueError,
         r"Block sparsity requires sparse_block_size\[1\](=\d+)? (to match|to be a multiple of) tile_n=\d+",
         "flash_attn/cute/block_sparsity.py, normalize_block_sparse_config: the key block must be a multiple of the "
         "forward's tile_n, and equal to it on SM90 (no KV subtiles: allow_kv_subtile only on SM100/110)",
@@ -161,7 +167,7 @@ REFUSALS: tuple[Refusal, ...] = (
 #: the mod kinds production takes (``audits.cases.MOD_KINDS``; ``audits.domain`` key ``mods``):
 #: ``flash_attn_func``'s score_mod / score_mod_bwd, mask_mod (with aux_tensors) and
 #: block_sparse_tensors / block_sparse_tensors_bwd (flash_attn/cute/interface.py)
-PRODUCTION_MODS = ("score_mod", "mask_mod", "block_sparse")
+PRODUCTION_MODS = ("score_mod", "mask_mod", "block_sparse", "aux_scalars")
 
 
 def _steps(lo: int, hi: int, step: int) -> dict:
@@ -412,6 +418,7 @@ def flash_attn(
     mask_mod=None,
     aux_tensors=None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ):
     """The audited-callable adapter of production ``flash_attn.cute.flash_attn_func`` (kernel
     ``fa4``); ``deterministic`` is its flag (the backward's semaphore-ordered dQ).  The mods
@@ -432,7 +439,7 @@ def flash_attn(
     from fa4.mods import production_kwargs
 
     given = dict(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                 block_sparse_tensors=block_sparse_tensors)  # fmt: skip
+                 block_sparse_tensors=block_sparse_tensors, aux_scalars=aux_scalars)  # fmt: skip
     mods = production_kwargs({k_: v_ for k_, v_ in given.items() if v_ is not None}, device=q.device,
                              deterministic=deterministic)  # fmt: skip
     try:
@@ -465,16 +472,18 @@ _VARLEN_KEYS = (
 
 
 #: the mod keywords the varlen adapter takes (block sparsity refused: see flash_attn_varlen)
-_VARLEN_MOD_KEYS = ("score_mod", "mask_mod", "aux_tensors", "block_sparse_tensors")
+_VARLEN_MOD_KEYS = ("score_mod", "mask_mod", "aux_tensors", "block_sparse_tensors", "aux_scalars")
 
 
 def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, **kw):
     """The varlen-contract adapter (``docs/varlen.md``) of production
     ``flash_attn.cute.flash_attn_varlen_func``: the contract's keywords passed through (the
     forward ones and ``cu_seqlens_q/k``, ``max_seqlen_q/k``, ``seqused_q/k``, ``page_table``,
-    ``num_splits``, ``pack_gqa``) and the mods (``score_mod``, ``mask_mod``, ``aux_tensors``, as in
-    :func:`flash_attn`; block sparsity is refused, NotImplementedError); refusals mapped by
-    :data:`REFUSALS` as in :func:`flash_attn` (split-KV on SM90 among them)."""
+    ``num_splits``, ``pack_gqa``) and the mods (``score_mod``, ``mask_mod``, ``aux_tensors``,
+    ``aux_scalars``, as in :func:`flash_attn`; ``block_sparse_tensors``: one
+    ``numerics.mods.BlockSparse`` or None per sequence, converted to production's varlen layout
+    by ``fa4.varlen.varlen_block_lists``: ``cu_total_m_blocks``, ``cu_block_idx_offsets``);
+    refusals mapped by :data:`REFUSALS` as in :func:`flash_attn` (split-KV on SM90 among them)."""
     require_production()
     from flash_attn.cute import flash_attn_varlen_func
 
@@ -488,19 +497,27 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, retu
         raise TypeError(f"flash_attn_varlen: unknown keyword(s) {', '.join(unknown)}")
     if "window_size" in kw:
         kw["window_size"] = tuple(kw["window_size"])
-    if kw.get("block_sparse_tensors") is not None:
-        # production's varlen block sparsity takes packed per-sequence lists (cu_total_m_blocks,
-        # cu_block_idx_offsets: block_sparsity.normalize_block_sparse_config); a dense
-        # (B, H, nq, nk) BlockSparse has no such layout here, so this adapter does not pass it
-        raise NotImplementedError(
-            "flash_attn_varlen: this adapter does not convert block sparsity to production's varlen layout "
-            "(cu_total_m_blocks / cu_block_idx_offsets)"
-        )
     from fa4.mods import production_kwargs
+    from fa4.varlen import sequences, varlen_block_lists, varlen_block_sparse
 
+    bsl = kw.pop("block_sparse_tensors", None)
     mods = {n: kw.pop(n) for n in _VARLEN_MOD_KEYS if kw.get(n) is not None}
-    kw.pop("block_sparse_tensors", None)
+    if bsl is not None:
+        bsl = varlen_block_sparse(bsl)
+        if mods.get("mask_mod") is None:  # the blocks' own mask mod, as production_kwargs does for a fixed-length call
+            mods["mask_mod"] = next((b.mask_mod for b in bsl if b is not None and b.mask_mod is not None), None)
     kw.update(production_kwargs(mods, device=q.device))
+    if bsl is not None:  # production's varlen layout (fa4.varlen.varlen_block_lists): the forward only
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+        seqs = sequences(q, k, **{n: kw.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
+                                                           "page_table")})  # fmt: skip
+        lens = [(s.q_rows[1] - s.q_rows[0], s.k_index.numel()) for s in seqs]
+        lists = varlen_block_lists(bsl, lens, heads=q.shape[-2])
+        size = next((tuple(b.block_size) for b in bsl if b is not None), None)
+        kw["block_sparse_tensors"] = BlockSparseTensorsTorch(
+            **{n: t.to(q.device) for n, t in lists.items()}, block_size=size
+        )
     try:
         res = flash_attn_varlen_func(q, k, v, return_lse=return_lse, **kw)
     except Exception as exc:

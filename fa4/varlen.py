@@ -23,6 +23,11 @@ own rows and keys, with production's block ranges for it:
   gets a split count per sequence from the prepare scheduler (:func:`dynamic_splits`).  Production's SM90 path refuses
   splits (``interface.py``: "SplitKV not supported on SM 9.0"); the model runs them for both.
 
+* **mods** (``score_mod``, ``mask_mod``, ``aux_tensors``, ``aux_scalars``, block sparsity): per
+  sequence with production's indices, the sequence as ``batch_idx`` and positions within it
+  (:func:`sequence_mods`); block sparsity one ``BlockSparse`` per sequence, production's layout
+  :func:`varlen_block_lists` (``docs/varlen.md``, "Mods on varlen cases").
+
 The combine's arithmetic is modelled from ``FlashAttentionForwardCombine.kernel``: see
 :func:`combine`.  NaN and non-finite semantics follow the loop's.
 """
@@ -34,9 +39,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fa4.model import FA4Numerics, finalize, forward_loop, kv_block_ranges, validate_inputs
-from fa4.primitives import FP8, LOG2_E, fma, hardware_exp2, hardware_lg2
+from fa4.model import FA4Numerics, FwdMods, finalize, forward_loop, kv_block_ranges, validate_inputs
+from fa4.primitives import FP8, LOG2_E, bind_model_scalars, check_mods, fma, hardware_exp2, hardware_lg2
 from numerics.fp import to_f32
+from numerics.mods import BlockSparse, at_sequence, shift_batch_arg
 from numerics.tiles import split_ranges
 
 __all__ = [
@@ -51,6 +57,9 @@ __all__ = [
     "Sequence",
     "sequences",
     "VARLEN_KEYWORDS",
+    "sequence_mods",
+    "varlen_block_sparse",
+    "varlen_block_lists",
 ]
 
 #: the varlen keywords of the contract (``docs/varlen.md``), beyond the fixed-length ones
@@ -182,6 +191,7 @@ def varlen_attention(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars: tuple | None = None,
 ):
     """The varlen entry as production computes it (module doc).
 
@@ -193,17 +203,27 @@ def varlen_attention(
     queries, seqused_q, splits or pages other than 128, as ``interface._flash_attn_fwd``).
     ``num_sms``: the GPU's SM count (148: B200), which sets SM100's per-sequence split counts on
     varlen queries (:func:`dynamic_splits`).  ``mma``: ``FA4Numerics.mma`` of those per-sequence
-    numerics (ignored with ``numerics``).  ``score_mod`` / ``mask_mod`` / ``aux_tensors`` /
-    ``block_sparse_tensors``: the contract's mods, refused here (NotImplementedError): production
-    takes them on varlen (aux indices wrapped per sequence by ``fastdiv_mods``, block sparsity
-    through ``cu_total_m_blocks`` / ``cu_block_idx_offsets``); the model does not model that:
-    ``fa4.model.attention`` models them on fixed-length batches.
+    numerics (ignored with ``numerics``).  ``score_mod`` / ``mask_mod`` / ``aux_tensors``: the contract's
+    mods (``numerics.mods``), applied per sequence as production's varlen entry applies them
+    (:func:`sequence_mods`: ``batch_idx`` the sequence, ``q_idx`` / ``kv_idx`` positions within
+    it; with a mask_mod the flags are dropped, ``interface._resolve_causal_local_window``);
+    ``aux_scalars``: the runtime scalars, bound as ``fa4.model.attention`` binds them.
+    ``block_sparse_tensors``: per sequence a ``numerics.mods.BlockSparse`` of that sequence's
+    blocks, (1, heads|1, ceil(seqlen_q / block_q), ceil(seqlen_k / block_k)) over its rows and
+    used keys, or None for a sequence without queries or keys (:func:`varlen_block_sparse`;
+    production's varlen layout, :func:`varlen_block_lists`).  Refused
+    (NotImplementedError) as production refuses it: a sparse query block other than ``q_stage *
+    tile_m`` (``block_sparsity.normalize_block_sparse_config``); and with split-KV, which the
+    model does not model (FA#2761: production hangs there).
     """
-    if any(x is not None for x in (score_mod, mask_mod, aux_tensors, block_sparse_tensors)):
+    bsl = None if block_sparse_tensors is None else varlen_block_sparse(block_sparse_tensors)
+    if bsl is not None and num_splits > 1:
         raise NotImplementedError(
-            "mods with varlen (score_mod, mask_mod, aux_tensors, block_sparse_tensors) are not modelled by "
-            "fa4.varlen: fa4.model.attention models them on fixed-length batches"
+            f"block sparsity with split-KV (num_splits={num_splits}) on the varlen entry is not modelled by fa4.varlen "
+            "(production hangs there, FA#2761)"
         )
+    check_mods(softcap, score_mod, mask_mod, aux_tensors, None)
+    score_mod, mask_mod, _ = bind_model_scalars(aux_scalars, score_mod, mask_mod, None)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1 (the model takes no heuristic 0), got {num_splits!r}")
     packed_q = cu_seqlens_q is not None
@@ -215,10 +235,14 @@ def varlen_attention(
         q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         page_table=page_table,
     )  # fmt: skip
+    if bsl is not None and len(bsl) != len(seqs):
+        raise ValueError(f"block_sparse_tensors has {len(bsl)} entries for {len(seqs)} sequences: one per sequence")
     hq, hk = q.shape[-2], k.shape[-2]
     pack = packs_gqa(pack_gqa, hq, hk)
     out, lse = empty_outputs(q, v, packed=packed_q)
     page_size = None if page_table is None else k.shape[1]
+    if mask_mod is not None:  # interface._resolve_causal_local_window: a mask_mod drops causal and the window
+        causal, window_size = False, (None, None)
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
     splits = _splits(seqs, num_splits, arch, packed_q or seqused_q is not None, hq, hk, pack, num_sms)
     for seq, n_split in zip(seqs, splits):
@@ -226,12 +250,21 @@ def varlen_attention(
         if qs.shape[1] == 0:
             continue
         validate_inputs(qs, ks, vs, learnable_sink)
+        bs = None if bsl is None or ks.shape[1] == 0 else bsl[seq.index]
         nm = numerics or replace(sequence_numerics(
             arch, qs, ks, vs, causal, window_size, varlen_q=packed_q or seqused_q is not None,
             num_splits=num_splits, page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q,
+            block_sparse=None if bs is None else tuple(bs.block_size),
         ), mma=mma)  # fmt: skip
+        if bs is not None and packed_q and bs.block_size[0] != nm.tile_m:
+            raise NotImplementedError(
+                f"Varlen block sparsity requires sparse_block_size[0]={nm.tile_m} (= q_stage * tile_m); got "
+                f"{bs.block_size[0]} (block_sparsity.normalize_block_sparse_config)"
+            )
+        mods = FwdMods.of(**sequence_mods(seq.index, score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                                          block_sparse_tensors=None if bs is None else bsl))  # fmt: skip
         o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, n_split, out.dtype,
-                              split_kv=num_splits > 1)  # fmt: skip
+                              split_kv=num_splits > 1, mods=None if mods.empty else mods)  # fmt: skip
         seq.place(out, lse, o, lo, packed=packed_q)
     return (out, lse) if return_lse else out
 
@@ -297,27 +330,127 @@ def packs_gqa(pack_gqa: bool | None, heads_q: int, heads_kv: int) -> bool:
 
 def sequence_numerics(
     arch: str, q, k, v, causal: bool, window: tuple, *, varlen_q: bool, num_splits: int, page_size: int | None,
-    pack: bool, max_seqlen_q: int | None,
+    pack: bool, max_seqlen_q: int | None, block_sparse: tuple[int, int] | None = None,
 ) -> FA4Numerics:  # fmt: skip
     """Production's numerics for one sequence (batch-1 q, k, v) of a varlen call: SM90's depend
     on head dims and masks only; SM100's 2-CTA choice (which sets the exp2 interleave) is off for
     packed or seqused queries (``varlen_q``; head dim 256 aside), splits and page sizes other than
     128 (``page_size`` None or 0: no page table; ``interface.py`` ``use_2cta_instrs``), its tile
     count follows ``max_seqlen_q``, and packed GQA on varlen queries changes the interleave
-    (``FA4Numerics.sm100`` ``varlen_q``)."""
+    (``FA4Numerics.sm100`` ``varlen_q``).  ``block_sparse``: the sparse block size of a
+    block-sparse call (SM90's tiles fitted to it; SM100 without 2-CTA)."""
     if arch == "sm90":
-        return FA4Numerics.for_inputs("sm90", q, k, v, causal, window)
+        return FA4Numerics.for_inputs("sm90", q, k, v, causal, window, block_sparse=block_sparse)
     local = not causal and any(w is not None for w in window)
     hd256 = q.shape[-1] == 256 and v.shape[-1] == 256
     off = num_splits > 1 or page_size not in (None, 0, 128) or (varlen_q and not hd256)
     return FA4Numerics.sm100(
         q.dtype, q.shape[-1], causal, local,
         seqlen_q=max_seqlen_q or q.shape[1], qhead_per_kvhead=q.shape[2] // k.shape[2], head_dim_v=v.shape[-1],
-        use_2cta=False if off else None, pack_gqa=bool(pack), varlen_q=varlen_q,
+        use_2cta=False if off else None, pack_gqa=bool(pack), varlen_q=varlen_q, block_sparse=block_sparse,
     )  # fmt: skip
 
 
-def _one_sequence(q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype, *, split_kv: bool = False):
+def varlen_block_sparse(bs) -> tuple:
+    """A varlen call's ``block_sparse_tensors`` checked: a list or tuple with, per sequence, a
+    ``numerics.mods.BlockSparse`` of batch 1 (its own blocks) or None (no queries or keys), all
+    of one block size."""
+    if not isinstance(bs, (list, tuple)) or not all(b is None or isinstance(b, BlockSparse) for b in bs):
+        raise TypeError(
+            "block_sparse_tensors of a varlen call must be a list with one numerics.mods.BlockSparse (batch 1) or "
+            f"None per sequence, got {type(bs).__name__}"
+        )
+    sizes = {tuple(b.block_size) for b in bs if b is not None}
+    if len(sizes) > 1 or any(b.full.shape[0] != 1 for b in bs if b is not None):
+        raise ValueError(
+            f"the sequences' BlockSparse must have batch 1 and one block size; got sizes {sorted(sizes)} and batches "
+            f"{sorted({b.full.shape[0] for b in bs if b is not None})}"
+        )
+    return tuple(bs)
+
+
+def varlen_block_lists(bsl, lengths: list[tuple[int, int]], *, heads: int) -> dict:
+    """The per-sequence block masks ``bsl`` (:func:`varlen_block_sparse`) in production's varlen
+    block-sparse layout, the fields of ``BlockSparseTensorsTorch`` (``block_sparsity.py``), for
+    sequences of ``lengths`` (rows, used keys) and ``heads`` query heads.  Read from
+    ``block_sparse_utils._get_curr_blocksparse_tensors_varlen``: query block j of sequence b has
+    its counts at ``[head, cu_total_m_blocks[b] + j]`` and its key-block list at ``[head,
+    cu_block_idx_offsets[b] + j * n_b ..]``, ``n_b = ceil(seqlen_k_b / block_k)`` entries (the
+    kernel's ``seqlen_info.num_n_blocks`` per KV subtile factor), ascending and packed to the left
+    as ``fa4.mods.block_sparse_index_lists`` writes them; ``m_b = ceil(seqlen_q_b / block_q)``.
+    Heads: 1 when every sequence's masks broadcast over heads (production keeps pack_gqa only
+    then, ``interface._flash_attn_fwd``), else ``heads``.  A sequence without a BlockSparse (no
+    queries or keys) has zero counts.  Returns int32 CPU tensors: ``mask_block_cnt`` /
+    ``full_block_cnt`` (H, total_m_blocks), ``mask_block_idx`` / ``full_block_idx`` (H,
+    total_index), ``cu_total_m_blocks`` / ``cu_block_idx_offsets`` (sequences + 1,)."""
+    from fa4.mods import block_sparse_index_lists
+
+    sizes = {tuple(b.block_size) for b in bsl if b is not None}
+    bq, bk = sizes.pop() if sizes else (128, 128)
+    H = 1 if all(b is None or b.full.shape[1] == 1 for b in bsl) else heads
+    cnt: dict = {"mask": [], "full": []}
+    idx: dict = {"mask": [], "full": []}
+    m_all, off_all = [0], [0]
+    for b, (sq, sk) in zip(bsl, lengths, strict=True):
+        mb, nb = -(-sq // bq), -(-sk // bk)
+        if b is not None and tuple(b.full.shape[2:]) != (mb, nb):
+            raise ValueError(
+                f"a sequence of {sq} rows and {sk} keys has {mb} x {nb} blocks of {(bq, bk)}; its BlockSparse has "
+                f"{tuple(b.full.shape[2:])}"
+            )
+        for kind, blocks in (("mask", None if b is None else b.partial), ("full", None if b is None else b.full)):
+            if blocks is None or nb == 0:
+                cnt[kind].append(torch.zeros(H, mb, dtype=torch.int32))
+                idx[kind].append(torch.zeros(H, mb * nb, dtype=torch.int32))
+                continue
+            c, i = block_sparse_index_lists(blocks.cpu().expand(1, H, mb, nb).contiguous())
+            cnt[kind].append(c[0])
+            idx[kind].append(i[0].reshape(H, mb * nb))
+        m_all.append(m_all[-1] + mb)
+        off_all.append(off_all[-1] + mb * nb)
+    out = {f"{k}_block_cnt": torch.cat(cnt[k], 1).contiguous() for k in cnt}
+    out.update({f"{k}_block_idx": torch.cat(idx[k], 1).contiguous() for k in idx})
+    out["cu_total_m_blocks"] = torch.tensor(m_all, dtype=torch.int32)
+    out["cu_block_idx_offsets"] = torch.tensor(off_all, dtype=torch.int32)
+    return out
+
+
+def sequence_mods(
+    index: int, *, score_mod=None, mask_mod=None, aux_tensors=None, aux_scalars=None, block_sparse_tensors=None
+) -> dict:
+    """The mod keywords with which sequence ``index`` of a varlen call computes, as a batch-1 call
+    on its own rows and keys: each mod sees ``b = index`` (``numerics.mods.at_sequence``: the
+    sequence is production's ``batch_idx``; ``q_idx`` / ``kv_idx`` are already positions within
+    the sequence in a batch-1 call) and the whole ``aux_tensors`` list, unsliced: a per-batch aux
+    tensor has one row per sequence (the library's: rows padded to the call's largest lengths,
+    ``audits.inputs.make_varlen_inputs``).  The model forms (``fa4.mod_forms``: ``model(acc,
+    scale, b, ...)``, ``model_bwd(g, x, b, ...)``) are shifted alike; the CuTe forms are left out
+    (production gets the caller's mods, not these).  ``aux_scalars`` are passed on as given (the
+    whole call's, as production's ``AuxData``).  ``block_sparse_tensors`` (the call's, one per
+    sequence): sequence ``index``'s, its mask mod shifted alike.  Used by :func:`varlen_attention` and by the
+    varlen references and bounds (``audits.runner.engine``), so all three see the same indices."""
+    out: dict = {}
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is None:
+            continue
+        forms = {f: shift_batch_arg(mod.forms.get(f), 2, index) for f in ("model", "model_bwd") if f in mod.forms}
+        out[name] = at_sequence(mod, index, forms=forms)
+    if aux_tensors is not None:
+        out["aux_tensors"] = list(aux_tensors)
+    if aux_scalars is not None:
+        out["aux_scalars"] = aux_scalars
+    bs = None if block_sparse_tensors is None else block_sparse_tensors[index]
+    if bs is not None:  # sequence i's blocks, its partial blocks applying the mask mod as sequence i sees it
+        mm = bs.mask_mod
+        if mm is not None:
+            mm = out["mask_mod"] if mm is mask_mod else sequence_mods(index, mask_mod=mm)["mask_mod"]
+        out["block_sparse_tensors"] = replace(bs, mask_mod=mm)
+    return out
+
+
+def _one_sequence(
+    q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype, *, split_kv: bool = False, mods=None
+):  # fmt: skip
     """One sequence: the loop over each split's blocks, the epilogue, and (``split_kv``) the
     combine.  A split-KV call stays one when a sequence gets a single split (SM100's per-sequence
     counts): the kernel still writes partials (an empty range: LSE -inf, no sink) and the combine
@@ -326,11 +459,12 @@ def _one_sequence(q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype, 
     sq, hq, sk = q.shape[1], q.shape[2], k.shape[1]
     n_min, n_max, _ = kv_block_ranges(sq, sk, nm, kw["causal"], kw["window_size"], q.device, heads=hq, pack=pack)
     if not split_kv:
-        st, sl2, off = forward_loop(q, k, v, nm, ranges=(n_min, n_max), **kw)
+        st, sl2, off = forward_loop(q, k, v, nm, ranges=(n_min, n_max), mods=mods, **kw)
         out, lse = finalize(nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2, off, sink, out_dtype)
         return out.permute(0, 2, 1, 3), lse
     parts = [
-        _split_partial(q, k, v, nm, kw, sink, split_ranges(n_min, n_max, s, num_splits), s) for s in range(num_splits)
+        _split_partial(q, k, v, nm, kw, sink, split_ranges(n_min, n_max, s, num_splits), s, mods)
+        for s in range(num_splits)
     ]
     o_part = torch.stack([p[0] for p in parts])  # (splits, 1, hq, sq, dv)
     l_part = torch.stack([p[1] for p in parts])  # (splits, 1, hq, sq)
@@ -338,13 +472,13 @@ def _one_sequence(q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype, 
     return out.permute(0, 2, 1, 3), lse
 
 
-def _split_partial(q, k, v, nm, kw, sink, ranges, split: int):
+def _split_partial(q, k, v, nm, kw, sink, ranges, split: int, mods=None):
     """Split ``split``'s float32 partial O (normalised by its own row sum) and partial LSE, as
     the epilogue writes them to ``out_partial`` / ``lse_partial``: the fixed-length epilogue
     without the output cast.  A row whose split owns no block writes O = 0, LSE = -inf (the
     kernel skips it and the host zero-fills the partials: ``interface.py``).  The learnable sink
     enters split 0 only, so that the combine counts it once."""
-    st, sl2, off = forward_loop(q, k, v, nm, ranges=ranges, **kw)
+    st, sl2, off = forward_loop(q, k, v, nm, ranges=ranges, mods=mods, **kw)
     o, lse = finalize(
         nm, st.row_max, st.final_row_sum(nm), st.acc_o, sl2, off, sink if split == 0 else None, torch.float32
     )

@@ -111,6 +111,7 @@ from numerics.forward_bound import (
 from numerics.forward_bound import UNIT_ROUNDOFF as _U
 from numerics.fp import format_of
 from numerics.fp import to_f32 as _f32
+from numerics.mods import bind_aux_scalars
 
 __all__ = ["backward_error_bound"]
 
@@ -386,17 +387,21 @@ def backward_error_bound(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ) -> dict:
     """Float64 bounds ``{"dq", "dk", "dv", "dsink"}`` on |grad - exact| elementwise (module doc),
     shaped like the gradients (dsink None without a sink).  ``out``, ``lse``: the forward's
     returned output and float32 LSE; ``reference``: the dict of
     ``numerics.grad_reference.attention_grad_reference`` for these inputs (computed if None).
-    ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``: the call's mods
+    ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``, ``aux_scalars``: the call's mods
     (module doc, "Mods")."""
     from numerics.grad_reference import attention_grad_reference
     from numerics.reference import check_mods
 
     check_mods(softcap, score_mod)
+    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
+        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
+    )
     mods = dict(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
                 block_sparse_tensors=block_sparse_tensors)  # fmt: skip
     if reference is None:

@@ -65,7 +65,8 @@ class Call:
     seqused given; paged: a paged KV cache (see the module docstring on its page size);
     num_splits: split-KV (1: none); pack_gqa: None = production's default;
     deterministic: ``deterministic=True`` in the backward; score_mod, mask_mod: a mod given;
-    block_sparse: the sparse block (block_q, block_k) in tokens, () for dense."""
+    block_sparse: the sparse block (block_q, block_k) in tokens, () for dense; aux_scalars:
+    runtime scalars given to the mods."""
 
     dtype: str
     d: int
@@ -86,6 +87,7 @@ class Call:
     score_mod: bool = False
     mask_mod: bool = False
     block_sparse: tuple = ()
+    aux_scalars: bool = False
 
     def __post_init__(self):
         bs = self.block_sparse
@@ -510,6 +512,12 @@ def _mod_classes(arch: str) -> list[PathClass]:
              "kept: _flash_attn_bwd resolves them without the mask_mod)", f"{_IF}: _flash_attn_bwd"),
         _cls(arch, "backward", "block_sparse", "block sparsity: Q blocks per KV block from the backward's block lists",
              f"{bsu}: {sparse_bwd}"),
+        # runtime scalars are kernel parameters (utils.AuxData.scalars; the compile key holds their types only,
+        # interface.py aux_scalar_metadata) handed to every mod by keyword (softmax.py call_score_mod's branch)
+        _cls(arch, "forward", "aux_scalars", "aux_scalars: runtime scalars passed to the mods",
+             "softmax.py: call_score_mod"),
+        _cls(arch, "backward", "aux_scalars", "aux_scalars: runtime scalars passed to score_mod_bwd",
+             "softmax.py: call_score_mod_bwd"),
     ]  # fmt: skip
 
 
@@ -604,7 +612,9 @@ def classes_of(arch: str, call: Call, *, direction: str) -> tuple[str, ...]:
         names.append("sink")
     if call.varlen:
         names.append("varlen")
-    names += [k for k, on in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod), ("block_sparse", bs)) if on]
+    mods = (("score_mod", call.score_mod), ("mask_mod", call.mask_mod), ("block_sparse", bs),
+            ("aux_scalars", call.aux_scalars))  # fmt: skip
+    names += [k for k, on in mods if on]
     return tuple(f"{arch}.{short}.{n}" for n in names)
 
 

@@ -99,6 +99,7 @@ import math
 import torch
 
 from numerics.fp import to_f32 as _f32
+from numerics.mods import bind_aux_scalars
 
 __all__ = [
     "forward_error_bound", "split_error_bound", "MUFU", "mod_score", "softcap_score_mod", "softcap_value_error",
@@ -474,6 +475,7 @@ def forward_error_bound(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_bound, lse_bound): float64 tensors shaped like the output (b, sq, hq, dv) and the
     LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc).
@@ -482,12 +484,15 @@ def forward_error_bound(
     split-KV and its combine (:func:`split_error_bound`; ``pack_gqa`` moves the splits).
     ``key_mask`` (heads_q, sq, sk) restricts each row to some keys and ``partial`` drops the
     output cast (a split's float32 partial): the bound of one split's partial results.
-    ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``: the call's mods
+    ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``, ``aux_scalars``: the call's mods
     (``numerics.mods``; module doc, "Mods")."""
     from numerics.fp import format_of
     from numerics.reference import attention_reference, call_visibility, check_mods
 
     check_mods(softcap, score_mod)
+    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
+        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
+    )
     mods = dict(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
                 block_sparse_tensors=block_sparse_tensors)  # fmt: skip
     if num_splits > 1:
@@ -579,6 +584,7 @@ def split_error_bound(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""(out_bound, lse_bound) of split-KV: each split's float32 partials, then the combine
     (``flash_fwd_combine.py``; ``fa4.varlen.combine``), for any order of its sums.
@@ -616,6 +622,9 @@ def split_error_bound(
     from numerics.tiles import split_key_masks
 
     b, sq, hq, d = q.shape
+    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(
+        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
+    )  # fmt: skip
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, score_mod=score_mod,
               mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors)  # fmt: skip
     pack = hq // k.shape[2] if pack_gqa else 1

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import mpmath
 import torch
 
+from numerics.mods import bind_aux_scalars
 from numerics.reference import (
     apply_score_mod,
     call_visibility,
@@ -218,6 +219,7 @@ def attention_grad_reference(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ) -> dict[str, torch.Tensor]:
     """FP64 gradients of attention from the exact inputs: ``{"dq", "dk", "dv", "out", "lse"}``
     plus ``"dsink"`` (heads_q,) with a sink, all float64 on q's device, by the closed form of
@@ -239,6 +241,9 @@ def attention_grad_reference(
     """
     b, sq, hq, d, sk, hk, dv = _check_shapes(q, k, v, do, learnable_sink, dlse)
     check_mods(softcap, score_mod)
+    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
+        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
+    )
     if score_mod is not None and score_mod.grad is None:
         raise ValueError(f"score_mod {score_mod.name!r} has no grad (no score_mod_bwd): its backward is refused")
     mods = {"score_mod": score_mod, "mask_mod": mask_mod, "aux_tensors": aux_tensors,
@@ -436,6 +441,7 @@ def exact_grad_elements(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ) -> dict[str, dict]:
     """Sampled gradient elements of :func:`attention_grad_reference` in exact arithmetic:
     ``{"dq": {(b, i, h): [d mpf]}, "dk": {(b, j, kh): [d mpf]}, "dv": {(b, j, kh): [dv mpf]},
@@ -475,6 +481,9 @@ def exact_grad_elements(
         raise ValueError("exact_grad_elements needs inputs of <= 26 significant bits (fp8/fp16/bf16/float32)")
     b, sq, hq, d, sk, hk, dv = _check_shapes(q, k, v, do, learnable_sink, dlse)
     check_mods(softcap, score_mod)
+    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
+        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
+    )
     g = hq // hk
     cpu = lambda x: None if x is None else x.detach().double().cpu()
     t = {"q": cpu(q), "k": cpu(k), "v": cpu(v), "do": cpu(do), "g": g}
@@ -547,6 +556,7 @@ def attention_lowprec_grads(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ) -> dict[str, torch.Tensor]:
     """The gradients PyTorch gets doing the same math in the input dtype — FlashAttention's
     ``attention_ref(upcast=False)`` differentiated by autograd, the ``pt`` of FA's backward
@@ -559,6 +569,9 @@ def attention_lowprec_grads(
     b, sq, hq, d = q.shape
     sk, g = k.shape[1], hq // k.shape[2]
     check_mods(softcap, score_mod)
+    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
+        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
+    )
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     with torch.enable_grad():
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]

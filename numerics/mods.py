@@ -15,9 +15,11 @@ is -inf after the score_mod.  Index arguments are logical positions within the s
 ``b`` batch, ``h`` the *query* head, ``q_idx`` the query row, ``kv_idx`` the key.
 
 Index tensors (:func:`index_grid`) broadcast as (b, 1, 1, 1), (1, h, 1, 1), (1, 1, i, 1),
-(1, 1, 1, j), int64.  A reference form must be written with tensor operations only (indexing an
-aux tensor with index tensors, ``torch.where``, no Python branching on values) so that it also
-runs elementwise under flex_attention's vmap.
+(1, 1, 1, j), int64.  Runtime scalars (production's ``aux_scalars``): :func:`bind_aux_scalars`
+hands a call's scalars to every form and hook of its mods as the keyword ``aux_scalars=``, only
+when the call has some (production's compatibility shim).  A reference form must be written
+with tensor operations only (indexing an aux tensor with index tensors, ``torch.where``, no
+Python branching on values) so that it also runs elementwise under flex_attention's vmap.
 
 Block sparsity (production's ``BlockSparseTensorsTorch``, flex's ``BlockMask``) is held here as
 dense block masks (:class:`BlockSparse`): per (batch, head, query block, key block), *full*
@@ -30,13 +32,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 __all__ = [
-    "ScoreMod", "MaskMod", "BlockSparse", "index_grid", "visibility", "block_sparse_from_mask",
+    "ScoreMod", "MaskMod", "BlockSparse", "index_grid", "visibility", "block_sparse_from_mask", "at_sequence",
+    "shift_batch_arg", "check_aux_scalars", "bind_aux_scalars",
 ]  # fmt: skip
 
 
@@ -205,3 +208,139 @@ def block_sparse_from_mask(
     full = n_kept == n_inside
     partial = (n_kept > 0) & ~full
     return BlockSparse(full=full, partial=partial, block_size=(bq, bk), mask_mod=mask_mod)
+
+
+def shift_batch_arg(f: Callable | None, pos: int, index: int) -> Callable | None:
+    """``f`` with its positional argument ``pos`` (a batch index tensor) offset by ``index``:
+    the call ``f(..., b, ...)`` becomes ``f(..., b + index, ...)``, keywords (``aux_scalars=``)
+    passed on.  None stays None."""
+    if f is None or index == 0:
+        return f
+
+    def shifted(*args, **kw):
+        args = list(args)
+        args[pos] = args[pos] + index
+        return f(*args, **kw)
+
+    return shifted
+
+
+def at_sequence(mod, index: int, *, forms: Mapping[str, Any] | None = None):
+    """``mod`` as sequence ``index`` of a varlen call sees it, for a batch-1 evaluation of that
+    sequence alone (``fa4.varlen``, the varlen references and bounds).  Production's varlen
+    entry hands a mod the *sequence* index as ``batch_idx`` and positions *within the sequence*
+    as ``q_idx`` / ``kv_idx`` (``flash_fwd_sm90.py`` / ``flash_fwd_sm100.py``: the tile scheduler's
+    ``batch_idx`` is the sequence, ``SeqlenInfoQK`` offsets the tensors to it, and with aux
+    tensors ``softmax.py`` ``apply_score_mod_inner`` / ``mask.py`` wrap the indices by the
+    sequence's own lengths, ``FastDivmodDivisorV2(seqlen.seqlen_q)``).  A batch-1 evaluation
+    gives ``b = 0``; this copy adds ``index`` to ``b`` in ``fn``, ``grad`` and every bound hook,
+    so it reads the sequence's rows of per-batch aux tensors.  ``forms``: the copy's kernel
+    forms (opaque here: whoever knows their signatures shifts them; default: none, since a kernel
+    form would still read ``b = 0``)."""
+    if isinstance(mod, ScoreMod):
+        hooks = {n: shift_batch_arg(getattr(mod, n), 2, index) for n in ("slope", "grad_error", "curvature")}
+        return replace(
+            mod, fn=shift_batch_arg(mod.fn, 1, index), grad=shift_batch_arg(mod.grad, 2, index),
+            value_error=shift_batch_arg(mod.value_error, 1, index), forms=dict(forms or {}), **hooks,
+        )  # fmt: skip
+    if isinstance(mod, MaskMod):
+        return replace(mod, fn=shift_batch_arg(mod.fn, 0, index), forms=dict(forms or {}))
+    raise TypeError(f"at_sequence takes a ScoreMod or MaskMod, got {type(mod).__name__}")
+
+
+def check_aux_scalars(aux_scalars, *, where: str = "aux_scalars") -> tuple | None:
+    """The call's ``aux_scalars`` as production normalises them (``interface._flash_attn_fwd``:
+    ``tuple(aux_scalars) if aux_scalars else None``, so an empty sequence is None), checked: a
+    sequence of Python ints or floats (bools are ints).  Production's compile key holds only their
+    types (``aux_scalar_metadata``); the CuTe DSL hands each to the kernel as a runtime value, a
+    float as Float32 and an int as Int32 (``cutlass.base_dsl.runtime.jit_arg_adapters``
+    ``_PYTHON_SCALAR_CONVERSION_MAP``), so a new value of the same type does not recompile."""
+    if aux_scalars is None:
+        return None
+    if isinstance(aux_scalars, (str, bytes, torch.Tensor)) or not hasattr(aux_scalars, "__iter__"):
+        raise TypeError(f"{where} must be a tuple of Python ints / floats (or None), got {type(aux_scalars).__name__}")
+    out = tuple(aux_scalars)
+    for i, x in enumerate(out):
+        if not isinstance(x, (int, float)):
+            raise TypeError(
+                f"{where}[{i}] is {type(x).__name__} ({x!r}); accepted: a Python int or float (production's DSL "
+                "passes an int as Int32 and a float as Float32)"
+            )
+    return out or None
+
+
+def _with_scalars(f: Callable | None, scalars: tuple) -> Callable | None:
+    """``f`` called with the keyword ``aux_scalars=scalars`` added (None stays None)."""
+    if f is None:
+        return None
+
+    def bound(*args, **kw):
+        return f(*args, **kw, aux_scalars=scalars)
+
+    bound.__wrapped__ = f
+    return bound
+
+
+class _ScalarForms(Mapping):
+    """A mod's ``forms`` with the entries named in ``keys`` called with ``aux_scalars=``; the
+    others (the kernel forms: the kernel hands them the scalars itself) untouched.  Membership
+    and iteration never build a form (``fa4.mods.LazyForms``)."""
+
+    def __init__(self, base: Mapping, scalars: tuple, keys: tuple):
+        self._base, self._scalars, self._keys = base, scalars, tuple(keys)
+
+    def __getitem__(self, key):
+        f = self._base[key]
+        return _with_scalars(f, self._scalars) if key in self._keys else f
+
+    def get(self, key, default=None):
+        return self[key] if key in self._base else default
+
+    def __contains__(self, key) -> bool:
+        return key in self._base
+
+    def __iter__(self):
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+
+_SCORE_CALLABLES = ("fn", "grad", "value_error", "slope", "grad_error", "curvature")
+
+
+def bind_aux_scalars(
+    aux_scalars,
+    *,
+    score_mod: ScoreMod | None = None,
+    mask_mod: MaskMod | None = None,
+    block_sparse: BlockSparse | None = None,
+    form_keys: tuple = (),
+) -> tuple[ScoreMod | None, MaskMod | None, BlockSparse | None]:
+    """(score_mod, mask_mod, block_sparse) with the call's ``aux_scalars`` bound: each reference
+    form and bound hook (and each form named in ``form_keys``: the model's) is then called with
+    the keyword ``aux_scalars=`` after its usual arguments, but only when the call has scalars.
+    Without them (None or empty) the mods come back as they are, so a mod written without an
+    ``aux_scalars`` parameter keeps working: production's compatibility shim (``softmax.py``
+    ``call_score_mod`` / ``call_score_mod_bwd`` pass ``aux_scalars=`` only when
+    ``aux_data.scalars is not None``; ``mask.py`` ``call_mask_mod`` likewise, as a 7th positional
+    argument).  The contract's entry points (references, bounds, models, the flex peer) call this
+    once; what they call inside sees plain mods.  The mask mod of ``block_sparse`` is bound too
+    (one object with ``mask_mod`` when it was one)."""
+    scalars = check_aux_scalars(aux_scalars)
+    if scalars is None:
+        return score_mod, mask_mod, block_sparse
+
+    def mask(m):
+        if m is None:
+            return None
+        return replace(m, fn=_with_scalars(m.fn, scalars), forms=_ScalarForms(m.forms, scalars, form_keys))
+
+    if score_mod is not None:
+        hooks = {k: _with_scalars(getattr(score_mod, k), scalars) for k in _SCORE_CALLABLES}
+        score_mod = replace(score_mod, **hooks, forms=_ScalarForms(score_mod.forms, scalars, form_keys))
+    inner = block_sparse.mask_mod if block_sparse is not None else None
+    bound_mask = mask(mask_mod)
+    if inner is not None:
+        block_sparse = replace(block_sparse, mask_mod=bound_mask if inner is mask_mod else mask(inner))
+    return score_mod, bound_mask, block_sparse

@@ -19,7 +19,10 @@ Conventions (docs/design.md; the audited-callable signature of ``flash_attn.cute
   where the flag masks (causal, window) *and* ``numerics.mods.visibility`` keep it (the audit's
   meaning of flags with a mask_mod is the intersection; production drops the flags,
   ``interface.py`` ``_resolve_causal_local_window``, which the audit surfaces).  The visibility
-  is then per batch and head, (B|1, H|1, seqlen_q, seqlen_k).  softcap and a score_mod are
+  is then per batch and head, (B|1, H|1, seqlen_q, seqlen_k).  ``aux_scalars`` (a tuple of Python
+  ints / floats, or None) are handed to every form of the mods as the keyword ``aux_scalars=``
+  only when the call has some (``numerics.mods.bind_aux_scalars``: production's shim), and read
+  exactly (a float scalar's float32 rounding is the kernel's, which the bounds carry).  softcap and a score_mod are
   exclusive, as production asserts (``interface.py``).
 * Rows with no visible key (and no sink): out = 0 and lse = -inf.  With a sink such a row has
   out = 0 and lse = sink.
@@ -104,6 +107,14 @@ def check_mods(softcap: float, score_mod) -> None:
         raise ValueError("softcap and score_mod are exclusive (production asserts it; softcap is itself a score_mod)")
 
 
+def _bind_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors):
+    """The mods with the call's ``aux_scalars`` bound (``numerics.mods.bind_aux_scalars``: only
+    when there are any, production's shim), for an entry point of the contract."""
+    from numerics.mods import bind_aux_scalars
+
+    return bind_aux_scalars(aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors)
+
+
 def call_visibility(
     *,
     batch: int,
@@ -117,12 +128,19 @@ def call_visibility(
     aux_tensors=None,
     rows: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
+    aux_scalars=None,
 ) -> torch.Tensor:
     """The keys a call keeps: the flag mask :func:`visible_mask` (``(rows, seqlen_k)``, exactly
     what it was before mods existed) when there is neither a mask_mod nor block sparsity; else
     its intersection with ``numerics.mods.visibility``, bool ``(B|1, H|1, rows, seqlen_k)`` (B,
-    H: 1 where the mods do not depend on the batch / head).  ``rows``: these query rows only."""
-    from numerics.mods import visibility
+    H: 1 where the mods do not depend on the batch / head).  ``rows``: these query rows only.
+    ``aux_scalars``: the call's runtime scalars, handed to the mask mod when there are any
+    (``numerics.mods.bind_aux_scalars``)."""
+    from numerics.mods import bind_aux_scalars, visibility
+
+    _, mask_mod, block_sparse_tensors = bind_aux_scalars(
+        aux_scalars, mask_mod=mask_mod, block_sparse=block_sparse_tensors
+    )  # fmt: skip
 
     flags = visible_mask(seqlen_q, seqlen_k, causal=causal, window_size=window_size, device=device, rows=rows)
     mods = visibility(
@@ -241,6 +259,7 @@ def attention_reference(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ):
     """Attention computed in ``dtype`` (float64) from the exact inputs; ``out`` (and ``lse``)
     in ``dtype``.  Same signature and conventions as the audited callables (module doc).
@@ -248,6 +267,7 @@ def attention_reference(
     masks (a split-KV split's share: ``numerics.tiles.split_key_masks``).  The mods (module
     doc) cost nothing when absent: the path without them is the one before they existed."""
     check_mods(softcap, score_mod)
+    score_mod, mask_mod, block_sparse_tensors = _bind_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -348,6 +368,7 @@ def mp_attention_rows(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ) -> list[tuple[list[mpmath.mpf], mpmath.mpf]]:
     """Output rows and LSE in mpmath at ``dps`` digits, for (batch, head_q, query) triples:
     ``[(out_row, lse), ...]``.  Used to certify the FP64 reference on samples (slow: pure
@@ -357,6 +378,7 @@ def mp_attention_rows(
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     check_mods(softcap, score_mod)
+    score_mod, mask_mod, block_sparse_tensors = _bind_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors)
     scale = mpmath.mpf(1) / mpmath.sqrt(d) if softmax_scale is None else mpmath.mpf(float(softmax_scale))
     row_vis = _row_visibility(q, k, causal, window_size, mask_mod, block_sparse_tensors, aux_tensors)
     qd, kd, vd = q.double().cpu(), k.double().cpu(), v.double().cpu()
@@ -488,6 +510,7 @@ def exact_attention_rows(
     mask_mod=None,
     aux_tensors: list | None = None,
     block_sparse_tensors=None,
+    aux_scalars=None,
 ) -> list[tuple[list[mpmath.mpf], mpmath.mpf] | None]:
     """:func:`mp_attention_rows` to ~2**-78 relative in milliseconds per row; ``None`` for a row
     whose visible inputs are not all finite (IEEE semantics are the FP64 reference's business).
@@ -526,6 +549,7 @@ def exact_attention_rows(
         )
     b, sq, hq, d = q.shape
     check_mods(softcap, score_mod)
+    score_mod, mask_mod, block_sparse_tensors = _bind_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors)
     row_vis = _row_visibility(q, k, causal, window_size, mask_mod, block_sparse_tensors, aux_tensors)
     mods = {"score_mod": score_mod, "aux_tensors": aux_tensors}
     old = mpmath.mp.dps

@@ -44,7 +44,7 @@ def _reach_calls():
     # the mods (docs/mods.md): every head-dim band with a mask_mod, a score_mod and block sparsity
     # at the suites' (128, 128) and at a block SM90 fits its tile to (64 x 64)
     for (d, dv), bs in itertools.product(dims, ((), (128, 128), (64, 64))):
-        yield Call("bfloat16", d, dv, score_mod=True, mask_mod=True, block_sparse=bs)
+        yield Call("bfloat16", d, dv, score_mod=True, mask_mod=True, block_sparse=bs, aux_scalars=bool(bs))
 
 
 def test_every_class_is_reachable_and_classes_of_names_only_listed_classes():

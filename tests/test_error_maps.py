@@ -138,6 +138,74 @@ def test_rows_with_no_visible_key_are_the_references(sq, sk, causal, window):
     assert ((cat == 3).all(axis=1) == want[rows]).all()
 
 
+#: mod cases (docs/mods.md) whose mods hide what the flags show: a block-sparse prefix-LM (prefixes
+#: 68 and 18: full, partial and skipped 128 x 128 blocks; the flags none); a document mask beside
+#: causal=True;
+#: a causal mask_mod at more queries than keys (rows 0-99 see no key, the flags hide none)
+MOD_CASES = {
+    "block_sparse": Case("bfloat16", 64, 64, 2, 4, 2, 256, 384, mask_mod="prefix_lm", block_sparse=(128, 128), seed=2),
+    "document": Case("bfloat16", 64, 64, 2, 4, 2, 200, 300, causal=True, mask_mod="document", seed=3),
+    "empty_rows": Case("float16", 64, 64, 1, 2, 2, 300, 200, mask_mod="causal"),
+}
+
+
+def _block_kind(blocks, case: Case, block_size: tuple, b: int) -> np.ndarray:
+    """A (B|1, H|1, nq, nk) block mask at token level for batch b, head 0: (seqlen_q, seqlen_k)."""
+    bq, bk = block_size
+    m = blocks.expand(case.batch, case.heads_q, *blocks.shape[2:])[b, 0].numpy()
+    return m[np.ix_(np.arange(case.seqlen_q) // bq, np.arange(case.seqlen_k) // bk)]
+
+
+@pytest.mark.parametrize("name", sorted(MOD_CASES))
+def test_the_mask_panel_draws_the_mods(name):
+    """With mods the mask beside a panel is the reference's (``numerics.reference.call_visibility``:
+    the flags and the mods, as ``audits.inputs.make_inputs`` builds them for the run), block
+    sparsity's partial blocks (kept and hidden keys) and skipped blocks told from full blocks, and
+    rows the mods leave without a key marked; the figure's title and legend say so."""
+    from audits.inputs import make_inputs
+    from numerics.reference import call_visibility
+
+    case = MOD_CASES[name]
+    kw = make_inputs(case)["kw"]
+    bs = kw.get("block_sparse_tensors")
+    want = call_visibility(batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k,
+                           causal=case.causal, window_size=case.window, mask_mod=kw.get("mask_mod"),
+                           block_sparse_tensors=bs, aux_tensors=kw.get("aux_tensors"))  # fmt: skip
+    want = want.expand(case.batch, case.heads_q, case.seqlen_q, case.seqlen_k).numpy()
+    flags = visible_mask(case.seqlen_q, case.seqlen_k, causal=case.causal, window_size=case.window).numpy()
+    for b in range(case.batch):
+        cat, rows, keys, *_ = error_maps._mask_image(case.as_dict(), b, (0,))
+        assert (rows == np.arange(case.seqlen_q)).all() and (keys == np.arange(case.seqlen_k)).all()
+        vis, empty = want[b, 0], ~want[b, 0].any(axis=1)
+        assert ((cat == 3).all(axis=1) == empty).all(), f"{name}: rows with no visible key are the mods' too"
+        cat, vis = cat[~empty], vis[~empty]
+        if bs is None:
+            assert ((cat == 1) == vis).all() and set(np.unique(cat)) <= {0, 1}, f"{name}: the mask is flags & mods"
+        else:
+            full, part = (_block_kind(m, case, bs.block_size, b)[~empty] for m in (bs.full, bs.partial))
+            expect = np.where(full, np.where(vis, 1, 0), np.where(part, np.where(vis, 4, 5), 6))
+            assert (cat == expect).all(), f"{name}: full, partial and skipped blocks drawn apart"
+            assert {1, 4, 5, 6} <= set(np.unique(cat).tolist()), f"{name}: every block kind is in the case"
+    # the mods hide keys the flags show: a mask of the flags alone would differ
+    assert (want[:, 0] != flags).any()
+
+
+def test_a_mod_case_figure_names_its_mods(tmp_path):
+    """The mask panel's title names the mask_mod and the block size; the legend the block kinds."""
+    case = MOD_CASES["block_sparse"]
+    rng = np.random.default_rng(0)
+    ratio = rng.uniform(0.01, 0.3, (case.seqlen_q, 64))
+    ratio[128:] *= 50
+    dk = rng.uniform(0.01, 0.3, (case.seqlen_k, 64))
+    dk[:40] *= 50
+    npz = make_map(tmp_path / "m.npz", case=case, panels=[("out", 1, 0, ratio), ("dk", 0, 1, dk)])
+    svg = render(npz, fmt="svg").decode()
+    for text in ("mask (mask_mod prefix_lm &amp; block-sparse 128x128)", "visible key, full block",
+                 "visible key, partial block (mask_mod applied)", "masked key, partial block",
+                 "skipped block (not visited)"):  # fmt: skip
+        assert text in svg, text
+
+
 def test_map_colours_violations_warm_within_bound_blue_inf_magenta(tmp_path):
     """In the PNG, the out panel is warm (past the bound) on rows 150-199 only, blue above, and
     magenta on the block of infinities; the dk panel is warm from key 256 on only."""

@@ -15,7 +15,7 @@ from numerics.backward_bound import backward_error_bound
 from numerics.forward_bound import MUFU, UNIT_ROUNDOFF, dot_products, forward_error_bound, mod_score
 from numerics.grad_reference import attention_grad_reference
 from numerics.mod_library import SCORE_MODS, SOFTCAP_CAP, make_mask_mod, make_score_mod
-from numerics.mods import MaskMod, ScoreMod, block_sparse_from_mask, index_grid
+from numerics.mods import MaskMod, ScoreMod, bind_aux_scalars, block_sparse_from_mask, index_grid
 from numerics.reference import attention_reference
 from tests.production_defects import SM90_GQA_SCORE_MOD_BWD
 
@@ -38,9 +38,16 @@ def _idx(n):
     return b[1:2], h[:, 1:2], q[:, :, 40:41], kv
 
 
+def _library_mod(name):
+    """The library score mod with its runtime scalars bound, as a call hands them (``temperature``'s)."""
+    sm, aux = make_score_mod(name, **SHAPE)
+    sm, _, _ = bind_aux_scalars(sm.params.get("aux_scalars"), score_mod=sm)
+    return sm, aux
+
+
 @pytest.mark.parametrize("name", SCORE_MODS)
 def test_value_error_hook_covers_the_float32_form(name):
-    sm, aux = make_score_mod(name, **SHAPE)
+    sm, aux = _library_mod(name)
     s32 = _grid_scores().view(1, 1, 1, -1)
     idx = _idx(s32.shape[-1])
     exact = sm.fn(s32.double(), *idx, aux)
@@ -58,7 +65,7 @@ def test_value_error_hook_covers_the_float32_form(name):
 
 @pytest.mark.parametrize("name", SCORE_MODS)
 def test_slope_and_curvature_hooks_are_sups(name):
-    sm, aux = make_score_mod(name, **SHAPE)
+    sm, aux = _library_mod(name)
     centre = torch.linspace(-60, 60, 241, dtype=torch.float64).view(1, 1, 1, -1)
     idx = _idx(centre.shape[-1])
     for half in (1e-3, 0.5, 7.0):
@@ -82,7 +89,7 @@ def test_slope_and_curvature_hooks_are_sups(name):
 
 @pytest.mark.parametrize("name", SCORE_MODS)
 def test_grad_error_hook_covers_the_float32_backward(name):
-    sm, aux = make_score_mod(name, **SHAPE)
+    sm, aux = _library_mod(name)
     s32 = _grid_scores(4001).view(1, 1, 1, -1)
     idx = _idx(s32.shape[-1])
     g32 = (torch.randn(s32.shape, generator=torch.Generator().manual_seed(1)) * 3).float()

@@ -29,13 +29,15 @@ from audits.cases import (
 from audits.domain import Domain, DomainError, domain_of, mods_within, named_suite_within, smoke_within
 from audits.inputs import NotApplicable, make_inputs, saveable_kw
 from numerics.code_paths import ARCHS, classes, classes_of
-from numerics.mod_library import MASK_MODS, RELBIAS_SPAN, SCORE_MODS, SOFTCAP_CAP, WINDOW
+from numerics.mod_library import MASK_MODS, RELBIAS_SPAN, SCALAR_SCORE_MODS, SCORE_MODS, SOFTCAP_CAP, WINDOW
 from numerics.mods import BlockSparse, MaskMod, ScoreMod
 
 ROOT = Path(__file__).parents[1]
 ALL = Domain(mods=MOD_KINDS)
 NONE = Domain(mods=())  # what a kernel declaring no mods gets (domain_of)
 MOD = Case("bfloat16", 64, 64, 1, 2, 2, 128, 200, score_mod="alibi", mask_mod="document", block_sparse=(128, 128))
+#: every mod kind: its score mod reads a runtime scalar (aux_scalars)
+ALL_KINDS = replace(MOD, score_mod="temperature")
 
 
 # ---- the Case fields --------------------------------------------------------------------------
@@ -44,7 +46,8 @@ MOD = Case("bfloat16", 64, 64, 1, 2, 2, 128, 200, score_mod="alibi", mask_mod="d
 def test_mod_fields_name_the_case_and_key_its_compilation():
     assert Case().score_mod == "" and Case().mask_mod == "" and Case().block_sparse == ()
     assert MOD.name == "bf16-d64-b1h2k2-s128x200-sm-alibi-mm-document-bs128x128-normal-seed0"
-    assert MOD.mods == MOD_KINDS and replace(MOD, score_mod="").mods == ("mask_mod", "block_sparse")
+    assert MOD.mods == MOD_KINDS[:3] and replace(MOD, score_mod="").mods == ("mask_mod", "block_sparse")
+    assert replace(MOD, score_mod="temperature").mods == MOD_KINDS  # it reads aux_scalars
     plain = replace(MOD, score_mod="", mask_mod="", block_sparse=())
     assert plain.name == "bf16-d64-b1h2k2-s128x200-normal-seed0" and plain.mods == ()
     variants = (MOD, plain, replace(MOD, score_mod="relbias"), replace(MOD, block_sparse=(256, 128)))
@@ -81,7 +84,6 @@ def test_call_carries_the_mods():
         ({"mask_mod": "causal", "block_sparse": "128x128"}, "two positive integers"),
         ({"block_sparse": [128, 128]}, f"block_sparse [128, 128] needs a mask_mod (its blocks are built from it); "
                                        f"accepted: {', '.join(MASK_MODS)}"),
-        ({"seqlens": [[10, 20]], "mask_mod": "causal"}, "apply to fixed-length cases, not varlen"),
     ],
 )  # fmt: skip
 def test_bad_mod_fields_are_refused_naming_what_is_accepted(bad, says):
@@ -164,7 +166,7 @@ def test_the_mods_key_in_dict_and_toml_forms(tmp_path):
 
 def test_narrow_and_widen_take_the_kinds_both_and_either_take():
     a, b = Domain(mods=("score_mod", "mask_mod")), Domain(mods=("mask_mod", "block_sparse"))
-    assert a.narrow(b).mods == ("mask_mod",) and a.widen(b).mods == MOD_KINDS
+    assert a.narrow(b).mods == ("mask_mod",) and a.widen(b).mods == ("score_mod", "mask_mod", "block_sparse")
     assert a.narrow(NONE).mods == () and a.widen(NONE).mods == a.mods
     assert a.narrow(Domain()).mods == a.mods and a.widen(Domain()).mods is None
 
@@ -176,8 +178,8 @@ def test_smoke_has_each_mod_kind_and_library_mod():
     smoke = suite("smoke")
     mods = smoke_mods()
     assert mods and all(c in smoke for c in mods) and all(c.mods for c in mods)
-    assert {k for c in mods for k in c.mods} == set(MOD_KINDS)
-    assert {c.score_mod for c in mods} - {""} == set(SCORE_MODS)
+    assert {k for c in mods for k in c.mods} == set(MOD_KINDS) - {"aux_scalars"}  # runtime scalars: the mods suite
+    assert {c.score_mod for c in mods} - {""} == set(SCORE_MODS) - set(SCALAR_SCORE_MODS)  # those: the mods suite
     assert {c.mask_mod for c in mods} - {""} == set(MASK_MODS)
     assert any(c.mask_mod and c.causal for c in mods)  # the semantic trap: a mask_mod beside causal=True
     assert {c.block_sparse for c in mods} - {()} == {MOD_BLOCK, MOD_BLOCK_SM100}
@@ -190,12 +192,15 @@ def test_smoke_has_each_mod_kind_and_library_mod():
 
 
 def test_the_mods_suite_has_every_mod_alone_and_paired_dense_and_block_sparse():
-    cases = suite("mods")
+    cases = [c for c in suite("mods") if not c.varlen]  # its varlen cases: tests/test_varlen_mods.py
     assert len(cases) == len(set(cases))
     normal = [c for c in cases if c.family == "normal" and c.mods]
     configs = {(c.score_mod, c.mask_mod, c.block_sparse) for c in normal}
     for s in SCORE_MODS:
         assert (s, "", ()) in configs
+        if s in SCALAR_SCORE_MODS:  # a few configurations of their own (audits.cases._mod_configs)
+            assert {(s, "document", ()), (s, "prefix_lm", MOD_BLOCK)} <= configs
+            continue
         for m in MASK_MODS:
             assert {(s, m, ()), (s, m, MOD_BLOCK)} <= configs
     for m in MASK_MODS:
@@ -311,8 +316,8 @@ def test_mod_classes_per_arch_and_direction():
         names = {c.name for c in classes(arch)}
         for short in ("fwd", "bwd"):
             assert {f"{arch}.{short}.{k}" for k in MOD_KINDS} <= names
-        fwd = classes_of(arch, MOD.call(), direction="forward")
-        bwd = classes_of(arch, MOD.call(), direction="backward")
+        fwd = classes_of(arch, ALL_KINDS.call(), direction="forward")
+        bwd = classes_of(arch, ALL_KINDS.call(), direction="backward")
         assert {f"{arch}.fwd.{k}" for k in MOD_KINDS} <= set(fwd)
         assert {f"{arch}.bwd.{k}" for k in MOD_KINDS} <= set(bwd)
         # a mask_mod drops causal in the forward (_resolve_causal_local_window), not in the backward
@@ -372,10 +377,10 @@ def test_coverage_counts_the_mod_classes_and_features():
     def rec(c):
         return {"case": c.name, "config": c.as_dict(), "verdict": "pass", "status": "ran", "out": {"max_abs": 0.0}}
 
-    cov = coverage(cases=[MOD], records=[rec(MOD)], domain=ALL, arch="sm90", backward=False)
+    cov = coverage(cases=[ALL_KINDS], records=[rec(ALL_KINDS)], domain=ALL, arch="sm90", backward=False)
     for k in MOD_KINDS:
-        assert cov["classes"][f"sm90.fwd.{k}"]["forward"] == MOD.name
-        assert cov["features"][k]["forward"] == MOD.name
+        assert cov["classes"][f"sm90.fwd.{k}"]["forward"] == ALL_KINDS.name
+        assert cov["features"][k]["forward"] == ALL_KINDS.name
     plain = coverage(cases=[Case()], records=[rec(Case())], domain=NONE, arch="sm90", backward=False)
     for k in MOD_KINDS:  # a kernel without mods: never missed, outside its domain
         assert "outside_domain" in plain["classes"][f"sm90.fwd.{k}"] and k not in plain["features"]

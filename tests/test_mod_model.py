@@ -333,7 +333,7 @@ def test_library_mods_against_fp64(arch, kind, name):
 
 
 def test_refusals():
-    """What production refuses, refused with its reason; varlen refuses mods (not modelled)."""
+    """What production refuses, refused with its reason; varlen takes block sparsity per sequence only."""
     q, k, v, do = _qkv()
     with pytest.raises(ValueError, match="softcap and score_mod"):
         attention(q, k, v, softcap=CAP, score_mod=SOFTCAP)
@@ -364,8 +364,8 @@ def test_refusals():
     o4, l4 = attention(q4, k4, v4, block_sparse_tensors=bs4, numerics=nm4, return_lse=True)  # the forward takes it
     with pytest.raises(NotImplementedError, match="block-sparse backward with 2-CTA"):
         attention_backward(q4, k4, v4, o4, l4, do4, block_sparse_tensors=bs4, numerics=nm4)
-    with pytest.raises(NotImplementedError, match="mods with varlen"):
-        varlen_attention(q, k, v, mask_mod=_causal_mod(200, 300))
+    with pytest.raises(TypeError, match="one numerics.mods.BlockSparse .batch 1. or None per sequence"):
+        varlen_attention(q, k, v, mask_mod=_causal_mod(200, 300), block_sparse_tensors=bs)
 
 
 def test_block_sparse_tiles():

@@ -44,9 +44,10 @@ def run_case(label: str, c: Case, production, device, *, mma: str = "exact") -> 
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
     t0 = time.perf_counter()
     po, pl = production(q, k, v, return_lse=True, **kw)
-    nm = FA4Numerics.for_inputs(
-        production_arch() if torch.device(device).type == "cuda" else "sm90", q, k, v, c.causal, c.window
-    )
+    nm = FA4Numerics.for_call(
+        production_arch() if torch.device(device).type == "cuda" else "sm90", q, k, v, causal=c.causal,
+        window_size=c.window, mask_mod=kw.get("mask_mod"), block_sparse_tensors=kw.get("block_sparse_tensors"),
+    )  # fmt: skip
     nm = dataclasses.replace(nm, mma=mma)
     mo, ml = attention(q, k, v, return_lse=True, numerics=nm, **kw)
     ref, rl = attention_reference(q, k, v, return_lse=True, **kw)

@@ -69,7 +69,7 @@ MOD_PROPERTIES = {
 }
 
 _FLAGS_OFF = {"causal": False, "window_size": (None, None), "softcap": 0.0}
-_MOD_KEYS = ("score_mod", "mask_mod", "aux_tensors", "block_sparse_tensors")
+_MOD_KEYS = ("score_mod", "mask_mod", "aux_tensors", "block_sparse_tensors", "aux_scalars")
 
 
 def sm90_tile_n(d: int, dv: int, *, causal: bool = False, local: bool = False, block_k: int | None = None) -> int:

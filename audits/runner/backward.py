@@ -157,7 +157,7 @@ def _fa_floor(got, ref, low) -> dict:
 def _call_vis(case: Case, kw: dict, device="cpu") -> torch.Tensor:
     """The keys the call keeps, bool (batch, heads_q, seqlen_q, seqlen_k): the flags and, when the
     call has them, the mods' mask (``numerics.reference.call_visibility``)."""
-    mods = {k: kw[k] for k in ("mask_mod", "block_sparse_tensors", "aux_tensors") if k in kw}
+    mods = {k: kw[k] for k in ("mask_mod", "block_sparse_tensors", "aux_tensors", "aux_scalars") if k in kw}
     vis = call_visibility(
         batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, causal=case.causal,
         window_size=tuple(case.window), device=device, **mods,

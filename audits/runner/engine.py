@@ -266,12 +266,23 @@ _VARLEN_BACKWARD = {
 
 def _sequence(x: dict, i: int) -> tuple:
     """Sequence ``i`` of varlen inputs ``x`` as the fixed-length call it computes: (q, k, v, its
-    keywords), batch 1, its used keys only, the forward keywords only.  A sequence with queries
-    and no key gets one zero key that no row sees (the window's right edge at -1): the FP64
+    keywords), batch 1, its used keys only, the forward keywords only, and the mods as sequence
+    ``i`` sees them (``fa4.varlen.sequence_mods``: batch index i, positions within the sequence).
+    A sequence with queries and no key gets one zero key that no row sees (the window's right
+    edge at -1, intersected with a mask_mod's keys by the reference and the bound): the FP64
     reference, the low-precision result and the bound then give FA's convention for rows with no
     visible key (out 0; LSE -inf, or the sink) from their own code, which needs a key."""
     q, k, v = x["parts"][i]
     kw = {n: x["kw"][n] for n in _FORWARD_KEYS if n in x["kw"]}
+    mods = {
+        n: x["kw"][n]
+        for n in ("score_mod", "mask_mod", "aux_tensors", "aux_scalars", "block_sparse_tensors")
+        if x["kw"].get(n) is not None
+    }
+    if mods:  # the sequence's mods as the varlen entry hands them: batch_idx = i (fa4.varlen.sequence_mods)
+        from fa4.varlen import sequence_mods
+
+        kw.update(sequence_mods(i, **mods))
     if k.shape[1] == 0:
         k, v = k.new_zeros(1, 1, *k.shape[2:]), v.new_zeros(1, 1, *v.shape[2:])
         kw["window_size"] = (tuple(kw.get("window_size", (None, None)))[0], -1)
@@ -352,10 +363,14 @@ def _varlen_numerics(kernel: str, case: Case, x: dict) -> tuple[str, tuple, tupl
         return "peer", tuple(_peer_numerics(x["q"]) for _ in case.seqlens), (case.num_splits,) * len(case.seqlens)
     kw = {"num_splits": case.num_splits, "page_size": case.page_size, "pack_gqa": case.pack_gqa,
           "max_seqlen_q": x["kw"]["max_seqlen_q"]}  # fmt: skip
+    if case.block_sparse:  # the tiles production fits to the sparse block (fa4.varlen.sequence_numerics)
+        kw["block_sparse"] = tuple(case.block_sparse)
     nms = []
+    # with a mask_mod the entry drops causal and the window (interface._resolve_causal_local_window)
+    causal, window = (False, (None, None)) if case.mask_mod else (case.causal, tuple(case.window))
     for i in range(len(case.seqlens)):
         q, k, v, _ = _sequence(x, i)
-        nms.append(nmf(q, k, v, case.causal, tuple(case.window), **kw))
+        nms.append(nmf(q, k, v, causal, window, **kw))
     return "fa4", tuple(nms), tuple(spf(x["q"], x["k"], x["kw"]))
 
 

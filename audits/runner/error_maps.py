@@ -13,7 +13,11 @@ that data into a figure a reader takes in at a glance:
 * beside each panel the case's mask over (query row x key), with the same grid, the mask's
   edges (causal diagonal, window edges), the rows with no visible key, the keys past
   ``seqused_k``, and the panel's violating rows overlaid, so that where the errors sit relative
-  to the mask is visible without reading indices.
+  to the mask is visible without reading indices.  A case with mods (docs/mods.md) has its
+  mask_mod and block sparsity drawn (the flags' mask intersected with ``numerics.mods.visibility``,
+  the keys the reference keeps, as ``numerics.reference.call_visibility``), block sparsity's
+  full, partial and skipped blocks apart, since a kernel bug with mods sits on a partial block or
+  a skipped one.
 
 ``write_maps`` renders the worst failing cases (``run --maps N``) as PNG and SVG under
 ``maps/``; ``html_figures`` inlines them in report.html; ``fa4-audit show --plot`` renders one.
@@ -66,9 +70,14 @@ _INF = "#ff00ff"
 #: non-finite elements ringed one by one up to this many; past it they form visible areas themselves
 _MAX_RINGS = 300
 _NAN = "#808080"
-#: the mask's categories: hidden (masked out), visible, key past seqused_k, row with no visible key
-_MASK_COLOURS = ("#f0f0f0", "#9ecae1", "#bdbdbd", "#cbc9e2")
-_MASK_NAMES = ("masked key", "visible key", "key past seqused_k (unseen)", "row with no visible key")
+#: the mask's categories: hidden (masked out), visible, key past seqused_k, row with no visible key;
+#: with block sparsity (docs/mods.md) a partial block's kept and hidden keys (its mask_mod applied)
+#: and a skipped block's (neither full nor partial: never visited); a full block's keys are 0 or 1
+_MASK_COLOURS = ("#f0f0f0", "#9ecae1", "#bdbdbd", "#cbc9e2", "#74c476", "#e5f5e0", "#fdd0a2")
+_MASK_NAMES = (
+    "masked key", "visible key", "key past seqused_k (unseen)", "row with no visible key",
+    "visible key, partial block (mask_mod applied)", "masked key, partial block", "skipped block (not visited)",
+)  # fmt: skip
 _VIOLATION = "#e31a1c"
 
 
@@ -113,25 +122,99 @@ def _lengths(config: dict, batch: int) -> tuple[int, int, int]:
     return int(config["seqlen_q"]), int(config["seqlen_k"]), int(config["seqlen_k"])
 
 
-def _mask_image(config: dict, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]:
+def _mask_image(config: dict, batch: int, heads=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]:
     """The mask's categories (indices into ``_MASK_COLOURS``) at sampled (row, key) points, the
-    sampled rows and keys, and (query rows, keys allocated, keys used)."""
+    sampled rows and keys, and (query rows, keys allocated, keys used).  ``heads``: the query
+    heads the panel shows (a kv head's panel: its group; None: every head), which matter only
+    with mods (a key is drawn visible when one of them sees it)."""
     sq, sk, used = _lengths(config, batch)
     rows, keys = _samples(sq), _samples(sk)
+    flag_keys = np.minimum(keys, max(used - 1, 0))
     vis = visibility(
-        rows=rows, keys=np.minimum(keys, max(used - 1, 0)), seqlen_q=sq, seqlen_k=used, causal=bool(config["causal"]),
+        rows=rows, keys=flag_keys, seqlen_q=sq, seqlen_k=used, causal=bool(config["causal"]),
         window=config.get("window"),
     )  # fmt: skip
+    mods = _mod_mask(config, batch, heads, rows=rows, keys=flag_keys, used=used, sq=sq) if _has_mods(config) else None
+    if mods is not None:
+        vis &= mods["kept"]
     vis &= (keys < used)[None, :]
     cat = np.where(vis, 1, 0)
+    if mods is not None and mods["blocks"] is not None:  # a full block's keys stay 0 / 1
+        cat = np.where(mods["blocks"] == 1, np.where(vis, 4, 5), cat)
+        cat = np.where(mods["blocks"] == 0, 6, cat)
     cat = np.where((keys >= used)[None, :], 2, cat)
     # a row sees no key when none of all its keys is visible, not only of the sampled ones: its
     # visible keys are the interval [i + off - left, i + off + right] cut to [0, used)
     first, last = visible_key_range(sq, used, causal=bool(config["causal"]), window_size=config.get("window"),
                                     rows=torch.as_tensor(rows))  # fmt: skip
     empty = (first > last).numpy()
+    if mods is not None:  # ... and, with mods, kept by them (every key checked, not the sampled ones)
+        empty |= ~mods["row_any"]
     cat[empty, :] = np.where(cat[empty, :] == 2, 2, 3)
     return cat, rows, keys, sq, sk, used
+
+
+def _has_mods(config: dict) -> bool:
+    """Whether the case hides keys by mods (a mask_mod, block sparsity), not only by its flags."""
+    return bool(config.get("mask_mod") or config.get("block_sparse"))
+
+
+def _mod_mask(config: dict, batch: int, heads, *, rows: np.ndarray, keys: np.ndarray, used: int, sq: int) -> dict:
+    """What the case's mods keep (docs/mods.md), for the error map's mask: ``kept`` bool (rows,
+    keys) at the sampled points, ``numerics.mods.visibility`` (the mask_mod, and block
+    sparsity's full blocks and partial blocks' kept keys) seen by any of ``heads``; ``blocks``
+    per point 2 (a full block), 1 (partial), 0 (skipped), None without block sparsity;
+    ``row_any`` per sampled row whether the flags and the mods keep any of its ``used`` keys.
+    The mods are rebuilt from the case as the run built them (``fa4.mods.build_mods``, the recipe
+    of ``audits.inputs``; the score_mod left out: it hides no key): at the call's batch and
+    lengths, so for a varlen case with the sequence as the batch index and its largest lengths."""
+    from fa4.mods import build_mods
+    from numerics.mods import visibility as mod_visibility
+
+    nb, hq, lq, lk = (int(config[k]) for k in ("batch", "heads_q", "seqlen_q", "seqlen_k"))
+    block = tuple(int(x) for x in config.get("block_sparse") or ())
+    mods = build_mods(mask_mod=config.get("mask_mod") or "", block_sparse=block, batch=nb, heads_q=hq, seqlen_q=lq,
+                      seqlen_k=lk, seed=int(config.get("seed", 0)))  # fmt: skip
+    heads = list(range(hq)) if heads is None else [int(h) for h in heads]
+    bs = mods.get("block_sparse_tensors")
+    kw = dict(batch=nb, heads=hq, seqlen_q=lq, seqlen_k=lk, mask_mod=mods.get("mask_mod"), block_sparse=bs,
+              aux=mods.get("aux_tensors"), rows=torch.as_tensor(rows))  # fmt: skip
+
+    def kept(ks: np.ndarray) -> np.ndarray:
+        v = mod_visibility(**kw, keys=torch.as_tensor(ks))
+        return v.expand(nb, hq, len(rows), len(ks))[batch, heads].any(0).numpy()
+
+    row_any = np.zeros(len(rows), dtype=bool)
+    for k0 in range(0, used, 4096):  # every used key, a slice at a time (a 32k-key row x 512 rows x heads)
+        ks = np.arange(k0, min(k0 + 4096, used))
+        flags = visibility(rows=rows, keys=ks, seqlen_q=sq, seqlen_k=used, causal=bool(config["causal"]),
+                           window=config.get("window"))  # fmt: skip
+        row_any |= (flags & kept(ks)).any(axis=1)
+    blocks = None
+    if bs is not None:
+        bq, bk = bs.block_size
+        pick = lambda m: m.expand(nb, hq, *m.shape[2:])[batch, heads][:, rows // bq][:, :, keys // bk].any(0).numpy()
+        full, part = pick(bs.full), pick(bs.partial)
+        blocks = np.where(full, 2, np.where(part, 1, 0))
+    return {"kept": kept(keys), "blocks": blocks, "row_any": row_any}
+
+
+def _mask_title(config: dict) -> str:
+    """What masks the case: its flags, and its mask_mod and block sparsity when it has them."""
+    flags = "causal" if config["causal"] else ("window " + str(tuple(config["window"])) if _windowed(config) else "")
+    parts = [flags] if flags else []
+    if config.get("mask_mod"):
+        parts.append(f"mask_mod {config['mask_mod']}")
+    if config.get("block_sparse"):
+        parts.append("block-sparse {}x{}".format(*config["block_sparse"]))
+    return " & ".join(parts) or "none"
+
+
+def _mask_names(config: dict) -> tuple[str, ...]:
+    """The categories' legend names: with block sparsity, categories 0 and 1 are a full block's."""
+    if not config.get("block_sparse"):
+        return _MASK_NAMES
+    return ("masked key, full block", "visible key, full block", *_MASK_NAMES[2:])
 
 
 def _colours():
@@ -197,12 +280,15 @@ def _mask_panel(ax, *, meta: dict, panel: dict, ratios: np.ndarray) -> set[int]:
     from matplotlib.colors import ListedColormap
 
     config = meta["config"]
-    cat, rows, keys, sq, sk, used = _mask_image(config, panel["batch"])
+    h = int(panel["head"])
+    g = int(config["heads_q"]) // int(config["heads_kv"])
+    heads = range(h * g, (h + 1) * g) if panel["row_axis"] == "col" else (h,)  # a kv head: its query heads
+    cat, rows, keys, sq, sk, used = _mask_image(config, panel["batch"], heads)
     by_key = panel["row_axis"] == "col"
     img = cat.T if by_key else cat
     ext = [0, sq, sk, 0] if by_key else [0, sk, sq, 0]
     ax.imshow(
-        img, cmap=ListedColormap(_MASK_COLOURS), vmin=-0.5, vmax=3.5, extent=ext, aspect="auto",
+        img, cmap=ListedColormap(_MASK_COLOURS), vmin=-0.5, vmax=len(_MASK_COLOURS) - 0.5, extent=ext, aspect="auto",
         interpolation="nearest",
     )  # fmt: skip
     _mask_edges(ax, sq=sq, used=used, config=config, transposed=by_key)
@@ -221,8 +307,8 @@ def _mask_panel(ax, *, meta: dict, panel: dict, ratios: np.ndarray) -> set[int]:
     ax.set_xlim(ext[0], ext[1])
     ax.set_ylim(ext[2], ext[3])
     ax.set_xlabel("query row" if by_key else "key")
-    mask = "causal" if config["causal"] else ("window " + str(tuple(config["window"])) if _windowed(config) else "none")
-    ax.set_title(f"mask ({mask}); tiles {t_rows} rows x {t_keys} keys{every_y}", fontsize=9)
+    sep = "\n" if _has_mods(config) else "; "  # a mod case's mask title is long: the tiles on a line of their own
+    ax.set_title(f"mask ({_mask_title(config)}){sep}tiles {t_rows} rows x {t_keys} keys{every_y}", fontsize=9)
     return {int(k) for k in np.unique(cat)}
 
 
@@ -357,7 +443,8 @@ def _figure(npz_path: str | Path, *, tensor: str | None):
     fig.suptitle(title, fontsize=10, y=1 - 0.08 / height, va="top")  # above the panel titles
     legend = [Patch(color=_INF, label="non-finite kernel, finite reference")] if any(
         np.isposinf(d).any() for d in data) else []  # fmt: skip
-    legend += [Patch(color=_MASK_COLOURS[k], label=_MASK_NAMES[k]) for k in sorted(shown)]
+    names = _mask_names(meta["config"])
+    legend += [Patch(color=_MASK_COLOURS[k], label=names[k]) for k in sorted(shown)]
     legend.append(Patch(facecolor="none", edgecolor=_VIOLATION, hatch="////", label="rows (keys) past the bound"))
     if meta["config"]["causal"] or _windowed(meta["config"]):
         legend.append(Line2D([], [], color="black", linestyle="--", label="mask edge (causal diagonal / window)"))
