@@ -692,7 +692,7 @@ def class_cases() -> list[Case]:
     every granularity (16, 32, 64) and exact; SM100's 2-CTA and 1-CTA, one and two Q stages,
     (192, 128) and (256, 256) with the dedicated hd256 backward; GQA packed and not; softcap,
     sink, varlen, paged and split-KV (with the 64-key tile of split d != dv); score_mod,
-    mask_mod and block sparsity with SM90's block-sparse tiles.  Lengths off every tile; batch
+    mask_mod, block sparsity with SM90's block-sparse tiles and runtime scalars.  Lengths off every tile; batch
     1-2.  ``tests/test_cases.py`` checks the coverage."""
 
     families = iter(_CLASS_FAMILIES * 4)
@@ -726,9 +726,10 @@ def class_cases() -> list[Case]:
         fixed("bfloat16", 256, 256, 6, 2, 300, 333),  # SM100 hd256 at 128 % 3 != 0: pack_gqa off
         fixed("bfloat16", 64, 64, 2, 2, 300, 333, softcap=15.0, sink=True),
         # the mods (docs/mods.md), at blocks production's SM90 takes in both directions: score_mod,
-        # mask_mod and block sparsity; the 128-row forward tile at d <= 96 (block_q no multiple of 192)
+        # mask_mod and block sparsity; the 128-row forward tile at d <= 96 (block_q no multiple of 192);
+        # runtime scalars (aux_scalars: the temperature score mod)
         fixed("bfloat16", 64, 64, 2, 2, 300, 333, score_mod="alibi", mask_mod="document", block_sparse=MOD_BLOCK),
-        fixed("float16", 96, 96, 2, 2, 300, 333, mask_mod="causal", block_sparse=MOD_BLOCK),
+        fixed("float16", 96, 96, 2, 2, 300, 333, score_mod="temperature", mask_mod="causal", block_sparse=MOD_BLOCK),
         # hd256 block-sparse: backward 64x64 (block_k = its tile_n 64), forward 128x80 fitted to 64
         fixed("bfloat16", 256, 256, 2, 2, 300, 333, mask_mod="sliding_window", block_sparse=(128, 64)),
         # a 64-row sparse block: the forward's tile_m 64 (a fitted tile), the backward's 64 x 128

@@ -55,7 +55,8 @@ def _mod_cases() -> dict[str, Case]:
     """``--mods``: one case per library mod kind, d 128, bf16, 256 x 384, MHA where the score
     mod reads the head or the query position (production's SM90 backward is wrong for those under
     GQA, docs/h200-results.md, and the model follows the intended indices), GQA 4:2 otherwise;
-    block sparsity at (128, 128), SM90's forward tile at d 128."""
+    block sparsity at (128, 128), SM90's forward tile at d 128, run without ``deterministic`` (SM90
+    refuses it there); the runtime scalar of ``temperature`` at the end."""
     c = lambda hq, hk, seed, **kw: Case("bfloat16", 128, 128, 2, hq, hk, 256, 384, seed=seed, **kw)
     bs = (128, 128)
     return {
@@ -67,6 +68,7 @@ def _mod_cases() -> dict[str, Case]:
         "sliding_window_bs_gqa": c(4, 2, 26, mask_mod="sliding_window", block_sparse=bs),
         "prefix_lm_bs_gqa": c(4, 2, 27, mask_mod="prefix_lm", block_sparse=bs),
         "alibi_document_bs_mha": c(4, 4, 28, score_mod="alibi", mask_mod="document", block_sparse=bs),
+        "temperature_gqa": c(4, 2, 29, score_mod="temperature"),
     }
 
 
@@ -172,6 +174,7 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true", help="both with deterministic=True")
     ap.add_argument("--stand-in", action="store_true", help="the SM90 model stands in for production")
     ap.add_argument("--mods", action="store_true", help="the mod cases (one per library mod kind) instead")
+    ap.add_argument("--only", default="", help="comma-separated case names: run only those")
     args = ap.parse_args()
     from audits.kernels import get_kernel
 
@@ -191,8 +194,18 @@ def main() -> None:
         res["determinism"] = determinism(production, device)
         print("determinism (elements differing between two runs):", res["determinism"], flush=True)
     # written after each case: a call cut short keeps what finished
-    for name, case in (_mod_cases() if args.mods else _cases()).items():
-        rec = run_case(name, case, production, model, device, args.deterministic)
+    chosen = _mod_cases() if args.mods else _cases()
+    if args.only:
+        unknown = set(args.only.split(",")) - set(chosen)
+        if unknown:
+            raise SystemExit(f"--only: unknown case(s) {sorted(unknown)}; known: {', '.join(chosen)}")
+        chosen = {n: c for n, c in chosen.items() if n in args.only.split(",")}
+    for name, case in chosen.items():
+        # production's SM90 block-sparse backward has no deterministic mode (flash_bwd_sm90.py dQaccum_store
+        # asserts it; fa4.production.REFUSALS): such a case runs without, and dQ's atomics order differs
+        det = args.deterministic and not case.block_sparse
+        rec = run_case(name, case, production, model, device, det)
+        rec["deterministic"] = det
         res["cases"].append(rec)
         out.write_text(json.dumps(res, indent=1) + "\n")
         shown = {**rec["grads"], "out": rec["forward"]["out"]}

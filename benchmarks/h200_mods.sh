@@ -5,7 +5,8 @@
 # report per direction; then the cross-checks of benchmarks/h200_mods.py (softcap score_mod vs
 # the softcap flag, causal mask_mod vs causal=True, block-sparse vs dense, mask_mod + causal).
 # Device call (carry [".fa4dev"]):  bash benchmarks/h200_mods.sh
-#   SUITE    the suite (default mods)     JOBS  parallel processes (default 12)
+#   SUITE    the suite option (default "--suite mods"; "" for none, with SELECT="--case-file F")
+#   JOBS     parallel processes (default 12)
 #   LIMIT    seconds per audit run before it is stopped (default 200; a stopped run still writes its report)
 #   KERNELS  default "--kernel fa4 --kernel flex --kernel fa4-model-sm90" (FWD_KERNELS / BWD_KERNELS: per direction)
 #   SELECT   extra case selection for the audit runs, e.g. "--case *varlen*" (globs are not expanded by the shell)
@@ -29,7 +30,7 @@ for dir in fwd bwd; do
   [ "$ks" = none ] && continue
   t0=$(date +%s)
   set -f  # SELECT's globs go to the audit as they are
-  timeout --signal=INT ${LIMIT:-200} python -m audits run $ks --suite ${SUITE:-mods} ${SELECT:-} $extra \
+  timeout --signal=INT ${LIMIT:-200} python -m audits run $ks ${SUITE---suite mods} ${SELECT:-} $extra \
     --device cuda --jobs ${JOBS:-12} --out /tmp/mods-$dir --overwrite --quiet 2>&1 | filter 40 | tee -a "$log"
   set +f
   echo "mods $dir exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$log"
@@ -48,7 +49,7 @@ fi
 if [ "${BITEXACT:-0}" = 1 ]; then
   t0=$(date +%s)
   timeout ${BITEXACT_LIMIT:-240} python benchmarks/h200_backward.py --mods --deterministic --model fa4-model-sm90-tc \
-    --out $OUT/bitexact 2>&1 | filter 30 | cut -c1-600 | tee -a "$log"
+    ${BITEXACT_ONLY:+--only $BITEXACT_ONLY} --out $OUT/bitexact 2>&1 | filter 30 | cut -c1-600 | tee -a "$log"
   echo "bitexact exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$log"
 fi
 t0=$(date +%s)

@@ -171,6 +171,11 @@ def bwd_plan(
     80; head dim > 192: 64 x 64); SM100 2-CTA only when block_k covers an even number of tiles
     (``block_sparse_bwd_supports_2cta``)."""
     if numerics.arch == "sm90":
+        if block_sparse is not None and numerics.bwd_deterministic:  # refused as production refuses it
+            raise NotImplementedError(
+                "Deterministic not implemented for block-sparse backward (flash_bwd_sm90.py "
+                "FlashAttentionBackwardSm90.dQaccum_store asserts it on SM90)"
+            )
         cfg = sm90_bwd_tile(d=head_dim, dv=head_dim_v, causal=causal, local=local)
         tm, tn = cfg.tile_m, cfg.tile_n
         if block_sparse is not None and 96 < head_dim <= 128 and block_sparse[0] % tm:

@@ -116,6 +116,12 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         AssertionError,
+        r"Deterministic not implemented for block-sparse backward",
+        "flash_attn/cute/flash_bwd_sm90.py, FlashAttentionBackwardSm90.dQaccum_store: asserts not deterministic "
+        "with block sparsity (seen on the H200, 2026-12-02: run --backward --deterministic on a block-sparse case)",
+    ),
+    Refusal(
+        AssertionError,
         r"Varlen backward with block sparsity is not yet supported",
         "flash_attn/cute/interface.py, _flash_attn_bwd: asserts no cu_seqlens/seqused with block sparsity",
     ),

@@ -34,10 +34,12 @@ does not encode the whole configuration.  Run as::
 
 CONFIG_JSON: {"dtype": "bfloat16", "d": 128, "dv": 128, "batch": 1, "heads_q": 2, "heads_kv":
 2, "seqlen_q": 128, "seqlen_k": 128, "causal": false, "window": [null, null], "softcap": 0.0,
-"sink": false} (an ``audits.cases.Case`` as a dict).  Writes OUT.ptx and OUT.ptx.json (what
-production chose: kernel class and its attributes; for the backward also ``kernels``, every
-compiled object in order).  Exit 3 when production refuses the
-configuration (message on stderr), 1 on any other failure.
+"sink": false} (an ``audits.cases.Case`` as a dict; its mod keys ``score_mod``, ``mask_mod``,
+``block_sparse``, present only when set, are built as the audit's calls build them and passed on
+as FakeTensors: ``_real_mods``, ``_fake_mods``).  Writes OUT.ptx and OUT.ptx.json (what
+production chose: kernel class, its attributes and, read after the compile, its ``mods``
+(``MOD_ATTRIBUTES``); for the backward also ``kernels``, every compiled object in order).
+Exit 3 when production refuses the configuration (message on stderr), 1 on any other failure.
 """
 
 import glob
@@ -49,7 +51,7 @@ import tempfile
 
 from fa4.production import refusal_of
 
-__all__ = ["main", "KERNEL_MARK", "AUX_KERNELS"]
+__all__ = ["main", "KERNEL_MARK", "AUX_KERNELS", "MOD_ATTRIBUTES"]
 
 REFUSED = 3
 #: the line before each kernel's PTX in a backward OUT.ptx
@@ -106,6 +108,23 @@ def _take_ptx(dump: str) -> str | None:
     return "".join(texts) or None
 
 
+#: the kernel attributes that record a compile's mods (``FlashAttentionForwardSm100.__init__`` /
+#: ``__call__``, ``FlashAttentionBackwardSm100.__init__`` / ``__call__``), read after the compile
+MOD_ATTRIBUTES = ("score_mod", "score_mod_bwd", "mask_mod", "use_block_sparsity", "has_aux_tensors")
+
+
+def _mod_attributes(obj) -> dict:
+    """The mod attributes a compiled object holds (:data:`MOD_ATTRIBUTES`, after its compile,
+    when ``use_block_sparsity`` is set): a callable by its ``__name__`` (the library forms'
+    names, ``fa4.mods``; production's softcap ``scoremod_premask_fn``), None, or a scalar."""
+    got = {}
+    for name in MOD_ATTRIBUTES:
+        if name in vars(obj):
+            v = vars(obj)[name]
+            got[name] = v if v is None or isinstance(v, (bool, int)) else getattr(v, "__name__", type(v).__name__)
+    return got
+
+
 def _capture_compiles(interface, dump: str) -> list[dict]:
     """Wrap ``interface.cute.compile`` (passing through unchanged): for each object production
     compiles, in order, its class, scalar attributes and the PTX the compile dumped."""
@@ -123,6 +142,7 @@ def _capture_compiles(interface, dump: str) -> list[dict]:
             return compile_og(*args, **kw)
         finally:
             entry["ptx"] = _take_ptx(dump)
+            entry["mods"] = _mod_attributes(obj)
 
     interface.cute.compile = record
     return compiled
@@ -141,8 +161,54 @@ def _fake_inputs(cfg: dict) -> tuple:
     return q, k, v, sink
 
 
-def _call_on_fake_tensors(fa, cfg: dict) -> Exception | None:
-    """``flash_attn_func`` on FakeTensors shaped by ``cfg``; the exception it raised, if any."""
+def _real_mods(cfg: dict) -> dict:
+    """Production's mod keywords for ``cfg``'s library mods (keys ``score_mod``, ``mask_mod``,
+    ``block_sparse``, present only when set: ``audits.cases.Case.as_dict``), built on the CPU
+    exactly as the audit's calls build them (``fa4.mods.build_mods`` with the case's batch, heads,
+    lengths and seed, then ``fa4.mods.production_kwargs``): ``score_mod`` / ``score_mod_bwd``,
+    ``mask_mod``, ``aux_tensors``, ``aux_scalars``, ``block_sparse_tensors`` /
+    ``block_sparse_tensors_bwd``; {} without mods.  Call after the DSL's environment is set (the forms import it)."""
+    names = {k: cfg[k] for k in ("score_mod", "mask_mod") if cfg.get(k)}
+    if cfg.get("block_sparse"):
+        names["block_sparse"] = tuple(cfg["block_sparse"])
+    if not names:
+        return {}
+    from fa4.mods import build_mods, production_kwargs
+
+    kw = build_mods(
+        **names, batch=cfg["batch"], heads_q=cfg["heads_q"], seqlen_q=cfg["seqlen_q"], seqlen_k=cfg["seqlen_k"],
+        seed=cfg.get("seed", 0),
+    )  # fmt: skip
+    return production_kwargs(kw)
+
+
+def _fake_like(t):
+    """A FakeTensor on device cuda of ``t``'s shape, stride and dtype (inside a FakeTensorMode)."""
+    import torch
+
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cuda")
+
+
+def _fake_mods(mods: dict) -> dict:
+    """``mods`` (:func:`_real_mods`) with every tensor — each aux tensor, each tensor field of a
+    ``BlockSparseTensorsTorch`` — replaced by a FakeTensor like it (call inside the FakeTensorMode
+    that makes q, k, v): production compiles on shapes, strides and dtypes, and launches nothing."""
+    import torch
+
+    out = dict(mods)
+    if out.get("aux_tensors") is not None:
+        out["aux_tensors"] = [_fake_like(t) for t in out["aux_tensors"]]
+    for key in ("block_sparse_tensors", "block_sparse_tensors_bwd"):
+        bs = out.get(key)
+        if bs is not None:  # a NamedTuple (block_sparsity.BlockSparseTensorsTorch)
+            out[key] = bs._replace(**{f: _fake_like(v) for f, v in bs._asdict().items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def _call_on_fake_tensors(fa, cfg: dict, mods: dict) -> Exception | None:
+    """``flash_attn_func`` on FakeTensors shaped by ``cfg``, with ``mods`` (:func:`_real_mods`:
+    every keyword of them, as ``fa4.production.flash_attn`` passes them); the exception it raised,
+    if any."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     kw = dict(causal=cfg["causal"], window_size=tuple(cfg["window"]), softcap=cfg["softcap"], return_lse=True)
@@ -151,16 +217,18 @@ def _call_on_fake_tensors(fa, cfg: dict) -> Exception | None:
         if sink is not None:
             kw["learnable_sink"] = sink
         try:
-            fa.flash_attn_func(q, k, v, **kw)
+            fa.flash_attn_func(q, k, v, **kw, **_fake_mods(mods))
         except Exception as exc:  # launch failures are expected on a non-Blackwell GPU
             return exc
     return None
 
 
-def _call_backward_on_fake_tensors(interface, cfg: dict) -> Exception | None:
+def _call_backward_on_fake_tensors(interface, cfg: dict, mods: dict) -> Exception | None:
     """``interface._flash_attn_bwd`` on FakeTensors as ``interface.FlashAttnFunc.backward`` calls
-    it for ``flash_attn_func(q, k, v, causal, window_size, softcap, learnable_sink)`` with a
-    gradient on ``out`` only; the exception it raised, if any."""
+    it for ``flash_attn_func(q, k, v, causal, window_size, softcap, learnable_sink, **mods)`` with a
+    gradient on ``out`` only: the mods as the forward's context keeps them (score_mod,
+    score_mod_bwd, mask_mod, the saved aux tensors, aux_scalars, ``block_sparse_tensors`` = the
+    call's ``block_sparse_tensors_bwd``); the exception it raised, if any."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -169,11 +237,13 @@ def _call_backward_on_fake_tensors(interface, cfg: dict) -> Exception | None:
         out = torch.empty(*q.shape[:-1], cfg["dv"], dtype=q.dtype, device="cuda")
         lse = torch.empty(cfg["batch"], cfg["heads_q"], cfg["seqlen_q"], dtype=torch.float32, device="cuda")
         window = tuple(cfg["window"])
+        fm = _fake_mods(mods)
+        bwd_mods = {k: fm.get(k) for k in ("score_mod", "score_mod_bwd", "mask_mod", "aux_tensors", "aux_scalars")}
         try:
             interface._flash_attn_bwd(
                 q, k, v, out, torch.empty_like(out), lse, None, cfg["causal"], cfg["softcap"],
                 window_size_left=window[0], window_size_right=window[1], deterministic=False,
-                learnable_sink=sink,
+                **bwd_mods, block_sparse_tensors=fm.get("block_sparse_tensors_bwd"), learnable_sink=sink,
             )  # fmt: skip
         except Exception as exc:
             return exc
@@ -221,16 +291,21 @@ def main(argv: list[str] | None = None) -> int:
     from flash_attn.cute import interface
 
     compiled = _capture_compiles(interface, dump)
-    err = _call_backward_on_fake_tensors(interface, cfg) if backward else _call_on_fake_tensors(fa, cfg)
+    try:
+        mods = _real_mods(cfg)
+    except Exception as exc:  # a bad mod name or block (ValueError from fa4.mods): a failure, never a refusal
+        return _no_ptx(exc, dump)
+    call = _call_backward_on_fake_tensors if backward else _call_on_fake_tensors
+    err = call(interface, cfg, mods) if backward else call(fa, cfg, mods)
     got = _kernels_text(compiled, backward)
     if got is None or (backward and err is not None):  # the backward launches nothing: any exception is a failure
         return _no_ptx(err, dump)
     text, main_kernel = got
     with open(out, "w") as fh:
         fh.write(text)
-    chosen = {k: main_kernel[k] for k in ("kernel_class", "attributes")}
+    chosen = {k: main_kernel[k] for k in ("kernel_class", "attributes", "mods")}
     if backward:
-        chosen["kernels"] = [{k: c[k] for k in ("kernel_class", "attributes")} for c in compiled]
+        chosen["kernels"] = [{k: c[k] for k in ("kernel_class", "attributes", "mods")} for c in compiled]
     chosen["launch_error"] = None if err is None else f"{type(err).__name__}: {str(err)[:300]}"
     chosen["config"] = cfg
     with open(out + ".json", "w") as fh:

@@ -271,7 +271,7 @@ def _honours_scalars(q, k, v, *, return_lse=False, **kw):
 
 
 for _f in (_ignores_scalars, _honours_scalars):
-    _f.fa4_audit_domain = {"mods": ["score_mod", "mask_mod", "block_sparse"]}
+    _f.fa4_audit_domain = {"mods": ["score_mod", "mask_mod", "block_sparse", "aux_scalars"]}
 
 CASES = [
     Case("float16", 64, 64, 1, 4, 2, 96, 128, score_mod="temperature", seed=3),
@@ -385,3 +385,19 @@ def test_a_kernel_that_does_not_declare_aux_scalars_gets_no_scalar_mod_case():
     assert why is not None and why.startswith("aux_scalars unsupported (the domain's mods: score_mod;"), why
     assert score_only.refusal(plain) is None
     assert Domain.from_dict({"mods": ["score_mod", "aux_scalars"]}, where="test").refusal(scalar) is None
+
+
+def test_flex_keeps_the_scalar_at_the_scores_precision():
+    """flex_attention traces a score_mod on an example score of the *query's* dtype: a form that
+    builds ``torch.tensor(tau, dtype=s.dtype)`` bakes in tau rounded to bf16 (the H200 run of
+    2026-12-02 failed all 9 temperature cases of flex on the LSE, 1e-2 off).  The library form
+    multiplies by a Python float.  Eager flex on the CPU shows the same: the LSE within 1e-4 of
+    float64 (float32 statistics over 384 keys err by ~1e-6; bf16's tau by |s| * 2^-9 ~ 1e-2)."""
+    from audits.inputs import make_inputs
+    from audits.kernels import get_kernel
+
+    c = Case("bfloat16", 64, 64, 1, 2, 2, 64, 384, score_mod="temperature", family="long_tail", seed=25396)
+    x = make_inputs(c)
+    _, lse = get_kernel("flex")(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    _, want = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    assert float((lse.double() - want).abs().max()) <= 1e-4

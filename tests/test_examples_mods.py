@@ -26,7 +26,7 @@ OUT_TOL, LSE_TOL = 2**-7, 1e-4
 
 
 def test_the_reference_kernel_declares_every_mod_kind():
-    assert domain_of(attention).mods == ("score_mod", "mask_mod", "block_sparse")
+    assert domain_of(attention).mods == ("score_mod", "mask_mod", "block_sparse", "aux_scalars")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

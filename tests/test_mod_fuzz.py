@@ -321,7 +321,9 @@ def test_mask_fn_runs_under_vmap():
 
 # ---- fuzz --mods ------------------------------------------------------------------------------
 
-_ALL_MODS = Domain(mods=("score_mod", "mask_mod", "block_sparse"))
+_ALL_MODS = Domain(mods=("score_mod", "mask_mod", "block_sparse", "aux_scalars"))
+#: score mods without runtime scalars: a domain that does not declare aux_scalars never gets one
+_NO_SCALARS = Domain(mods=("score_mod", "mask_mod", "block_sparse"))
 
 
 @FEW
@@ -347,6 +349,9 @@ def test_fuzz_reaches_every_mod_kind_and_only_when_asked():
     strat = cases(domain=_ALL_MODS, mods=True, max_seqlen=256)
     for kind in ("score_mod", "mask_mod", "block_sparse"):
         assert getattr(find(strat, lambda c, k=kind: bool(getattr(c, k)), settings=quick), kind)
+    assert "aux_scalars" in find(strat, lambda c: "aux_scalars" in c.mods, settings=quick).mods
+    with pytest.raises(NoSuchExample):
+        find(cases(domain=_NO_SCALARS, mods=True, max_seqlen=256), lambda c: "aux_scalars" in c.mods, settings=quick)
     plain = find(cases(domain=_ALL_MODS, max_seqlen=256), lambda c: c.causal, settings=quick)
     assert plain.mods == ()  # without mods=True nothing is drawn, whatever the domain declares
     with pytest.raises(NoSuchExample):

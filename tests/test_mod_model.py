@@ -429,3 +429,27 @@ def test_model_with_mods_on_cuda(arch):
     assert torch.equal(torch.isfinite(gpu[1]), torch.isfinite(cpu[1]))
     for a, c in zip(gpu[2:], cpu[2:]):
         assert (a.double() - c.double()).abs().max() <= 1e-3 * c.double().abs().max()
+
+
+def test_sm90_deterministic_block_sparse_backward_is_refused_as_production_refuses_it():
+    """flash-attn-4 4.0.0b36's SM90 backward asserts "Deterministic not implemented for
+    block-sparse backward" (flash_bwd_sm90.py dQaccum_store; met on the H200, 2026-12-02): the
+    model refuses the same call with production's words, so both are ``skipped``; dense and
+    non-deterministic block-sparse backwards run."""
+    import dataclasses
+
+    from audits.cases import Case
+    from audits.inputs import make_inputs
+    from fa4.model_bwd import bwd_plan
+    from fa4.production import REFUSALS, refusal_of
+
+    c = Case("bfloat16", 64, 64, 1, 2, 2, 128, 128, mask_mod="causal", block_sparse=(128, 128))
+    x = make_inputs(c)
+    nm = FA4Numerics.for_call("sm90", x["q"], x["k"], x["v"], mask_mod=x["kw"]["mask_mod"],
+                              block_sparse_tensors=x["kw"]["block_sparse_tensors"])  # fmt: skip
+    det = dataclasses.replace(nm, bwd_deterministic=True)
+    with pytest.raises(NotImplementedError, match="Deterministic not implemented for block-sparse backward") as e:
+        bwd_plan(det, 64, 64, False, False, block_sparse=(128, 128))
+    assert refusal_of(AssertionError(str(e.value))) in REFUSALS  # production's words, production's rule
+    bwd_plan(nm, 64, 64, False, False, block_sparse=(128, 128))
+    bwd_plan(det, 64, 64, False, False)

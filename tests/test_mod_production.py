@@ -19,7 +19,7 @@ from audits.kernels import KERNELS, claims_nonfinite_inputs, get_kernel
 from fa4.mods import MASK_FORMS, SCORE_FORMS, LazyForms, block_sparse_index_lists, build_mods
 from fa4.production import PRODUCTION_MODS, REFUSALS, production_domain, refusal_of
 from numerics.mod_library import MASK_MODS, SCORE_MODS, make_mask_mod, make_score_mod
-from numerics.mods import BlockSparse, index_grid, visibility
+from numerics.mods import BlockSparse, bind_aux_scalars, index_grid, visibility
 from numerics.reference import visible_mask
 from tests.production_defects import SM90_GQA_SCORE_MOD_BWD
 
@@ -29,7 +29,11 @@ SHAPE = dict(batch=2, heads_q=4, seqlen_q=48, seqlen_k=80)
 def _reference(q, k, v, *, softmax_scale, causal=False, window_size=(None, None), softcap=0.0, **kw):
     """Float64 attention with the mods (numerics.mods semantics: the score mod on the scaled
     score, the flags intersected with the mods' visibility); (out, lse), rows with no key 0 / -inf.
-    Differentiable (float64 autograd gives the exact gradients of the same function)."""
+    Differentiable (float64 autograd gives the exact gradients of the same function).  Runtime
+    scalars are bound into the mods as every reference binds them (``numerics.mods.bind_aux_scalars``)."""
+    sm, mm, bs = bind_aux_scalars(kw.get("aux_scalars"), score_mod=kw.get("score_mod"), mask_mod=kw.get("mask_mod"),
+                                  block_sparse=kw.get("block_sparse_tensors"))  # fmt: skip
+    kw = {**kw, "score_mod": sm, "mask_mod": mm, "block_sparse_tensors": bs}
     b, sq, hq, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     aux = kw.get("aux_tensors")
@@ -228,6 +232,7 @@ _MOD_REFUSALS = [
     (NotImplementedError, "Custom user-provided score_mod is not supported on SM8x architectures."),
     (AssertionError, "mask_mod backward not supported on SM 12.0"),
     (AssertionError, "Varlen backward with block sparsity is not yet supported"),
+    (AssertionError, "Deterministic not implemented for block-sparse backward"),
     (ValueError, "Block sparsity requires sparse_block_size[1]=256 to match tile_n=128."),
     (ValueError, "Block sparsity requires sparse_block_size[1] to be a multiple of tile_n=128."),
     (ValueError, "Block sparse tensorsforward have block size 64, which must be a multiple of 128."),

@@ -48,14 +48,18 @@ MOD_BLOCKS = (MOD_BLOCK, MOD_BLOCK_SM100)
 
 def draw_mods(draw, dom: Domain, d: int) -> dict:
     """The mod fields of a case inside ``dom`` (its ``mods`` kinds): a score_mod of
-    ``numerics.mod_library.SCORE_MODS`` or none, a mask_mod of ``MASK_MODS`` or none, block
+    ``numerics.mod_library.SCORE_MODS`` or none (one reading runtime scalars, ``SCALAR_SCORE_MODS``,
+    only when the kind ``aux_scalars`` is declared too), a mask_mod of ``MASK_MODS`` or none, block
     sparsity (:data:`MOD_BLOCKS`) only with a mask_mod, the kind declared and d <= 128.  Each
     shrinks toward none."""
-    from numerics.mod_library import MASK_MODS, SCORE_MODS
+    from numerics.mod_library import MASK_MODS, SCALAR_SCORE_MODS, SCORE_MODS
 
     out = {"score_mod": "", "mask_mod": "", "block_sparse": ()}
     if "score_mod" in dom.mods:
-        out["score_mod"] = draw(st.sampled_from(("",) + SCORE_MODS))
+        scalars = "aux_scalars" in dom.mods
+        out["score_mod"] = draw(
+            st.sampled_from(("",) + tuple(s for s in SCORE_MODS if scalars or s not in SCALAR_SCORE_MODS))
+        )
     if "mask_mod" in dom.mods:
         out["mask_mod"] = draw(st.sampled_from(("",) + MASK_MODS))
     if out["mask_mod"] and "block_sparse" in dom.mods and d <= 128:

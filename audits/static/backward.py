@@ -29,6 +29,17 @@ from audits.cases import Case
 from audits.static.core import P_CONVERT, StaticError, cached_ptx, case_numerics
 from audits.static.facts import PtxFormatError
 from audits.static.facts_bwd import backward_facts
+from audits.static.mod_facts import (
+    compare_mod_facts,
+    differential,
+    expected_mod_facts,
+    f32_elements,
+    main_kernel_text,
+    mask_baseline,
+    production_attributes,
+    score_baseline,
+    scores_of_main,
+)
 from fa4.model_bwd import bwd_plan, fold_order
 
 __all__ = ["backward_groups", "expected_backward_facts", "compare_backward_facts", "audit_backward_group"]
@@ -49,7 +60,7 @@ def backward_groups(cases: list[Case]) -> list[tuple[Case, list[str]]]:
     non-fp8 fixed-length ``cases`` (module doc), with the names of the cases it stands for; suite order."""
     groups: dict = {}
     for c in cases:
-        if is_fp8(c) or c.varlen or c.mods:  # the varlen entry's backward and the mod cases' are not audited
+        if is_fp8(c) or c.varlen:  # the varlen entry's backward is not audited (mod cases are: with their mods)
             continue
         key = (c.compile_key, c.seqlen_q <= 128, c.seqlen_k <= 128)
         rep = dataclasses.replace(c, batch=1, layout="contiguous", family="normal", seed=0)
@@ -57,11 +68,31 @@ def backward_groups(cases: list[Case]) -> list[tuple[Case, list[str]]]:
     return list(groups.values())
 
 
+def forward_refusal(c: Case) -> str | None:
+    """Why no ``flash_attn_func`` call reaches this backward, or None: its forward refuses the
+    block sparsity (``block_sparsity.normalize_block_sparse_config``: the sparse query block must
+    be a multiple of the forward's ``q_stage * tile_m``, 256 rows with two Q stages), while
+    ``_flash_attn_bwd`` called alone would compile it (its own check,
+    ``normalize_block_sparse_config_bwd``, takes the backward's smaller tile).  Auditing a
+    backward no forward call leads to would report on code users never run."""
+    if not c.block_sparse:
+        return None
+    rows = case_numerics(c).tile_m
+    if c.block_sparse[0] % rows:
+        return (
+            f"production's forward refuses block_q {c.block_sparse[0]} (a multiple of q_stage * tile_m = {rows} "
+            "rows: block_sparsity.normalize_block_sparse_config), so no flash_attn_func call reaches this backward"
+        )
+    return None
+
+
 def expected_backward_facts(c: Case) -> dict:
     """What the backward model implies for each fact of ``audits.static.facts_bwd`` (its module
     doc: ``fa4.model_bwd``; the knobs: ``FA4Numerics.sm100`` for this case and ``bwd_plan``)."""
     nm = case_numerics(c)
-    plan = bwd_plan(nm, c.d, c.dv, c.causal, c.local)
+    # the backward keeps causal and the window beside a mask_mod (_flash_attn_bwd resolves them
+    # without it); block sparsity decides the 2-CTA pair (bwd_plan's block_sparse)
+    plan = bwd_plan(nm, c.d, c.dv, c.causal, c.local, block_sparse=tuple(c.block_sparse) or None)
     dt = getattr(torch, c.dtype)
     gqa = c.heads_q // c.heads_kv > 1
     return {
@@ -77,7 +108,7 @@ def expected_backward_facts(c: Case) -> dict:
         "out_convert": not gqa or plan.hd256,  # step 8: GQA adds float32 partials, then the postprocess casts
         "reduce.targets": 0 if plan.hd256 else 1 + 2 * gqa,  # steps 8-9: dq_accum (+ dk_accum, dv_accum)
         "reduce.flush": "all",  # model_bwd.reduce_add: the accumulators' adds flush subnormals
-        "tanh": c.softcap > 0,  # step 3
+        "tanh": c.softcap > 0 or c.score_mod == "softcap",  # step 3 (softcap as a score_mod is the flag's code)
         "postprocess": not plan.hd256,  # step 9: dq_accum * scale, cast (hd256: no postprocess)
         "preprocess.fold": [fold_order(c.dv, plan.hdimv_multiple)],  # step 1: row_dot
     }
@@ -140,6 +171,9 @@ def audit_backward_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver:
     configuration production compiles but the model does not take (``bwd_plan`` raises
     NotImplementedError) is a difference, fact ``supported``."""
     rec = {"group": c.name, "config": c.as_dict(), "cases": len(cases)}
+    refused = forward_refusal(c)
+    if refused is not None:
+        return {**rec, "verdict": "skipped", "reason": refused}
     got = cached_ptx(c, f"bwd-{c.name}", ptx_dir=ptx_dir, no_driver=no_driver, backward=True, gpu=gpu)
     if isinstance(got, str):
         return {**rec, "verdict": "skipped", "reason": got}
@@ -161,5 +195,36 @@ def audit_backward_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver:
         rec["differences"] = [{"fact": "supported", "production": f"compiles {rec['kernel_class']}", "model": str(exc)}]
         return {**rec, "verdict": "diverged"}
     rec["differences"] = compare_backward_facts(facts, rec["expected"])
+    if c.mods:
+        try:
+            mod, rec["baselines"] = _mod_facts_bwd(c, ptx, chosen, ptx_dir=ptx_dir, no_driver=no_driver, gpu=gpu)
+        except PtxFormatError as exc:
+            raise StaticError(f"{c.name}: the backward's mod facts were not recognised: {exc}") from exc
+        want = expected_mod_facts(c, backward=True)
+        rec["facts"].update(mod)
+        rec["expected"].update(want)
+        rec["differences"] += compare_mod_facts(mod, want)
     rec["verdict"] = "diverged" if rec["differences"] else "match"
     return rec
+
+
+def _mod_facts_bwd(c: Case, ptx: str, chosen: dict, **compile_kw) -> tuple[dict, dict]:
+    """The mod facts of a mod case's backward (``audits.static.mod_facts``): the main kernel's
+    recorded mod attributes and its differentials against the baselines' backward (compiled or
+    cached as ``bwd-<baseline>``); and ``{fact: "<baseline> (<compiled>)"}``."""
+    facts, baselines = {"mod.attributes": production_attributes(chosen, backward=True)}, {}
+    mine, scores = f32_elements(main_kernel_text(ptx)), scores_of_main(ptx)
+    for name, base in (("mod.score_ops", score_baseline(c)), ("mod.mask_ops", mask_baseline(c, backward=True))):
+        if base is None:
+            continue
+        got = cached_ptx(base, f"bwd-{base.name}", backward=True, **compile_kw)
+        if isinstance(got, str):
+            raise StaticError(f"{c.name}: production refuses {base.name}, the backward baseline of {name}: {got}")
+        base_ptx, _, how = got
+        facts[name] = differential(
+            mine, f32_elements(main_kernel_text(base_ptx)), scores=scores, scores_without=scores_of_main(base_ptx),
+            what=f"backward {name} of {c.name} against {base.name}",
+            selects=name == "mod.mask_ops",
+        )  # fmt: skip
+        baselines[name] = f"{base.name} ({how})"
+    return facts, baselines

@@ -111,7 +111,7 @@ def cmd_static(args: argparse.Namespace) -> int:
     sel = select_cases(args)  # static runs no kernel: suites within the --domain file alone
     groups, audit, meta = _groups_and_audit(sel.cases, args.backward)
     if not groups:
-        why = "fp8, varlen or mod cases (production has no fp8 backward)" if args.backward else "varlen or mod cases"
+        why = "fp8 or varlen cases (production has no fp8 backward)" if args.backward else "varlen cases"
         raise UsageError(
             f"the selection {sel.label!r} yields no compile group: its {len(sel.cases)} cases are all {why}, "
             "which the static audit does not compile (it audits flash_attn_func's kernels)"

@@ -26,6 +26,15 @@ import torch
 
 from audits.cases import Case
 from audits.static.facts import PtxFormatError, kernel_facts
+from audits.static.mod_facts import (
+    compare_mod_facts,
+    differential,
+    expected_mod_facts,
+    f32_elements,
+    mask_baseline,
+    production_attributes,
+    score_baseline,
+)
 from fa4.ex2 import POLY_EX2, emulated_columns
 from fa4.model import FA4Numerics
 
@@ -52,15 +61,21 @@ class StaticError(RuntimeError):
 def case_numerics(c: Case) -> FA4Numerics:
     """The SM100 model numerics of a case's compile group: what the PTX of the group is checked
     against.  Public: the static backward audit (``audits.static.backward``) checks its kernels
-    against the same numerics."""
+    against the same numerics.  With a mask_mod the forward runs non-causal and non-local:
+    production drops the flags (``interface._resolve_causal_local_window(..., mask_mod)`` returns
+    causal=False, local=False; ``fa4.model.attention`` resolves them so, and
+    ``FA4Numerics.for_inputs`` is told so), which changes the tuning key and 2-CTA; block sparsity
+    turns 2-CTA off (``FA4Numerics.sm100(block_sparse=)``)."""
+    causal, local = (False, False) if c.mask_mod else (c.causal, c.local)
     return FA4Numerics.sm100(
         getattr(torch, c.dtype),
         c.d,
-        c.causal,
-        c.local,
+        causal,
+        local,
         seqlen_q=c.seqlen_q,
         qhead_per_kvhead=c.heads_q // c.heads_kv,
         head_dim_v=c.dv,
+        block_sparse=tuple(c.block_sparse) or None,
     )
 
 
@@ -69,10 +84,9 @@ def static_groups(cases: list[Case]) -> list[tuple[Case, list[str]]]:
     numerics), with the names of the cases it stands for; suite order."""
     groups: dict = {}
     for c in cases:
-        # the static audit compiles flash_attn_func without mods: the varlen entry's kernels and the
-        # mod cases' (score_mod / mask_mod / block sparsity: fa4.sm100_compile does not pass them) are
-        # not audited here, and say so (audits/static/cli.py)
-        if c.varlen or c.mods:
+        # the static audit compiles flash_attn_func (with the case's mods: fa4.sm100_compile builds
+        # them); the varlen entry's kernels are not audited here, and say so (audits/static/cli.py)
+        if c.varlen:
             continue
         key = (c.compile_key, case_numerics(c))
         rep = dataclasses.replace(c, batch=1, layout="contiguous", family="normal", seed=0)
@@ -107,7 +121,8 @@ def expected_facts(c: Case) -> dict:
         "arith.nonstandard": {},  # IEEE round-to-nearest, no flush, off the emulation's add.rm
         "p_convert": P_CONVERT[nm.p_dtype or dt],
         "reciprocal": ["rcp.approx.ftz.f32"],  # the finalize's rcp_approx
-        "tanh": c.softcap > 0,
+        # softcap as a score_mod is production's softcap flag (utils.create_softcap_scoremod): the same facts
+        "tanh": c.softcap > 0 or c.score_mod == "softcap",
         "division": "div.rn.f32",  # fa4.primitives.div_rn: softcap, one per score; the sink's
     }
 
@@ -226,5 +241,40 @@ def audit_group(c: Case, cases: list[str], *, ptx_dir: Path, no_driver: bool, gp
     rec["facts"] = facts
     rec["expected"] = expected_facts(c)
     rec["differences"] = compare_facts(facts, rec["expected"], tile_n=tile_n)
+    if c.mods:
+        try:
+            mod, rec["baselines"] = _mod_facts(
+                c, ptx, chosen, facts["softmax.steps"] * tile_n, ptx_dir=ptx_dir, no_driver=no_driver, gpu=gpu
+            )
+        except PtxFormatError as exc:
+            raise StaticError(f"{c.name}: the mod facts were not recognised: {exc}") from exc
+        want = expected_mod_facts(c)
+        rec["facts"].update(mod)
+        rec["expected"].update(want)
+        rec["differences"] += compare_mod_facts(mod, want)
     rec["verdict"] = "diverged" if rec["differences"] else "match"
     return rec
+
+
+def _mod_facts(c: Case, ptx: str, chosen: dict, scores: int, **compile_kw) -> tuple[dict, dict]:
+    """The mod facts of a mod case's forward (``audits.static.mod_facts``): its recorded mod
+    attributes and the differentials against its baselines (compiled or cached like any group,
+    under the baseline case's name); and ``{fact: "<baseline> (<compiled>)"}``."""
+    facts, baselines = {"mod.attributes": production_attributes(chosen)}, {}
+    mine = f32_elements(ptx)
+    for name, base in (("mod.score_ops", score_baseline(c)), ("mod.mask_ops", mask_baseline(c))):
+        if base is None:
+            continue
+        got = cached_ptx(base, base.name, **compile_kw)
+        if isinstance(got, str):
+            raise StaticError(f"{c.name}: production refuses {base.name}, the baseline of {name}: {got}")
+        base_ptx, base_chosen, how = got
+        base_tile_n = int(base_chosen.get("attributes", {}).get("n_block_size", 128))
+        facts[name] = differential(
+            mine, f32_elements(base_ptx), scores=scores,
+            scores_without=kernel_facts(base_ptx, tile_n=base_tile_n)["softmax.steps"] * base_tile_n,
+            what=f"{name} of {c.name} against {base.name}",
+            selects=name == "mod.mask_ops",
+        )  # fmt: skip
+        baselines[name] = f"{base.name} ({how})"
+    return facts, baselines

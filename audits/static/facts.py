@@ -26,7 +26,8 @@ of ``FlashAttentionForwardSm100`` (flash-attn-4 4.0.0b36, cutlass-dsl 4.8.1, tes
   ``.ftz``, and approximate divisions (``div.approx`` / ``div.full``), other than the
   emulation's round-down adds (the model assumes IEEE round to nearest and no flush everywhere
   else on the softmax path).
-* ``division``: the ``div`` instructions with their counts.  Softcap's ``acc_S / softcap`` is
+* ``division``: the floating-point ``div`` instructions with their counts (integer ``div.s32``,
+  block-index arithmetic of the block-sparse forward, is left out).  Softcap's ``acc_S / softcap`` is
   ``div.rn.f32``, one per score (``fa4.primitives.div_rn``); the learnable sink adds one or
   two (``LOG2_E / scale_log2``).  A division by a constant is not turned into a multiply by
   its reciprocal (the form torch's CUDA division takes, which the model once had).
@@ -112,15 +113,29 @@ def _rescale_thresholds(ins: list[tuple[str, str]]) -> list[float]:
 
 
 def _max_offsets(ptx: str) -> list[float]:
-    """Every ``offset`` of ``mov.b32 %r, 0f<offset>`` then ``sub.f32 %s, %r, ...``, sorted."""
-    movs = {m.group(1): m.group(2) for m in re.finditer(r"mov\.b32\s+(%r\d+),\s*(0f[0-9A-Fa-f]{8});", ptx)}
+    """Every ``offset`` of ``mov.b32 %r, 0f<offset>`` then ``sub.f32 %s, %r, ...``, sorted, where
+    every definition of that register is such a mov of that one constant: a loop-carried register
+    set to a constant once and to computed values elsewhere is no constant (the block-sparse
+    forward's running row max, reset to -inf per block list, then ``sub.f32 %s, %row_max_old,
+    %row_max_new`` in the rescale)."""
+    const = {}  # register -> its immediates (None once anything else defines it)
+    for m in re.finditer(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)\s+(%r\d+)\s*,\s*([^;]*);", ptx, re.M):
+        op, reg, src = m.groups()
+        imm = src.strip() if op == "mov.b32" and _IMM.fullmatch(src.strip()) else None
+        seen = const.get(reg, set())
+        const[reg] = None if imm is None or seen is None else seen | {imm}
     return sorted(
         {
-            _hex_f32(movs[m.group(1)])
+            _hex_f32(next(iter(const[m.group(1)])))
             for m in re.finditer(r"sub\.f32\s+%r\d+,\s*(%r\d+),\s*%r\d+;", ptx)
-            if m.group(1) in movs
+            if const.get(m.group(1)) and len(const[m.group(1)]) == 1
         }
     )
+
+
+def _is_float_op(op: str) -> bool:
+    """An instruction on a floating-point type (``div.rn.f32``, ``div.full.f32``; not ``div.s32``)."""
+    return any(p in ("f16", "bf16", "f32", "f64", "f32x2", "f16x2", "bf16x2") for p in op.split(".")[1:])
 
 
 def _is_emulation_add(op: str) -> bool:
@@ -188,5 +203,6 @@ def kernel_facts(ptx: str, *, tile_n: int) -> dict:
         "p_convert": dict(sorted(cvt.items())),
         "reciprocal": dict(sorted((op, n) for op, n in ops.items() if op.startswith("rcp."))),
         "tanh": sum(n for op, n in ops.items() if op.startswith("tanh.")),
-        "division": dict(sorted((op, n) for op, n in ops.items() if op.startswith("div."))),
+        # float divisions only: the block-sparse forward's integer div.s32 (block indices) is no numerics
+        "division": dict(sorted((op, n) for op, n in ops.items() if op.startswith("div.") and _is_float_op(op))),
     }
