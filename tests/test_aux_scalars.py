@@ -24,19 +24,9 @@ from numerics.grad_reference import attention_grad_reference
 from numerics.mod_library import TEMPERATURE_RANGE
 from numerics.mods import MaskMod, ScoreMod, bind_aux_scalars, check_aux_scalars, index_grid
 from numerics.reference import attention_reference, call_visibility
+from tests.test_static import _production_importable
 
 U = UNIT_ROUNDOFF
-
-
-def _production_importable() -> bool:
-    import importlib.util
-
-    try:
-        return (
-            importlib.util.find_spec("flash_attn.cute") is not None and importlib.util.find_spec("cutlass") is not None
-        )
-    except (ImportError, ValueError):
-        return False
 
 
 def _inputs(dtype=torch.bfloat16, b=1, sq=48, sk=64, hq=4, hk=2, d=64, seed=0):
