@@ -162,12 +162,18 @@ def test_exitfirst_says_how_many_cases_were_selected_and_not_run(tmp_path, tiny,
     assert (s["selected"], s["run"], s["not_run"], s["stopped"]) == (6, 1, 5, "exitfirst")
 
 
+#: a kernel whose first call in a process is quick and every later one slow (5 s): the tests'
+#: SIGINT, sent once a case is journaled, lands while the run still has cases left however loaded
+#: the machine is (with 0.4 s each, a CI run under load finished all six before the signal came)
 SLEEPY = """
 import time
 from fa4.model import attention
 
+_calls = [0]
+
 def sleepy(q, k, v, **kw):
-    time.sleep(0.4)
+    _calls[0] += 1
+    time.sleep(0.4 if _calls[0] == 1 else 5.0)
     return attention(q, k, v, **kw)
 """
 
