@@ -162,20 +162,22 @@ def test_exitfirst_says_how_many_cases_were_selected_and_not_run(tmp_path, tiny,
     assert (s["selected"], s["run"], s["not_run"], s["stopped"]) == (6, 1, 5, "exitfirst")
 
 
-#: a kernel whose first call in a process is quick and every later one slow (5 s): the tests'
-#: SIGINT, sent once a case is journaled, lands while the run still has cases left however loaded
-#: the machine is (with 0.4 s each, a CI run under load finished all six before the signal came)
 SLEEPY = """
 import time
 from fa4.model import attention
 
-_calls = [0]
-
 def sleepy(q, k, v, **kw):
-    _calls[0] += 1
-    time.sleep(0.4 if _calls[0] == 1 else 5.0)
+    time.sleep(0.4)
     return attention(q, k, v, **kw)
 """
+
+
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT back to its default.  A process started in the background
+    by a non-interactive shell inherits SIGINT *ignored*, and Python then installs no
+    KeyboardInterrupt handler, so the run ignores the test's Ctrl-C and finishes (seen running
+    .ci/run as `(... &)` on 2026-12-02: exit 0 after all six cases)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _interrupt_run(tmp_path, tiny, *extra, journals: int = 1) -> tuple[subprocess.Popen, Path, str]:
@@ -187,7 +189,8 @@ def _interrupt_run(tmp_path, tiny, *extra, journals: int = 1) -> tuple[subproces
     out = tmp_path / "i"
     cmd = [sys.executable, "-m", "audits", "run", "--kernel", f"{kern}:sleepy", "--case-file", str(tiny)]
     p = subprocess.Popen([*cmd, "--out", str(out), *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         preexec_fn=_default_sigint)  # fmt: skip
     t0 = time.monotonic()
     while time.monotonic() - t0 < 120:
         if sum(len(j.read_text().splitlines()) >= 2 for j in out.glob("**/journal.jsonl")) >= journals:
