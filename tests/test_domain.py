@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from audits.cases import Case, case_from_dict, mods_suite, release_suite
+from audits.cases import MOD_KINDS, Case, case_from_dict, mods_suite, release_suite
 from audits.domain import Domain, DomainError, domain_of, release_within
 
 #: the issue's example: a Triton-tutorial-like kernel
@@ -331,7 +331,7 @@ def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_
     assert [c["case"] for c in reps["sdpa-math"]["cases"]] == [c.name for c in smoke_suite()]
     info = reps["sdpa-math"]["domain"]
     # unrestricted: every key open, and every mod kind declared (absent would mean none for a kernel)
-    unrestricted = Domain(mods=("score_mod", "mask_mod", "block_sparse")).as_dict()
+    unrestricted = Domain(mods=MOD_KINDS).as_dict()
     assert info == reps["fa4-model"]["domain"] and info["rule"] == "union" and info["domain"] == unrestricted
     sdpa = info["kernels"]["sdpa-math"]
     assert sdpa["domain"]["softcap"] is False and sdpa["cases_outside"] == 17
