@@ -37,7 +37,6 @@ from audits.kernels import (
     claims_nonfinite_inputs,
     contract_error,
     fa4_arch,
-    fa4_numerics,
     fa4_varlen_numerics,
     fa4_varlen_splits,
     get_kernel,
@@ -159,29 +158,29 @@ def _peer_numerics(q: torch.Tensor):
     )
 
 
-def _fa4_numerics(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case):
+def _fa4_numerics(kernel: str, x: dict, case: Case):
     """The FA4Numerics a kernel implementing FA4's numerics runs ``case`` with (None for the
-    others), the call resolved as production resolves it: with a mask_mod, causal and the window
-    dropped (``interface._resolve_causal_local_window(..., mask_mod)``; the model's ``attention``
-    does the same, and its backward runs with the forward's record); with block sparsity, the
-    tiles fitted to the sparse block (``FA4Numerics.for_inputs(..., block_sparse=)``)."""
-    nmf = fa4_numerics(kernel)
-    if nmf is None:
+    others), the call (inputs ``x``, its mods among ``x["kw"]``) resolved as production resolves
+    it: ``FA4Numerics.for_call`` (with a mask_mod, causal and the window dropped; with block
+    sparsity, the tiles fitted to the sparse block)."""
+    arch = fa4_arch(kernel)
+    if arch is None:
         return None
-    causal, window = (False, (None, None)) if case.mask_mod else (case.causal, tuple(case.window))
-    if not case.block_sparse:
-        return nmf(q, k, v, causal, window)
     from fa4.model import FA4Numerics
 
-    return FA4Numerics.for_inputs(fa4_arch(kernel), q, k, v, causal, window, block_sparse=tuple(case.block_sparse))
+    kw = x["kw"]
+    return FA4Numerics.for_call(
+        arch, x["q"], x["k"], x["v"], causal=case.causal, window_size=tuple(case.window),
+        mask_mod=kw.get("mask_mod"), block_sparse_tensors=kw.get("block_sparse_tensors"),
+    )  # fmt: skip
 
 
 def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device,
              keep: CaseTensors) -> None:  # fmt: skip
     """Reference, metrics, bound and criteria of a kernel result, into ``rec``; the tensors a
     failing verdict is localized with, into ``keep``."""
-    q, k, v = x["q"], x["k"], x["v"]
-    nm = _fa4_numerics(kernel, q, k, v, case)
+    q = x["q"]
+    nm = _fa4_numerics(kernel, x, case)
     kind = "fa4" if nm is not None else "peer"
     nm = nm if nm is not None else _peer_numerics(q)
     refs, bounds = _reference(case, str(device)), _bound(case, str(device), nm)
@@ -430,8 +429,8 @@ def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.devi
     b = {**status, "do_family": fam, "repeat": opts.repeat, "deterministic": opts.deterministic}
     if res is None:
         return b
-    q, k, v = x["q"], x["k"], x["v"]
-    nm = _fa4_numerics(kernel, q, k, v, case)
+    q = x["q"]
+    nm = _fa4_numerics(kernel, x, case)
     nm = (nm, "fa4") if nm is not None else (_peer_numerics(q), "peer")
     try:
         b.update(analyse_backward(nm, x, do, res, case, keep=keep))
