@@ -18,7 +18,7 @@
   the CPU), with the mods (``numerics.mods``) in flex's own form; no sink, no fp8.
 * ``module:attr`` or ``path/to/file.py:fn``: any callable with that signature.
 
-Each built-in declares its domain (``fn.fa4_audit_domain``, ``audits.domain``): production's per
+Each built-in declares its domain (``fn.fa4_audit_domain``, ``audits.suites.domain``): production's per
 GPU architecture (``fa4.production.production_domain``), the models' (``_MODEL_DOMAINS``),
 SDPA's per backend (``_sdpa_domain``), flex's (``_flex.fa4_audit_domain``).
 
@@ -74,7 +74,7 @@ def _model_of(arch: str, mma: str = "exact"):
         return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
 
     run.fa4_audit_domain = _MODEL_DOMAINS[arch]
-    run.fa4_audit_arch = arch  # whose code-path classes it models (audits.coverage)
+    run.fa4_audit_arch = arch  # whose code-path classes it models (audits.verdict.coverage)
     return run
 
 
@@ -101,7 +101,7 @@ _production.fa4_audit_refusals = REFUSALS  # its backward refuses by these rules
 
 
 def arch_of_capability(major: int) -> str | None:
-    """The code-path architecture (``numerics.code_paths``) of compute capability ``major``.x:
+    """The code-path architecture (``fa4.code_paths``) of compute capability ``major``.x:
     "sm90" on 9.x (Hopper), "sm100" on 10.x and 11.x (production's SM100/110 path,
     flash_attn/cute/interface.py ``_flash_attn_fwd`` dispatches both to the SM100 kernel); None
     on another generation."""
@@ -110,7 +110,7 @@ def arch_of_capability(major: int) -> str | None:
 
 def cuda_arch() -> str | None:
     """The code-path architecture of this machine's GPU (production's ``fa4_audit_arch``, for
-    coverage: ``audits.coverage``), :func:`arch_of_capability`; None without CUDA."""
+    coverage: ``audits.verdict.coverage``), :func:`arch_of_capability`; None without CUDA."""
     if not torch.cuda.is_available():
         return None
     return arch_of_capability(torch.cuda.get_device_capability()[0])
@@ -550,7 +550,7 @@ def usable_kernels(specs: list[str]) -> list[str]:
     it can run: otherwise a ``UsageError`` (exit 2, with the install hint), never an error
     verdict per case."""
     from audits.common import UsageError
-    from audits.domain import DomainError
+    from audits.suites.domain import DomainError
     from fa4.production import ProductionUnavailable, require_production
 
     kernels = list(dict.fromkeys(specs))
@@ -573,9 +573,9 @@ def usable_kernels(specs: list[str]) -> list[str]:
 
 
 def kernel_domain(spec: str):
-    """The domain the kernel ``spec`` declares (``audits.domain.domain_of``; production's for
+    """The domain the kernel ``spec`` declares (``audits.suites.domain.domain_of``; production's for
     this machine's GPU), resolved now: the runner resolves it once per kernel and run."""
-    from audits.domain import domain_of
+    from audits.suites.domain import domain_of
 
     return domain_of(get_kernel(spec))
 

@@ -32,7 +32,7 @@ FA_TESTS_CASES_PER_S = 37 / 170  # FA's test_flash_attn_output, cold cache, H200
 def finished(out: Path) -> int:
     """Cases journaled under ``out`` (with --jobs, the jobs' journals; the parent keeps none),
     read as ``--resume`` reads them (a torn last line does not count)."""
-    from audits.runner.journal import read_records as read_journal
+    from audits.engine.journal import read_records as read_journal
 
     return sum(len(read_journal(j)) for j in out.rglob("journal.jsonl"))
 

@@ -32,8 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from audits.cases import smoke_suite  # noqa: E402
-from audits.runner.backward import BackwardOptions  # noqa: E402
+from audits.engine.backward import BackwardOptions  # noqa: E402
+from audits.suites.cases import smoke_suite  # noqa: E402
 from tests import bugged_backward as bb  # noqa: E402
 
 BAD = ("fail", "error", "crash")
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         "suite": "smoke",
         "cases": len(cases),
         "backward": {"repeat": 2, "deterministic_run_for": ["clean", "dq_nondeterministic"] if det else []},
-        "thresholds": "audits/runner/thresholds.toml (defaults: peer backward bound off)",
+        "thresholds": "audits/verdict/thresholds.toml (defaults: peer backward bound off)",
         "caught_definition": "some case fails for the bug while the clean kernel neither fails nor errs on it",
         "catch_rate": len(caught) / len(bugs) if bugs else None,
         "caught": caught,

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from audits.ex2.sweep import sweep_ex2  # noqa: E402
+from audits.checks.ex2.sweep import sweep_ex2  # noqa: E402
 from fa4.ex2 import ex2_emulation, ex2_emulation_2  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from audits.common import read_bytes
-from audits.runner.engine import FAILING
+from audits.engine.evaluate import FAILING
 
 
 def failing_configs(paths: list[str]) -> list[dict]:

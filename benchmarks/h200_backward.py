@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from audits.cases import Case  # noqa: E402
-from audits.inputs import make_inputs  # noqa: E402
+from audits.suites.cases import Case  # noqa: E402
+from audits.suites.inputs import make_inputs  # noqa: E402
 
 
 def _cases() -> dict[str, Case]:

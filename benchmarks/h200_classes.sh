@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Production at every code-path class on the H200 (issue 24): release's class cases
-# (audits.cases.class_cases: together they reach every class of numerics.code_paths on SM90 and
+# (audits.suites.cases.class_cases: together they reach every class of fa4.code_paths on SM90 and
 # SM100) forward and backward, production `fa4` and the model `fa4-model-sm90`, once plain and
 # once with --deterministic, gated with --require-coverage classes.
 # Device call (carry [".fa4dev"]):  bash benchmarks/h200_classes.sh
@@ -11,7 +11,7 @@ log=$OUT/classes-log.txt
 export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 python - <<'PY'
 import json
-from audits.cases import class_cases
+from audits.suites.cases import class_cases
 json.dump([c.as_dict() for c in class_cases()], open("/tmp/class_cases.json", "w"))
 PY
 for det in "" "--deterministic"; do

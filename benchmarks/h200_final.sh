@@ -14,7 +14,7 @@ step ${L3:-70} python -m audits fidelity --device cuda --mma exact --out $OUT/fi
 FA4_AUDIT_MUFU=model step ${L4:-70} python -m audits fidelity --device cuda --mma tensor_core --out $OUT/fidelity-tc-cpu-mufu --quiet 2>&1 | tail -3
 step ${L5:-120} python -m audits invariance --kernel fa4 --suite smoke --case "${INV_CASES:-*}" --device cuda \
   --out $OUT/invariance-fa4 2>&1 | tail -14
-python -c "import json; from audits.cases import suite
+python -c "import json; from audits.suites.cases import suite
 print(''.join(json.dumps(c.as_dict()) + chr(10) for c in suite('release') if c.varlen), end='')" > /tmp/varlen.jsonl
 step ${L6:-90} python -m audits run --kernel fa4 --kernel fa4-model-sm90 --case-file /tmp/varlen.jsonl \
   --device cuda --jobs 6 --out /tmp/varlen-release --quiet 2>&1 | grep -v "reproduce:" | tail -8

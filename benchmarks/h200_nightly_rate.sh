@@ -2,7 +2,7 @@
 # How fast production's SM90 nightly with --backward goes on one H200 (issue 24, item 7): the
 # `nightly` suite on `fa4` with --backward, 14 jobs sharing production's compile cache, stopped
 # by --budget MINUTES (a partial report, exit 3). The run order is stratified
-# (audits/runner/shards.run_order), so the finished prefix samples the whole suite; the rate it
+# (audits/engine/shards.run_order), so the finished prefix samples the whole suite; the rate it
 # gives, and the share of cases production refuses at once, extrapolate to the whole nightly.
 # Device call (carry [".fa4dev"]):  bash benchmarks/h200_nightly_rate.sh
 set -uo pipefail

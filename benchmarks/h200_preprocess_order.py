@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, ".")
 import fa4.model_bwd as mb  # noqa: E402
-from audits.cases import Case  # noqa: E402
-from audits.inputs import make_inputs  # noqa: E402
 from audits.kernels import get_kernel  # noqa: E402
+from audits.suites.cases import Case  # noqa: E402
+from audits.suites.inputs import make_inputs  # noqa: E402
 
 
 def row_dot_order(order):

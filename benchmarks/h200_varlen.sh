@@ -17,7 +17,7 @@ echo "combine exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
 R=/tmp/varlen-release
 t1=$(date +%s)
 # the release suite's varlen cases as a case file (a domain-built suite would rebuild the cases)
-python -c "import json; from audits.cases import suite
+python -c "import json; from audits.suites.cases import suite
 print(''.join(json.dumps(c.as_dict()) + chr(10) for c in suite('release') if c.varlen), end='')" > /tmp/varlen.jsonl
 wc -l /tmp/varlen.jsonl
 timeout ${LIMIT2:-200} python -m audits run --kernel fa4 --kernel fa4-model-sm90 --case-file /tmp/varlen.jsonl \

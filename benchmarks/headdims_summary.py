@@ -1,7 +1,7 @@
 """Summarise a head-dim sweep run directory (benchmarks/h200_headdims.sh): per kernel, per head
 dim x dtype x mask, the verdict, the worst error/bound of the output and of each gradient, the
 case's seconds (its compile included: each case of the sweep is its own compile key) and the
-gate's reasons (FA's criterion among them, as ``audits.runner.gate`` judges it).  RUN_DIR holds
+gate's reasons (FA's criterion among them, as ``audits.verdict.gate`` judges it).  RUN_DIR holds
 ``KERNEL/report.json`` or ``report.json`` (``.xz`` too: the committed reports).
 Usage: python benchmarks/headdims_summary.py RUN_DIR"""
 

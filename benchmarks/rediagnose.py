@@ -5,7 +5,7 @@ inputs).  For each failing case of the committed report that the re-run has with
 and error-map data (``maps/<case>.npz``) are taken, with the re-run's verdict beside the
 committed one (``rediagnosed``); a case whose result differs is said in report.md, not taken;
 the separators are computed from the committed cases (they need the verdicts only); then the
-report is written again (``audits.runner.report.write_report``: report.md, maps/*.png of the
+report is written again (``audits.report.build.write_report``: report.md, maps/*.png of the
 worst cases) and its JSON compressed as committed (``report.json.xz``).
 Usage: python benchmarks/rediagnose.py COMMITTED_DIR RERUN_KERNEL_DIR|- [--date YYYY-MM-DD] [--how TEXT]
 (``-``: no re-run; the report gets its separators only, its failing cases no diagnosis)."""
@@ -20,9 +20,9 @@ from pathlib import Path
 from PIL import Image
 
 from audits.common import read_bytes
-from audits.runner.engine import FAILING
-from audits.runner.report import validate_report, write_report
-from audits.runner.separators import separators
+from audits.engine.evaluate import FAILING
+from audits.report.build import validate_report, write_report
+from audits.verdict.separators import separators
 
 #: maps rendered into a committed report (PNG only: the SVGs and the npz data stay out of the repo)
 MAPS = 1

@@ -25,11 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from audits.cases import release_suite  # noqa: E402
-from audits.runner import journal  # noqa: E402
-from audits.runner.backward import BackwardOptions  # noqa: E402
-from audits.runner.engine import is_audit_error, shard_cases  # noqa: E402
-from audits.runner.gate import load_thresholds  # noqa: E402
+from audits.engine import journal  # noqa: E402
+from audits.engine.backward import BackwardOptions  # noqa: E402
+from audits.engine.evaluate import is_audit_error, shard_cases  # noqa: E402
+from audits.suites.cases import release_suite  # noqa: E402
+from audits.verdict.gate import load_thresholds  # noqa: E402
 
 
 def journals(report: dict, kernel: str, jobs: int, backward) -> dict[str, str]:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from audits.cases import suite
-from audits.inputs import make_varlen_inputs
+from audits.suites.cases import suite
+from audits.suites.inputs import make_varlen_inputs
 from fa4.production import flash_attn_varlen
 from fa4.varlen import varlen_attention
 from numerics.fp import step_distance

@@ -76,7 +76,7 @@ POLY_EX2: dict[int, tuple[float, ...]] = {
 DEGREES = tuple(sorted(POLY_EX2))
 
 #: The PTX this model assumes, per call of each production function (checked against compiled
-#: production code by ``audits.ex2.ptx``): f32 instructions as (op, rounding, ftz, width) ->
+#: production code by ``audits.checks.ex2.ptx``): f32 instructions as (op, rounding, ftz, width) ->
 #: count, where a subtraction counts as an addition (negation is exact) and ``fma`` counts are
 #: per polynomial degree.  Seen in the sm_100a (and sm_90a, scalar) PTX of flash-attn-4 4.0.0b36:
 #:   scalar: max.f32; add.rm.ftz.f32; add.f32 (x_rounded + -1.5*2**23); sub.f32; fma.rn.f32 x deg

@@ -107,6 +107,7 @@ import numpy as np
 import torch
 
 from fa4 import ex2_cpu
+from fa4.code_paths import SM100_TILE_M, SM100_TILE_N, sm90_fwd_tile, sm100_fwd_geometry
 from fa4.ex2 import DEGREES, POLY_EX2, emulated_columns, ex2_emulation_2
 from fa4.model_bwd import attention_backward
 from fa4.primitives import FP8 as _FP8
@@ -125,7 +126,6 @@ from fa4.primitives import (
 )
 from fa4.primitives import fma as _fma
 from fa4.primitives import scales as _scales
-from numerics.code_paths import SM100_TILE_M, SM100_TILE_N, sm90_fwd_tile, sm100_fwd_geometry
 from numerics.fp import fma_f32, format_of, round_to
 from numerics.fp import to_f32 as _f32
 from numerics.mods import BlockSparse, MaskMod, ScoreMod, index_grid
@@ -342,7 +342,7 @@ class FA4Numerics:
     ) -> FA4Numerics:
         """The Hopper path (``flash_fwd_sm90.py``): hardware exp2, the max moves at every block,
         no threshold, no max_offset; tiles from ``interface._tile_size_fwd_sm90``
-        (``numerics.code_paths.sm90_fwd_tile``), fitted to the sparse block size ``block_sparse``
+        (``fa4.code_paths.sm90_fwd_tile``), fitted to the sparse block size ``block_sparse``
         = (block_q, block_k) when given (:func:`sm90_sparse_fwd_tile`)."""
         if dtype in _FP8:
             raise NotImplementedError("the SM90 path supports only bf16 and fp16 (flash_fwd.py _check_type)")

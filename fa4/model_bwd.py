@@ -118,6 +118,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fa4.code_paths import sm90_bwd_tile, sm100_bwd_tile
 from fa4.primitives import FP8 as _FP8
 from fa4.primitives import LOG2_E as _LOG2_E
 from fa4.primitives import (
@@ -132,7 +133,6 @@ from fa4.primitives import (
 from fa4.primitives import fma as _fma
 from fa4.primitives import scales as _scales
 from fa4.primitives import visible as _visible
-from numerics.code_paths import sm90_bwd_tile, sm100_bwd_tile
 from numerics.fp import flush_to_zero, round_to
 from numerics.fp import to_f32 as _f32
 from numerics.tensor_core import tc_dot
@@ -164,7 +164,7 @@ def bwd_plan(
     numerics, head_dim: int, head_dim_v: int, causal: bool, local: bool, *, block_sparse: tuple | None = None
 ) -> BwdPlan:
     """The tiles production picks (``interface._flash_attn_bwd``: SM90 ``_tile_size_bwd_sm90``;
-    SM100 128 x 128, 2-CTA for head_dim >= 128; ``numerics.code_paths.sm90_bwd_tile`` /
+    SM100 128 x 128, 2-CTA for head_dim >= 128; ``fa4.code_paths.sm90_bwd_tile`` /
     ``sm100_bwd_tile``), overridden by the numerics' ``bwd_*`` knobs.  ``block_sparse``: the
     sparse block size (block_q, block_k) of a block-sparse call: SM90 ``_tile_size_bwd_sm90(...,
     sparse_block_size_q)`` (head dim in (96, 128]: tile_m 64 when block_q is not a multiple of
@@ -405,7 +405,7 @@ def reduce_add(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     (``copy_utils.cpasync_reduce_bulk_add_f32``: ``cp.reduce.async.bulk...add.f32``, on SM90 and
     SM100): round to nearest, and — the PTX ISA says so of this instruction — subnormal inputs
     and results flushed to sign-preserving zero (found by the static backward audit,
-    ``audits/static/backward.py``: every reduction production compiles is this one)."""
+    ``audits/checks/static/backward.py``: every reduction production compiles is this one)."""
     return flush_to_zero(flush_to_zero(acc) + flush_to_zero(x))
 
 

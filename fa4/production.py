@@ -170,7 +170,7 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-#: the mod kinds production takes (``audits.cases.MOD_KINDS``; ``audits.domain`` key ``mods``):
+#: the mod kinds production takes (``audits.suites.cases.MOD_KINDS``; ``audits.suites.domain`` key ``mods``):
 #: ``flash_attn_func``'s score_mod / score_mod_bwd, mask_mod (with aux_tensors) and
 #: block_sparse_tensors / block_sparse_tensors_bwd (flash_attn/cute/interface.py)
 PRODUCTION_MODS = ("score_mod", "mask_mod", "block_sparse", "aux_scalars")
@@ -183,7 +183,7 @@ def _steps(lo: int, hi: int, step: int) -> dict:
 #: SM90's head dims (flash_attn/cute/interface.py, ``_validate_head_dims``, compute capability 9:
 #: ``is_sm90_range``, both in 8..256, each a multiple of ``alignment``, which ``_flash_attn_fwd``
 #: sets to 16 // element size: 8 for the 16-bit dtypes, SM90's only ones): every pair of
-#: multiples of 8, 1,024 pairs, in the ``head_dims`` forms of ``audits.domain`` (docs/runner.md).
+#: multiples of 8, 1,024 pairs, in the ``head_dims`` forms of ``audits.suites.domain`` (docs/runner.md).
 SM90_HEAD_DIMS = [{"d": _steps(8, 256, 8), "dv": _steps(8, 256, 8)}]
 #: SM100/SM110's head dims (``_validate_head_dims``, compute capability 10 or 11): both in
 #: 8..128 (``is_standard_range``), (192, 128) (``is_deepseek_shape``), (256, 256)
@@ -198,7 +198,7 @@ SM100_HEAD_DIMS = [{"d": _steps(8, 128, 8), "dv": _steps(8, 128, 8)}, [192, 128]
 
 def production_domain(major: int | None = None) -> dict:
     """What production supports on a GPU of compute capability ``major`` (this machine's when
-    None), as a domain declaration (``audits.domain``), derived from production's own checks in
+    None), as a domain declaration (``audits.suites.domain``), derived from production's own checks in
     flash-attn-4 4.0.0b36, ``flash_attn/cute/interface.py``:
 
     * SM90 (9.x): bf16 and fp16 (``_flash_attn_fwd``: ``assert arch // 10 == 10`` for fp8, "FP8
@@ -438,7 +438,7 @@ def flash_attn(
     exception, ``NotImplementedError`` included, propagates as :class:`ProductionError` (verdict
     ``error``): an unknown failure is never a skip.  (Errors in the backward are raised by
     ``torch.autograd.grad``, outside this call: the runner maps them through the same rules,
-    ``audits.runner.backward``.)"""
+    ``audits.engine.backward``.)"""
     require_production()
     from flash_attn.cute import flash_attn_func
 
@@ -464,9 +464,9 @@ def flash_attn(
 
 #: The runner's mark of a production adapter: its refusals are these rules only (an unmatched
 #: NotImplementedError from production is an error, as in the forward), where a user's kernel
-#: refuses by any NotImplementedError (``audits.runner.backward``).
+#: refuses by any NotImplementedError (``audits.engine.backward``).
 flash_attn.fa4_audit_refusals = REFUSALS
-#: Its declared domain (``audits.domain.domain_of`` evaluates it when asked: it depends on the GPU).
+#: Its declared domain (``audits.suites.domain.domain_of`` evaluates it when asked: it depends on the GPU).
 flash_attn.fa4_audit_domain = production_domain
 
 

@@ -34,7 +34,7 @@ does not encode the whole configuration.  Run as::
 
 CONFIG_JSON: {"dtype": "bfloat16", "d": 128, "dv": 128, "batch": 1, "heads_q": 2, "heads_kv":
 2, "seqlen_q": 128, "seqlen_k": 128, "causal": false, "window": [null, null], "softcap": 0.0,
-"sink": false} (an ``audits.cases.Case`` as a dict; its mod keys ``score_mod``, ``mask_mod``,
+"sink": false} (an ``audits.suites.cases.Case`` as a dict; its mod keys ``score_mod``, ``mask_mod``,
 ``block_sparse``, present only when set, are built as the audit's calls build them and passed on
 as FakeTensors: ``_real_mods``, ``_fake_mods``).  Writes OUT.ptx and OUT.ptx.json (what
 production chose: kernel class, its attributes and, read after the compile, its ``mods``
@@ -163,7 +163,7 @@ def _fake_inputs(cfg: dict) -> tuple:
 
 def _real_mods(cfg: dict) -> dict:
     """Production's mod keywords for ``cfg``'s library mods (keys ``score_mod``, ``mask_mod``,
-    ``block_sparse``, present only when set: ``audits.cases.Case.as_dict``), built on the CPU
+    ``block_sparse``, present only when set: ``audits.suites.cases.Case.as_dict``), built on the CPU
     exactly as the audit's calls build them (``fa4.mods.build_mods`` with the case's batch, heads,
     lengths and seed, then ``fa4.mods.production_kwargs``): ``score_mod`` / ``score_mod_bwd``,
     ``mask_mod``, ``aux_tensors``, ``aux_scalars``, ``block_sparse_tensors`` /

@@ -423,12 +423,12 @@ def sequence_mods(
     sequence is production's ``batch_idx``; ``q_idx`` / ``kv_idx`` are already positions within
     the sequence in a batch-1 call) and the whole ``aux_tensors`` list, unsliced: a per-batch aux
     tensor has one row per sequence (the library's: rows padded to the call's largest lengths,
-    ``audits.inputs.make_varlen_inputs``).  The model forms (``fa4.mod_forms``: ``model(acc,
+    ``audits.suites.inputs.make_varlen_inputs``).  The model forms (``fa4.mod_forms``: ``model(acc,
     scale, b, ...)``, ``model_bwd(g, x, b, ...)``) are shifted alike; the CuTe forms are left out
     (production gets the caller's mods, not these).  ``aux_scalars`` are passed on as given (the
     whole call's, as production's ``AuxData``).  ``block_sparse_tensors`` (the call's, one per
     sequence): sequence ``index``'s, its mask mod shifted alike.  Used by :func:`varlen_attention` and by the
-    varlen references and bounds (``audits.runner.engine``), so all three see the same indices."""
+    varlen references and bounds (``audits.engine.evaluate``), so all three see the same indices."""
     out: dict = {}
     for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if mod is None:

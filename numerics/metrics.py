@@ -195,7 +195,7 @@ def fa_floor(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor) ->
     """The terms of FA's criterion as the audit records them, over the elements where the FP64
     reference is finite: ``max_abs`` (NaN/inf in ``out`` there counts as inf), ``lowprec_max_abs``
     (PyTorch's error in the input dtype) and ``rounding`` (``out``'s unit roundoff times max|ref|);
-    the verdict combines them under the thresholds (``audits.runner.gate``)."""
+    the verdict combines them under the thresholds (``audits.verdict.gate``)."""
     fin = torch.isfinite(ref)
     r = torch.where(fin, ref, 0.0)
     err = torch.where(fin, (out.double() - ref).abs(), 0.0).nan_to_num(float("inf"))

@@ -48,7 +48,7 @@ __all__ = [
 SCORE_MODS = ("alibi", "relbias", "softcap", "temperature")
 #: the score mods that read the call's runtime ``aux_scalars`` (a call naming one carries them):
 #: the ``mods`` suite takes them in a few configurations of their own, smoke not at all
-#: (``audits.cases._mod_configs``)
+#: (``audits.suites.cases._mod_configs``)
 SCALAR_SCORE_MODS = ("temperature",)
 MASK_MODS = ("causal", "sliding_window", "document", "prefix_lm")
 

@@ -197,7 +197,7 @@ def mod_logits_row(
     the exact score by at most ``|f'| 2**-53 |s|`` (the rounding of s) plus f's float64
     rounding, a few units of 2**-53 |f| for the library mods (one add; tanh and one multiply and
     divide) — relative ~1e-15, orders below the kernels' errors and five below the
-    certification threshold (``audits/runner/thresholds.toml``: ``mpmath_max_abs = 1e-10``)."""
+    certification threshold (``audits/verdict/thresholds.toml``: ``mpmath_max_abs = 1e-10``)."""
     if not keys:
         return []
     dev = torch.device(device)

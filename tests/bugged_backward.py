@@ -308,8 +308,8 @@ def audit(kernels: list[str], cases: list, opts, out_dir) -> dict[str, list[dict
     kernel's records in suite order."""
     from pathlib import Path
 
-    from audits.runner.engine import run_suites
-    from audits.runner.gate import load_thresholds
+    from audits.engine.evaluate import run_suites
+    from audits.verdict.gate import load_thresholds
 
     spec = {k: f"{Path(__file__).resolve()}:{k}" for k in kernels}
     recs = run_suites(list(spec.values()), cases, device=torch.device("cpu"), out_dir=out_dir,

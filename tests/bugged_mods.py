@@ -1,7 +1,7 @@
 """Seeded mod bugs (``docs/mods.md``): kernels built on the model (``fa4.model.attention`` and its
 backward ``fa4.model_bwd.attention_backward``), each with ONE bug of the programmable surface,
 the field's recent FA4 bugs in kind.  tests/test_mod_catalogue.py runs the audit on smoke's mod
-cases (``audits.cases.smoke_mods``) and asserts each is caught with the reason it should cause,
+cases (``audits.suites.cases.smoke_mods``) and asserts each is caught with the reason it should cause,
 and that :func:`clean` passes the same cases.
 
 Every kernel takes the kernel contract's keywords (the mods as ``numerics.mods`` objects) and
@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from audits.cases import MOD_KINDS
+from audits.suites.cases import MOD_KINDS
 from fa4.model import FA4Numerics, attention
 from fa4.model_bwd import attention_backward
 from numerics.mods import BlockSparse
@@ -55,7 +55,7 @@ _DOMAIN = {"mods": list(MOD_KINDS)}
 
 def _numerics(q: torch.Tensor) -> FA4Numerics:
     """Generic flash-attention numerics, the ones the audit holds a kernel it knows nothing about
-    to (the peer bound: ``audits.runner.engine``'s peer numerics, thresholds ``peer_bound``):
+    to (the peer bound: ``audits.engine.evaluate``'s peer numerics, thresholds ``peer_bound``):
     float32 softmax, hardware-class exp2, no lazy rescaling, P rounded to the input dtype, 128 x
     128 tiles (which every suite block, (128, 128) and (256, 128), fits).  With the model's own
     SM100 numerics a kernel is no peer: its LSE on smoke's causal ``flat`` case errs 1.8x the

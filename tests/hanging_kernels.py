@@ -1,5 +1,5 @@
 """Kernels that hang, busy-loop, die or raise what cannot cross a pipe, for the worker tests
-(tests/test_worker.py): what ``audits.worker`` must survive."""
+(tests/test_worker.py): what ``audits.engine.worker`` must survive."""
 
 import os
 import signal

@@ -1,6 +1,6 @@
 """The catalogue of *localizable* bugs (issue 25, item 4): kernels each correct but for one seeded
 bug whose failures sit on one axis of the error tensors, so that a case's diagnosis
-(``case["diagnosis"]``, ``audits.runner.diagnosis``) must name that axis and its values.
+(``case["diagnosis"]``, ``audits.verdict.diagnosis``) must name that axis and its values.
 tests/test_localize_catalogue.py runs ``fa4-audit run`` on each with a small case file and checks
 the diagnosis; the correct twins must get none.
 
@@ -8,7 +8,7 @@ the diagnosis; the correct twins must get none.
 point)``; each kernel's docstring says the same.
 
 Tiles.  The diagnosis places rows and keys in the production tile grid of the case: for a kernel
-without FA4's numerics (these), the SM90 forward tile (``numerics.code_paths.sm90_fwd_tile``) and
+without FA4's numerics (these), the SM90 forward tile (``fa4.code_paths.sm90_fwd_tile``) and
 the SM90 backward tile (``sm90_bwd_tile``).  The tiled kernels here use the same tiles, so that
 "row tile 1" of the diagnosis is the kernel's own row tile 1: at head dim 128 the forward tile is
 128 x 128, at head dim 64 192 x 128 (rows x keys); the backward tile at head dim <= 64 128 x 128.
@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from numerics.code_paths import sm90_bwd_tile, sm90_fwd_tile
+from fa4.code_paths import sm90_bwd_tile, sm90_fwd_tile
 from numerics.reference import visible_mask
 from numerics.tiles import block_ranges
 from tests import bugged_backward, bugged_varlen

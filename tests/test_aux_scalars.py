@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from audits.cases import Case
+from audits.suites.cases import Case
 from fa4.model import FA4Numerics, attention
 from fa4.mods import build_mods
 from numerics.backward_bound import backward_error_bound
@@ -272,8 +272,8 @@ FWD = r"outputs and \d+ LSE values exceed the forward-pass bound|FA criterion: m
 
 
 def test_a_kernel_ignoring_the_calls_aux_scalars_is_caught_and_the_model_passes(tmp_path):
-    from audits.runner.engine import run_suites
-    from audits.runner.gate import load_thresholds
+    from audits.engine.evaluate import run_suites
+    from audits.verdict.gate import load_thresholds
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     spec = {k: f"{__file__}:{k}" for k in ("_honours_scalars", "_ignores_scalars")}
@@ -362,10 +362,10 @@ def test_the_mods_suites_temperature_cases_pass_on_the_sm90_model_forward_and_ba
 
 
 def test_a_kernel_that_does_not_declare_aux_scalars_gets_no_scalar_mod_case():
-    """The domain kind ``aux_scalars`` (audits.cases.MOD_KINDS): a case whose mod reads runtime
+    """The domain kind ``aux_scalars`` (audits.suites.cases.MOD_KINDS): a case whose mod reads runtime
     scalars passes ``aux_scalars=``, a keyword a kernel declaring only ``score_mod`` need not take;
     such a kernel has the case outside its domain (named), never an error from an unknown keyword."""
-    from audits.domain import Domain
+    from audits.suites.domain import Domain
 
     scalar = Case("bfloat16", 64, 64, 1, 2, 2, 128, 128, score_mod="temperature")
     plain = Case("bfloat16", 64, 64, 1, 2, 2, 128, 128, score_mod="alibi")
@@ -383,8 +383,8 @@ def test_flex_keeps_the_scalar_at_the_scores_precision():
     2026-12-02 failed all 9 temperature cases of flex on the LSE, 1e-2 off).  The library form
     multiplies by a Python float.  Eager flex on the CPU shows the same: the LSE within 1e-4 of
     float64 (float32 statistics over 384 keys err by ~1e-6; bf16's tau by |s| * 2^-9 ~ 1e-2)."""
-    from audits.inputs import make_inputs
     from audits.kernels import get_kernel
+    from audits.suites.inputs import make_inputs
 
     c = Case("bfloat16", 64, 64, 1, 2, 2, 64, 384, score_mod="temperature", family="long_tail", seed=25396)
     x = make_inputs(c)

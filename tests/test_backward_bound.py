@@ -7,8 +7,8 @@ import statistics
 import pytest
 import torch
 
-from audits.cases import Case
-from audits.inputs import make_inputs
+from audits.suites.cases import Case
+from audits.suites.inputs import make_inputs
 from fa4.model import FA4Numerics, attention
 from numerics.backward_bound import backward_error_bound
 from numerics.grad_reference import attention_grad_reference

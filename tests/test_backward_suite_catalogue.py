@@ -35,9 +35,9 @@ import pytest
 import torch
 
 import tests.bugged_backward as bb
-from audits.cases import smoke_suite
-from audits.runner.backward import BackwardOptions
-from audits.runner.gate import judge, load_thresholds
+from audits.engine.backward import BackwardOptions
+from audits.suites.cases import smoke_suite
+from audits.verdict.gate import judge, load_thresholds
 
 #: the slow tier: the module's fixtures run the bugged and clean kernels backward over smoke cases (61 s CPU)
 pytestmark = pytest.mark.slow

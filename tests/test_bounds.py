@@ -7,7 +7,7 @@ import mpmath
 import pytest
 import torch
 
-from audits.ex2.sweep import sweep_ex2
+from audits.checks.ex2.sweep import sweep_ex2
 from fa4.ex2 import DEGREES, POLY_EX2, ex2_emulation
 from numerics import bounds
 

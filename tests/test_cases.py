@@ -1,10 +1,10 @@
-"""The suites built from code-path classes (audits/cases.py): release covers every class of every
+"""The suites built from code-path classes (audits/suites/cases.py): release covers every class of every
 arch in both directions, head-dims is every SM90 head dim, smoke pairs each non-finite family
 with every mask kind it applies to, and the sweep's cases are what its docstring says."""
 
 import pytest
 
-from audits.cases import (
+from audits.suites.cases import (
     NONFINITE_MASKS,
     SM90_HEAD_DIMS,
     SUITES,
@@ -12,8 +12,8 @@ from audits.cases import (
     head_dim_sweep,
     suite,
 )
-from audits.inputs import FAMILIES, make_inputs
-from numerics.code_paths import ARCHS, classes, classes_of
+from audits.suites.inputs import FAMILIES, make_inputs
+from fa4.code_paths import ARCHS, classes, classes_of
 
 DIRS = ("forward", "backward")
 

@@ -104,15 +104,15 @@ def test_smoke_suite_judges_and_fails_every_catalogued_bug(tmp_path, monkeypatch
 
 def test_the_smoke_suites_sinks_carry_weight():
     """The learnable sink is placed against each head's largest visible logit (above, near,
-    below: ``audits.inputs.SINK_PLACES``), so dropping it moves the FP64 LSE far beyond the
+    below: ``audits.suites.inputs.SINK_PLACES``), so dropping it moves the FP64 LSE far beyond the
     LSE tolerance on every sink case — drawn independently of the logits (N(0,1) beside logits
     up to 40) it carried e**-40 of the mass and a kernel ignoring it passed."""
     import math
 
     import torch
 
-    from audits.cases import smoke_suite
-    from audits.inputs import SINK_PLACES, make_inputs
+    from audits.suites.cases import smoke_suite
+    from audits.suites.inputs import SINK_PLACES, make_inputs
     from numerics.reference import attention_reference, visible_mask
 
     sinks = [c for c in smoke_suite() if c.sink]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from audits import cli
-from audits.cases import suite
+from audits.suites.cases import suite
 
 
 def run(*argv):
@@ -138,7 +138,7 @@ def test_fidelity_usage_errors(argv, message, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-production message")
 def test_fidelity_without_production_exits_2(capsys, monkeypatch):
-    from audits.fidelity import cli as fidelity_cli
+    from audits.cli import fidelity as fidelity_cli
 
     monkeypatch.setattr(fidelity_cli, "_device", torch.device)  # as if CUDA were here: production is not
     assert run("fidelity", "--device", "cuda") == 2
@@ -154,7 +154,7 @@ def test_list_names_kernels_suites_and_families(capsys):
 
 
 def test_fidelity_mufu_on_cpu_is_refused_before_any_case_runs(capsys, monkeypatch):
-    from audits.fidelity import core
+    from audits.checks.fidelity import core
 
     monkeypatch.setattr(core, "run_case", lambda *a, **kw: pytest.fail("a case ran before the usage check"))
     assert run("fidelity", "--device", "cpu", "--production", "fa4-model-sm90", "--mufu", "--quiet") == 2
@@ -166,7 +166,7 @@ def test_fidelity_markdown_regenerates_the_committed_reports():
     import lzma
     from pathlib import Path
 
-    from audits.fidelity.core import markdown
+    from audits.checks.fidelity.core import markdown
 
     root = Path(__file__).parents[1] / "reports" / "fidelity"
     old = json.loads((root / "fidelity.json").read_text())

@@ -1,5 +1,5 @@
 """One CLI vocabulary: every argument has help, every subcommand that takes cases takes them the
-same way (``audits.selection``), with the same errors for the same mistakes, and ``--device``
+same way (``audits.suites.selection``), with the same errors for the same mistakes, and ``--device``
 defaults to cpu everywhere."""
 
 import argparse
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from audits import cli
-from audits.selection import CASE_OPTIONS
+from audits.suites.selection import CASE_OPTIONS
 
 #: the subcommands that take cases, and what each needs besides them to get as far as choosing
 TAKE_CASES = {
@@ -138,7 +138,7 @@ def test_invariance_takes_a_suite_file_and_a_glob(tmp_path):
 
 def test_invariance_builds_named_suites_within_the_domain_file(tmp_path, capsys):
     (tmp_path / "d.toml").write_text('dtypes = ["float16"]\nhead_dims = [[64, 64]]\n')
-    from audits.selection import select_cases
+    from audits.suites.selection import select_cases
 
     ns = argparse.Namespace(suite=None, domain=str(tmp_path / "d.toml"), default_suite="smoke")
     sel = select_cases(ns, kernels=["sdpa-math"])
@@ -148,7 +148,7 @@ def test_invariance_builds_named_suites_within_the_domain_file(tmp_path, capsys)
 
 def test_a_fixed_suite_filtered_to_the_domain_says_what_it_lost(tmp_path, capsys):
     """fidelity's fixed list is filtered, not built, within a domain: the cases left out are counted."""
-    from audits.selection import select_cases
+    from audits.suites.selection import select_cases
 
     (tmp_path / "d.toml").write_text("head_dims = [[64, 64]]\n")
     sel = select_cases(argparse.Namespace(suite="fidelity", domain=str(tmp_path / "d.toml")))
@@ -158,8 +158,8 @@ def test_a_fixed_suite_filtered_to_the_domain_says_what_it_lost(tmp_path, capsys
 
 
 def _fake_static(monkeypatch, seen):
-    from audits.static import cli as static_cli
-    from audits.static import core
+    from audits.checks.static import core
+    from audits.cli import static as static_cli
 
     monkeypatch.setattr(static_cli, "_check_environment", lambda args: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
 
@@ -172,8 +172,8 @@ def _fake_static(monkeypatch, seen):
 
 def test_static_takes_a_case_glob(tmp_path, monkeypatch, capsys):
     """static --case GLOB audits the compile groups of the matching cases only."""
-    from audits.cases import smoke_suite
-    from audits.static.core import static_groups
+    from audits.checks.static.core import static_groups
+    from audits.suites.cases import smoke_suite
 
     seen = []
     _fake_static(monkeypatch, seen)
@@ -190,7 +190,7 @@ def test_static_says_when_a_selection_yields_no_compile_group(tmp_path, monkeypa
     _fake_static(monkeypatch, seen)
     argv = ["static", "--compile-on", "cpu", "--case", "*-vl*", "--out", str(tmp_path), "--quiet"]
     assert cli.main(argv) == 2
-    from audits.cases import smoke_suite
+    from audits.suites.cases import smoke_suite
 
     n = sum(c.varlen for c in smoke_suite())  # --case "*-vl*": smoke's varlen cases
     want = f"the selection 'smoke' yields no compile group: its {n} cases are all varlen cases"
@@ -213,7 +213,7 @@ class _Chosen(Exception):
 def test_fidelity_defaults_to_its_suite_and_takes_any_selection(tmp_path, monkeypatch, capsys):
     """The fidelity suite by its labels (and the deprecated --cases spelling), or any --config,
     which runs under its case name."""
-    from audits.fidelity import cli as fidelity_cli
+    from audits.cli import fidelity as fidelity_cli
 
     base = ["fidelity", "--production", "fa4-model-sm90", "--out", str(tmp_path), "--quiet"]
     assert cli.main([*base, "--config", '{"d": 64, "dv": 64, "seqlen_q": 20, "seqlen_k": 36}']) == 0
@@ -237,7 +237,7 @@ def test_fidelity_defaults_to_its_suite_and_takes_any_selection(tmp_path, monkey
 
 
 def test_fuzz_draws_inside_its_domain_file(tmp_path, monkeypatch):
-    from audits.runner import engine
+    from audits.engine import evaluate as engine
 
     drawn = []
     monkeypatch.setattr(engine, "evaluate_case", lambda k, fn, c, *a, **kw: drawn.append(c) or {"verdict": "pass"})

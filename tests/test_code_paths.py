@@ -1,4 +1,4 @@
-"""numerics.code_paths: every class reachable, known calls in the right classes, every class's
+"""fa4.code_paths: every class reachable, known calls in the right classes, every class's
 source a function that exists in production's source, and the model's tiles taken from it
 unchanged (the rules as the model stated them before, copied here as the reference)."""
 
@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from audits.cases import Case
-from fa4.model import FA4Numerics
-from fa4.model_bwd import bwd_plan
-from numerics.code_paths import (
+from audits.suites.cases import Case
+from fa4.code_paths import (
     ARCHS,
     Call,
     classes,
@@ -23,6 +21,8 @@ from numerics.code_paths import (
     sm90_bwd_tile,
     sm90_fwd_tile,
 )
+from fa4.model import FA4Numerics
+from fa4.model_bwd import bwd_plan
 
 DIRS = ("forward", "backward")
 HEAD_DIMS = range(8, 257, 8)
@@ -206,7 +206,7 @@ def test_tile_rules_are_production_functions_results():
 
 
 def _old_sm90_fwd(d, dv, causal, local):
-    """fa4.model.FA4Numerics.sm90's tile rule before it moved to numerics.code_paths."""
+    """fa4.model.FA4Numerics.sm90's tile rule before it moved to fa4.code_paths."""
     if d <= 64:
         return 192, 128
     if d <= 96:

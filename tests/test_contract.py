@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from audits import cli
-from audits.cases import Case
-from audits.runner.engine import evaluate_case
-from audits.runner.gate import load_thresholds
+from audits.engine.evaluate import evaluate_case
+from audits.suites.cases import Case
+from audits.verdict.gate import load_thresholds
 
 ROOT = Path(__file__).parents[1]
 NORMAL = "bf16-d64-b2h4k2-s200x300-causal-normal-seed0"
@@ -82,7 +82,7 @@ def test_only_documented_production_refusals_are_skipped(fake_production, exc, v
 def test_static_compile_refusal_and_timeout(monkeypatch, tmp_path):
     import subprocess
 
-    from audits.static import core
+    from audits.checks.static import core
     from fa4.production import refusal_of
 
     assert refusal_of(AssertionError("(head_dim, head_dim_v)=(192, 192) is not supported on SM100/SM110."))
@@ -110,8 +110,8 @@ def test_static_compile_refusal_and_timeout(monkeypatch, tmp_path):
 def test_backward_refusals_follow_the_same_rules(production, exc, status):
     """An exception in the backward (raised inside torch.autograd.grad) is a skip only when it is
     a documented production refusal, or a user kernel's NotImplementedError."""
+    from audits.engine.backward import BackwardOptions, grad_call
     from audits.kernels import get_kernel
-    from audits.runner.backward import BackwardOptions, grad_call
     from fa4.production import REFUSALS
 
     assert get_kernel("fa4").fa4_audit_refusals is REFUSALS  # production's adapter is marked

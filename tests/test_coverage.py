@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from audits import cli
-from audits.cases import Case
-from audits.coverage import (
+from audits.cli.reports import load_report
+from audits.kernels import KERNELS, VARLEN_KERNELS
+from audits.report.build import report_from_journal
+from audits.suites.cases import Case
+from audits.suites.domain import Domain
+from audits.verdict.coverage import (
     arch_of,
     compact_ints,
     coverage,
@@ -23,10 +27,6 @@ from audits.coverage import (
     pair_pieces,
     unjudgeable,
 )
-from audits.domain import Domain
-from audits.kernels import KERNELS, VARLEN_KERNELS
-from audits.runner.cli_reports import load_report
-from audits.runner.report import report_from_journal
 from fa4.production import production_domain
 
 ROOT = Path(__file__).parents[1]
@@ -444,9 +444,9 @@ def test_merged_shards_cover_what_their_cases_cover(tmp_path, capsys):
 
 
 def test_the_class_cases_meet_the_classes_requirement_on_both_archs():
-    """``audits.cases.class_cases`` (in ``release``), forward and backward compared (the backward
+    """``audits.suites.cases.class_cases`` (in ``release``), forward and backward compared (the backward
     with ``--deterministic``), covers every judged class: ``--require-coverage classes`` passes."""
-    from audits.cases import class_cases
+    from audits.suites.cases import class_cases
 
     cases = class_cases()
     recs = [

@@ -1,4 +1,4 @@
-"""Per-case diagnosis (audits.runner.diagnosis, docs/diagnosis.md): the concentration test on
+"""Per-case diagnosis (audits.verdict.diagnosis, docs/diagnosis.md): the concentration test on
 synthetic violation masks (one batch, one GQA group, head-dim columns, the last partial row tile,
 and uniform noise that must stay unlocalized), the varlen mapping of tokens to sequences and
 rows, the error-map file's round trip, and ``fa4-audit run`` end to end on seeded bugs."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from audits import cli
-from audits.cases import Case
-from audits.runner import diagnosis as dg
+from audits.suites.cases import Case
+from audits.verdict import diagnosis as dg
 
 ROOT = Path(__file__).parents[1]
 

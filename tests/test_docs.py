@@ -10,7 +10,7 @@ PACKAGES = ("numerics", "fa4", "audits")
 
 
 def layout_modules(text: str) -> dict[str, str]:
-    """The modules docs/design.md's "Layout" block lists, ``{"audits/runner/gate.py": "verdicts, ..."}``:
+    """The modules docs/design.md's "Layout" block lists, ``{"audits/verdict/gate.py": "verdicts, ..."}``:
     one module a line, indented two spaces per folder under its folder's line (``runner/``)."""
     block = re.search(r"^## Layout\n\n```\n(.*?)^```", text, re.S | re.M)
     assert block, "docs/design.md has no '## Layout' section with a ``` block"
@@ -59,8 +59,8 @@ def test_layout_parser_sees_nesting_and_ignores_other_folders():
 @functools.cache
 def _release_in_domain(kernel: str) -> int:
     """How many of plain ``release``'s cases lie inside ``kernel``'s declared domain."""
-    from audits.cases import suite
     from audits.kernels import kernel_domain
+    from audits.suites.cases import suite
 
     d = kernel_domain(kernel)
     return sum(d.refusal(c) is None for c in suite("release"))
@@ -69,35 +69,35 @@ def _release_in_domain(kernel: str) -> int:
 @functools.cache
 def _within(name: str, kernel: str) -> int:
     """The size of suite ``name`` built inside ``kernel``'s declared domain (as ``run`` builds it)."""
-    from audits.domain import named_suite_within
     from audits.kernels import kernel_domain
+    from audits.suites.domain import named_suite_within
 
     return len(named_suite_within(name, kernel_domain(kernel))["cases"])
 
 
 def _size(name: str) -> int:
-    from audits.cases import suite
+    from audits.suites.cases import suite
 
     return len(suite(name))
 
 
 def _suite_file_size() -> int:
-    from audits.domain import Domain
-    from audits.suite_file import build, load
+    from audits.suites.domain import Domain
+    from audits.suites.suite_file import build, load
 
     return len(build(load(ROOT / "examples" / "suite.toml"), Domain(), cases_in=Domain())["cases"])
 
 
 def _smoke_split(varlen: bool) -> int:
-    from audits.cases import suite
+    from audits.suites.cases import suite
 
     return sum(bool(c.varlen) == varlen for c in suite("smoke"))
 
 
 def _varlen_suite(name: str) -> int:
-    import audits.cases
+    import audits.suites.cases
 
-    return len(getattr(audits.cases, name)())
+    return len(getattr(audits.suites.cases, name)())
 
 
 RESTRICTED = "examples.restricted_kernel:attention"
@@ -187,7 +187,7 @@ def test_design_contracts_and_verdicts_are_the_codes():
     every exit code its meaning, the report schema, the exp2 degrees, the kernels by name."""
     import audits.common
     from audits.kernels import KERNELS
-    from audits.runner.report import SCHEMA, VERDICTS
+    from audits.report.build import SCHEMA, VERDICTS
     from fa4.ex2 import DEGREES
 
     design = (ROOT / "docs" / "design.md").read_text()
@@ -209,9 +209,9 @@ def _doc_pages() -> list[Path]:
 
 
 def test_names_and_paths_in_the_docs_exist():
-    """Every dotted name of the packages the docs and the README cite (``audits.cases.Case``,
+    """Every dotted name of the packages the docs and the README cite (``audits.suites.cases.Case``,
     ``fa4.model``) is a module or a name of one, and every path they cite in this repository
-    (``audits/runner/gate.py``) exists: a rename that forgets the docs fails here."""
+    (``audits/verdict/gate.py``) exists: a rename that forgets the docs fails here."""
     import importlib
 
     def is_module(parts: list[str]) -> bool:

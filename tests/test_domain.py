@@ -1,4 +1,4 @@
-"""audits.domain: a kernel's declared domain — parsed and checked (errors name the key, the value,
+"""audits.suites.domain: a kernel's declared domain — parsed and checked (errors name the key, the value,
 where it came from and what is accepted), narrowed by a file, and each axis's refusal."""
 
 import dataclasses
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from audits.cases import MOD_KINDS, Case, case_from_dict, mods_suite, release_suite
-from audits.domain import Domain, DomainError, domain_of, release_within
+from audits.suites.cases import MOD_KINDS, Case, case_from_dict, mods_suite, release_suite
+from audits.suites.domain import Domain, DomainError, domain_of, release_within
 
 #: the issue's example: a Triton-tutorial-like kernel
 TRITON = {
@@ -123,7 +123,7 @@ def test_release_is_built_within_the_domain_not_filtered():
     assert r["cases"] and all(d.refusal(c) is None for c in r["cases"])
     assert set(r["not_applicable"]) == {"nan_inf_masked"}
     assert "needs keys no query sees" in r["not_applicable"]["nan_inf_masked"]
-    from audits.inputs import FAMILIES
+    from audits.suites.inputs import FAMILIES
 
     assert {c.family for c in r["cases"]} == set(FAMILIES) - {"nan_inf_masked"}
     lengths = {c.seqlen_q for c in r["cases"]}
@@ -183,8 +183,8 @@ def test_a_domain_built_suite_runs_with_jobs_and_resumes(tmp_path):
     """``--jobs`` children get the parent's domain-built cases (through the case file) and
     ``--resume`` continues them: the report holds exactly the cases the domain built."""
     from audits import cli
-    from audits.domain import smoke_within
     from audits.kernels import kernel_domain
+    from audits.suites.domain import smoke_within
 
     kern = "examples/restricted_kernel.py:attention"
     narrow = tmp_path / "d.toml"
@@ -257,7 +257,7 @@ def test_the_builtin_kernels_declare_their_domains(monkeypatch):
     assert dataclasses.replace(kernel_domain("fa4-model"), mods=None) == Domain()
     assert dataclasses.replace(kernel_domain("fa4-model-sm90"), mods=None) == Domain(dtypes=("bfloat16", "float16"))
     with pytest.raises(NotImplementedError, match="only bf16 and fp16"):  # what the declaration replaces
-        from audits.inputs import make_inputs
+        from audits.suites.inputs import make_inputs
 
         x = make_inputs(dataclasses.replace(fp8, batch=1, seqlen_q=8, seqlen_k=8), device="cpu")
         KERNELS["fa4-model-sm90"](x["q"], x["k"], x["v"], **x["kw"])
@@ -275,8 +275,8 @@ def test_sdpa_flash_refuses_a_softcap_case_before_it_is_called(tmp_path, monkeyp
     import torch
 
     from audits import kernels
-    from audits.runner.engine import run_suites
-    from audits.runner.gate import load_thresholds
+    from audits.engine.evaluate import run_suites
+    from audits.verdict.gate import load_thresholds
 
     sdpa, calls = kernels.KERNELS["sdpa-flash"], []
 
@@ -300,7 +300,7 @@ def test_fa4_model_sm90_gets_its_own_smoke_without_fp8():
     """One kernel: the suite is built within its own domain; the report's domain says so."""
     import argparse
 
-    from audits.selection import select_cases
+    from audits.suites.selection import select_cases
 
     sel = select_cases(argparse.Namespace(suite="smoke", domain=None), kernels=["fa4-model-sm90"])
     cases, info = sel.cases, sel.domain_info
@@ -317,7 +317,7 @@ def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_
     skips exactly the cases outside its own domain, with the declared-domain reason, and both
     reports state the rule and each kernel's domain.  ``--jobs`` children decide alike."""
     from audits import cli
-    from audits.cases import smoke_suite
+    from audits.suites.cases import smoke_suite
 
     outside = {c.name for c in smoke_suite() if c.softcap or c.sink or c.dtype.startswith("float8") or c.mods}
     assert len(outside) == 17  # 8 fp8, 2 softcap, 2 sink, 5 mods (smoke_mods' 4, varlen_mods' smoke case)
@@ -362,7 +362,7 @@ SM100_TOML = """head_dims = [
 
 
 def test_head_dims_take_ints_pairs_ranges_and_their_union_in_the_dict_and_toml_forms(tmp_path):
-    from audits.domain import HeadDims
+    from audits.suites.domain import HeadDims
 
     forms = {  # each form -> the pairs it states
         "ints": ([64, 128], {(64, 64), (128, 128)}),
@@ -395,7 +395,7 @@ def test_narrow_and_widen_of_head_dims_are_the_exact_intersection_and_union():
     reads back equal from its dict form."""
     import random
 
-    from audits.domain import HeadDims
+    from audits.suites.domain import HeadDims
 
     rng = random.Random(24)
 
@@ -441,7 +441,7 @@ def test_query_and_key_lengths_have_their_own_multiples():
 def test_keys_in_blocks_of_64_and_free_queries_get_partial_query_blocks():
     """A domain "seqlen_k a multiple of 64, seqlen_q free": the suites built in it have queries
     that are not multiples of 64 (partial query blocks) as well as multiples, every case inside."""
-    from audits.domain import seqlens_within, smoke_within
+    from audits.suites.domain import seqlens_within, smoke_within
 
     d = Domain.from_dict({"seqlen_k_multiple": 64, "max_seqlen": 1024}, where="k")
     lengths = seqlens_within(d, [])
@@ -463,7 +463,7 @@ def test_smoke_pairs_each_nonfinite_family_with_every_mask_the_domain_supports()
     causal): its smoke has nan_inf_visible both causal and not (a kernel masking causally by
     adding -1e6 turns earlier rows NaN from a NaN key beyond the diagonal); a domain with
     windows gets a local one too, one without causal masking none."""
-    from audits.domain import mask_kind, smoke_within
+    from audits.suites.domain import mask_kind, smoke_within
 
     d = Domain.from_dict({"dtypes": ["float16"], "head_dims": [64, 128], "seqlen_multiple": 128,
                           "equal_seqlens": True, "causal": True, "local": False}, where="k")  # fmt: skip
@@ -480,8 +480,8 @@ def test_the_head_dim_sweep_within_a_domain():
     """``head-dims`` in a domain: (x, x) for every accepted x, else every accepted pair with
     that d (SM100's (192, 128)); the 16-bit dtypes; causal only where supported; each case moved
     into the domain's lengths.  Unrestricted, it is the named suite; nightly includes it."""
-    from audits.cases import head_dim_sweep, suite
-    from audits.domain import head_dims_within, suite_within, sweep_head_dims
+    from audits.suites.cases import head_dim_sweep, suite
+    from audits.suites.domain import head_dims_within, suite_within, sweep_head_dims
 
     sm100 = Domain.from_dict({"head_dims": SM100_FORMS}, where="k")
     pairs = sweep_head_dims(sm100)
@@ -504,7 +504,7 @@ def test_the_head_dim_sweep_within_a_domain():
 
 
 def test_release_within_a_domain_adds_the_class_cases_inside_it():
-    from audits.cases import class_cases
+    from audits.suites.cases import class_cases
 
     d = Domain.from_dict({"dtypes": ["bfloat16"], "head_dims": {"min": 8, "max": 256, "step": 8}}, where="k")
     inside = [c for c in class_cases() if d.refusal(c) is None]

@@ -1,4 +1,4 @@
-"""Error maps (``audits.runner.error_maps``): the figure says where |error| / bound passes 1, on
+"""Error maps (``audits.report.maps``): the figure says where |error| / bound passes 1, on
 the right rows, in the right colours, beside the right mask; the worst N failing cases get one
 in report.html and as PNG/SVG files; ``fa4-audit show --case --plot`` renders one; and the page
 shows it in a real browser (headless Chromium, ``browser`` marker)."""
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from audits import cli
-from audits.cases import Case, varlen_case
-from audits.runner import error_maps
-from audits.runner.error_maps import html_figures, render, visibility, write_maps
+from audits.report import maps as error_maps
+from audits.report.maps import html_figures, render, visibility, write_maps
+from audits.suites.cases import Case, varlen_case
 from numerics.reference import visible_mask
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -28,7 +28,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 def make_map(path: Path, *, case: Case, panels: list, tile_m: int = 128, tile_n: int = 128) -> Path:
     """An error-map file as the run saves it (docs/diagnosis.md, "Error maps"; the interface in
-    ``audits.runner.diagnosis.save_map``): ``panels`` are (tensor, batch, head, full ratio array),
+    ``audits.verdict.diagnosis.save_map``): ``panels`` are (tensor, batch, head, full ratio array),
     max-pooled here by integer steps to at most 256 x 256."""
     arrays, meta = {}, []
     for tensor, b, h, full in panels:
@@ -159,10 +159,10 @@ def _block_kind(blocks, case: Case, block_size: tuple, b: int) -> np.ndarray:
 @pytest.mark.parametrize("name", sorted(MOD_CASES))
 def test_the_mask_panel_draws_the_mods(name):
     """With mods the mask beside a panel is the reference's (``numerics.reference.call_visibility``:
-    the flags and the mods, as ``audits.inputs.make_inputs`` builds them for the run), block
+    the flags and the mods, as ``audits.suites.inputs.make_inputs`` builds them for the run), block
     sparsity's partial blocks (kept and hidden keys) and skipped blocks told from full blocks, and
     rows the mods leave without a key marked; the figure's title and legend say so."""
-    from audits.inputs import make_inputs
+    from audits.suites.inputs import make_inputs
     from numerics.reference import call_visibility
 
     case = MOD_CASES[name]

@@ -1,4 +1,4 @@
-"""audits.ex2.ptx: the instruction facts of production's compiled exp2 against the model.
+"""audits.checks.ex2.ptx: the instruction facts of production's compiled exp2 against the model.
 
 The PTX under tests/data/ptx was compiled from flash-attn-4 4.0.0b36 for sm_100a on a CPU-only
 machine (``fa4-audit ex2 --ptx``; see docs/ex2.md).  Variants with one fact changed must be caught.
@@ -6,7 +6,7 @@ machine (``fa4-audit ex2 --ptx``; see docs/ex2.md).  Variants with one fact chan
 
 import pytest
 
-from audits.ex2.ptx import PtxFormatError, check_ptx, float_instructions
+from audits.checks.ex2.ptx import PtxFormatError, check_ptx, float_instructions
 from fa4.ex2 import DEGREES
 from tests.conftest import DATA
 

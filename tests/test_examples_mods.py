@@ -1,15 +1,15 @@
 """The README's reference kernel (``examples/reference_kernel.py``) takes the mods as the contract
 gives them (docs/mods.md): score_mod, mask_mod, aux_tensors, aux_scalars and block sparsity, the
-same keywords ``audits.inputs.make_inputs`` builds for the run, and computes what the FP64
+same keywords ``audits.suites.inputs.make_inputs`` builds for the run, and computes what the FP64
 reference computes with them.  (Its smoke run, mod cases included, is ``tests/test_readme.py``'s
 slow test; the runtime scalars of ``temperature`` are in no smoke case, hence this one.)"""
 
 import pytest
 import torch
 
-from audits.cases import Case
-from audits.domain import domain_of
-from audits.inputs import make_inputs
+from audits.suites.cases import Case
+from audits.suites.domain import domain_of
+from audits.suites.inputs import make_inputs
 from examples.reference_kernel import attention
 from numerics.reference import attention_reference
 

@@ -7,15 +7,15 @@ import statistics
 import pytest
 import torch
 
-from audits.cases import Case
-from audits.inputs import make_inputs
+from audits.suites.cases import Case
+from audits.suites.inputs import make_inputs
 from fa4.model import FA4Numerics, attention
 from numerics.forward_bound import forward_error_bound
 from numerics.reference import attention_reference
 
 
 def _inputs(dt, b, sq, sk, hq, hk, d, seed, kind, *, sink=False, **kw):
-    """q, k, v (and the sink) from the audit's input families (``audits.inputs``): ``outliers``
+    """q, k, v (and the sink) from the audit's input families (``audits.suites.inputs``): ``outliers``
     (outlier feature channels), ``drift`` (the row max moves at every block), ``peaked`` (one
     dominant key per row), ``normal``."""
     dtype = str(dt).removeprefix("torch.")
@@ -83,7 +83,7 @@ def test_bound_is_tight_in_median():
             err, ob, _, _ = run(name)
             RATIOS[name] = float((err / ob.clamp(min=1e-300)).nan_to_num(0).max())
     med = statistics.median(RATIOS.values())
-    assert med >= 0.1, RATIOS  # measured 0.31 on these cases (0.17 - 0.69), audits.inputs families
+    assert med >= 0.1, RATIOS  # measured 0.31 on these cases (0.17 - 0.69), audits.suites.inputs families
 
 
 def test_empty_rows_are_exact_and_nonfinite_inputs_unbounded():

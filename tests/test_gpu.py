@@ -62,9 +62,9 @@ def test_model_on_cuda_equals_model_on_cpu():
 def test_production_refusals_match_the_rules_and_everything_else_is_judged():
     """On this GPU, production's own refusals are matched by ``fa4.production.REFUSALS`` (fp8
     before SM100), and a configuration it runs is judged with its LSE audited."""
-    from audits.cases import Case
-    from audits.runner.engine import evaluate_case
-    from audits.runner.gate import load_thresholds
+    from audits.engine.evaluate import evaluate_case
+    from audits.suites.cases import Case
+    from audits.verdict.gate import load_thresholds
     from fa4.production import flash_attn
 
     th, dev = load_thresholds(), torch.device("cuda")
@@ -123,9 +123,9 @@ def test_tc_backward_matches_production_deterministic_bitwise(kw):
     ``deterministic=True`` (the dQ / dK / dV reductions in the semaphores' order): every
     gradient bit (benchmarks/h200_backward.py --deterministic, docs/backward.md; head dim 256
     since the preprocess's element-major order, fa4.model_bwd.row_dot)."""
-    from audits.cases import Case
-    from audits.inputs import make_inputs
     from audits.kernels import get_kernel
+    from audits.suites.cases import Case
+    from audits.suites.inputs import make_inputs
 
     kw = dict(kw)
     d, hq, hk = kw.pop("d"), kw.pop("hq", 4), kw.pop("hk", 4)

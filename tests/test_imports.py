@@ -1,5 +1,5 @@
-"""The direction of imports: ``numerics`` <- ``fa4`` <- ``audits``, each audit in its own
-subpackage over the shared modules, and no import circle anywhere (lazy imports inside
+"""The direction of imports: ``numerics`` <- ``fa4`` <- ``audits``, the layers of ``audits`` (library,
+checks each in its own folder, the audit API, its callers) importing downwards only, and no import circle anywhere (lazy imports inside
 functions count: a circle through them is still a circle)."""
 
 import ast
@@ -11,11 +11,27 @@ ROOT = Path(__file__).parents[1]
 PACKAGES = ("numerics", "fa4", "audits")
 #: what each top-level package may import from the project
 ALLOWED = {"numerics": {"numerics"}, "fa4": {"numerics", "fa4"}, "audits": {"numerics", "fa4", "audits"}}
-#: modules of ``audits`` every audit subpackage may use; the rest of ``audits`` is one folder per audit
-SHARED = {
-    "audits.common", "audits.cases", "audits.inputs", "audits.kernels", "audits.domain", "audits.suite_file",
-    "audits.selection", "audits.worker", "audits.coverage", "audits.mod_strategies",
-}  # fmt: skip
+#: the layers of ``audits``, lowest first: the library every entry point shares; the checks beside
+#: the case runner, each in its own folder over the library; the one audit API; and its callers
+LIBRARY = ("audits.common", "audits.kernels", "audits.suites", "audits.verdict", "audits.report", "audits.engine")
+#: what each layer may import from ``audits`` (a check also its own folder)
+LAYERS = {
+    "library": LIBRARY,
+    "checks": LIBRARY,
+    "api": LIBRARY + ("audits.checks",),
+    "cli": LIBRARY + ("audits.checks", "audits.api", "audits.cli"),
+    "integrations": LIBRARY + ("audits.checks", "audits.api", "audits.integrations"),
+}
+
+
+def layer(module: str) -> str:
+    """The layer of a module of ``audits`` (``audits.__main__`` is the command line's)."""
+    if module.startswith(LIBRARY):
+        return "library"
+    for name in ("checks", "api", "cli", "integrations"):
+        if module == f"audits.{name}" or module.startswith(f"audits.{name}."):
+            return name
+    return "cli" if module in ("audits", "audits.__main__") else "unknown"
 
 
 def _modules() -> dict[str, Path]:
@@ -58,9 +74,12 @@ def _violations(g: dict[str, set[str]]) -> list[str]:
         for d in deps:
             if d.split(".")[0] not in ALLOWED[top]:
                 bad.append(f"{m} imports {d}: against numerics <- fa4 <- audits")
-            sub = m.split(".")[1] if m.count(".") >= 2 else None
-            if sub and d.startswith("audits.") and d not in SHARED and not d.startswith(f"audits.{sub}"):
-                bad.append(f"{m} imports {d}: an audit uses only its own subpackage and {sorted(SHARED)}")
+            if not (m.startswith("audits.") and d.startswith("audits.")):
+                continue
+            lay, allowed = layer(m), LAYERS.get(layer(m), ())
+            own = ".".join(m.split(".")[:3]) if lay == "checks" else None
+            if not (d.startswith(allowed) or (own and (d == own or d.startswith(own + ".")))):
+                bad.append(f"{m} imports {d}: the {lay} layer of audits imports only {allowed}")
     return bad
 
 
@@ -97,7 +116,9 @@ def test_no_import_circle():
     "edge,expect",
     [
         (("numerics.bounds", "fa4.ex2"), "against numerics <- fa4 <- audits"),
-        (("audits.static.facts", "audits.ex2.ptx"), "uses only its own subpackage"),
+        (("audits.checks.static.facts", "audits.checks.ex2.ptx"), "the checks layer of audits imports only"),
+        (("audits.engine.evaluate", "audits.cli.run"), "the library layer of audits imports only"),
+        (("audits.integrations.pytest_plugin", "audits.cli"), "the integrations layer of audits imports only"),
     ],
 )
 def test_the_walker_sees_a_wrong_edge(edge, expect):
@@ -108,8 +129,8 @@ def test_the_walker_sees_a_wrong_edge(edge, expect):
 
 def test_the_walker_sees_a_circle():
     g = graph()
-    g["audits.runner.report_html"] = g["audits.runner.report_html"] | {"audits.runner.report"}
-    assert _cycle(g) == ["audits.runner.report", "audits.runner.report_html", "audits.runner.report"]
+    g["audits.report.html"] = g["audits.report.html"] | {"audits.report.build"}
+    assert _cycle(g) == ["audits.report.build", "audits.report.html", "audits.report.build"]
 
 
 def test_requires_python_admits_no_version_the_code_cannot_run_on():

@@ -1,4 +1,4 @@
-"""audits.inputs and audits.cases: families are deterministic and produce what they claim;
+"""audits.suites.inputs and audits.suites.cases: families are deterministic and produce what they claim;
 the smoke suite covers every axis and family."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from audits.cases import Case, smoke_suite, suite
-from audits.inputs import FAMILIES, TILE_STEPS_LOG2, make_inputs
+from audits.suites.cases import Case, smoke_suite, suite
+from audits.suites.inputs import FAMILIES, TILE_STEPS_LOG2, make_inputs
 from numerics.reference import attention_reference
 
 
@@ -106,7 +106,7 @@ def test_unknown_suite_and_family():
 def test_pairwise_covers_every_pair():
     import itertools
 
-    from audits.cases import RELEASE_AXES, pairwise
+    from audits.suites.cases import RELEASE_AXES, pairwise
 
     axes = {"a": [0, 1, 2], "b": ["x", "y"], "c": [True, False], "d": [1, 2, 3, 4]}
     rows = pairwise(axes)
@@ -120,7 +120,7 @@ def test_pairwise_covers_every_pair():
 
 
 def test_release_and_nightly_suites():
-    from audits.cases import nightly_suite, release_suite
+    from audits.suites.cases import nightly_suite, release_suite
 
     rel = release_suite()
     assert len(rel) >= 1000 and {c.family for c in rel} == set(FAMILIES)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from audits import cli
-from audits.invariance import core, varlen
-from audits.invariance.compare import compare
+from audits.checks.invariance import core, varlen
+from audits.checks.invariance.compare import compare
 
 BUGS = "tests/bugged_invariance.py"
 #: a batch of 2, GQA, causal with seqlen_q < seqlen_k: batch_chunked_sum differs here
@@ -372,7 +372,7 @@ def test_declined_variants_are_noted_or_skipped(tmp_path, capsys):
 def test_split_bound_takes_each_sequences_split_count():
     """SM100 gives each sequence of a varlen call its own split count (fa4.varlen.split_counts):
     the split-KV bound of a sequence takes that count, not the requested num_splits."""
-    from audits.cases import case_from_json
+    from audits.suites.cases import case_from_json
     from fa4.varlen import split_counts
 
     x = varlen.VarlenInputs(case_from_json(VARLEN_CASE, where="test"), "cpu")

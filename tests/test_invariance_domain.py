@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from audits import cli
-from audits.domain import Domain
-from audits.invariance import varlen
+from audits.checks.invariance import varlen
+from audits.suites.domain import Domain
 from tests.restricted_kernels import DOMAIN
 
 BUG = "tests.restricted_kernels:batch_offset"
@@ -110,7 +110,7 @@ def test_decode_rows_are_placed_at_the_domains_length_multiple(tmp_path, capsys)
 def test_varlen_batch_cuts_shorter_sequences_inside_the_domain():
     import torch
 
-    from audits.cases import varlen_case
+    from audits.suites.cases import varlen_case
 
     def seq(sq, sk):
         return torch.zeros(1, sq, 1, 8), torch.zeros(1, sk, 1, 8), torch.zeros(1, sk, 1, 8)
@@ -125,7 +125,7 @@ def test_varlen_batch_cuts_shorter_sequences_inside_the_domain():
 
 
 def test_fuzz_draws_inside_the_domain():
-    from audits.runner.fuzz import cases
+    from audits.checks.fuzz import cases
 
     d = Domain.from_dict(DOMAIN, where="tests.restricted_kernels.DOMAIN")
     drawn = []
@@ -155,8 +155,8 @@ def test_fuzz_draws_inside_the_domain():
 def test_fuzz_runs_a_restricted_kernel_inside_its_domain(tmp_path):
     import torch
 
-    from audits.runner.fuzz import fuzz
-    from audits.runner.gate import load_thresholds
+    from audits.checks.fuzz import fuzz
+    from audits.verdict.gate import load_thresholds
 
     res = fuzz(GOOD, budget=3, device=torch.device("cpu"), thresholds=load_thresholds(None),
                database=tmp_path / "db", max_seqlen=128, seed=1)  # fmt: skip
@@ -170,7 +170,7 @@ def _fidelity_args(domain_file) -> argparse.Namespace:
 
 
 def test_fidelity_selection_lies_inside_the_domain(tmp_path, capsys):
-    from audits.selection import select_cases
+    from audits.suites.selection import select_cases
 
     dom = tmp_path / "d.toml"
     dom.write_text('dtypes = ["float16"]\n')
@@ -210,6 +210,6 @@ def test_smoke_inside_the_domain_catches_the_batch_bug(tmp_path, capsys):
 
 
 def _case(rec: dict):
-    from audits.cases import case_from_json
+    from audits.suites.cases import case_from_json
 
     return case_from_json(json.dumps(rec["config"]), where=rec["case"])

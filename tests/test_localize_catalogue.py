@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 from audits import cli
-from audits.cases import case_from_dict
+from audits.suites.cases import case_from_dict
 from tests.localizable_kernels import CLEAN, LOCALIZABLE
 
 ROOT = Path(__file__).parents[1]
 MODULE = "tests.localizable_kernels"
 
-#: axes whose values are single rows or keys: the diagnosis's 99 % rule (audits.runner.diagnosis,
+#: axes whose values are single rows or keys: the diagnosis's 99 % rule (audits.verdict.diagnosis,
 #: MIN_SHARE_OF_VIOLATIONS) may leave out the few rows where the bug moves the result least (the
 #: first rows of a tile whose diagonal block holds one or two visible keys), so these are checked
 #: as a subset holding at least this share of the expected values; the other axes exactly
@@ -233,7 +233,7 @@ def test_the_model_passes_the_forward_catalogue_undiagnosed(tmp_path, monkeypatc
 def test_scattered_noise_is_diagnosed_nowhere(tmp_path, monkeypatch):
     """A kernel that fails by scattered noise (2 % of the outputs moved by 1.0, uniformly) fails
     with a diagnosis that counts its violations and names no axis: the concentration test
-    (audits.runner.diagnosis) sees no pattern in noise, on a batch of 3 and on GQA heads."""
+    (audits.verdict.diagnosis) sees no pattern in noise, on a batch of 3 and on GQA heads."""
     cases = [CATALOGUE["batch_offset"].fails, CATALOGUE["gqa_last_group"].fails]
     rep = _audit(tmp_path, monkeypatch, cases, ["scattered_noise"], backward=False)["scattered_noise"]
     for c in rep["cases"]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from audits.cases import (
+from audits.suites.cases import (
     MOD_BLOCK,
     MOD_BLOCK_SM100,
     MOD_KINDS,
@@ -26,9 +26,9 @@ from audits.cases import (
     smoke_mods,
     suite,
 )
-from audits.domain import Domain, DomainError, domain_of, mods_within, named_suite_within, smoke_within
-from audits.inputs import NotApplicable, make_inputs, saveable_kw
-from numerics.code_paths import ARCHS, classes, classes_of
+from audits.suites.domain import Domain, DomainError, domain_of, mods_within, named_suite_within, smoke_within
+from audits.suites.inputs import NotApplicable, make_inputs, saveable_kw
+from fa4.code_paths import ARCHS, classes, classes_of
 from numerics.mod_library import MASK_MODS, RELBIAS_SPAN, SCALAR_SCORE_MODS, SCORE_MODS, SOFTCAP_CAP, WINDOW
 from numerics.mods import BlockSparse, MaskMod, ScoreMod
 
@@ -96,7 +96,7 @@ def test_bad_mod_fields_are_refused_naming_what_is_accepted(bad, says):
 
 
 def test_the_reproducer_carries_the_mods():
-    from audits.runner.repro import reproducer
+    from audits.report.repro import reproducer
 
     cmd = shlex.split(reproducer("fa4-model", MOD, device="cpu"))
     cfg = cmd[cmd.index("--config") + 1]
@@ -109,8 +109,8 @@ def test_the_printed_reproducer_reruns_the_mod_case(tmp_path):
     """The command a failing mod case's record carries, run as a user pastes it from another
     directory, re-runs exactly that case (its mods rebuilt from --config) to the same failure."""
     import tests.bugged_mods as bm
-    from audits.runner.engine import run_suites
-    from audits.runner.gate import load_thresholds
+    from audits.engine.evaluate import run_suites
+    from audits.verdict.gate import load_thresholds
 
     case = smoke_mods()[1]  # relbias + document: the neighbour head's bias fails the forward
     kernel = f"{bm.__file__}:bug_aux_wrong_head"
@@ -198,7 +198,7 @@ def test_the_mods_suite_has_every_mod_alone_and_paired_dense_and_block_sparse():
     configs = {(c.score_mod, c.mask_mod, c.block_sparse) for c in normal}
     for s in SCORE_MODS:
         assert (s, "", ()) in configs
-        if s in SCALAR_SCORE_MODS:  # a few configurations of their own (audits.cases._mod_configs)
+        if s in SCALAR_SCORE_MODS:  # a few configurations of their own (audits.suites.cases._mod_configs)
             assert {(s, "document", ()), (s, "prefix_lm", MOD_BLOCK)} <= configs
             continue
         for m in MASK_MODS:
@@ -346,7 +346,7 @@ def test_sm90_block_sparse_tiles_are_production_functions_results():
     import itertools
     from dataclasses import dataclass
 
-    from numerics.code_paths import sm90_bwd_tile, sm90_fwd_tile
+    from fa4.code_paths import sm90_bwd_tile, sm90_fwd_tile
 
     src = os.environ.get("FA4_SOURCE")
     if not src or not (Path(src) / "interface.py").is_file():
@@ -372,7 +372,7 @@ def test_sm90_block_sparse_tiles_are_production_functions_results():
 
 
 def test_coverage_counts_the_mod_classes_and_features():
-    from audits.coverage import coverage
+    from audits.verdict.coverage import coverage
 
     def rec(c):
         return {"case": c.name, "config": c.as_dict(), "verdict": "pass", "status": "ran", "out": {"max_abs": 0.0}}

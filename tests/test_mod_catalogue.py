@@ -1,6 +1,6 @@
 """The seeded mod bugs (tests/bugged_mods.py, ``BUGS``) through the audit itself: ``fa4-audit run
 --backward`` (``run_suites`` with ``BackwardOptions``, default thresholds: a file kernel is a
-peer, held to the peer bound and FA's criterion) on smoke's mod cases (``audits.cases.smoke_mods``).
+peer, held to the peer bound and FA's criterion) on smoke's mod cases (``audits.suites.cases.smoke_mods``).
 
 Each bug must fail exactly on the cases of its axis, with the reasons that name the tensor it
 breaks and none of the others (a backward bug leaves the forward clean, a dQ bug dK and dV), and
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import tests.bugged_mods as bm
-from audits.cases import smoke_mods
-from audits.runner.backward import BackwardOptions
+from audits.engine.backward import BackwardOptions
+from audits.suites.cases import smoke_mods
 
 #: the slow tier: six kernels forward and backward over four cases (~3 min CPU)
 pytestmark = pytest.mark.slow
@@ -60,8 +60,8 @@ EXPECT = {
 def runs(tmp_path_factory):
     """One ``run_suites`` over smoke's mod cases for the clean kernel and every bugged one (they
     share the inputs and the FP64 references), --backward with one backward run."""
-    from audits.runner.engine import run_suites
-    from audits.runner.gate import load_thresholds
+    from audits.engine.evaluate import run_suites
+    from audits.verdict.gate import load_thresholds
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     names = ["clean"] + [f"bug_{b}" for b in bm.BUGS]

@@ -1,4 +1,4 @@
-"""Random mods (audits.mod_strategies): the score chains' fn and grad against autograd, their
+"""Random mods (audits.suites.strategies): the score chains' fn and grad against autograd, their
 bound hooks against float32 evaluation and finite differences, the spec strings, the random
 block masks' full / partial / empty blocks, and ``fuzz --mods`` drawing library mods inside a
 kernel's declared domain."""
@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from audits import mod_strategies as ms
-from audits.domain import Domain
-from audits.runner.fuzz import MOD_BLOCKS, cases, fuzz
+from audits.checks.fuzz import MOD_BLOCKS, cases, fuzz
+from audits.suites import strategies as ms
+from audits.suites.domain import Domain
 from numerics.mods import block_sparse_from_mask, index_grid, visibility
 from tests.production_defects import SM90_GQA_SCORE_MOD_BWD
 
@@ -362,7 +362,7 @@ def test_fuzz_reaches_every_mod_kind_and_only_when_asked():
 
 
 def test_fuzz_mods_needs_declared_kinds(tmp_path):
-    from audits.runner.gate import load_thresholds
+    from audits.verdict.gate import load_thresholds
 
     with pytest.raises(ValueError, match="fuzz --mods: kernel 'sdpa-math' declares no mod kinds"):
         fuzz("sdpa-math", budget=1, device=torch.device("cpu"), thresholds=load_thresholds(None),
@@ -387,7 +387,7 @@ model_with_mods.fa4_audit_numerics = "sm90"
 @pytest.mark.slow
 def test_fuzz_with_mods_runs_the_model_clean(tmp_path):
     """A short fuzz --mods search on the SM90 model: no failure, cases with mods drawn."""
-    from audits.runner.gate import load_thresholds
+    from audits.verdict.gate import load_thresholds
 
     res = fuzz("tests.test_mod_fuzz:model_with_mods", budget=4, device=torch.device("cpu"), seed=1, mods=True,
                thresholds=load_thresholds(None), database=tmp_path / "db", max_seqlen=192)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The mod invariance properties (audits.invariance.mods): block-sparse vs dense and mask_mod /
+"""The mod invariance properties (audits.checks.invariance.mods): block-sparse vs dense and mask_mod /
 score_mod vs the flags, on the SM90 model (bitwise where production's SM90 forward computes the
 same arithmetic, within the forward bound elsewhere), their claims read from production's tile
 and visiting rules, and seeded breaks each caught."""
@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from audits.cases import Case, varlen_case
-from audits.domain import domain_of
-from audits.invariance import core
-from audits.invariance.mods import sm90_block_sparse_rows, sm90_tile_n
+from audits.checks.invariance import core
+from audits.checks.invariance.mods import sm90_block_sparse_rows, sm90_tile_n
 from audits.kernels import get_kernel
+from audits.suites.cases import Case, varlen_case
+from audits.suites.domain import domain_of
 from numerics.mod_library import make_mask_mod
 from numerics.mods import BlockSparse, block_sparse_from_mask, index_grid
 

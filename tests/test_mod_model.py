@@ -438,8 +438,8 @@ def test_sm90_deterministic_block_sparse_backward_is_refused_as_production_refus
     non-deterministic block-sparse backwards run."""
     import dataclasses
 
-    from audits.cases import Case
-    from audits.inputs import make_inputs
+    from audits.suites.cases import Case
+    from audits.suites.inputs import make_inputs
     from fa4.model_bwd import bwd_plan
     from fa4.production import REFUSALS, refusal_of
 

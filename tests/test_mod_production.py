@@ -253,8 +253,8 @@ def test_production_mod_refusals_are_matched_by_their_rule_only(exc_type, messag
 
 
 def test_production_and_flex_declare_the_mod_kinds():
-    from audits.cases import MOD_KINDS
-    from audits.domain import Domain, domain_of
+    from audits.suites.cases import MOD_KINDS
+    from audits.suites.domain import Domain, domain_of
 
     assert set(PRODUCTION_MODS) == set(MOD_KINDS)
     for major in (9, 10, 11):

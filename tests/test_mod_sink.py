@@ -1,4 +1,4 @@
-"""A learnable sink placed against what the softmax sees with mods (``audits.inputs.SINK_PLACES``):
+"""A learnable sink placed against what the softmax sees with mods (``audits.suites.inputs.SINK_PLACES``):
 the mask_mod's and block sparsity's visibility and the score mod's logits, not the flag-masked raw
 logits.  Each case here is one where the two differ by more than a sink's band, so a placement that
 ignored the mods would put the sink off its place."""
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from audits.cases import Case
-from audits.inputs import SINK_PLACES, make_inputs
+from audits.suites.cases import Case
+from audits.suites.inputs import SINK_PLACES, make_inputs
 from numerics.mods import bind_aux_scalars, index_grid, visibility
 from numerics.reference import visible_mask
 
@@ -27,7 +27,7 @@ CASES = {
 
 def _tops(c: Case, kw: dict, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head: (the largest logit the softmax sees with the mods, the flag-masked raw one), in
-    float64, computed here apart from ``audits.inputs``."""
+    float64, computed here apart from ``audits.suites.inputs``."""
     s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(c.heads_q // c.heads_kv, 2))
     s = s / math.sqrt(c.d)
     flags = visible_mask(c.seqlen_q, c.seqlen_k, causal=c.causal, window_size=c.window)

@@ -44,7 +44,7 @@ def package_dirs(files: list[str]) -> list[str]:
 
 def data_files(files: list[str]) -> list[str]:
     """Every file of the packages that is not Python: what the packages read at run time
-    (``audits/runner/thresholds.toml``: the gate's defaults)."""
+    (``audits/verdict/thresholds.toml``: the gate's defaults)."""
     return [f for f in files if not f.endswith(".py")]
 
 
@@ -91,8 +91,8 @@ def test_every_python_directory_is_a_package():
 
 def test_wheel_holds_every_package_module_and_data_file(wheel):
     files = _tree_files()
-    assert "audits/runner/thresholds.toml" in data_files(files)  # the walk sees data files at all
-    assert "audits/invariance" in package_dirs(files)  # ... and the subpackage the hand list once missed
+    assert "audits/verdict/thresholds.toml" in data_files(files)  # the walk sees data files at all
+    assert "audits/checks/invariance" in package_dirs(files)  # ... and the subpackage the hand list once missed
     names = set(zipfile.ZipFile(wheel).namelist())
     bad = missing_from_wheel(files, names)
     assert not bad, f"{wheel.name} lacks what the tree has:\n" + "\n".join(bad)
@@ -101,10 +101,10 @@ def test_wheel_holds_every_package_module_and_data_file(wheel):
 def test_missing_from_wheel_names_what_is_missing():
     """The check itself: a wheel without a subpackage or a data file is reported, with the fix."""
     sub = "audits/no_such_sub"  # a made-up subpackage (a variable: tests/test_imports.py checks cited paths exist)
-    files = ["audits/__init__.py", f"{sub}/__init__.py", f"{sub}/m.py", "audits/runner/thresholds.toml"]
+    files = ["audits/__init__.py", f"{sub}/__init__.py", f"{sub}/m.py", "audits/verdict/thresholds.toml"]
     bad = missing_from_wheel(files, {"audits/__init__.py"})
     assert any(b.startswith(f"package directory {sub}/ ") and "packages.find" in b for b in bad), bad
-    assert any(b.startswith("data file audits/runner/thresholds.toml ") and "package-data" in b for b in bad), bad
+    assert any(b.startswith("data file audits/verdict/thresholds.toml ") and "package-data" in b for b in bad), bad
     assert f"module {sub}/m.py is not in the wheel" in bad
 
 
@@ -119,7 +119,7 @@ def test_wheel_metadata(wheel):
     assert "BSD 3-Clause License" in (ROOT / "LICENSE").read_text()
     entry = z.read(f"{info}/entry_points.txt").decode()
     assert "fa4-audit = audits.cli:main" in entry
-    assert "fa4_audit = audits.runner.pytest_plugin" in entry
+    assert "fa4_audit = audits.integrations.pytest_plugin" in entry
 
 
 def test_version_flag(capsys):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from audits.domain import Domain
+from audits.suites.domain import Domain
 from fa4.production import production_domain
 
 #: every (d, dv) the source test judges: past production's largest head dim (512) on both sides

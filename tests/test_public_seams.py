@@ -115,8 +115,8 @@ def test_no_underscore_module_file():
     [
         ("from fa4.model import _finalize", "fa4.varlen", "from fa4.model import _finalize"),
         ("from fa4.model import (\n    FA4Numerics,\n    _validate,\n)", "fa4.varlen", "line 3: from fa4.model import"),
-        ("from . import _stats", "audits.ex2.sweep", "from audits.ex2 import _stats"),
-        ("from ..static import _facts", "audits.ex2.sweep", "from audits.static import _facts"),
+        ("from . import _stats", "audits.checks.ex2.sweep", "from audits.checks.ex2 import _stats"),
+        ("from ..static import _facts", "audits.checks.ex2.sweep", "from audits.checks.static import _facts"),
         ("import fa4._primitives", "audits.x", "import fa4._primitives (an underscore module)"),
         ("from fa4._primitives import fma", "fa4.model", "from fa4._primitives import ... (an underscore module)"),
         ("from fa4 import model_bwd as mb\nmb._row_dot = None", "benchmarks.x", "mb._row_dot (fa4.model_bwd's"),

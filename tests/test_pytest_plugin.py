@@ -9,7 +9,7 @@ import pytest
 # a test ends, and torch (which smoke_suite() imports) cannot be imported a second time in a process
 import torch  # noqa: F401
 
-from audits.cases import smoke_suite
+from audits.suites.cases import smoke_suite
 
 pytest_plugins = ["pytester"]
 
@@ -106,7 +106,7 @@ def test_fixture_under_xdist_shards_the_cases_and_merges_one_report(pytester, mo
 
 
 def test_worker_gpu_pins_round_robin():
-    from audits.runner.pytest_plugin import worker_gpu
+    from audits.integrations.pytest_plugin import worker_gpu
 
     assert [worker_gpu(f"gw{i}", 2) for i in range(4)] == ["0", "1", "0", "1"]
     assert worker_gpu("gw3", 1) is None and worker_gpu("gw0", 0) is None and worker_gpu("master", 4) is None
@@ -120,9 +120,9 @@ def test_importing_the_plugin_imports_nothing_heavy_and_sets_no_environment_vari
     import sys
 
     code = (
-        "import json, os, sys; before = dict(os.environ); import audits.runner.pytest_plugin; "
+        "import json, os, sys; before = dict(os.environ); import audits.integrations.pytest_plugin; "
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'fa4', 'numerics') "
-        "or m.startswith('audits.') and m not in ('audits.runner', 'audits.runner.pytest_plugin')); "
+        "or m.startswith('audits.') and m not in ('audits.integrations', 'audits.integrations.pytest_plugin')); "
         "print(json.dumps({'heavy': heavy, 'env_changed': sorted(set(os.environ.items()) ^ set(before.items()))}))"
     )
     out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
@@ -132,7 +132,7 @@ def test_importing_the_plugin_imports_nothing_heavy_and_sets_no_environment_vari
 #: a conftest for the runs below: the plugin's GPU count says two GPUs (the count is simulated, and
 #: each test records the environment and the heavy modules its process sees
 _PROBE_CONFTEST = """
-import audits.runner.pytest_plugin as plugin
+import audits.integrations.pytest_plugin as plugin
 
 plugin._gpu_count = lambda: 2
 """
@@ -143,7 +143,7 @@ def test_probe():
     who = os.environ.get("PYTEST_XDIST_WORKER", "controller")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_TESTRUNUID")}
     heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "fa4", "numerics")
-                   or m.startswith("audits.") and m not in ("audits.runner", "audits.runner.pytest_plugin"))
+                   or m.startswith("audits.") and m not in ("audits.integrations", "audits.integrations.pytest_plugin"))
     out = pathlib.Path(__file__).parent / "probe"
     out.mkdir(exist_ok=True)
     (out / f"{who}.json").write_text(json.dumps({"env": env, "heavy": heavy}))
@@ -196,7 +196,7 @@ def test_the_plugin_uses_no_private_name_of_another_module():
     import ast
     import pathlib
 
-    import audits.runner.pytest_plugin as plugin
+    import audits.integrations.pytest_plugin as plugin
 
     tree = ast.parse(pathlib.Path(plugin.__file__).read_text())
     private = [

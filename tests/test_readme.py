@@ -67,7 +67,7 @@ def _expand(token: str) -> list[str]:
 
 
 def cited_paths(text: str) -> list[str]:
-    """Repo-relative paths cited in backticks or linked (``audits/runner/gate.py``,
+    """Repo-relative paths cited in backticks or linked (``audits/verdict/gate.py``,
     ``reports/ex2/ex2.md``, ``examples/reference_kernel.py:attention``)."""
     found = []
     for tok in _code_spans(text) + _links(text):
@@ -217,7 +217,7 @@ def test_the_checks_above_see_what_they_guard():
         "audits/runner/nope.py",
         "docs/nope.md",
     ]
-    assert missing_paths("`audits/runner/gate.py`, `reports/h200/release/<kernel>/report.{md,json.xz}`") == []
+    assert missing_paths("`audits/verdict/gate.py`, `reports/h200/release/<kernel>/report.{md,json.xz}`") == []
     assert missing_paths("`reports/h200/release/<kernel>/report.{md,nope}`") != []
     assert unresolved_modules("`numerics.reference.attention_reference`, `fa4.model.attention(q)`") == []
     assert unresolved_modules("`numerics.reference.nope`") == ["numerics.reference.nope"]
@@ -234,7 +234,7 @@ def _verdicts(report: Path) -> dict[str, str]:
 def test_reference_kernel_passes_the_smoke_suite(tmp_path, monkeypatch, capsys):
     """The README's example, as `fa4-audit run` runs it: exit 0, every case pass or warn but the
     varlen ones, which a fixed-length kernel skips without --per-sequence (docs/varlen.md)."""
-    from audits.cases import suite
+    from audits.suites.cases import suite
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"

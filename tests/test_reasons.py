@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from audits import cli
-from audits.runner.gate import backward_verdict, judge, load_thresholds, ungated_figures
-from audits.runner.report import _markdown, summary_line
-from audits.runner.report_html import case_cells, grad_cells, render_html
+from audits.report.build import _markdown, summary_line
+from audits.report.html import case_cells, grad_cells, render_html
+from audits.verdict.gate import backward_verdict, judge, load_thresholds, ungated_figures
 from numerics.metrics import lse_errors, nonfinite_mismatches, output_errors
 from numerics.reference import attention_reference
 
@@ -221,9 +221,9 @@ def test_show_marks_the_ungated_figure_too(tmp_path, capsys):
     import json
 
     from audits import cli
-    from audits.cases import Case
-    from audits.domain import Domain
-    from audits.runner.report import build_report
+    from audits.report.build import build_report
+    from audits.suites.cases import Case
+    from audits.suites.domain import Domain
 
     rec = _peer_record()
     rec["config"] = Case(d=8, dv=8).as_dict()  # a report holds every Case field (bf16: zero errors pass FA too)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from audits import cli
-from audits.cases import Case, suite
 from audits.common import EXIT_INCOMPLETE, EXIT_INTERRUPTED, LineProgress
-from audits.runner.engine import shard_cases
-from audits.runner.shards import STRATA, run_order
+from audits.engine.evaluate import shard_cases
+from audits.engine.shards import STRATA, run_order
+from audits.suites.cases import Case, suite
 
 ROOT = Path(__file__).parents[1]
 #: six tiny cases (milliseconds each on fa4-model) spread over dtypes, masks, GQA, softcap, sink, layouts
@@ -117,8 +117,8 @@ def test_budget_stops_before_the_next_case_and_resume_completes(tmp_path, tiny, 
 
     import torch
 
-    from audits.runner import engine
-    from audits.runner.gate import load_thresholds
+    from audits.engine import evaluate as engine
+    from audits.verdict.gate import load_thresholds
 
     now = [0.0]
     cases = [Case(**{**c, "window": tuple(c.get("window", (None, None)))}) for c in TINY]

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from audits import cli
-from audits.cases import smoke_suite
-from audits.runner.engine import shard_cases
-from audits.runner.gate import ThresholdsError, load_thresholds
-from audits.runner.journal import read_records as read_journal
+from audits.engine.evaluate import shard_cases
+from audits.engine.journal import read_records as read_journal
+from audits.suites.cases import smoke_suite
+from audits.verdict.gate import ThresholdsError, load_thresholds
 
 ROOT = Path(__file__).parents[1]
 
@@ -94,7 +94,7 @@ def test_journal_resume_and_exitfirst(tmp_path):
 def test_several_kernels_share_inputs_and_references(tmp_path, monkeypatch):
     """Repeated --kernel: one report per kernel under OUT/<kernel>/, the FP64 reference computed
     once per case for all of them, and the exit code of the worst kernel."""
-    from audits.runner import engine as runner
+    from audits.engine import evaluate as runner
 
     calls = []
     real = runner.attention_reference
@@ -128,7 +128,7 @@ def test_shards_partition_the_suite_and_balance_cost():
 
 
 def test_key_shards_keep_compile_keys_whole():
-    from audits.cases import release_suite
+    from audits.suites.cases import release_suite
 
     cases = release_suite()
     shards = [shard_cases(cases, i, 8, by="key") for i in range(8)]
@@ -300,8 +300,8 @@ def test_fuzz_finds_and_shrinks_a_bug_and_passes_an_exact_kernel(tmp_path, capsy
 
 
 def test_out_of_domain_inputs_are_reported_not_failed(tmp_path, monkeypatch):
-    import audits.cases as cfg
-    from audits.cases import Case
+    import audits.suites.cases as cfg
+    from audits.suites.cases import Case
 
     big = Case("bfloat16", 64, 64, 1, 1, 1, 16, 300, family="near_max")  # V ~ 3.4e38: P.V overflows float32
     monkeypatch.setitem(cfg.SUITES, "tiny", lambda: [big])
@@ -374,7 +374,7 @@ def test_summary_groups_reports_side_by_side(tmp_path, capsys):
 def test_lse_allowance_grows_with_the_lse_magnitude(tmp_path):
     """float32 LSE rounding scales with |lse| ([lse] rel): 2e-3 is fine at |lse| ~ 4e3 (the
     outliers family), not at |lse| ~ 10."""
-    from audits.runner.gate import judge
+    from audits.verdict.gate import judge
 
     run("--kernel", "tests.bugged_kernels:exact", "--case", "*uniform*", "--out", str(tmp_path))
     rec = report(tmp_path)["cases"][0]
@@ -388,7 +388,7 @@ def test_lse_allowance_grows_with_the_lse_magnitude(tmp_path):
 
 @pytest.mark.slow  # 11 s CPU
 def test_markdown_of_a_large_suite_lists_what_needs_attention(tmp_path, monkeypatch):
-    from audits.runner import report as report_mod
+    from audits.report import build as report_mod
 
     monkeypatch.setattr(report_mod, "MD_ALL_CASES", 2)
     run("--kernel", "tests.bugged_kernels:wrong_lse", "--case", "*tile_step*", "--out", str(tmp_path))

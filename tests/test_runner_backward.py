@@ -8,8 +8,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from audits import cli
-from audits.runner.gate import judge_against_baseline, load_thresholds
-from audits.runner.report import ReportError, validate_report
+from audits.report.build import ReportError, validate_report
+from audits.verdict.gate import judge_against_baseline, load_thresholds
 from tests.test_repro import execute
 
 CFG = {"dtype": "bfloat16", "d": 64, "dv": 64, "heads_q": 4, "heads_kv": 2, "seqlen_q": 96, "seqlen_k": 160}

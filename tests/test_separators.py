@@ -1,4 +1,4 @@
-"""Separators across cases (``audits.runner.separators``, docs/diagnosis.md): the simplest exact
+"""Separators across cases (``audits.verdict.separators``, docs/diagnosis.md): the simplest exact
 rule, single or a conjunction of two; the best by Youden's J when none is exact; the note when
 nothing can be separated; value sets, residues and code-path classes; and every view that prints
 them (report.md, report.html, ``show``, ``summary``) with each failing case's diagnosis; a merge
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from audits import cli
-from audits.cases import SUITES, Case
-from audits.domain import Domain
-from audits.runner.report import build_report, validate_report, write_report
-from audits.runner.separators import FEW_FAILING, separators, where_lines
-from numerics.code_paths import classes_of
+from audits.report.build import build_report, validate_report, write_report
+from audits.suites.cases import SUITES, Case
+from audits.suites.domain import Domain
+from audits.verdict.separators import FEW_FAILING, separators, where_lines
+from fa4.code_paths import classes_of
 
 WHERE = "all 32,886 violations in batch 1 (of 2); batch 0 within bound"
 
@@ -130,7 +130,7 @@ def test_a_residue():
 
 
 def test_a_code_path_class_needs_the_architecture():
-    # SM90's forward tile of head dims 65..96 without a mask (numerics.code_paths.sm90_fwd_tile)
+    # SM90's forward tile of head dims 65..96 without a mask (fa4.code_paths.sm90_fwd_tile)
     tile = "sm90.fwd.tile192x144.hd96"
     d_values = (64, 80, 96, 112, 128)
     band = {d for d in d_values if tile in classes_of("sm90", Case(d=d, dv=d).call(), direction="forward")}

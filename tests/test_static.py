@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from audits import cli
-from audits.cases import Case
-from audits.static.core import audit_group, compare_facts, expected_facts, static_groups
-from audits.static.facts import PtxFormatError, f32_hex, kernel_facts
+from audits.checks.static.core import audit_group, compare_facts, expected_facts, static_groups
+from audits.checks.static.facts import PtxFormatError, f32_hex, kernel_facts
+from audits.suites.cases import Case
 from fa4.ex2 import POLY_EX2
 
 DATA = Path(__file__).parent / "data" / "ptx"
@@ -161,7 +161,7 @@ def test_production_ptx_matches_the_model(name, case, tmp_path):
 
 
 def test_static_groups_cover_the_suite_once():
-    from audits.cases import smoke_suite
+    from audits.suites.cases import smoke_suite
 
     cases = smoke_suite()
     groups = static_groups(cases)
@@ -224,8 +224,8 @@ def test_cpu_cross_compile_of_production_matches_the_model(tmp_path, capsys):
 
 def test_static_that_audited_nothing_exits_1(tmp_path, capsys, monkeypatch):
     """Every group refused by production: nothing was compared, so the audit does not pass."""
-    from audits.static import cli as static_cli
-    from audits.static import core
+    from audits.checks.static import core
+    from audits.cli import static as static_cli
 
     monkeypatch.setattr(static_cli, "_production_versions", lambda: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
     refused = lambda c, cases, **kw: {"group": c.name, "cases": len(cases), "verdict": "skipped", "reason": "refused"}
@@ -253,8 +253,8 @@ def test_only_documented_refusals_skip_a_compile_group(tmp_path, capsys):
 def test_a_failed_or_hung_compile_is_exit_2_never_a_pass(how, tmp_path, capsys, monkeypatch):
     import subprocess
 
-    from audits.static import cli as static_cli
-    from audits.static import core
+    from audits.checks.static import core
+    from audits.cli import static as static_cli
 
     monkeypatch.setattr(static_cli, "_production_versions", lambda: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
 
@@ -276,8 +276,8 @@ def test_static_jobs_spread_cuda_compiles_over_the_gpus(tmp_path, monkeypatch):
     """static --jobs 2 --gpus 0,1 on CUDA: the compile children get one GPU each, round robin."""
     import subprocess
 
-    from audits.static import cli as static_cli
-    from audits.static import core
+    from audits.checks.static import core
+    from audits.cli import static as static_cli
 
     monkeypatch.setattr(static_cli, "_production_versions", lambda: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
     monkeypatch.setattr(static_cli, "_check_environment", lambda args: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from audits import cli
-from audits.cases import Case, release_suite
-from audits.static import backward
-from audits.static.backward import backward_groups, compare_backward_facts, expected_backward_facts
-from audits.static.facts import PtxFormatError, f32_hex
-from audits.static.facts_bwd import KERNEL_MARK, _flushes_subnormals, backward_facts
+from audits.checks.static import backward
+from audits.checks.static.backward import backward_groups, compare_backward_facts, expected_backward_facts
+from audits.checks.static.facts import PtxFormatError, f32_hex
+from audits.checks.static.facts_bwd import KERNEL_MARK, _flushes_subnormals, backward_facts
+from audits.suites.cases import Case, release_suite
 from fa4.ex2 import POLY_EX2
 from fa4.production import refusal_of
 from tests.test_static import _production_importable
@@ -272,7 +272,7 @@ def test_production_backward_ptx_matches_the_model(name, case, two_cta, tmp_path
 
 
 def test_cli_backward_divergence_exits_1_naming_fact_values_and_group(tmp_path, capsys, monkeypatch):
-    from audits.static import cli as static_cli
+    from audits.cli import static as static_cli
 
     monkeypatch.setattr(static_cli, "_production_versions", lambda: {"flash-attn-4": "x", "nvidia-cutlass-dsl": "y"})
     (tmp_path / "ptx").mkdir()
@@ -296,9 +296,9 @@ def test_backward_groups_of_the_release_suite():
     names = sorted(n for _, ns in groups for n in ns)
     assert names == sorted(c.name for c in cases if not c.dtype.startswith("float8"))
     keys = {(g.compile_key, g.seqlen_q <= 128, g.seqlen_k <= 128) for g, _ in groups}
-    # 115 groups from the covering array, 15 more from release's class cases (audits.cases.class_cases:
+    # 115 groups from the covering array, 15 more from release's class cases (audits.suites.cases.class_cases:
     # their head dims 72, 104, 200 and (192, 128), and lengths 300 x 333 / 100 x 333, are their own),
-    # 3 from the flag halves of the mods suite's cross-check pairs (audits.cases.mods_cross_checks)
+    # 3 from the flag halves of the mods suite's cross-check pairs (audits.suites.cases.mods_cross_checks)
     assert len(keys) == len(groups) == 133 and all(g.batch == 1 for g, _ in groups)
 
 

@@ -1,4 +1,4 @@
-"""The static audit's mod facts (``audits.static.mod_facts``): the score_mod's and mask_mod's float32
+"""The static audit's mod facts (``audits.checks.static.mod_facts``): the score_mod's and mask_mod's float32
 instructions read as differentials against the same kernel without the mod, and the mod
 attributes production records, forward and backward, on production's real sm_100a PTX
 (tests/data/ptx/mods: compiled on a CPU-only machine with flash-attn-4 4.0.0b36 / cutlass-dsl
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from audits import cli
-from audits.cases import Case, smoke_suite
-from audits.static import backward, core, mod_facts
-from audits.static.backward import audit_backward_group, backward_groups
-from audits.static.core import StaticError, audit_group, static_groups
-from audits.static.facts import PtxFormatError, kernel_facts
-from audits.static.mod_facts import NEG_INF_SELECT, differential, f32_elements, mask_baseline, score_baseline
+from audits.checks.static import backward, core, mod_facts
+from audits.checks.static.backward import audit_backward_group, backward_groups
+from audits.checks.static.core import StaticError, audit_group, static_groups
+from audits.checks.static.facts import PtxFormatError, kernel_facts
+from audits.checks.static.mod_facts import NEG_INF_SELECT, differential, f32_elements, mask_baseline, score_baseline
+from audits.suites.cases import Case, smoke_suite
 from tests.test_static import _production_importable
 
 DATA = Path(__file__).parent / "data" / "ptx" / "mods"
@@ -295,7 +295,7 @@ def test_cli_audits_mod_groups_and_names_a_divergence(tmp_path, capsys, monkeypa
     """``fa4-audit static --config`` with a mod case, judged from the fixtures (the compile
     monkeypatched to fail, so only the cached PTX is read): exit 0 with the mod facts in the
     report; a seeded model table: exit 1 naming the fact, both values and the group."""
-    from audits.static import cli as static_cli
+    from audits.cli import static as static_cli
 
     monkeypatch.setattr(static_cli, "_production_versions", lambda: VERSIONS)
 

@@ -1,4 +1,4 @@
-"""Suite files (``run --suite FILE.toml``, audits/suite_file.py): explicit cases, axes through
+"""Suite files (``run --suite FILE.toml``, audits/suites/suite_file.py): explicit cases, axes through
 release's own generator (every pair of given values covered, families and seeds crossed),
 errors, ``--jobs``, ``--resume``, ``--shard``, declared domains, reproducers, and the example
 that docs/runner.md shows."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from audits import cli
-from audits.cases import RELEASE_AXES, Case, release_suite
-from audits.suite_file import build, load
+from audits.suites.cases import RELEASE_AXES, Case, release_suite
+from audits.suites.suite_file import build, load
 from tests.test_repro import assert_reproduces
 
 ROOT = Path(__file__).parents[1]
@@ -120,7 +120,7 @@ def test_the_release_axes_in_a_file_give_release_itself(tmp_path):
     """The same generator: a file listing ``RELEASE_AXES`` (all families, seed 0) is ``release``
     (its covering-array cases: the varlen ones come from ``VARLEN_AXES``, the code-path ones
     from ``class_cases`` and the mod ones from ``mods_suite``, no suite-file axis)."""
-    from audits.cases import class_cases, mods_suite
+    from audits.suites.cases import class_cases, mods_suite
 
     ax = RELEASE_AXES
     lines = [f"{k} = {json.dumps(ax[k])}" for k in ("dtype", "mask", "softcap", "heads", "seqlens", "layout")]

@@ -1,11 +1,11 @@
-"""audits.ex2.sweep: input classes, and the numba and torch statistics backends agree."""
+"""audits.checks.ex2.sweep: input classes, and the numba and torch statistics backends agree."""
 
 import pytest
 import torch
 
-from audits.ex2 import stats_cpu as _ex2_stats_cpu
-from audits.ex2 import sweep as ex2_sweep
-from audits.ex2.sweep import ULP_BIN_EDGES, class_ranges, sweep_ex2
+from audits.checks.ex2 import stats_cpu as _ex2_stats_cpu
+from audits.checks.ex2 import sweep as ex2_sweep
+from audits.checks.ex2.sweep import ULP_BIN_EDGES, class_ranges, sweep_ex2
 
 
 def test_classes_partition_all_bit_patterns():

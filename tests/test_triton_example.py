@@ -33,7 +33,7 @@ def test_the_triton_example_passes_two_cases_of_its_domain(tmp_path):
 
 def test_the_triton_examples_domain_builds_release_inside_it():
     sys.path.insert(0, str(ROOT))
-    from audits.domain import domain_of, suite_within
+    from audits.suites.domain import domain_of, suite_within
     from examples.triton_attention import attention
 
     d = domain_of(attention)

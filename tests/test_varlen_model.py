@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from audits.cases import varlen_case
-from audits.inputs import make_varlen_inputs
+from audits.suites.cases import varlen_case
+from audits.suites.inputs import make_varlen_inputs
 from fa4.model import FA4Numerics, attention
 from fa4.varlen import combine, varlen_attention
 from numerics.forward_bound import forward_error_bound

@@ -11,11 +11,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from audits.cases import case_from_dict, mods_suite, smoke_suite, varlen_case, varlen_mods
+from audits.engine import evaluate as engine
 from audits.kernels import per_sequence
-from audits.mod_strategies import mask_mod_of, varlen_batches
-from audits.runner import engine
-from audits.runner.gate import load_thresholds
+from audits.suites.cases import case_from_dict, mods_suite, smoke_suite, varlen_case, varlen_mods
+from audits.suites.strategies import mask_mod_of, varlen_batches
+from audits.verdict.gate import load_thresholds
 from fa4.model import FA4Numerics, attention
 from fa4.mods import build_mods
 from fa4.varlen import sequence_mods, varlen_attention
@@ -92,7 +92,7 @@ def test_block_sparse_sequences_compute_the_fixed_length_block_sparse_call_at_th
     """Varlen block sparsity (one BlockSparse per sequence, production's varlen layout): sequence i
     is bit for bit row i of the fixed-length model with those blocks at batch index i (other rows'
     blocks empty) and the call's mask mod; the blocks hold full and partial ones."""
-    from audits.inputs import make_varlen_inputs
+    from audits.suites.inputs import make_varlen_inputs
 
     case = varlen_case(**BS_CASE)
     x = make_varlen_inputs(case)
@@ -119,7 +119,7 @@ def test_varlen_block_lists_are_production_layout():
     """``varlen_block_lists``: per query block the counts at ``cu_total_m_blocks[b] + j``, the
     key-block lists at ``cu_block_idx_offsets[b] + j * n_b`` (``_get_curr_blocksparse_tensors_varlen``),
     each list the ascending kept blocks; decoded back it is every sequence's masks."""
-    from audits.inputs import make_varlen_inputs
+    from audits.suites.inputs import make_varlen_inputs
     from fa4.varlen import varlen_block_lists
 
     case = varlen_case(**BS_CASE)
@@ -165,7 +165,7 @@ def test_varlen_block_sparse_case_passes_and_catches_a_partial_block_treated_as_
 def test_varlen_block_sparsity_refusals():
     """Production's refusal of a sparse query block other than q_stage * tile_m on varlen
     (``normalize_block_sparse_config``), and split-KV (not modelled: FA#2761), each a skip."""
-    from audits.inputs import make_varlen_inputs
+    from audits.suites.inputs import make_varlen_inputs
 
     x = make_varlen_inputs(varlen_case(**{**BS_CASE, "block_sparse": (256, 128)}))
     with pytest.raises(NotImplementedError, match=r"Varlen block sparsity requires sparse_block_size\[0\]=128"):
@@ -200,7 +200,7 @@ def test_varlen_cases_take_score_and_mask_mods_and_the_suites_carry_them():
     lens = [p for c in vm for p in c.seqlens]
     assert (1, 1) in lens and any(a == 0 for a, _ in lens) and any(a and not b for a, b in lens)
     assert any(c.page_size for c in vm) and any(c.num_splits > 1 for c in vm) and any(c.seqused_k for c in vm)
-    from audits.cases import MOD_BLOCK, MOD_BLOCK_SM100
+    from audits.suites.cases import MOD_BLOCK, MOD_BLOCK_SM100
 
     assert {c.block_sparse for c in vm} - {()} == {MOD_BLOCK, MOD_BLOCK_SM100}  # SM90's and SM100's sparse block
 
@@ -282,8 +282,8 @@ def test_production_varlen_with_mods_passes_and_is_its_fixed_length_call_at_the_
     output is, bit for bit, its own fixed-length call on a batch holding that sequence (and its
     blocks) at batch index i with the same (unshifted) mods: production's varlen entry hands a mod
     the sequence as ``batch_idx`` and positions within it, which is what the model assumes."""
-    from audits.inputs import make_varlen_inputs
     from audits.kernels import production_arch
+    from audits.suites.inputs import make_varlen_inputs
     from fa4.production import flash_attn, flash_attn_varlen
 
     model = "fa4-model-sm90" if production_arch() == "sm90" else "fa4-model"

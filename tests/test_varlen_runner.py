@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from audits import cli
-from audits.cases import smoke_suite, smoke_varlen, varlen_case
-from audits.runner import engine
-from audits.runner.gate import load_thresholds
-from audits.runner.shards import run_order
+from audits.engine import evaluate as engine
+from audits.engine.shards import run_order
+from audits.suites.cases import smoke_suite, smoke_varlen, varlen_case
+from audits.verdict.gate import load_thresholds
 from tests.bugged_varlen import VARLEN_BUGS
 from tests.test_repro import execute
 
@@ -260,7 +260,7 @@ def test_bad_varlen_case_json_is_a_usage_error(tmp_path, capsys, cfg, say):
 def test_a_domain_judges_each_sequence():
     """A declared domain's length keys apply to each sequence's rows and used keys (a sequence
     without queries or keys is the varlen entry's own), naming the sequence."""
-    from audits.domain import Domain
+    from audits.suites.domain import Domain
 
     c = varlen_case(seqlens=((128, 256), (0, 5), (64, 0), (128, 384)), seqused_k=(256, 5, 0, 200))
     m64, m8 = (Domain(seqlen_q_multiple=m, seqlen_k_multiple=m) for m in (64, 8))
@@ -271,7 +271,7 @@ def test_a_domain_judges_each_sequence():
 
 def test_jobs_children_get_per_sequence():
     from audits.cli import build_parser
-    from audits.runner.cli import _child_argv
+    from audits.cli.run import _child_argv
 
     args = build_parser().parse_args(["run", "--kernel", "fa4-model", "--per-sequence"])  # the parser's own defaults
     assert "--per-sequence" in _child_argv(args, ["fa4-model"], Path("cases.json"), "smoke")

@@ -1,4 +1,4 @@
-"""The kernel harness (audits/worker.py): time limits, worker deaths, exceptions that do not
+"""The kernel harness (audits/engine/worker.py): time limits, worker deaths, exceptions that do not
 pickle, memory exhaustion; and verdicts decided by record fields, never message text (old reports
 upgraded where they are read)."""
 
@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from audits import cli, worker
-from audits.runner.gate import judge, load_thresholds, rejudge
-from audits.runner.schema import FAILING, VERDICTS, upgrade_case
-from audits.worker import Isolated, KernelTimeout, RemoteError, WorkerCrashed, death_reason, failure_reason
+from audits import cli
+from audits.engine import worker
+from audits.engine.worker import Isolated, KernelTimeout, RemoteError, WorkerCrashed, death_reason, failure_reason
+from audits.report.schema import FAILING, VERDICTS, upgrade_case
+from audits.verdict.gate import judge, load_thresholds, rejudge
 
 ROOT = Path(__file__).parents[1]
 HANG = "tests.hanging_kernels"
@@ -237,7 +238,7 @@ def test_every_kernel_calling_subcommand_takes_the_same_timeout(name):
 def test_timeout_setting_and_isolation():
     from argparse import Namespace
 
-    from audits.worker import DEFAULT_TIMEOUT_S, isolation, timeout_setting
+    from audits.engine.worker import DEFAULT_TIMEOUT_S, isolation, timeout_setting
 
     assert timeout_setting(Namespace(timeout=None)) == (DEFAULT_TIMEOUT_S, False)
     assert timeout_setting(Namespace(timeout=0.0)) == (None, True)
@@ -493,7 +494,7 @@ def test_an_old_schema_report_rejudges_identically(tmp_path, capsys):
     case: the report written now, the same report as written before the structured fields (no
     ``out_of_domain_kind``, no ``timeout`` count) and one with every message reworded all
     re-judge to the same verdicts."""
-    from audits.runner.cli_reports import load_report
+    from audits.cli.reports import load_report
 
     out = tmp_path / "r"
     rc = cli.main(

@@ -1,0 +1,1 @@
+"""The static audit: production's compiled kernels read as instruction facts (docs/static.md)."""

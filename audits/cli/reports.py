@@ -1,0 +1,597 @@
+"""The commands that read run reports: ``gate``, ``show``, ``diff``, ``merge``, ``summary``; and
+``list`` and ``fuzz``.  A report that is missing, unreadable or not a valid report is a usage
+error (exit 2), never a failed check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, read_json
+from audits.common import device as _device
+from audits.report.schema import FAILING
+
+
+def _is_journal(path: str) -> bool:
+    """Whether ``path`` is a run's journal (JSON lines, a journal header first), not a report."""
+    from audits.engine.journal import SCHEMA
+
+    if str(path).endswith(".jsonl"):
+        return True
+    try:
+        with open(path, "rb") as fh:
+            first = json.loads(fh.readline() or b"null")
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and first.get("journal") == SCHEMA
+
+
+def run_reports(path: str) -> list[str]:
+    """The report files ``path`` names: itself when it is a file; for a run directory its
+    ``report.json`` (else its ``journal.jsonl``: a run stopped or still going), or with several
+    kernels each ``<kernel>/report.json`` (or journal) below it.  A missing path, or a directory
+    holding none of them, is a :class:`UsageError` naming it."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{path}: no such report, journal or run directory")
+    if not p.is_dir():
+        return [path]
+
+    def one(d: Path) -> str | None:
+        return next((str(d / f) for f in ("report.json", "journal.jsonl") if (d / f).is_file()), None)
+
+    if found := one(p):
+        return [found]
+    below = [
+        f for d in sorted(x for x in p.iterdir() if x.is_dir() and x.name not in ("jobs", "repro")) if (f := one(d))
+    ]
+    if not below:
+        raise UsageError(
+            f"{path}: a directory without report.json or journal.jsonl (nor a per-kernel folder holding one)"
+        )
+    return below
+
+
+def load_report(path: str) -> dict:
+    """A report file (``.json``, ``.json.gz``, ``.json.xz``), validated field by field; or a run's
+    ``journal.jsonl`` read as the report the run would write from it (``report_from_journal``:
+    partial while cases are missing), so that a killed or running run can be read; or a run
+    directory of one kernel (:func:`run_reports`)."""
+    from audits.report.build import ReportError, report_from_journal, validate_report
+
+    found = run_reports(path)
+    if len(found) > 1:
+        raise UsageError(f"{path}: a run of several kernels ({', '.join(found)}): name one of them")
+    path = found[0]
+    try:
+        if _is_journal(path):
+            try:
+                return validate_report(report_from_journal(path), path)
+            except OSError as exc:
+                raise UsageError(f"{path}: not a readable journal ({type(exc).__name__}: {exc})") from exc
+        return validate_report(read_json(path, what="report"), path)
+    except ReportError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _summarize(rep: dict, *, selected: int | None = None) -> dict:
+    """``rep`` with its summary recomputed from its cases; a partial report stays partial
+    (its selected count, or ``selected``, and why it stopped)."""
+    from audits.report.build import build_report, run_counts
+    from audits.verdict.coverage import basis_of_coverage, legacy_basis
+
+    keys = ("kernel", "suite", "seed", "device", "environment", "thresholds", "command", "created")
+    sel = run_counts(rep)[0] if selected is None else selected
+    cov = rep.get("coverage") or {}
+    basis = basis_of_coverage(cov) or legacy_basis(rep)  # the coverage recomputed over these cases, same basis
+    bwd = "backward" in cov["directions"] if "directions" in cov else None
+    return build_report(
+        **{k: rep[k] for k in keys}, records=rep["cases"], shard=rep.get("shard"), selected=sel,
+        stopped=rep["summary"].get("stopped"), coverage_basis=basis, backward=bwd,
+    )  # fmt: skip
+
+
+def _say_partial(rep: dict, path: str) -> None:
+    """A line on stderr when a report read is partial: its unrun cases were not checked."""
+    from audits.report.build import partial_line
+
+    if part := partial_line(rep):
+        print(f"{path}: {part}", file=sys.stderr)
+
+
+def case_key(case: dict, *, ignore_seed: bool) -> str:
+    """What matches a case across two reports: its name, or with ``ignore_seed`` its
+    configuration without the seed (the same case drawn from another seed)."""
+    if not ignore_seed:
+        return case["case"]
+    cfg = {k: v for k, v in case["config"].items() if k != "seed"}
+    return json.dumps(cfg, sort_keys=True)
+
+
+def _thresholds(path):
+    from audits.verdict.gate import ThresholdsError, load_thresholds
+
+    try:
+        return load_thresholds(path)
+    except ThresholdsError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def _baseline(args, rep: dict) -> tuple[dict | None, int, str]:
+    """The baseline's cases keyed like the candidate's, how many candidate cases it matches and
+    a line saying so; (None, 0, "") without a baseline."""
+    if not args.baseline:
+        return None, 0, ""
+    base = load_report(args.baseline)
+    keyed = {}
+    for c in base["cases"]:
+        keyed.setdefault(case_key(c, ignore_seed=args.ignore_seed), c)
+    shared = sum(case_key(c, ignore_seed=args.ignore_seed) in keyed for c in rep["cases"])
+    how = "by configuration, seeds ignored" if args.ignore_seed else "by case name"
+    return keyed, shared, f"baseline {args.baseline}: {shared} of {len(rep['cases'])} cases matched ({how})"
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from audits.report.build import collapse_reasons, exit_code, summary_line, write_report
+    from audits.verdict.gate import rejudge
+
+    rep = load_report(args.report)
+    th = _thresholds(args.thresholds)
+    base, shared, overlap = _baseline(args, rep)
+    key = lambda c: case_key(c, ignore_seed=args.ignore_seed)
+    new = _summarize(rejudge(rep, th, base, key=key))
+    for c, n in collapse_reasons([c for c in new["cases"] if c["verdict"] in FAILING]):
+        also = f" (x{n} cases)" if n > 1 else ""
+        print(f"{c['verdict'].upper():7s} {c['case']}: {'; '.join(c['reasons'])}{also}")
+    print(f"{summary_line(new)} under {th['path']}")
+    code = exit_code(new)
+    if base is not None:
+        print(overlap)
+        if not shared:
+            print(
+                "the baseline shares no case with the report: nothing was compared (try --ignore-seed)", file=sys.stderr
+            )
+            code = EXIT_FAIL
+    if args.out:
+        new["command"] = f"{new['command']}; re-judged: fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
+        print(f"re-judged report: {write_report(new, args.out)['md']}")
+    return code
+
+
+def _named_cases(args: argparse.Namespace, rep: dict, *, one: bool) -> list[dict]:
+    """The records ``--case GLOB`` matches (as every subcommand's ``--case``: fnmatch on the full
+    name, which matches itself); ``one``: exactly one, as ``--plot`` draws one case."""
+    import fnmatch
+
+    got = [r for r in rep["cases"] if fnmatch.fnmatchcase(r["case"], args.case)]
+    if not got:
+        raise UsageError(f"{args.report}: no case matches {args.case!r}; `fa4-audit show {args.report}` lists them")
+    if one and len(got) > 1:
+        names = ", ".join(r["case"] for r in got[:3]) + (", ..." if len(got) > 3 else "")
+        raise UsageError(f"--case {args.case!r} matches {len(got)} cases ({names}): --plot draws one; name it")
+    return got
+
+
+def _show_plot(args: argparse.Namespace, rep: dict) -> int:
+    """``show --case NAME --plot``: render the case's error map (``audits.report.maps``)
+    to ``--out`` (default ``<case>.png`` or ``.svg`` here) and print the path; exit 2 with the
+    reason when the case has none."""
+    from pathlib import Path
+
+    from audits.report.maps import render
+
+    if args.case is None:
+        raise UsageError("--plot needs --case NAME: the case whose error map to render")
+    (rec,) = _named_cases(args, rep, one=True)
+    rel = rec.get("error_map")
+    if not rel:
+        why = (
+            f"it did not fail (verdict {rec['verdict']})" if rec["verdict"] not in FAILING else
+            f"its failure ({rec['verdict']}) has no element past the bound to map: a kernel error, crash or "
+            "timeout, a failure that is not per element, or a report written before error maps existed"
+        )  # fmt: skip
+        raise UsageError(f"case {args.case} has no error map: {why}")
+    npz = Path(run_reports(args.report)[0]).parent / rel
+    if not npz.is_file():
+        raise UsageError(
+            f"case {args.case}: its error map {npz} is missing (copy the run's maps/ folder with the report)"
+        )
+    try:
+        data = render(npz, fmt=args.format, tensor=args.tensor)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    out = Path(args.out or f"{args.case}{'-' + args.tensor if args.tensor else ''}.{args.format}")
+    if out.parent != Path():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(data)
+    print(out)
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """A report as a table on a terminal, as plain lines otherwise; case names never cut."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from audits.report.build import case_cells, summary_line
+    from audits.verdict.coverage import coverage_summary
+    from audits.verdict.separators import where_lines
+
+    rep = load_report(args.report)
+    if args.plot:
+        return _show_plot(args, rep)
+    console = Console()
+    head = f"{rep['kernel']} / {rep['suite']} ({rep['created']}): {summary_line(rep)}"
+    cov = f"coverage: {coverage_summary(rep.get('coverage'))}"  # all of it: fa4-audit coverage
+    # which case fields tell failing from passing cases (the whole report's; not with --case)
+    seps = _separator_lines(rep.get("diagnosis")) if args.case is None else []
+    if args.case is not None:
+        rep = {**rep, "cases": _named_cases(args, rep, one=False)}
+    if not console.is_terminal:
+        print(head)
+        print(cov)
+        for line in seps:
+            print(line)
+        for r in rep["cases"]:
+            c = case_cells(r, thresholds=rep.get("thresholds"))  # figures not gated say so
+            print(f"{r['verdict']:13s} {r['case']}")
+            print(f"{'':13s} max abs err {c['max_abs']}, LSE err {c['lse']}, err/bound {c['tightness']}")
+            if r.get("backward"):
+                print(f"{'':13s} gradients {c['grads']}, err/bound {c['grad_tightness']}, run to run {c['spread']}")
+            if c["reasons"]:
+                print(f"{'':13s} {c['reasons']}")
+            for w in where_lines(r):  # the case's diagnosis: where its violations concentrate
+                print(f"{'':13s} where: {w}")
+        return EXIT_OK
+    t = Table(title=head, caption=cov)
+    t.add_column(
+        "case", no_wrap=True, overflow="ignore", min_width=max((len(r["case"]) for r in rep["cases"]), default=4)
+    )
+    bwd = any(r.get("backward") for r in rep["cases"])
+    cols = ("verdict", "max abs err", "LSE err", "err/bound") + (("gradients", "grad err/bound") if bwd else ())
+    for col in (*cols, "reasons"):
+        t.add_column(col, overflow="fold")
+    for r in rep["cases"]:
+        c = case_cells(r, thresholds=rep.get("thresholds"))  # figures not gated say so
+        grads = (c["grads"], c["grad_tightness"]) if bwd else ()
+        why = "\n".join([c["reasons"], *(f"where: {w}" for w in where_lines(r))]).strip("\n")
+        t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], *grads, why)
+    console.print(t, crop=False)
+    for line in seps:
+        console.print(line, markup=False, highlight=False, crop=False)
+    return EXIT_OK
+
+
+def _separator_lines(diag: dict | None) -> list[str]:
+    """``show``'s lines of a report's separators (``audits.verdict.separators.separator_text``)."""
+    from audits.verdict.separators import separator_text
+
+    head, rules = separator_text(diag)
+    if not head:
+        return []
+    lines = [f"  {rule}" + (f": {detail}" if detail else "") for rule, detail in rules]
+    return [f"separators: {head}" + (":" if lines else ".")] + lines
+
+
+def cmd_coverage(args: argparse.Namespace) -> int:
+    """A report's coverage (``audits.verdict.coverage``), per kernel of a run directory: the head dims
+    accepted, covered and missed in each direction, each code-path class with its case."""
+    from audits.verdict.coverage import coverage_lines
+
+    for path in run_reports(args.report):
+        rep = load_report(path)
+        _say_partial(rep, path)
+        print(f"{rep['kernel']} / {rep['suite']} ({path}): coverage")
+        for line in coverage_lines(rep.get("coverage")):
+            print(f"  {line}")
+    return EXIT_OK
+
+
+#: the order ``diff`` ranks verdicts in: a case whose verdict moves to a higher rank got worse.
+#: Not checked (skipped, out-of-domain) is worse than checked and passing; any failing verdict
+#: is worse than any other; failing verdicts rank alike (fail -> crash is listed, not a new regression)
+VERDICT_RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 2} | dict.fromkeys(FAILING, 3)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Cases whose verdict or maximum error moved between two reports; exit 1 when a case got
+    worse (:data:`VERDICT_RANK`) unless ``--exit-zero``."""
+    a, b = load_report(args.base), load_report(args.cand)
+    _say_partial(a, args.base)
+    _say_partial(b, args.cand)
+    worse = []
+    ca = {case_key(c, ignore_seed=args.ignore_seed): c for c in a["cases"]}
+    cb = {case_key(c, ignore_seed=args.ignore_seed): c for c in b["cases"]}
+    changed = 0
+    for key in sorted(set(ca) | set(cb), key=lambda k: (ca.get(k) or cb[k])["case"]):
+        x, y = ca.get(key), cb.get(key)
+        if x is None or y is None:
+            print(f"{'only in cand' if x is None else 'only in base'}: {(x or y)['case']}")
+            changed += 1
+            continue
+        moves = []
+        for name, get in [("out", lambda c: (c.get("out") or {}).get("max_abs"))] + [
+            (n, lambda c, n=n: (((c.get("backward") or {}).get("grads") or {}).get(n) or {}).get("max_abs"))
+            for n in ("dq", "dk", "dv", "dsink")
+        ]:
+            ex, ey = get(x), get(y)
+            if ex is not None and ey is not None and ex != ey:
+                moves.append(f"{'max |err|' if name == 'out' else name} {ex:.3g} -> {ey:.3g}")
+        got_worse = VERDICT_RANK.get(y["verdict"], 3) > VERDICT_RANK.get(x["verdict"], 3)
+        if x["verdict"] != y["verdict"] or moves:
+            changed += 1
+            mark = " (worse)" if got_worse else ""
+            print(f"{y['case']}: {x['verdict']} -> {y['verdict']}{mark} {', '.join(moves)}".rstrip())
+        if got_worse:
+            worse.append(y["case"])
+    shared = len(set(ca) & set(cb))
+    print(f"{changed} of {len(set(ca) | set(cb))} cases differ; {shared} matched; {len(worse)} got worse")
+    if worse and not args.exit_zero:
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+#: what every shard of one run shares; merge refuses shards that differ in any (name, value of a report)
+SAME_RUN = (
+    ("kernel", lambda r: r["kernel"]),
+    ("suite", lambda r: r["suite"]),
+    ("seed", lambda r: r["seed"]),
+    ("thresholds", lambda r: _policy(r["thresholds"])),
+    ("fa4-audit version", lambda r: r["environment"].get("fa4_audit", "not recorded")),
+    ("shard count", lambda r: (r.get("shard") or "?/unsharded").split("/")[-1]),
+)
+
+
+def _policy(th: dict) -> str:
+    """A thresholds policy as a report records it: its content's digest (and where it was read)."""
+    from audits.engine.journal import thresholds_digest
+
+    return f"policy {thresholds_digest(th)} ({th.get('path', 'no path')})"
+
+
+def _check_shards(reps: list[dict], paths: list[str]) -> None:
+    """Refuse (exit 2) shard reports that are not slices of one run: any field of
+    :data:`SAME_RUN` differing (the field, each value and a report holding it), a case in two
+    shards, or a shard twice; warn of shards missing from the count."""
+    from audits.engine.journal import thresholds_digest
+
+    for name, get in SAME_RUN:
+        if name == "thresholds":  # the same policy read from another path is the same policy
+            vals = {thresholds_digest(r["thresholds"]): (get(r), p) for r, p in zip(reps, paths, strict=True)}
+        else:
+            vals = {}
+            for r, p in zip(reps, paths, strict=True):
+                vals.setdefault(get(r), (get(r), p))
+        if len(vals) > 1:
+            shown = "; ".join(f"{v!r} in {p}" for v, p in vals.values())
+            raise UsageError(f"shard reports of different runs: they differ in {name}: {shown}")
+    where: dict[str, str] = {}
+    for r, p in zip(reps, paths, strict=True):
+        for c in r["cases"]:
+            if c["case"] in where:
+                raise UsageError(f"case {c['case']} is in two shard reports: {where[c['case']]} and {p}")
+            where[c["case"]] = p
+    shards = [r["shard"] for r in reps if r.get("shard")]
+    if len(set(shards)) < len(shards):
+        twice = sorted({s for s in shards if shards.count(s) > 1})
+        raise UsageError(f"shard {', '.join(twice)} given twice")
+    if shards:
+        n = int(shards[0].split("/")[1])
+        missing = [f"{i}/{n}" for i in range(n) if f"{i}/{n}" not in shards]
+        if missing:
+            print(f"merge: shard {', '.join(missing)} not given: the merged report lacks its cases", file=sys.stderr)
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Shard reports into the report of the unsharded run: its cases, in its order (each shard's
+    ``shard_order``), its summary; refused for shards of different runs (:func:`_check_shards`)."""
+    from audits.report.build import exit_code, run_counts, write_report
+
+    reps = [load_report(p) for p in args.reports]
+    _check_shards(reps, args.reports)
+    for r, p in zip(reps, args.reports, strict=True):
+        _say_partial(r, p)
+    cases = [c for r in reps for c in r["cases"]]
+    order = {}
+    for r in reps:
+        order.update(r.get("shard_order") or {})
+    if all(c["case"] in order for c in cases):  # else (older reports) in the order given
+        cases.sort(key=lambda c: order[c["case"]])
+    command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
+    # partial when a shard is: the shards' selected cases, the first partial shard's reason
+    stopped = next((r["summary"].get("stopped") for r in reps if run_counts(r)[2]), None)
+    base = {**reps[0], "cases": cases, "shard": None, "command": command}
+    base["summary"] = {**base["summary"], "stopped": stopped}
+    merged = _summarize(base, selected=sum(run_counts(r)[0] for r in reps))
+    paths = write_report(merged, args.out)
+    print(f"merged {len(reps)} reports, {len(cases)} cases: {paths['md']}")
+    return exit_code(merged)
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from audits.report.build import partial_line
+    from audits.report.summary import GROUP_FIELDS, plot_errors, summary_markdown
+
+    reps = [load_report(p) for p in args.reports]
+    by = tuple(b.strip() for b in args.by.split(",") if b.strip())
+    if not by or set(by) - set(GROUP_FIELDS):
+        raise UsageError(f"--by {args.by!r}: expected a comma-separated list of {', '.join(GROUP_FIELDS)}")
+    labels = [r["kernel"] for r in reps]
+    labels = [f"{k} ({p})" if labels.count(k) > 1 else k for k, p in zip(labels, args.reports, strict=True)]
+    text = summary_markdown(reps, by, labels=labels)
+    notes = [f"- {lab}: **{part}**" for r, lab in zip(reps, labels, strict=True) if (part := partial_line(r))]
+    if notes:  # before the tables: their cells hold only the cases that ran
+        text = "Partial reports (their cases not run are not in the tables):\n\n" + "\n".join(notes) + "\n\n" + text
+    print(text, end="")
+    if args.out:
+        out = Path(args.out)
+        atomic_write(out / "summary.md", text)
+        plot_errors(reps, out / "summary.svg", labels=labels)
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from audits.kernels import KERNELS
+    from audits.suites.cases import SUITES
+    from audits.suites.inputs import FAMILIES
+
+    print("kernels: " + ", ".join(KERNELS) + ", module:attr or path/to/file.py:fn")
+    print("suites:")
+    for name, make in SUITES.items():
+        cases = make()
+        print(f"  {name:8s} {len(cases):5d} cases, {len({c.compile_key for c in cases}):3d} compile keys")
+    print("input families:")
+    for name, fam in FAMILIES.items():
+        print(f"  {name:18s} {fam.hunts}")
+    return EXIT_OK
+
+
+def _timeout(args: argparse.Namespace) -> float | None:
+    """``--timeout`` when given above 0 (the kernel then runs in a worker), else None (in this
+    process, no limit)."""
+    from audits.engine.worker import timeout_setting
+
+    timeout, explicit = timeout_setting(args)
+    return timeout if explicit else None
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from audits.checks.fuzz import fuzz
+    from audits.kernels import usable_kernels
+    from audits.suites.selection import kernels_domains
+
+    usable_kernels([args.kernel])
+    narrow = kernels_domains([], args.domain)[0] if args.domain else None  # as run's --domain (audits.suites.selection)
+    th = _thresholds(args.thresholds)
+    if args.budget <= 0 or args.max_seqlen <= 0:
+        raise UsageError(f"--budget and --max-seqlen must be positive, got {args.budget}, {args.max_seqlen}")
+    device = _device(args.device)
+    backward = None
+    if args.backward:
+        from audits.engine.backward import BackwardOptions
+        from audits.verdict.gate import ThresholdsError, require_backward
+
+        try:
+            require_backward(th)
+        except ThresholdsError as exc:
+            raise UsageError(str(exc)) from exc
+        backward = BackwardOptions(repeat=2)
+    try:
+        res = fuzz(
+            args.kernel, budget=args.budget, device=device, thresholds=th, database=args.database,
+            max_seqlen=args.max_seqlen, seed=args.seed, backward=backward, narrow=narrow, timeout=_timeout(args),
+            mods=args.mods,
+        )  # fmt: skip
+    except ValueError as exc:  # --mods on a kernel whose domain declares no mod kind
+        if not args.mods:
+            raise
+        raise UsageError(str(exc)) from exc
+    atomic_write(Path(args.out) / "fuzz.json", json.dumps(res, indent=1) + "\n")
+    print(f"{res['examples']} examples; largest error/bound {res['best_tightness']} ({res['best_case']})")
+    if res["failure"]:
+        f = res["failure"]
+        print(f"FAILING (shrunk): {f['name']}: {f['verdict']}: {'; '.join(f['reasons'])}\nreproduce: {f['repro']}")
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def _register_fuzz(sub) -> None:
+    """The ``fuzz`` subcommand's arguments."""
+    from audits.engine.worker import IN_PROCESS_NOTE, add_timeout_argument
+
+    fz = sub.add_parser("fuzz", help="Hypothesis search for a failing case, climbing toward the largest error/bound")
+    fz.add_argument(
+        "--kernel", required=True, help="a kernel name (fa4-model, sdpa-math, ...), module:attr or path/to/file.py:fn"
+    )
+    fz.add_argument("--budget", type=int, default=200, help="examples to try (default 200)")
+    fz.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernel runs (default cpu)")
+    fz.add_argument("--max-seqlen", type=int, default=512, help="longest seqlen_q / seqlen_k drawn (default 512)")
+    fz.add_argument("--database", default=".hypothesis/fa4-audit", help="Hypothesis example database")
+    fz.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/verdict/thresholds.toml)")
+    fz.add_argument("--backward", action="store_true", help="audit the gradients too (as run --backward, 2 repeats)")
+    fz.add_argument("--seed", type=int, default=None, help="a fixed search (the database is then not used)")
+    fz.add_argument(
+        "--domain", default=None, metavar="FILE.toml",
+        help="a TOML file of domain keys (audits/suites/domain.py) narrowing what the kernel declares: dtypes "
+        "and lengths are drawn inside it, other draws outside it are skipped",
+    )  # fmt: skip
+    fz.add_argument(
+        "--mods", action="store_true",
+        help="draw the library mods (score_mod, mask_mod, block sparsity) the kernel's domain declares (docs/mods.md)",
+    )  # fmt: skip
+    fz.add_argument("--out", default="reports/fuzz-latest", help="writes OUT/fuzz.json (default reports/fuzz-latest)")
+    add_timeout_argument(fz, note=IN_PROCESS_NOTE)
+    fz.set_defaults(func=cmd_fuzz)
+
+
+def register(sub) -> None:
+    """Add the report commands, ``list`` and ``fuzz`` to the ``fa4-audit`` parser."""
+
+    g = sub.add_parser("gate", help="re-judge a report under thresholds (and against a baseline report)")
+    g.add_argument("report", help="the report.json (or .json.gz / .json.xz) to re-judge")
+    g.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/verdict/thresholds.toml)")
+    g.add_argument(
+        "--baseline", default=None,
+        help="BASE.json: fail cases worse than the baseline by more than [baseline] max_ratio; "
+        "exit 1 when no case matches",
+    )  # fmt: skip
+    g.add_argument("--ignore-seed", action="store_true", help="match baseline cases by configuration, not seed")
+    g.add_argument("--out", default=None, help="also write the re-judged report (json, md, html, junit) here")
+    g.set_defaults(func=cmd_gate)
+    sh = sub.add_parser("show", help="print a report: a table on a terminal, plain lines otherwise")
+    sh.add_argument("report", help="a report.json (or .json.gz / .json.xz)")
+    sh.add_argument(
+        "--case", default=None, metavar="GLOB", help="show the cases whose name matches GLOB (a full name: that case)"
+    )
+    sh.add_argument(
+        "--plot", action="store_true",
+        help="render the --case's error map (|error|/bound per element, tiles, mask) and print the file's path; "
+        "exit 2 when the case has none",
+    )  # fmt: skip
+    sh.add_argument("--format", default="png", choices=["png", "svg"], help="--plot's format (default png)")
+    sh.add_argument(
+        "--tensor", default=None, choices=["out", "lse", "dq", "dk", "dv"], help="--plot only this tensor's panels"
+    )
+    sh.add_argument("--out", default=None, metavar="FILE", help="--plot's file (default: CASE.png or .svg here)")
+    sh.set_defaults(func=cmd_show)
+    cv = sub.add_parser(
+        "coverage",
+        help="what a run covered of what the kernel accepts: head dims and code-path classes, forward and backward",
+        description="Print a report's coverage (docs/runner.md, 'Coverage'): the head dims the kernel's domain "
+        "accepts, those the run compared in the forward and in the backward, those it missed, and each code-path "
+        "class of the kernel's architecture with one case that covered it.  Exit 0; 2 for a bad path.",
+    )  # fmt: skip
+    cv.add_argument(
+        "report", help="a report.json (or .json.gz / .json.xz), a run's journal.jsonl, or a run directory (--out DIR)"
+    )
+    cv.set_defaults(func=cmd_coverage)
+    df = sub.add_parser("diff", help="where two reports differ (verdicts, max errors)")
+    df.add_argument("base", help="the baseline report.json")
+    df.add_argument("cand", help="the candidate report.json, compared case by case with the baseline")
+    df.add_argument("--ignore-seed", action="store_true", help="match cases by configuration, not seed")
+    df.add_argument(
+        "--exit-zero", action="store_true",
+        help="exit 0 even when a case got worse (report only; default: exit 1 when a verdict got worse in the order "
+        "pass < warn < skipped, out-of-domain < fail, error, crash, timeout)",
+    )  # fmt: skip
+    df.set_defaults(func=cmd_diff)
+    mg = sub.add_parser("merge", help="combine shard reports (run --shard I/N) into one")
+    mg.add_argument("reports", nargs="+", help="the shard reports (report.json of each run --shard I/N)")
+    mg.add_argument("--out", required=True, help="directory of the merged report (json, md, html, junit)")
+    mg.set_defaults(func=cmd_merge)
+    _register_fuzz(sub)
+    ls = sub.add_parser("list", help="kernels, suites (case and compile-key counts) and input families")
+    ls.set_defaults(func=cmd_list)
+    sm = sub.add_parser("summary", help="several reports side by side (one column each), per configuration group")
+    sm.add_argument("reports", nargs="+", help="report.json (or .json.gz / .json.xz) files")
+    sm.add_argument("--by", default="dtype,mask", help="grouping: comma-separated Case fields, mask or heads")
+    sm.add_argument("--out", default=None, help="also write OUT/summary.md and OUT/summary.svg")
+    sm.set_defaults(func=cmd_summary)

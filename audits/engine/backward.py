@@ -1,0 +1,290 @@
+"""The backward half of a case (``fa4-audit run --backward``): a seeded dO, the kernel's
+gradients by ``torch.autograd.grad`` (every kernel the same way), measured against the FP64
+gradients; the verdict is ``audits.verdict.gate``'s.
+
+A case record gains ``backward``::
+
+    {"status": "ran" | "skipped" | "error" | "crash" | "timeout", "reason": ..., "do_family": "large",
+     "repeat": 2, "deterministic": false,
+     "grads": {"dq": {<numerics.metrics.output_errors>, "bound": {...}, "fa_criterion": {...}},
+               "dk": ..., "dv": ..., "dsink": ...},          # dsink only with a learnable sink
+     "missing": ["dsink"],                                  # gradients autograd did not return
+     "zeros": {"dk_unseen_nonzero": 0, "dv_unseen_nonzero": 0, "dq_empty_nonzero": 0},
+     "spread": {"dq": {"differing": 71, "max_ulp": 1}, ...},  # runs 2..N against run 1
+     "certified": {"dq": 3e-19, "dv": 1e-18}}               # max |FP64 - exact| / max|exact|
+
+Gradient semantics (docs/backward.md): keys no query sees get exactly zero dK and dV, rows with
+no visible key add nothing (zero dQ); non-finite inputs follow the forward's visible/masked rules,
+which the FP64 reference (``numerics.grad_reference``) implements: a NaN where the reference is
+finite fails, a finite value where it is NaN is the ``nan_swallowed`` policy's.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from audits.suites.cases import Case
+from numerics.fp import bit_view, format_of, ulp_distance, ulp_of
+from numerics.metrics import bound_check, fa_floor, output_errors, ulp_diff_histogram
+from numerics.reference import call_visibility
+
+__all__ = ["BackwardOptions", "GRADS", "grad_call", "analyse_backward", "accepts_deterministic"]
+
+GRADS = ("dq", "dk", "dv", "dsink")
+
+
+@dataclass(frozen=True)
+class BackwardOptions:
+    """``repeat``: backward runs on the same graph (run 1 is audited, the others measure the
+    spread); ``deterministic``: pass ``deterministic=True`` to kernels that take it and fail any
+    run-to-run difference."""
+
+    repeat: int = 2
+    deterministic: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.repeat, int) or self.repeat < 1:
+            raise ValueError(f"repeat must be an integer >= 1, got {self.repeat!r}")
+
+
+def accepts_deterministic(fn) -> bool:
+    """Whether the kernel names a ``deterministic`` parameter (``**kwargs`` does not count: a
+    kernel that swallows unknown keywords has not said it honours this one)."""
+    try:
+        return "deterministic" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _refused(exc: BaseException, fn) -> str | None:
+    """The documented refusal ``exc`` is, or None (then it is an error).  A production adapter
+    (``fn.fa4_audit_refusals``, e.g. ``fa4.production.REFUSALS``) refuses only by those rules,
+    whatever the exception's type; any other kernel refuses by ``NotImplementedError``."""
+    rules = getattr(fn, "fa4_audit_refusals", None)
+    if rules is None:
+        return str(exc) if isinstance(exc, NotImplementedError) else None
+    from fa4.production import refusal_of
+
+    rule = refusal_of(exc, rules)
+    return None if rule is None else f"production refuses this configuration ({rule.source}): {exc}"
+
+
+def grad_call(fn, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dict, tuple | None]:
+    """Forward with gradient-tracking leaves, then ``opts.repeat`` backward runs of the same
+    graph: ``({"status": "ran"}, (out, lse, [grads of run 1, run 2, ...]))`` with grads a dict
+    of ``GRADS`` (None where autograd returned none), or the status and reason of why not."""
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
+    kw = dict(x["kw"])
+    if kw.get("learnable_sink") is not None:
+        leaves["dsink"] = kw["learnable_sink"] = kw["learnable_sink"].detach().clone().requires_grad_(True)
+    if opts.deterministic and accepts_deterministic(fn):
+        kw["deterministic"] = True
+    names = ["dq", "dk", "dv", "dsink"][: len(leaves)]
+    try:
+        res = fn(leaves["q"], leaves["k"], leaves["v"], return_lse=True, **kw)
+        out, lse = res if isinstance(res, tuple) else (res, None)
+        if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+            return {"status": "skipped", "reason": "the kernel's output carries no autograd graph: no backward"}, None
+        runs = []
+        for r in range(opts.repeat):
+            g = torch.autograd.grad(out, list(leaves.values()), do, retain_graph=r + 1 < opts.repeat, allow_unused=True)
+            runs.append({n: (None if t is None else t.detach()) for n, t in zip(names, g)})
+    except Exception as exc:  # a refusal is skipped; any other exception is the case's verdict
+        why = _refused(exc, fn)
+        if why is not None:
+            return {"status": "skipped", "reason": f"backward not supported: {why}"}, None
+        from audits.engine.worker import failure_reason
+
+        cause, why = failure_reason(exc, "backward")  # out-of-memory said as such
+        return {"status": "error", "reason": why, "cause": cause, "traceback": traceback.format_exc(limit=3)}, None
+    lse = lse.detach() if isinstance(lse, torch.Tensor) else None
+    return {"status": "ran"}, (out.detach(), lse, runs)
+
+
+def _contract(name: str, got: torch.Tensor, leaf: torch.Tensor) -> str | None:
+    if tuple(got.shape) != tuple(leaf.shape) or got.dtype != leaf.dtype:
+        return (
+            f"{name} has shape {tuple(got.shape)} and dtype {got.dtype}; expected the input's "
+            f"{tuple(leaf.shape)} and {leaf.dtype}"
+        )
+    return None
+
+
+def _steps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in integer ULP steps of the dtype (NaN against a number: 2**20)."""
+    if a.element_size() in (1, 2):
+        return ulp_diff_histogram(a, b)["max"]
+    d = ulp_distance(a.float(), b.float())
+    return int(torch.where(d < 0, torch.full_like(d, 1 << 20), d).max()) if d.numel() else 0
+
+
+def _spread(runs: list[dict]) -> dict:
+    """Per gradient, against run 1: the elements whose bits differ in any later run, and the
+    largest distance in integer ULP steps of the gradient's dtype."""
+    out = {}
+    for n, first in runs[0].items():
+        if first is None:
+            continue
+        diff = torch.zeros(first.shape, dtype=torch.bool, device=first.device)
+        worst = 0
+        for other in runs[1:]:
+            d = bit_view(first) != bit_view(other[n])
+            diff |= d
+            if bool(d.any()):
+                worst = max(worst, _steps(first[d], other[n][d]))
+        out[n] = {"differing": int(diff.sum()), "max_ulp": worst, "elements": first.numel()}
+    return out
+
+
+def _fa_floor(got, ref, low) -> dict:
+    """FA's backward criterion's terms (``numerics.metrics.fa_floor``; ``low``: PyTorch's
+    gradient in the input dtype); for dsink, which FA checks per head against 2 ULP of |ref|,
+    the per-head errors and ULPs too."""
+    res = fa_floor(got, ref, low)
+    if got.dim() == 1:
+        fin = torch.isfinite(ref)
+        err = torch.where(fin, (got.double() - ref).abs(), 0.0).nan_to_num(float("inf"))
+        res["errors"] = err.tolist()
+        res["ulps_at_ref"] = ulp_of(torch.where(fin, ref, 0.0).abs(), format_of(got.dtype)).tolist()
+    return res
+
+
+def _call_vis(case: Case, kw: dict, device="cpu") -> torch.Tensor:
+    """The keys the call keeps, bool (batch, heads_q, seqlen_q, seqlen_k): the flags and, when the
+    call has them, the mods' mask (``numerics.reference.call_visibility``)."""
+    mods = {k: kw[k] for k in ("mask_mod", "block_sparse_tensors", "aux_tensors", "aux_scalars") if k in kw}
+    vis = call_visibility(
+        batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, causal=case.causal,
+        window_size=tuple(case.window), device=device, **mods,
+    )  # fmt: skip
+    return vis.to(device).expand(case.batch, case.heads_q, case.seqlen_q, case.seqlen_k)
+
+
+def _zeros(grads: dict, case: Case, kw: dict, device) -> dict:
+    """Exact zeros the semantics demand: dK / dV of keys no query (of the kv head's group) sees,
+    dQ of rows that see no key (non-zero elements counted; NaN counts as non-zero)."""
+    vis = _call_vis(case, kw, device)
+    g = case.heads_q // case.heads_kv
+    # (b, sk, hk): no (head of the group, row) sees the key; (b, sq, hq): the row sees no key
+    unseen = ~vis.reshape(case.batch, case.heads_kv, g, case.seqlen_q, case.seqlen_k).any(2).any(2).transpose(1, 2)
+    empty = ~vis.any(3).transpose(1, 2)
+
+    def nz(t, m):  # in float32: comparisons are not implemented for fp8
+        if t is None:
+            return 0
+        sel = t.float()[m]
+        return int((sel != 0).sum() + torch.isnan(sel).sum())
+
+    return {
+        "dk_unseen_nonzero": nz(grads.get("dk"), unseen),
+        "dv_unseen_nonzero": nz(grads.get("dv"), unseen),
+        "dq_empty_nonzero": nz(grads.get("dq"), empty),
+        "unseen_keys": int(unseen.sum()),
+        "empty_rows": int(empty.sum()),
+    }
+
+
+def _certify(x: dict, do: torch.Tensor, ref: dict, case: Case) -> dict:
+    """The FP64 gradients against exact ones (``numerics.grad_reference.exact_grad_elements``)
+    on sampled elements: the last query row's dQ always; the dK and dV row of the key the fewest
+    (head, row) pairs see, when those rows hold at most 2**14 scores (the exact evaluation costs
+    one mpmath softmax per row); dsink of the last head under the same cost limit (all its rows).  Value per
+    gradient: max |FP64 - exact| / max |FP64 gradient| over the whole tensor — the scale its
+    errors are judged at; an element's own size is no scale where dP - D cancels (a peaked row's
+    dQ is ~0 while its terms are not)."""
+    from numerics.grad_reference import exact_grad_elements
+
+    b, hk, g = case.batch - 1, case.heads_kv - 1, case.heads_q // case.heads_kv
+    seen = _call_vis(case, x["kw"])[b, hk * g : (hk + 1) * g].sum((0, 1))  # (head, row) pairs of kv head hk per key
+    j = int(torch.where(seen > 0, seen, 1 << 30).argmin())
+    want = {"dq_rows": [(b, case.seqlen_q - 1, case.heads_q - 1)]}
+    if 0 < int(seen[j]) * case.seqlen_k <= 1 << 14:
+        want["dk_rows"] = want["dv_rows"] = [(b, j, hk)]
+    if case.sink and case.batch * case.seqlen_q * case.seqlen_k <= 1 << 14:
+        want["dsink_heads"] = [case.heads_q - 1]
+    got = exact_grad_elements(x["q"], x["k"], x["v"], do, **x["kw"], **want)
+    out = {}
+    for name, items in got.items():
+        for key, exact in items.items():
+            if exact is None:
+                continue
+            exact = [float(e) for e in (exact if isinstance(exact, list) else [exact])]
+            fp = ref[name][key] if name == "dsink" else ref[name][key[0], key[1], key[2]]
+            fp = fp.reshape(-1).double().cpu().tolist()
+            r = ref[name].double()
+            scale = max(float(r[torch.isfinite(r)].abs().max()) if r.numel() else 0.0, 1e-300)
+            out[name] = max(out.get(name, 0.0), max(abs(a - e) for a, e in zip(fp, exact)) / scale)
+    return out
+
+
+@functools.lru_cache(maxsize=4)  # kernels taking turns on one case share it
+def case_references(case: Case, device: str) -> tuple:
+    """The case's FP64 gradients, PyTorch's low-precision ones (16-bit dtypes) and the exact
+    certification: they depend on the inputs and dO only (``make_inputs``,
+    ``make_grad_output``), not on the kernel.  Public: the engine clears its cache when the
+    audit's FP64 work runs out of GPU memory."""
+    from audits.suites.inputs import make_grad_output, make_inputs
+    from numerics.grad_reference import attention_grad_reference, attention_lowprec_grads
+
+    x = make_inputs(case, device=device)
+    do, _ = make_grad_output(case, device=device)
+    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, **x["kw"])
+    sixteen = x["q"].dtype in (torch.bfloat16, torch.float16)
+    low = attention_lowprec_grads(x["q"], x["k"], x["v"], do, **x["kw"]) if sixteen else None
+    return ref, low, _certify(x, do, ref, case)
+
+
+def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, case: Case, *, keep=None) -> dict:
+    """Measurements of one case's gradients (module doc); ``x`` and ``do`` are the case's
+    (``make_inputs``, ``make_grad_output``); ``kernel_numerics``: the FA4Numerics the kernel is
+    held to (FA4's own, or generic flash-attention numerics for a peer) and its kind,
+    ``(nm, "fa4" | "peer")``.  ``keep`` (an ``audits.verdict.diagnosis.CaseTensors``): receives
+    the gradients, their FP64 references and bounds, which a failing verdict is localized with."""
+    from numerics.backward_bound import backward_error_bound
+
+    out, lse, runs = result
+    q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
+    ref, low, cert = case_references(case, str(q.device))
+    nm, kind = kernel_numerics
+    bound = None
+    if lse is not None:
+        bound = backward_error_bound(q, k, v, do, out, lse, nm, reference=ref, **kw)
+    leaves = {"dq": q, "dk": k, "dv": v, "dsink": kw.get("learnable_sink")}
+    if keep is not None:
+        keep.grads, keep.grad_refs, keep.grad_bounds = runs[0], ref, bound
+        keep.bwd_kind, keep.bwd_numerics = kind, nm
+    # an infinite bound means overflow by design only where every input is finite; with NaN/inf
+    # inputs it is their propagation, which the semantics rules judge
+    finite = all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v, do))
+    rec = {"grads": {}, "missing": [], "contract": [], "bound_kind": kind if bound is not None else None}
+    for n, got in runs[0].items():
+        if got is None:
+            rec["missing"].append(n)
+            continue
+        bad = _contract(n, got, leaves[n])
+        if bad:
+            rec["contract"].append(bad)
+            continue
+        m = output_errors(got, ref[n])
+        if bound is not None and bound.get(n) is not None:
+            m["bound"] = bound_check(got, ref[n], bound[n])
+            over = torch.isfinite(ref[n]) & ~torch.isfinite(got.float())  # fp8 has no isfinite
+            if finite and bool(over.any()) and bool(torch.isinf(bound[n][over]).all()):
+                rec.setdefault("overflow", []).append(f"{int(over.sum())} {n}")
+        if low is not None:
+            m["fa_criterion"] = _fa_floor(got, ref[n].double(), low[n])
+        rec["grads"][n] = m
+    if rec.get("overflow"):  # the analysis itself says these may overflow: the design's range, not a bug
+        rec["out_of_domain"] = (
+            f"{', '.join(rec['overflow'])} elements overflow where the backward bound is infinite: dS or the "
+            f"gradient can exceed the range of {q.dtype} that the kernel rounds them to by design"
+        )
+    rec["zeros"] = _zeros(runs[0], case, kw, q.device)
+    rec["spread"] = _spread(runs) if len(runs) > 1 else {}
+    rec["certified"] = cert
+    return rec

@@ -1,0 +1,712 @@
+"""Run a suite of cases for one or several kernels: inputs, the kernel, the FP64 reference
+(certified on one row by an exact computation, ``numerics.reference.exact_attention_rows``),
+metrics, the per-element bound, a verdict per case.
+
+Every finished case is appended to ``OUT/journal.jsonl`` (flushed and fsynced) so that
+``resume=True`` continues after a crash, a kill or Ctrl-C without redoing finished cases.
+Cases run in a stratified order (``audits.engine.shards.run_order``), so that any prefix of a
+run spans the suite's axes; JIT kernels are cached per compile key, so each variant still
+compiles once per process.  A run stops early, cleanly, at Ctrl-C, at ``deadline`` (``run
+--budget``) or at the first failure (``-x``), saying why in ``stopped``.
+:func:`shard_cases` cuts a deterministic 1/n slice balanced by expected cost.  Failing cases get a reproducer:
+their inputs saved under ``OUT/repro/`` and a one-line command in the report.
+
+A varlen case (``Case.seqlens``, ``docs/varlen.md``) runs through the kernel's varlen entry
+(``audits.kernels.get_varlen_kernel``), or with ``per_sequence`` through a fixed-length kernel
+called once per sequence (``audits.kernels.per_sequence``); each sequence is referenced and
+bounded as the fixed-length call on its rows and used keys, and the sequences' results are
+measured together, packed along the tokens as the kernel returns them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from audits.engine import journal
+from audits.engine.backward import BackwardOptions, analyse_backward, case_references, grad_call
+from audits.engine.shards import run_order
+from audits.engine.worker import (
+    DEFAULT_TIMEOUT_S,
+    Isolated,
+    KernelTimeout,
+    WorkerCrashed,
+    failure_reason,
+    traceback_of,
+)
+from audits.kernels import (
+    KERNELS,
+    VARLEN_KERNELS,
+    claims_nonfinite_inputs,
+    contract_error,
+    fa4_arch,
+    fa4_varlen_numerics,
+    fa4_varlen_splits,
+    get_kernel,
+    kernel_domain,
+    per_sequence,
+    varlen_contract_error,
+)  # fmt: skip
+from audits.report.repro import reproducer
+from audits.report.schema import FAILING, upgrade_case
+from audits.suites.cases import Case
+from audits.suites.inputs import NotApplicable, make_grad_output, make_inputs, make_varlen_inputs, saveable_kw
+from audits.verdict.diagnosis import CaseTensors, diagnose, save_map
+from audits.verdict.gate import judge
+from numerics.forward_bound import forward_error_bound
+from numerics.metrics import bound_check, fa_floor, lse_errors, output_errors
+from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
+
+__all__ = ["evaluate_case", "run_suite", "run_suites", "kernel_dir", "shard_cases", "FAILING"]
+
+
+def shard_cases(cases: list[Case], index: int, count: int, *, by: str = "cost") -> list[Case]:
+    """Deterministic slice ``index`` of ``count``, back in suite order.  ``by="cost"``: greedy
+    balancing of ``Case.cost`` (largest first onto the lightest shard).  ``by="key"``: whole
+    compile-key groups per shard (each JIT variant compiled by one process only), balanced by
+    group size plus cost, for parallel processes that each compile their own share."""
+    if not (0 <= index < count):
+        raise ValueError(f"shard {index}/{count}: need 0 <= I < N")
+    if by not in ("cost", "key"):
+        raise ValueError(f"shard by {by!r}: accepted 'cost' or 'key'")
+    if by == "cost":
+        units = {i: [i] for i in range(len(cases))}
+    else:
+        units = {}
+        for i, c in enumerate(cases):
+            units.setdefault(c.compile_key, []).append(i)
+    total = sum(c.cost for c in cases) or 1
+    weight = {
+        u: sum(cases[i].cost for i in m) / total + (len(m) / len(cases) if by == "key" else 0.0)
+        for u, m in units.items()
+    }
+    loads = [0.0] * count
+    owner = {}
+    for u in sorted(units, key=lambda u: (-weight[u], repr(u))):
+        s = min(range(count), key=lambda j: (loads[j], j))
+        loads[s] += weight[u]
+        for i in units[u]:
+            owner[i] = s
+    return [c for i, c in enumerate(cases) if owner[i] == index]
+
+
+def _certify(x: dict, ref: torch.Tensor, rl: torch.Tensor, row: tuple[int, int, int]) -> float | None:
+    """Largest |FP64 reference - exact| over one row's (batch, head, query) outputs and LSE (the
+    exact row from ``numerics.reference.exact_attention_rows``, ~1e-23 relative); None when the
+    row is not certifiable (non-finite inputs reach it: the semantics rules judge it)."""
+    (got,) = exact_attention_rows(x["q"], x["k"], x["v"], [row], **x["kw"])
+    if got is None:
+        return None
+    mo, ml = got
+    r = ref[row[0], row[2], row[1]].double().cpu().tolist()
+    lse = float(rl[row[0], row[1], row[2]])
+    diffs = [abs(float(a) - b) for a, b in zip(mo, r)]
+    if math.isfinite(float(ml)) or math.isfinite(lse):
+        diffs.append(abs(float(ml) - lse))  # inf if only one of them is infinite
+    return max(diffs)
+
+
+@functools.lru_cache(maxsize=4)  # consecutive kernels on one case share it; GPU memory is better spent elsewhere
+def _reference(case: Case, device: str) -> tuple:
+    """FP64 reference, its LSE, the low-precision PyTorch result and the exact-row certification
+    of one case: they depend on the inputs only, so a process auditing several kernels on the
+    same suite computes them once."""
+    x = make_inputs(case, device=device)
+    ref, rl = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    low = attention_lowprec(x["q"], x["k"], x["v"], **x["kw"])
+    return ref, rl, low, _certify(x, ref, rl, (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1))
+
+
+@functools.lru_cache(maxsize=4)
+def _bound(case: Case, device: str, nm) -> tuple:
+    """Per-element forward bound of a case under numerics ``nm``: kernels sharing numerics
+    (the three SDPA backends; production SM90 and its model) share it."""
+    x = make_inputs(case, device=device)
+    return forward_error_bound(x["q"], x["k"], x["v"], nm, reference=_reference(case, device)[:2], **x["kw"])
+
+
+def _domain(q, k, v, case: Case, nm) -> str | None:
+    """Why these inputs lie outside the float32 range the kernel's design covers (the headroom
+    analysis of ``numerics.bounds``), or None: logits |q.k| beyond FLT_MAX, or P.V sums up to
+    seqlen_k * P_max * max|V| beyond it, P_max = 2**(threshold + max_offset)."""
+    import math
+
+    fin = lambda t: t.double()[torch.isfinite(t.double())]
+    qa, ka, va = (fin(t).abs().max().item() if fin(t).numel() else 0.0 for t in (q, k, v))
+    flt = 3.4028234663852886e38
+    if qa * ka * case.d >= flt:
+        return f"logits can reach {qa * ka * case.d:.3g} > float32 max (max|q| {qa:.3g}, max|k| {ka:.3g}, d {case.d})"
+    pmax = 2.0 ** (nm.rescale_threshold + nm.max_offset) if nm is not None else 1.0
+    if va > 0 and math.log2(case.seqlen_k * pmax * va) >= 128:
+        return f"P.V sums can reach seqlen_k * P_max * max|V| = {case.seqlen_k} * {pmax:g} * {va:.3g} > float32 max"
+    return None
+
+
+def _peer_numerics(q: torch.Tensor):
+    """Generic flash-attention numerics for kernels that do not implement FA4's (thresholds
+    ``peer_bound``): float32 softmax, hardware-class exp2, P rounded to the input dtype."""
+    from fa4.model import FA4Numerics
+
+    return FA4Numerics(
+        arch="sm90", tile_m=128, tile_n=128, exp2="hardware", rescale_threshold=0.0, max_offset=0, p_dtype=q.dtype
+    )
+
+
+def _fa4_numerics(kernel: str, x: dict, case: Case):
+    """The FA4Numerics a kernel implementing FA4's numerics runs ``case`` with (None for the
+    others), the call (inputs ``x``, its mods among ``x["kw"]``) resolved as production resolves
+    it: ``FA4Numerics.for_call`` (with a mask_mod, causal and the window dropped; with block
+    sparsity, the tiles fitted to the sparse block)."""
+    arch = fa4_arch(kernel)
+    if arch is None:
+        return None
+    from fa4.model import FA4Numerics
+
+    kw = x["kw"]
+    return FA4Numerics.for_call(
+        arch, x["q"], x["k"], x["v"], causal=case.causal, window_size=tuple(case.window),
+        mask_mod=kw.get("mask_mod"), block_sparse_tensors=kw.get("block_sparse_tensors"),
+    )  # fmt: skip
+
+
+def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device,
+             keep: CaseTensors) -> None:  # fmt: skip
+    """Reference, metrics, bound and criteria of a kernel result, into ``rec``; the tensors a
+    failing verdict is localized with, into ``keep``."""
+    q = x["q"]
+    nm = _fa4_numerics(kernel, x, case)
+    kind = "fa4" if nm is not None else "peer"
+    nm = nm if nm is not None else _peer_numerics(q)
+    refs, bounds = _reference(case, str(device)), _bound(case, str(device), nm)
+    _measure(rec, kernel, case, x, out, lse, refs, bounds, (kind, nm), keep)
+
+
+def _measure(rec: dict, kernel: str, case: Case, x: dict, out, lse, refs: tuple, bounds: tuple, nm: tuple,
+             keep: CaseTensors) -> None:  # fmt: skip
+    """The measurements of a result against its references ``refs`` (FP64 out and LSE, the
+    low-precision result, the certification) and its per-element ``bounds`` (out, LSE) under
+    numerics ``nm`` ((kind, FA4Numerics)), into ``rec``; the tensors themselves into ``keep``
+    (``audits.verdict.diagnosis``: a failing verdict is localized from them, after ``judge``)."""
+    q, k, v = x["q"], x["k"], x["v"]
+    ref, rl, low, cert = refs
+    keep.kind, keep.numerics, keep.out, keep.lse, keep.ref, keep.ref_lse = nm[0], nm[1], out, lse, ref, rl
+    keep.out_bound, keep.lse_bound = bounds
+    rec["out"] = output_errors(out, ref)
+    if lse is not None:
+        rec["lse"] = lse_errors(lse, rl)
+    ob, lb = bounds
+    rec["bound"] = {"kind": nm[0], **bound_check(out, ref, ob, lse, rl, lb)}
+    rec["out_of_domain"] = _domain(q, k, v, case, nm[1])
+    # the verdict reads the kind (audits.report.schema.OUT_OF_DOMAIN_KINDS), never the message
+    rec["out_of_domain_kind"] = None if rec["out_of_domain"] is None else "float32-range"
+    if (
+        rec["out_of_domain"] is None
+        and not claims_nonfinite_inputs(kernel)
+        and not all(bool(torch.isfinite(t.float()).all()) for t in (q, k, v))
+    ):
+        rec["out_of_domain"] = f"inputs contain NaN/inf and {kernel} claims no semantics for them"
+        rec["out_of_domain_kind"] = "nonfinite-inputs"
+    rec["fa_criterion"] = fa_floor(out, ref, low)
+    rec["mpmath_max_abs"] = cert
+
+
+def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
+    """Call the kernel: ({"status": "ran"}, (out, lse)) or the status and reason of why not.
+    Only ``NotImplementedError`` is a refusal (skipped); production's adapter raises it only
+    for its documented refusals (``fa4.production.REFUSALS``); any other exception is an error."""
+    try:
+        res = fn(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    except WorkerCrashed as exc:  # its worker died (audits.engine.worker): the reason says how
+        return {"status": "crash", "reason": str(exc)}, None
+    except KernelTimeout as exc:  # past --timeout: its worker was killed
+        return {"status": "timeout", "reason": str(exc)}, None
+    except NotImplementedError as exc:
+        return {"status": "skipped", "reason": f"kernel does not support this configuration: {exc}"}, None
+    except Exception as exc:  # any other exception is the case's verdict, never a pass
+        cause, why = failure_reason(exc)  # out-of-memory said as such
+        return {"status": "error", "reason": why, "cause": cause, "traceback": traceback_of(exc)}, None
+    return {"status": "ran"}, (res if isinstance(res, tuple) else (res, None))
+
+
+def _analyse_or_oom(rec: dict, kernel: str, case: Case, x: dict, out, lse, device, keep: CaseTensors) -> None:
+    """:func:`_analyse` (:func:`_analyse_varlen` for a varlen case); an OOM in the audit's own
+    FP64 work (not the kernel's) frees the caches and retries once, then becomes the case's error."""
+    analyse = _analyse_varlen if case.varlen else _analyse
+    try:
+        analyse(rec, kernel, case, x, out, lse, device, keep)
+    except torch.OutOfMemoryError:
+        for cached in (_reference, _bound, _varlen_reference, _varlen_bound):
+            cached.cache_clear()
+        torch.cuda.empty_cache()
+        try:
+            analyse(rec, kernel, case, x, out, lse, device, keep)
+        except torch.OutOfMemoryError as exc:
+            why = str(exc).splitlines()[0]
+            rec.update(status="error", reason=f"the audit's FP64 reference or bound ran out of GPU memory: {why}")
+            rec["audit_error"] = True  # the audit's failure, not the kernel's: --resume redoes it
+
+
+# ---- varlen cases (docs/varlen.md) ---------------------------------------------------------
+
+#: the fixed-length call's keywords among a varlen call's (the others place the sequences)
+_FORWARD_KEYS = ("softmax_scale", "causal", "window_size", "softcap", "learnable_sink")
+#: a varlen case's backward half under ``run --backward``
+_VARLEN_BACKWARD = {
+    "status": "skipped",
+    "reason": "varlen cases audit the forward pass only (no backward through the varlen entry, docs/varlen.md)",
+}
+
+
+def _sequence(x: dict, i: int) -> tuple:
+    """Sequence ``i`` of varlen inputs ``x`` as the fixed-length call it computes: (q, k, v, its
+    keywords), batch 1, its used keys only, the forward keywords only, and the mods as sequence
+    ``i`` sees them (``fa4.varlen.sequence_mods``: batch index i, positions within the sequence).
+    A sequence with queries and no key gets one zero key that no row sees (the window's right
+    edge at -1, intersected with a mask_mod's keys by the reference and the bound): the FP64
+    reference, the low-precision result and the bound then give FA's convention for rows with no
+    visible key (out 0; LSE -inf, or the sink) from their own code, which needs a key."""
+    q, k, v = x["parts"][i]
+    kw = {n: x["kw"][n] for n in _FORWARD_KEYS if n in x["kw"]}
+    mods = {
+        n: x["kw"][n]
+        for n in ("score_mod", "mask_mod", "aux_tensors", "aux_scalars", "block_sparse_tensors")
+        if x["kw"].get(n) is not None
+    }
+    if mods:  # the sequence's mods as the varlen entry hands them: batch_idx = i (fa4.varlen.sequence_mods)
+        from fa4.varlen import sequence_mods
+
+        kw.update(sequence_mods(i, **mods))
+    if k.shape[1] == 0:
+        k, v = k.new_zeros(1, 1, *k.shape[2:]), v.new_zeros(1, 1, *v.shape[2:])
+        kw["window_size"] = (tuple(kw.get("window_size", (None, None)))[0], -1)
+    return q, k, v, kw
+
+
+def _used_k(case: Case, i: int) -> int:
+    return case.seqused_k[i] if case.seqused_k else case.seqlens[i][1]
+
+
+@functools.lru_cache(maxsize=4)
+def _varlen_reference(case: Case, device: str) -> tuple:
+    """:func:`_reference` of a varlen case: per sequence (:func:`_sequence`) the FP64 reference,
+    its LSE and the low-precision result, concatenated along the tokens into batch-1 tensors
+    (1, total_q, hq, dv) and (1, hq, total_q), as the kernel packs them; the certification of
+    the last row of the last sequence with queries and keys (None without one)."""
+    x = make_varlen_inputs(case, device=device)
+    refs, rls, lows, cert = [], [], [], None
+    for i, (sq, _) in enumerate(case.seqlens):
+        if sq == 0:
+            continue
+        q, k, v, kw = _sequence(x, i)
+        ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
+        refs.append(ref)
+        rls.append(rl)
+        lows.append(attention_lowprec(q, k, v, **kw))
+        if _used_k(case, i):
+            cert = ({"q": q, "k": k, "v": v, "kw": kw}, ref, rl, (0, case.heads_q - 1, sq - 1))
+    cert = None if cert is None else _certify(*cert)  # the last sequence with queries and keys
+    if not refs:  # no sequence has a query: nothing to compare, empty tensors of the right shapes
+        q = x["q"]
+        refs = [torch.zeros(1, 0, case.heads_q, case.dv, dtype=torch.float64, device=q.device)]
+        rls = [torch.zeros(1, case.heads_q, 0, dtype=torch.float64, device=q.device)]
+        lows = [refs[0].to(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)]
+    return torch.cat(refs, 1), torch.cat(rls, 2), torch.cat(lows, 1), cert
+
+
+def _split_keywords(case: Case, splits: int) -> dict:
+    """``forward_error_bound``'s split-KV keywords for a sequence of ``case`` run in ``splits``
+    splits: num_splits, and pack_gqa as the kernel runs it (the case's, else the default, on for
+    GQA); none for an unsplit sequence."""
+    if splits == 1:
+        return {}
+    from fa4.varlen import packs_gqa
+
+    return {"num_splits": splits, "pack_gqa": packs_gqa(case.pack_gqa, case.heads_q, case.heads_kv)}
+
+
+@functools.lru_cache(maxsize=4)
+def _varlen_bound(case: Case, device: str, nms: tuple, splits: tuple) -> tuple:
+    """:func:`_bound` of a varlen case: per sequence with queries, the bound of its fixed-length
+    call under its numerics ``nms[i]``, in ``splits[i]`` splits (:func:`_split_keywords`),
+    packed as :func:`_varlen_reference`."""
+    x = make_varlen_inputs(case, device=device)
+    ref, rl = _varlen_reference(case, device)[:2]
+    obs, lbs, row = [ref[:, :0]], [rl[:, :, :0]], 0
+    for i, (sq, _) in enumerate(case.seqlens):
+        if sq == 0:
+            continue
+        q, k, v, kw = _sequence(x, i)
+        seq_ref = (ref[:, row : row + sq], rl[:, :, row : row + sq])
+        extra = _split_keywords(case, splits[i])
+        ob, lb = forward_error_bound(q, k, v, nms[i], reference=seq_ref, **kw, **extra)
+        obs.append(ob)
+        lbs.append(lb)
+        row += sq
+    return torch.cat(obs, 1), torch.cat(lbs, 2)
+
+
+def _varlen_numerics(kernel: str, case: Case, x: dict) -> tuple[str, tuple, tuple]:
+    """(the bound's kind, per sequence the numerics it holds the kernel to, per sequence its
+    split count): an FA4 kernel's own for each sequence of its varlen entry
+    (``audits.kernels.fa4_varlen_numerics``, ``fa4_varlen_splits``: SM100 splits each sequence
+    its own way), or generic flash-attention numerics (:func:`_peer_numerics`) with the case's
+    ``num_splits`` for every sequence."""
+    nmf, spf = fa4_varlen_numerics(kernel), fa4_varlen_splits(kernel)
+    if nmf is None:
+        return "peer", tuple(_peer_numerics(x["q"]) for _ in case.seqlens), (case.num_splits,) * len(case.seqlens)
+    kw = {"num_splits": case.num_splits, "page_size": case.page_size, "pack_gqa": case.pack_gqa,
+          "max_seqlen_q": x["kw"]["max_seqlen_q"]}  # fmt: skip
+    if case.block_sparse:  # the tiles production fits to the sparse block (fa4.varlen.sequence_numerics)
+        kw["block_sparse"] = tuple(case.block_sparse)
+    nms = []
+    # with a mask_mod the entry drops causal and the window (interface._resolve_causal_local_window)
+    causal, window = (False, (None, None)) if case.mask_mod else (case.causal, tuple(case.window))
+    for i in range(len(case.seqlens)):
+        q, k, v, _ = _sequence(x, i)
+        nms.append(nmf(q, k, v, causal, window, **kw))
+    return "fa4", tuple(nms), tuple(spf(x["q"], x["k"], x["kw"]))
+
+
+def _analyse_varlen(rec: dict, kernel: str, case: Case, x: dict, out, lse, device: torch.device,
+                    keep: CaseTensors) -> None:  # fmt: skip
+    """:func:`_analyse` of a varlen result (out (total_q, hq, dv), lse (hq, total_q)): measured
+    as one batch-1 result against the sequences' packed references and bounds; the record's
+    ``varlen`` names the sequence of the largest output error."""
+    kind, nms, splits = _varlen_numerics(kernel, case, x)
+    refs, bounds = _varlen_reference(case, str(device)), _varlen_bound(case, str(device), nms, splits)
+    lse1 = None if lse is None else lse.unsqueeze(0)
+    _measure(rec, kernel, case, x, out.unsqueeze(0), lse1, refs, bounds, (kind, nms[0]), keep)
+    cu = x["kw"]["cu_seqlens_q"].tolist()
+    if cu[-1]:
+        rec["varlen"]["worst_sequence"] = bisect.bisect_right(cu, rec["out"]["argmax"][1]) - 1
+    if case.num_splits > 1:
+        rec["varlen"]["splits"] = list(splits)  # per sequence, as the kernel's entry splits it
+
+
+def _varlen_record(case: Case, per_seq: bool) -> dict:
+    """The record's ``varlen``: sequence count, tokens (queries, keys used), the run's
+    ``--per-sequence``; the entry that ran is added once known."""
+    used = sum(_used_k(case, i) for i in range(len(case.seqlens)))
+    return {"sequences": len(case.seqlens), "total_q": sum(a for a, _ in case.seqlens), "total_k": used,
+            "per_sequence": per_seq}  # fmt: skip
+
+
+def _varlen_entry(kernel: str, fn: Callable, per_seq: bool) -> tuple[Callable | None, str | None]:
+    """(the callable that runs a varlen case, "varlen" | "per-sequence"), or (None, None): the
+    kernel's varlen entry (a built-in's, or ``fn`` itself when it declares the varlen contract),
+    else with ``per_seq`` the fixed-length ``fn`` once per sequence."""
+    if isinstance(fn, Isolated):
+        return fn.varlen_entry(per_seq)
+    entry = fn if getattr(fn, "fa4_audit_contract", None) == "varlen" else None
+    if entry is None and kernel in VARLEN_KERNELS and KERNELS.get(kernel) is fn:
+        entry = VARLEN_KERNELS[kernel]
+    if entry is not None:
+        return entry, "varlen"
+    return (per_sequence(fn), "per-sequence") if per_seq else (None, None)
+
+
+def _no_varlen_entry(kernel: str) -> str:
+    return (
+        f"{kernel} is a fixed-length kernel with no varlen entry (a kernel declares the varlen contract with "
+        "fn.fa4_audit_contract = 'varlen', docs/varlen.md); run with --per-sequence to audit it on varlen cases, "
+        "one fixed-length call per sequence"
+    )
+
+
+def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.device, opts: BackwardOptions,
+              keep: CaseTensors) -> dict:  # fmt: skip
+    """The case's backward half (``audits.engine.backward``): a seeded dO, the kernel's
+    gradients, their measurements (the tensors into ``keep``); an OOM in the audit's own FP64
+    work is the case's error."""
+    do, fam = make_grad_output(case, device=device)
+    status, res = fn.grad(x, do, opts, call=grad_call) if isinstance(fn, Isolated) else grad_call(fn, x, do, opts)
+    b = {**status, "do_family": fam, "repeat": opts.repeat, "deterministic": opts.deterministic}
+    if res is None:
+        return b
+    q = x["q"]
+    nm = _fa4_numerics(kernel, x, case)
+    nm = (nm, "fa4") if nm is not None else (_peer_numerics(q), "peer")
+    try:
+        b.update(analyse_backward(nm, x, do, res, case, keep=keep))
+    except torch.OutOfMemoryError as exc:
+        case_references.cache_clear()
+        torch.cuda.empty_cache()
+        b.update(status="error", reason=f"the audit's FP64 gradients ran out of GPU memory: {str(exc).splitlines()[0]}")
+        b["audit_error"] = True
+    return b
+
+
+def evaluate_case(
+    kernel: str,
+    fn: Callable,
+    case: Case,
+    device: torch.device,
+    thresholds: dict,
+    backward: BackwardOptions | None = None,
+    domain=None,
+    per_sequence: bool = False,
+    *,
+    error_map: dict | None = None,
+) -> dict:
+    """Measurements and verdict of one case (a JSON-able dict); with ``backward``, its gradients
+    too (``rec["backward"]``).  A failing case gets ``rec["diagnosis"]``, where its violations
+    lie (``audits.verdict.diagnosis``, from the tensors kept until the verdict); its error-map
+    data goes into ``error_map["map"]`` when given (``ErrorMap``: the caller writes the file).
+    ``domain`` (``audits.suites.domain.Domain``, the kernel's declared one): a case outside it is
+    ``skipped`` with the reason, decided before the kernel is called.  A varlen case runs through
+    the kernel's varlen entry, else with ``per_sequence`` through ``fn`` once per sequence, else
+    is ``skipped`` (the reason names ``--per-sequence``)."""
+    rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
+    t0 = time.perf_counter()
+    if case.varlen:
+        rec["varlen"] = _varlen_record(case, per_sequence)
+    why = domain.refusal(case) if domain is not None else None
+    if why is not None:  # never called: the kernel said up front it does not support this
+        return _skipped(rec, f"outside the kernel's declared domain: {why}", t0)
+    if case.varlen:
+        fn, rec["varlen"]["entry"] = _varlen_entry(kernel, fn, per_sequence)
+        if fn is None:
+            return _skipped(rec, _no_varlen_entry(kernel), t0)
+    try:
+        x = make_varlen_inputs(case, device=device) if case.varlen else make_inputs(case, device=device)
+    except NotApplicable as exc:  # a family's precondition: this case is reported, the run goes on
+        return _skipped(rec, f"input family not applicable here: {exc}", t0)
+    status, res = _call(fn, x)
+    rec.update(status)
+    keep = CaseTensors(case)
+    if res is not None:
+        out, lse = res
+        rec["lse_returned"] = lse is not None  # judged by [policy] lse_missing: never silently unchecked
+        if case.varlen:
+            bad = varlen_contract_error(x["q"], x["v"], out, lse, packed=True)
+        else:
+            bad = contract_error(x["q"], x["v"], out, lse)
+        if bad:
+            rec.update(status="error", reason=bad)
+        else:
+            _analyse_or_oom(rec, kernel, case, x, out, lse, device, keep)
+    if backward is not None and rec["status"] == "ran":
+        if case.varlen:
+            rec["backward"] = dict(_VARLEN_BACKWARD)
+        else:
+            rec["backward"] = _backward(kernel, fn, case, x, device, backward, keep)
+        if rec["backward"].get("audit_error"):
+            rec["audit_error"] = True
+    rec["verdict"], rec["reasons"] = judge(rec, thresholds)
+    if rec["verdict"] in FAILING:
+        rec["diagnosis"], emap = _diagnose(rec, thresholds, keep)
+        if emap is not None and error_map is not None:
+            error_map["map"] = emap
+    rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+def _diagnose(rec: dict, thresholds: dict, keep: CaseTensors) -> tuple:
+    """``audits.verdict.diagnosis.diagnose``; an OOM in it (full-size masks beside the FP64
+    references) frees the caches and leaves the case undiagnosed ({}), its verdict unchanged."""
+    try:
+        return diagnose(rec=rec, th=thresholds, tensors=keep)
+    except torch.OutOfMemoryError:
+        for cached in (_reference, _bound, _varlen_reference, _varlen_bound, case_references):
+            cached.cache_clear()
+        torch.cuda.empty_cache()
+        return {}, None
+
+
+def _skipped(rec: dict, reason: str, t0: float) -> dict:
+    """``rec`` as a case skipped for ``reason``, the kernel not called."""
+    rec.update(status="skipped", reason=reason, verdict="skipped")
+    rec["reasons"], rec["seconds"] = [reason], time.perf_counter() - t0
+    return rec
+
+
+def run_suite(kernel: str, cases: list[Case], **kw) -> list[dict]:
+    """:func:`run_suites` for one kernel: its records in suite order."""
+    return run_suites([kernel], cases, **kw)[kernel]
+
+
+def kernel_dir(out_dir: str | Path, kernel: str, several: bool) -> Path:
+    """Where a kernel's journal and report go: ``out_dir`` itself for a single kernel, else a
+    subdirectory named after the kernel (``module:attr`` -> ``module.attr``)."""
+    return Path(out_dir) / kernel.replace(":", ".").replace("/", "_") if several else Path(out_dir)
+
+
+def run_suites(
+    kernels: list[str],
+    cases: list[Case],
+    *,
+    device: torch.device,
+    out_dir: str | Path,
+    thresholds: dict,
+    suite: str = "cases",
+    seed: int = 0,
+    resume: bool = False,
+    exitfirst: bool = False,
+    isolate: bool | Callable[[str], bool] = False,
+    progress: Callable[[str, dict], None] | None = None,
+    backward: BackwardOptions | None = None,
+    per_sequence: bool = False,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    deadline: float | None = None,
+    stopped: dict | None = None,
+    journal_extra: dict | None = None,
+) -> dict[str, list[dict]]:
+    """Evaluate ``cases`` (in :func:`audits.engine.shards.run_order`) for every kernel; journal each record under
+    :func:`kernel_dir`; return each kernel's records in suite order.  The kernels take turns
+    case by case, so a case's inputs and FP64 reference are computed once for all of them; a
+    case outside a kernel's declared domain (``audits.kernels.kernel_domain``) is skipped for
+    that kernel without a call.
+    ``resume``: keep the finished records of a journal written by this same run (kernel, suite,
+    seed, thresholds, cases: ``journal.JournalMismatch`` otherwise).  ``isolate`` (a bool or a
+    predicate on the kernel name): evaluate in a worker process (``audits.engine.worker``), where
+    a crash becomes the case's verdict, and a call past ``timeout`` seconds (None: no limit) the
+    verdict ``timeout``.  ``backward``: audit the gradients too (``audits.engine.backward``).
+    ``per_sequence``: a fixed-length kernel runs varlen cases one sequence at a time (else they
+    are skipped for it); a resumed record made otherwise is redone.
+    ``deadline`` (a ``time.monotonic()`` value, ``run --budget``): no case starts after it.
+    ``stopped``: a dict the caller reads afterwards; ``stopped["reason"]`` becomes "interrupted"
+    (Ctrl-C: caught here, the workers killed, the records so far returned), "budget" or
+    "exitfirst" when the run ended before its last case; without it, KeyboardInterrupt
+    propagates after the journals hold what finished.  ``journal_extra``: fields added to a new
+    journal's header (the command, the environment: what a report built from the journal shows)."""
+    state = {}
+    run = {"suite": suite, "seed": seed, "resume": resume, "several": len(kernels) > 1, "backward": backward,
+           "per_sequence": per_sequence, "extra": journal_extra or {}, "timeout": timeout}  # fmt: skip
+    for kern in kernels:
+        state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, run)
+        iso = isolate(kern) if callable(isolate) else isolate
+        state[kern]["iso"] = Isolated(kern, device, timeout=timeout) if iso else None
+        state[kern]["fn"] = state[kern]["iso"] or get_kernel(kern)
+        state[kern]["domain"] = kernel_domain(kern)  # resolved once, here: --jobs children decide alike
+    order = run_order(cases)
+    why = None
+    try:
+        why = _loop(order, cases, state, device, thresholds, progress, exitfirst, backward, deadline)
+    except KeyboardInterrupt:
+        why = "interrupted"
+        _quiet_fd_handover()
+        for st in state.values():  # the worker is out of the terminal's reach (its own session): end its call now
+            if st["iso"] is not None:
+                st["iso"].kill()
+        if stopped is None:
+            raise
+    finally:
+        for st in state.values():
+            if st["iso"] is not None:
+                st["iso"].close()
+    if stopped is not None:
+        stopped["reason"] = why
+    return {kern: [st["records"][i] for i in sorted(st["records"])] for kern, st in state.items()}
+
+
+def _quiet_fd_handover() -> None:
+    """Keep the console clean after Ctrl-C: a worker killed while it fetched a tensor's shared
+    memory from this process (``multiprocessing.resource_sharer``, how torch passes tensors
+    through a pipe) makes that helper thread print a ``ConnectionResetError`` traceback.  The
+    worker was killed on purpose; that traceback, and only it, is dropped from then on."""
+    import sys
+    import traceback as tb_
+
+    hook = sys.excepthook
+
+    def quiet(kind, value, tb):
+        if issubclass(kind, (ConnectionError, EOFError)) and any(
+            "resource_sharer" in f.filename for f, _ in tb_.walk_tb(tb)
+        ):
+            return
+        hook(kind, value, tb)
+
+    sys.excepthook = quiet
+
+
+def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
+    """A kernel's output directory and journal: resumed (its header checked) or started afresh."""
+    out = kernel_dir(out_dir, kern, run["several"])
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "journal.jsonl"
+    bwd = run["backward"]
+    ident = journal.run_identity(
+        kernel=kern, suite=run["suite"], seed=run["seed"], thresholds=thresholds, cases=cases, backward=bwd
+    )
+    if run["resume"]:
+        journal.check_header(path, ident)
+    elif path.exists():
+        path.unlink()
+    if not path.exists():
+        journal.append(path, {**ident, **run["extra"]})  # extras are not identity: check_header ignores them
+    done = journal.read_records(path) if run["resume"] else {}
+    per_seq = run["per_sequence"]
+    # the audit's own failures are redone, and varlen records of a run with another --per-sequence
+    done = {n: r for n, r in done.items() if not is_audit_error(r) and _same_entry(r, per_seq)}
+    th_path = thresholds.get("path")
+
+    def repro(c: Case) -> str:
+        cmd = reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd, timeout=run["timeout"])
+        return cmd + " --per-sequence" if per_seq and c.varlen else cmd
+
+    return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro, "per_sequence": per_seq}
+
+
+def _same_entry(rec: dict, per_seq: bool) -> bool:
+    """Whether a journal record stands for a run with ``--per-sequence`` = ``per_seq`` (a
+    fixed-length case always does)."""
+    return rec.get("varlen") is None or rec["varlen"].get("per_sequence") == per_seq
+
+
+def is_audit_error(rec: dict) -> bool:
+    """Whether a journal record failed on the audit's side (its FP64 work ran out of GPU
+    memory), not the kernel's; records written before the flag existed get it from
+    ``audits.report.schema.upgrade_case`` (the one reader of old message text).
+    Public: ``benchmarks/release_state_from_reports.py`` leaves such records out as ``--resume`` does."""
+    return bool(upgrade_case(dict(rec)).get("audit_error"))
+
+
+def _save_inputs(st: dict, c: Case) -> str:
+    """The failing case's inputs as a torch file beside the report (``repro/<case>.pt``)."""
+    rdir = st["out"] / "repro"
+    rdir.mkdir(exist_ok=True)
+    x = make_varlen_inputs(c, device="cpu") if c.varlen else make_inputs(c, device="cpu")
+    tensors = {n: x[n].contiguous() for n in ("q", "k", "v")}
+    # the mods' reference forms are closures: saved by name (the case rebuilds them), their tensors as they are
+    torch.save({**tensors, "kw": saveable_kw(x["kw"]), "case": c.as_dict()}, rdir / f"{c.name}.pt")
+    return f"repro/{c.name}.pt"
+
+
+def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward, deadline) -> str | None:
+    """Run the cases in ``order``; why it stopped early ("budget", "exitfirst"), or None."""
+    for n, i in enumerate(order):
+        c = cases[i]
+        stop = False
+        fresh = any(c.name not in st["done"] for st in state.values())
+        if fresh and deadline is not None and time.monotonic() >= deadline:
+            return "budget"  # resumed records cost nothing: the budget stops only new work
+        for kern, st in state.items():
+            if c.name in st["done"]:
+                rec = {**st["done"][c.name], "resumed": True}
+            else:
+                emap = {}
+                rec = evaluate_case(kern, st["fn"], c, device, thresholds, backward, st["domain"], st["per_sequence"],
+                                    error_map=emap)  # fmt: skip
+                rec["repro"] = st["repro"](c)
+                if rec["verdict"] in FAILING:
+                    rec["repro_inputs"] = _save_inputs(st, c)
+                if "map" in emap:  # the error map beside the report, named in the record (kept by --resume)
+                    rec["error_map"] = f"maps/{c.name}.npz"
+                    save_map(st["out"] / rec["error_map"], error_map=emap.pop("map"))
+                st["records"][i] = rec  # first: a Ctrl-C during the journal's fsync keeps it in the report
+                journal.append(st["journal"], {**rec, journal.AT: i})
+            st["records"][i] = rec
+            if device.type == "cuda" and c.cost > (1 << 28 if backward is not None else 1 << 32):
+                torch.cuda.empty_cache()  # give the FP64 intermediates back: parallel jobs share the GPU
+            if progress is not None:
+                progress(kern, rec)
+            stop |= exitfirst and rec["verdict"] in FAILING
+        if stop:
+            return "exitfirst" if n + 1 < len(order) else None
+    return None

@@ -1,0 +1,1 @@
+"""Integrations with other tools, apart from the engine: the pytest plugin (fixture ``fa4_audit``)."""

@@ -1,0 +1,465 @@
+"""The audit report: JSON (schema ``fa4-audit/report/2``, docs/design.md), Markdown, JUnit XML
+(HTML: ``report_html``), and its validation when read back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from audits.common import atomic_write
+from audits.report import schema as _schema
+from audits.report.html import case_cells, grad_cells, render_html
+from audits.report.maps import DEFAULT_MAPS, html_figures, write_maps
+from audits.suites.domain import Domain
+from audits.verdict.coverage import coverage_lines
+from audits.verdict.gate import backward_verdict
+from audits.verdict.separators import separator_text, separators, where_lines
+
+__all__ = [
+    "SCHEMA", "build_report", "write_report", "exit_code", "summary_line", "validate_report", "ReportError",
+    "partial_line", "run_counts", "collapse_reasons", "report_from_journal", "STOPPED",
+]  # fmt: skip
+
+SCHEMA = "fa4-audit/report/2"
+#: schemas ``validate_report`` reads: 2 adds the gradients of ``run --backward`` (a case's
+#: ``backward``, the summary's ``backward``); a version-1 report is a version-2 report without them
+READABLE = (SCHEMA, "fa4-audit/report/1")
+VERDICTS = _schema.VERDICTS  # every view counts these; FAILING of them fail a run
+MD_ALL_CASES = 200  # report.md lists every case up to this many
+#: why a run ended before its last selected case (the summary's ``stopped``), in words
+STOPPED = {
+    "interrupted": "interrupted (Ctrl-C)",
+    "budget": "the --budget ran out",
+    "exitfirst": "stopped at the first failing case (-x)",
+    "unfinished": "cases did not finish (a job died)",
+    "journal": "read from its journal: the run was stopped, or is still going",
+}
+
+
+def _worst(records: list[dict], path: tuple[str, str]) -> dict | None:
+    best = None
+    for r in records:
+        v = r.get(path[0], {}) or {}
+        x = v.get(path[1]) if isinstance(v, dict) else None
+        if x is not None and (best is None or x > best[0]):
+            best = (x, r["case"])
+    return None if best is None else {"value": best[0], "case": best[1]}
+
+
+def build_report(
+    *,
+    kernel: str,
+    suite: str,
+    seed: int,
+    device: str,
+    environment: dict,
+    thresholds: dict,
+    records: list[dict],
+    command: str,
+    created: str,
+    shard: str | None,
+    selected: int | None = None,
+    stopped: str | None = None,
+    coverage_basis: dict | None = None,
+    backward: bool | None = None,
+) -> dict:
+    """The report of ``records``.  ``selected``: how many cases the run was given (default: as
+    many as there are records); fewer records make it a partial report (``"partial": true``, the
+    summary's ``selected`` / ``run`` / ``not_run`` and ``stopped``: why, a key of :data:`STOPPED`),
+    which never passes (:func:`exit_code`).  ``coverage``: :func:`audits.verdict.coverage.coverage` of
+    the records on ``coverage_basis`` (the kernel's domain and architecture; None: read from the
+    kernel ``kernel`` now, ``audits.verdict.coverage.basis_of``) judging the backward when ``backward``
+    (None: when a record has one)."""
+    counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
+    selected = len(records) if selected is None else max(selected, len(records))
+    rep = {
+        "schema": SCHEMA,
+        "kernel": kernel,
+        "suite": suite,
+        "shard": shard,
+        "seed": seed,
+        "device": device,
+        "environment": environment,
+        "command": command,
+        "created": created,
+        "thresholds": {k: v for k, v in thresholds.items()},
+        "partial": selected > len(records),
+        "summary": {
+            "cases": len(records),
+            "selected": selected,
+            "run": len(records),
+            "not_run": selected - len(records),
+            "stopped": stopped if selected > len(records) else None,
+            "verdicts": counts,
+            # compared with the FP64 reference and judged; skipped and out-of-domain were not
+            "evaluated": counts["pass"] + counts["warn"] + counts["fail"],
+            "lse_not_audited": sum(r.get("lse_returned") is False for r in records),
+            "worst": {
+                "out_max_abs": _worst(records, ("out", "max_abs")),
+                "lse_max_abs": _worst(records, ("lse", "max_abs")),
+                "bound_tightness": _worst(records, ("bound", "tightness")),
+            },
+            "backward": _backward_summary(records),
+        },
+        "cases": records,
+    }
+    rep["coverage"] = _coverage(kernel, records, coverage_basis, backward)
+    # which case fields tell the failing cases from the passing ones (docs/diagnosis.md), over
+    # these records: a merge, a re-judged report and a journal read back get it recomputed
+    rep["diagnosis"] = separators(records, arch=rep["coverage"].get("arch"))
+    return rep
+
+
+def _coverage(kernel: str, records: list[dict], basis: dict | None, backward: bool | None) -> dict:
+    """The report's ``coverage`` (``audits.verdict.coverage``); ``{"absent": why}`` when the basis cannot
+    be had (a kernel that does not load here, a malformed declaration)."""
+    from audits.verdict.coverage import basis_of, coverage_from_basis
+
+    if basis is None:
+        try:
+            basis = basis_of(kernel)
+        except Exception as exc:  # noqa: BLE001 - any failure to load the kernel: coverage says why it is absent
+            basis = {"absent": f"the kernel {kernel} could not be read here ({type(exc).__name__}: {exc})"}
+    return coverage_from_basis(basis, records=records, backward=backward)
+
+
+def _backward_summary(records: list[dict]) -> dict | None:
+    """What ``run --backward`` adds to the summary (None without it): cases whose gradients ran,
+    per gradient the worst max |err| and err/bound, and the run-to-run spread over all cases
+    (elements differing between backward runs on the same inputs, worst ULP distance)."""
+    bs = [(r["case"], r["backward"]) for r in records if r.get("backward")]
+    if not bs:
+        return None
+    out = {"cases": len(bs), "ran": sum(b["status"] == "ran" for _, b in bs), "grads": {}}
+    for n in ("dq", "dk", "dv", "dsink"):
+        have = [(c, b["grads"][n]) for c, b in bs if n in (b.get("grads") or {})]
+        if not have:
+            continue
+        worst = max(have, key=lambda t: t[1]["max_abs"])
+        tight = [(c, g["bound"]["tightness"]) for c, g in have if g.get("bound")]
+        sp = [b["spread"][n] for _, b in bs if n in (b.get("spread") or {})]
+        out["grads"][n] = {
+            "max_abs": {"value": worst[1]["max_abs"], "case": worst[0]},
+            "bound_tightness": None if not tight else dict(zip(("case", "value"), max(tight, key=lambda t: t[1]))),
+            "spread_elements": sum(x["differing"] for x in sp),
+            "spread_max_ulp": max((x["max_ulp"] for x in sp), default=0),
+        }
+    return out
+
+
+def run_counts(report: dict) -> tuple[int, int, int]:
+    """(selected, run, not run) cases of a report; a report written before partial reports
+    existed ran what it selected."""
+    s = report["summary"]
+    run = s.get("run", s["cases"])
+    selected = s.get("selected", run)
+    return selected, run, selected - run
+
+
+def exit_code(report: dict) -> int:
+    """1 when a case failed, errored, crashed (or timed out); else 3 (``EXIT_INCOMPLETE``) for a
+    partial report, whose unrun cases were not checked; else 1 when no case was evaluated (a run
+    that compared nothing checked nothing); else 0.  Never 0 for what was not checked."""
+    from audits.common import EXIT_INCOMPLETE
+
+    c = report["summary"]["verdicts"]
+    evaluated = c["pass"] + c["warn"] + c["fail"]
+    if sum(c.get(v, 0) for v in _schema.FAILING):
+        return 1
+    if run_counts(report)[2] > 0:
+        return EXIT_INCOMPLETE
+    return 0 if evaluated else 1
+
+
+def partial_line(report: dict) -> str | None:
+    """The line "PARTIAL: R of S selected cases run, N not run (why)" of a partial report, else None."""
+    selected, run, not_run = run_counts(report)
+    if not_run <= 0:
+        return None
+    why = report["summary"].get("stopped")
+    why = f" ({STOPPED.get(why, why)})" if why else ""
+    return f"PARTIAL: {run} of {selected} selected cases run, {not_run} not run{why}"
+
+
+def report_from_journal(path) -> dict:
+    """The report a run's ``journal.jsonl`` stands for, as the run would have written it at this
+    point (its header keeps the run's command, environment and thresholds; cases in suite
+    order): partial (``stopped`` "journal") while cases are missing, so that a run that was
+    killed, or is still going, can be read; :class:`ReportError` when ``path`` is no journal."""
+    from audits.engine import journal
+    from audits.verdict.coverage import legacy_basis
+
+    head = journal.read_header(Path(path))
+    if head is None:
+        raise ReportError(f"{path}: not a journal of fa4-audit run (no {journal.SCHEMA} header line)")
+    extra = head.get("report") or {}
+    records = journal.read_ordered(Path(path))
+    basis = _journal_basis(head, extra)
+    if basis is None:  # a journal written before coverage: from what it holds, as an old report
+        basis = legacy_basis({"kernel": head["kernel"], "environment": extra.get("environment") or {}})
+    return build_report(
+        kernel=head["kernel"], suite=head["suite"], seed=head["seed"], device=extra.get("device", "unknown"),
+        environment=extra.get("environment", {"fa4_audit": head.get("fa4_audit", "unknown")}),
+        thresholds=extra.get("thresholds", {"digest": head["thresholds"]}), records=records,
+        command=extra.get("command", f"(read from the journal {path})"), created=extra.get("created", "unknown"),
+        shard=extra.get("shard"), selected=head.get("n_cases"), stopped="journal", coverage_basis=basis,
+        backward=head.get("backward") is not None,
+    )  # fmt: skip
+
+
+def _journal_basis(head: dict, extra: dict) -> dict | None:
+    """The coverage basis a run kept in its journal's header (``coverage``: per kernel, the
+    domain and architecture), None when it kept none."""
+    from audits.verdict.coverage import basis_of_coverage
+
+    kept = (head.get("coverage") or {}).get(head["kernel"])
+    return basis_of_coverage({"domain": kept.get("domain"), "arch": kept.get("arch")}) if kept else None
+
+
+def collapse_reasons(records: list[dict]) -> list[tuple[dict, int]]:
+    """Records grouped by (verdict, reasons): the first record of each group and the group's
+    size, in order of first appearance, so that a console shows a reason repeated over many
+    cases once, with its count."""
+    groups: dict[tuple, list] = {}
+    for r in records:
+        key = (r["verdict"], tuple(x for x in r.get("reasons") or [] if x))
+        groups.setdefault(key, [r, 0])[1] += 1
+    return [(r, n) for r, n in groups.values()]
+
+
+def summary_line(report: dict) -> str:
+    """One line of counts: evaluated, then every verdict present, LSE not audited, the gradients
+    when ``--backward`` ran (:func:`_gradients_part`), total."""
+    s = report["summary"]
+    v = ", ".join(f"{k} {n}" for k, n in s["verdicts"].items() if n)
+    evaluated = s["verdicts"]["pass"] + s["verdicts"]["warn"] + s["verdicts"]["fail"]
+    lse = f"; LSE not audited in {s['lse_not_audited']}" if s.get("lse_not_audited") else ""
+    part = partial_line(report)
+    line = f"{evaluated} of {s['cases']} cases evaluated ({v}){lse}" + _gradients_part(report)
+    return line + (f"; {part}" if part else "")
+
+
+def _gradients_part(report: dict) -> str:
+    """The summary's "; gradients: A of N cases audited (pass P, fail F, ...)" when a case has a
+    backward record: a case's verdict is the worst of its forward and its gradients, so without
+    this a reader of the counts cannot tell whether the gradients of passing cases passed.  Each case's
+    gradients counted by their own verdict (``audits.verdict.gate.backward_verdict``; "not run":
+    no backward record, its forward did not run).  A report whose thresholds lack the [backward]
+    tables (one read from a journal keeps their digest) counts the gradients that ran."""
+    cases = report["cases"]
+    if not any(c.get("backward") for c in cases):
+        return ""
+    th = report.get("thresholds") or {}
+    if not (isinstance(th.get("backward"), dict) and isinstance(th.get("policy"), dict)):
+        ran = sum((c.get("backward") or {}).get("status") == "ran" for c in cases)
+        return f"; gradients: ran in {ran} of {len(cases)} cases"
+    got = [backward_verdict(case=c, thresholds=th) or "not run" for c in cases]
+    counts = ", ".join(f"{v} {got.count(v)}" for v in (*VERDICTS, "not run") if got.count(v))
+    audited = sum(got.count(v) for v in ("pass", "warn", "fail"))
+    return f"; gradients: {audited} of {len(cases)} cases audited ({counts})"
+
+
+#: the unrestricted domain, against which a report's declared one is shown
+_UNRESTRICTED = Domain()
+
+
+class ReportError(ValueError):
+    """A file that is not a valid fa4-audit report; the message names the field."""
+
+
+#: Case fields younger than the report schema (the varlen ones, docs/varlen.md; the mods,
+#: docs/mods.md, which ``Case.as_dict`` leaves out when unset): a report written before them holds
+#: fixed-length cases without mods only, for which they take their defaults
+_LATER_FIELDS = ("seqlens", "seqused_k", "page_size", "num_splits", "pack_gqa", "score_mod", "mask_mod", "block_sparse")
+
+
+def validate_report(rep, where: str) -> dict:
+    """``rep`` if it is a report of a ``READABLE`` schema, checked field by field against
+    ``audits.report.schema`` (top level, summary, every case and its config), else
+    :class:`ReportError` naming ``where``, the path to the field and what was expected.  A report
+    written before separators gets its ``diagnosis`` computed from its cases
+    (``audits.verdict.separators``), as ``upgrade_report`` gives it its coverage."""
+    from dataclasses import fields
+
+    from audits.report.schema import CASE, REPORT, check
+    from audits.suites.cases import Case, case_from_dict
+
+    CASE_FIELDS = [f.name for f in fields(Case)]
+
+    if not isinstance(rep, dict):
+        raise ReportError(f"{where}: not a report (a JSON {type(rep).__name__}, expected an object)")
+    if rep.get("schema") not in READABLE:
+        raise ReportError(f"{where}: schema {rep.get('schema')!r} is not one of {', '.join(READABLE)}")
+    _schema.upgrade_report(rep)  # fields younger than the file, from what it holds (the one place)
+    if err := check(rep, REPORT, "report"):
+        raise ReportError(f"{where}: {err}")
+    for i, c in enumerate(rep["cases"]):
+        if err := check(c, CASE, f"cases[{i}]"):
+            raise ReportError(f"{where}: {err}")
+        if c["verdict"] not in VERDICTS:
+            raise ReportError(f"{where}: case {c['case']} has verdict {c['verdict']!r}; known: {', '.join(VERDICTS)}")
+        missing = [k for k in CASE_FIELDS if k not in c["config"] and k not in _LATER_FIELDS]
+        if missing:
+            lacks = ", ".join(missing)
+            raise ReportError(f"{where}: cases[{i}].config lacks {lacks} (a report holds every Case field)")
+        try:
+            case_from_dict(c["config"], where=f"cases[{i}].config")
+        except ValueError as exc:
+            raise ReportError(f"{where}: {exc}") from exc
+    if "diagnosis" not in rep:  # a report written before separators: from its cases, now that they are checked
+        rep["diagnosis"] = separators(rep["cases"], arch=(rep["coverage"] or {}).get("arch"))
+    return rep
+
+
+def _domain_lines(info: dict | None) -> list[str]:
+    """What the suite was built within (a declared domain), for the Markdown report."""
+    if not info:
+        return []
+    kept = {k: v for k, v in info["domain"].items() if v != getattr(_UNRESTRICTED, k)}
+    decl = ", ".join(f"{k} {v}" for k, v in kept.items()) or "no restriction"
+    L = [f"Suite built within the declared domain ({info.get('rule', 'single')}): {decl}."]
+    if info.get("pairs_covered") is not None:
+        L[-1] += f" Pairs of supported axis values covered: {info['pairs_covered']}."
+    L += [f"- family {f} not applicable: {why}" for f, why in (info.get("not_applicable") or {}).items()]
+    L += [f"- {k} skips {x['cases_outside']} cases outside its domain" for k, x in (info.get("kernels") or {}).items()
+          if x.get("cases_outside")]  # fmt: skip
+    return L + [""]
+
+
+def _markdown(rep: dict) -> str:
+    s = rep["summary"]
+    L = [
+        f"# fa4-audit: {rep['kernel']} on suite {rep['suite']}" + (f" (shard {rep['shard']})" if rep["shard"] else ""),
+        "",
+        f"`{rep['command']}` on {rep['created']}; device {rep['device']}; "
+        f"thresholds `{rep['thresholds'].get('path', '')}`.",
+        "",
+        summary_line(rep) + ".",
+        "",
+    ]
+    if part := partial_line(rep):
+        L += [f"**{part}**: the cases not run were not checked; `fa4-audit run ... --resume` continues the run.", ""]
+    L += _domain_lines(rep.get("domain"))
+    for k, w in s["worst"].items():
+        if w:
+            L.append(f"- worst {k}: {w['value']:.3g} ({w['case']})")
+    rows = rep["cases"]
+    if len(rows) > MD_ALL_CASES:  # a table of thousands of rows is read by no one: what needs attention
+        tight = sorted(
+            (r for r in rows if (r.get("bound") or {}).get("tightness") is not None),
+            key=lambda r: -r["bound"]["tightness"],
+        )[:20]
+        keep = {r["case"] for r in rows if r["verdict"] not in ("pass", "skipped", "out-of-domain")} | {
+            r["case"] for r in tight
+        }
+        rows = [r for r in rows if r["case"] in keep]
+        L += [
+            "",
+            f"{s['cases']} cases: below, every case not passing and the 20 closest to their bound; "
+            "all of them in report.json (`fa4-audit show`).",
+        ]
+    L += [
+        "",
+        "| case | verdict | max abs err | rel L2 | LSE err | err/bound | seconds | reasons |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = case_cells(r, thresholds=rep["thresholds"])
+        cells = (r["case"], r["verdict"], c["max_abs"], c["rel_l2"], c["lse"], c["tightness"], f"{r['seconds']:.2f}")
+        L.append("| " + " | ".join((*cells, c["reasons"])) + " |")
+    if any(r.get("backward") for r in rows):
+        L += ["", "## Gradients (--backward)", "", "| case | verdict | max \\|grad - ref\\| | err/bound | run to run |",
+              "|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            g = grad_cells(r, thresholds=rep["thresholds"])
+            L.append(f"| {r['case']} | {r['verdict']} | {g['grads']} | {g['grad_tightness']} | {g['spread']} |")
+    L += _diagnosis_markdown(rep)
+    L += ["", "## Coverage", "", "```", *coverage_lines(rep.get("coverage")), "```"]
+    fails = [r for r in rep["cases"] if r["verdict"] in _schema.FAILING]
+    if fails:
+        L += ["", "## Reproduce", ""]
+        L += [
+            f"- `{r.get('repro', '')}`" + (f" (inputs: `{r['repro_inputs']}`)" if r.get("repro_inputs") else "")
+            for r in fails
+        ]
+    return "\n".join(L) + "\n"
+
+
+def _diagnosis_markdown(rep: dict) -> list[str]:
+    """The sections "Separators" (which case fields tell failing from passing cases,
+    ``audits.verdict.separators``) and "Where the failing cases fail" (each failing case's
+    diagnosis, one line per tensor); none for a report without them."""
+    L = []
+    head, rules = separator_text(rep.get("diagnosis"))
+    if head:
+        L += ["", "## Separators", "", head + ("." if not rules else ":"), ""]
+        L += [f"- `{rule}`" + (f": {detail}" if detail else "") for rule, detail in rules]
+    where = [(r, lines) for r in rep["cases"] if r["verdict"] in _schema.FAILING and (lines := where_lines(r))]
+    if where:
+        L += ["", "## Where the failing cases fail", ""]
+        for r, lines in where:
+            L += [f"- {r['case']} ({r['verdict']})", *(f"  - {x}" for x in lines)]
+    return L
+
+
+def _junit(rep: dict) -> str:
+    """JUnit XML for CI systems: one testcase per case; fail as a failure, error/crash/timeout as
+    errors (their ``type`` the verdict), skipped as skipped, warnings in system-out."""
+    import xml.etree.ElementTree as ET
+
+    c = rep["summary"]["verdicts"]
+    suite = ET.Element(
+        "testsuite",
+        name=f"fa4-audit {rep['kernel']} {rep['suite']}",
+        tests=str(rep["summary"]["cases"]),
+        failures=str(c["fail"]),
+        errors=str(c["error"] + c["crash"] + c["timeout"]),
+        skipped=str(c["skipped"]),
+        time=f"{sum(r.get('seconds', 0.0) for r in rep['cases']):.3f}",
+    )
+    if part := partial_line(rep):  # the cases not run are not in the file: say so where CI looks
+        props = ET.SubElement(suite, "properties")
+        selected, run, not_run = run_counts(rep)
+        for name, value in (("partial", "true"), ("selected", selected), ("run", run), ("not_run", not_run),
+                            ("stopped", rep["summary"].get("stopped") or "")):  # fmt: skip
+            ET.SubElement(props, "property", name=name, value=str(value))
+    for r in rep["cases"]:
+        tc = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"{rep['kernel']}.{rep['suite']}",
+            name=r["case"],
+            time=f"{r.get('seconds', 0.0):.3f}",
+        )
+        msg = "; ".join(x for x in r["reasons"] if x)
+        if r["verdict"] == "fail":
+            ET.SubElement(tc, "failure", message=msg).text = r.get("repro", "")
+        elif r["verdict"] in ("error", "crash", "timeout"):
+            ET.SubElement(tc, "error", message=msg, type=r["verdict"]).text = r.get("repro", "")
+        elif r["verdict"] == "skipped":
+            ET.SubElement(tc, "skipped", message=msg)
+        elif r["verdict"] == "warn":
+            ET.SubElement(tc, "system-out").text = msg
+    if part:
+        ET.SubElement(suite, "system-out").text = part
+    return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode", xml_declaration=True) + "\n"
+
+
+def write_report(rep: dict, out_dir: str | Path, *, maps: int = DEFAULT_MAPS) -> dict[str, Path]:
+    """Write report.json, report.md, report.html and report.junit.xml into ``out_dir``; first the
+    error maps of the ``maps`` worst failing cases whose map data the run saved in ``out_dir``
+    (``audits.report.maps.write_maps``: ``maps/<case>.png`` and ``.svg``, inlined in
+    report.html; ``run --maps N``, 0 renders none)."""
+    out = Path(out_dir)
+    paths = {
+        "json": out / "report.json",
+        "md": out / "report.md",
+        "html": out / "report.html",
+        "junit": out / "report.junit.xml",
+    }
+    write_maps(rep, out, worst=maps)
+    atomic_write(paths["html"], render_html(rep, summary_line(rep), figures=html_figures(rep, out)))
+    atomic_write(paths["json"], json.dumps(rep, separators=(",", ":"), default=str) + "\n")
+    atomic_write(paths["md"], _markdown(rep))
+    atomic_write(paths["junit"], _junit(rep))
+    return paths

@@ -1,0 +1,852 @@
+"""What a kernel supports: its declared domain (issue 14's building block).
+
+A kernel declares it as an attribute of the callable, a plain dict whose keys are optional
+(absent = no restriction)::
+
+    fn.fa4_audit_domain = {
+        "dtypes": ["float16"], "head_dims": [64, 128],
+        "seqlen_multiple": 128, "equal_seqlens": True, "max_seqlen": 8192,
+        "causal": True, "local": False, "softcap": False, "sink": False, "gqa": True,
+        "layouts": ["contiguous", "strided"], "backward": False, "deterministic": False,
+        "mods": ["score_mod", "mask_mod", "block_sparse", "aux_scalars"],
+    }
+
+or in a TOML file with the same keys (a file narrows what the attribute allows); the attribute
+may be a callable returning the dict, evaluated when asked (production's depends on the GPU).
+``head_dims`` takes ints (d == dv), [d, dv] pairs, ranges with a step and products of two
+ranges, and lists mixing them (:class:`HeadDims`, :data:`HEAD_DIM_FORMS`): production SM100's
+``[{"d": {"min": 8, "max": 128, "step": 8}, "dv": {"min": 8, "max": 128, "step": 8}}, [192, 128],
+256, [64, 512], 512]``.  Head dims are one set for every dtype: what depends on the dtype
+(production SM100's fp8 alignment of 16) stays a run-time refusal.  ``seqlen_q_multiple`` /
+``seqlen_k_multiple`` constrain the two lengths apart (``seqlen_multiple``: both).  ``mods``: the
+kinds of the programmable surface the kernel takes (``audits.suites.cases.MOD_KINDS``: "score_mod",
+"mask_mod", "block_sparse", "aux_scalars"; ``docs/mods.md``).  In a kernel's own declaration (:func:`domain_of`)
+an absent ``mods`` means *none*, unlike every other key: a kernel that does not say it takes a
+score_mod has its mod cases skipped as outside its domain (and left out of the suites built for
+it), never run without the mod and passed.  Elsewhere (a ``--domain`` file, ``Domain()``) an
+absent ``mods`` restricts nothing, as every absent key.
+
+:func:`domain_of` reads the attribute; :meth:`Domain.narrow` / :meth:`Domain.widen` take the
+intersection / the union (several kernels sharing one suite); :meth:`Domain.from_dict` /
+:meth:`Domain.from_toml` check every key and value and raise :class:`DomainError` naming the
+bad one, where it came from and what is accepted; :meth:`Domain.refusal` says why a case lies
+outside (None: inside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from audits.common import read_toml
+from audits.suites.cases import DTYPES, LAYOUTS, MOD_KINDS, Case
+
+__all__ = ["Domain", "DomainError", "HeadDims", "HEAD_DIM_FORMS", "domain_of"]
+
+_BOOL_KEYS = ("equal_seqlens", "causal", "local", "softcap", "sink", "gqa", "backward", "deterministic")
+_MULTIPLE_KEYS = ("seqlen_q_multiple", "seqlen_k_multiple")
+
+
+class DomainError(ValueError):
+    """A malformed domain declaration; the message names the key, the value, where it was read
+    and what is accepted."""
+
+
+#: the forms a ``head_dims`` value takes (error messages name them)
+HEAD_DIM_FORMS = (
+    "an int d (d == dv), a [d, dv] pair, a range {min, max, step} (d == dv, step default 1), a table "
+    "{d = int or range, dv = int or range} (every pair of the two), or a non-empty list of these (their union); "
+    "positive integers, min <= max"
+)
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """The integers ``first, first + step, ..., last`` (``last`` reached exactly; one value: step 1)."""
+
+    first: int
+    last: int
+    step: int
+
+    @staticmethod
+    def make(lo: int, hi: int, step: int) -> _Steps | None:
+        """``lo..hi`` by ``step``, its last value the largest one not above ``hi``; None when empty."""
+        if lo > hi:
+            return None
+        last = lo + (hi - lo) // step * step
+        return _Steps(lo, last, step if last > lo else 1)
+
+    def __contains__(self, x: int) -> bool:
+        return self.first <= x <= self.last and (x - self.first) % self.step == 0
+
+    def values(self) -> range:
+        return range(self.first, self.last + 1, self.step)
+
+    def meet(self, other: _Steps) -> _Steps | None:
+        """The values in both (an arithmetic progression again, of step lcm; None when none)."""
+        lo, hi = max(self.first, other.first), min(self.last, other.last)
+        if lo > hi:
+            return None
+        # the first value >= self.first in self's progression that is also in other's
+        x0 = next((x for x in (self.first + self.step * k for k in range(other.step))
+                   if (x - other.first) % other.step == 0), None)  # fmt: skip
+        if x0 is None:
+            return None
+        step = _lcm(self.step, other.step)
+        return _Steps.make(lo + (x0 - lo) % step, hi, step)
+
+    def issubset(self, other: _Steps) -> bool:
+        return (
+            self.first in other and self.last <= other.last and (self.first == self.last or self.step % other.step == 0)
+        )
+
+    def as_value(self):
+        """The dict form: the int for one value, else ``{"min", "max", "step"}``."""
+        return self.first if self.first == self.last else {"min": self.first, "max": self.last, "step": self.step}
+
+    def __str__(self) -> str:
+        if self.first == self.last:
+            return str(self.first)
+        return f"{self.first}..{self.last}" + (f" step {self.step}" if self.step != 1 else "")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One declared piece of a head-dim set: every pair of ``ds`` x ``dvs``, or (``same``) the
+    pairs (x, x) for x in ``ds`` (then ``dvs is ds``)."""
+
+    ds: _Steps
+    dvs: _Steps
+    same: bool = False
+
+    def __contains__(self, p: tuple[int, int]) -> bool:
+        d, dv = p
+        return d in self.ds and dv in self.dvs and (not self.same or d == dv)
+
+    def pairs(self):
+        if self.same:
+            return ((x, x) for x in self.ds.values())
+        return ((d, dv) for d in self.ds.values() for dv in self.dvs.values())
+
+    def size(self) -> int:
+        n = len(self.ds.values())
+        return n if self.same else n * len(self.dvs.values())
+
+    def meet(self, other: _Part) -> _Part | None:
+        if self.same or other.same:
+            r = self.ds.meet(other.ds)
+            r = r and r.meet(self.dvs)
+            r = r and r.meet(other.dvs)
+            return r and _Part(r, r, True)
+        ds, dvs = self.ds.meet(other.ds), self.dvs.meet(other.dvs)
+        return _Part(ds, dvs) if ds and dvs else None
+
+    def issubset(self, other: _Part) -> bool:
+        if self.size() == 1:
+            return next(iter(self.pairs())) in other
+        if self.same:  # (other.dvs is other.ds when other is a diagonal too)
+            return self.ds.issubset(other.ds) and self.ds.issubset(other.dvs)
+        return not other.same and self.ds.issubset(other.ds) and self.dvs.issubset(other.dvs)
+
+    def as_value(self):
+        if self.same:
+            return self.ds.as_value()
+        if self.ds.first == self.ds.last and self.dvs.first == self.dvs.last:
+            return [self.ds.first, self.dvs.first]
+        return {"d": self.ds.as_value(), "dv": self.dvs.as_value()}
+
+    def __str__(self) -> str:
+        if self.same:
+            return f"d = dv in {self.ds}" if self.ds.first != self.ds.last else f"({self.ds}, {self.ds})"
+        if self.ds.first == self.ds.last and self.dvs.first == self.dvs.last:
+            return f"({self.ds}, {self.dvs})"
+        return f"d in {self.ds} x dv in {self.dvs}"
+
+
+class HeadDims:
+    """A set of (d, dv) head-dim pairs, kept as the union of the pieces declared (pairs, ranges
+    with a step, products of two ranges; :data:`HEAD_DIM_FORMS`), so that production's SM90
+    "every multiple of 8 in 8..256 for d and dv" is one piece, not 1,024 pairs.  Equality,
+    hashing and iteration are the set's (sorted pairs); :meth:`meet` (intersection) and
+    :meth:`join` (union) are exact; :meth:`as_value` gives the dict form back, which
+    :meth:`parse` reads to an equal set."""
+
+    __slots__ = ("_parts", "_pairs")
+
+    def __init__(self, parts):
+        kept: list[_Part] = []
+        for p in parts:  # drop a piece inside another one (the union is unchanged)
+            if p is None or any(p.issubset(q) for q in kept):
+                continue
+            kept = [q for q in kept if not q.issubset(p)] + [p]
+        self._parts = tuple(kept)
+        self._pairs = None
+
+    @classmethod
+    def parse(cls, value, *, where: str, key: str = "head_dims") -> HeadDims:
+        """The set a declared value states (:data:`HEAD_DIM_FORMS`), or :class:`DomainError`
+        naming ``key``, the value, ``where`` and the accepted forms."""
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not items:
+            raise DomainError(f"{where}: domain key {key!r} = {value!r}: expected {HEAD_DIM_FORMS}")
+        parts = []
+        for item in items:
+            part = _part(item)
+            if part is None:
+                bad = "" if item is value else f" (the item {item!r})"
+                raise DomainError(f"{where}: domain key {key!r} = {value!r}{bad}: expected {HEAD_DIM_FORMS}")
+            parts.append(part)
+        return cls(parts)
+
+    @classmethod
+    def of(cls, pairs) -> HeadDims:
+        """The set of the given (d, dv) pairs."""
+        return cls(_Part(_Steps(d, d, 1), _Steps(dv, dv, 1)) for d, dv in pairs)
+
+    def contains(self, d: int, dv: int) -> bool:
+        """Whether (d, dv) is in the set (decided on the pieces, nothing enumerated)."""
+        return any((d, dv) in p for p in self._parts)
+
+    def __contains__(self, pair) -> bool:
+        return self.contains(*pair)
+
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """Every pair, sorted (enumerated once, then kept)."""
+        if self._pairs is None:
+            self._pairs = tuple(sorted({p for part in self._parts for p in part.pairs()}))
+        return self._pairs
+
+    def __iter__(self):
+        return iter(self.pairs())
+
+    def __len__(self) -> int:
+        return len(self.pairs())
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, HeadDims):
+            return NotImplemented
+        return self._parts == other._parts or self.pairs() == other.pairs()
+
+    def __hash__(self) -> int:
+        return hash(self.pairs())
+
+    def meet(self, other: HeadDims) -> HeadDims:
+        """The pairs in both (each piece of one intersected with each of the other)."""
+        return HeadDims(a.meet(b) for a in self._parts for b in other._parts)
+
+    def join(self, other: HeadDims) -> HeadDims:
+        """The pairs in either (the pieces of both)."""
+        return HeadDims(self._parts + other._parts)
+
+    def as_value(self) -> list:
+        """The dict form: a list of the pieces (:data:`HEAD_DIM_FORMS`)."""
+        return [p.as_value() for p in self._parts]
+
+    def __str__(self) -> str:
+        return "{" + ", ".join(str(p) for p in self._parts) + "}"
+
+    def __repr__(self) -> str:
+        return f"HeadDims({self.as_value()!r})"
+
+
+def _positive(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _is_pair(v) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) == 2 and all(_positive(x) for x in v)
+
+
+def _steps(v) -> _Steps | None:
+    """An int or a ``{min, max, step}`` range as :class:`_Steps`; None when malformed or empty."""
+    if _positive(v):
+        return _Steps(v, v, 1)
+    if not isinstance(v, dict) or not {"min", "max"} <= set(v) <= {"min", "max", "step"}:
+        return None
+    lo, hi, step = v["min"], v["max"], v.get("step", 1)
+    if not all(_positive(x) for x in (lo, hi, step)):
+        return None
+    return _Steps.make(lo, hi, step)
+
+
+def _part(item) -> _Part | None:
+    """One item of a ``head_dims`` value as a :class:`_Part`; None when malformed."""
+    if _is_pair(item):
+        return _Part(_Steps(item[0], item[0], 1), _Steps(item[1], item[1], 1))
+    if isinstance(item, dict) and set(item) == {"d", "dv"}:
+        ds, dvs = _steps(item["d"]), _steps(item["dv"])
+        return _Part(ds, dvs) if ds and dvs else None
+    r = _steps(item)
+    return r and _Part(r, r, True)
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A kernel's supported configurations.  dtypes, layouts: None = any; head_dims: a
+    :class:`HeadDims` set of (d, dv) pairs (None = any; a list of pairs or any form of
+    :data:`HEAD_DIM_FORMS` given here is read into one); seqlen_q_multiple / seqlen_k_multiple:
+    each length a multiple of its own (the dict key ``seqlen_multiple`` sets both);
+    equal_seqlens: seqlen_q == seqlen_k; min_seqlen / max_seqlen: bounds on both lengths;
+    causal, local (windows), softcap, sink (a learnable sink), gqa (heads_q > heads_kv):
+    supported or not; backward, deterministic: whether ``run --backward`` / ``--deterministic``
+    apply; mods: the mod kinds supported (:data:`audits.suites.cases.MOD_KINDS`; None = any, () = none:
+    a kernel's declaration without the key reads as none, :func:`domain_of`)."""
+
+    dtypes: tuple[str, ...] | None = None
+    head_dims: HeadDims | None = None
+    seqlen_q_multiple: int = 1
+    seqlen_k_multiple: int = 1
+    equal_seqlens: bool = False
+    min_seqlen: int = 1
+    max_seqlen: int | None = None
+    causal: bool = True
+    local: bool = True
+    softcap: bool = True
+    sink: bool = True
+    gqa: bool = True
+    layouts: tuple[str, ...] | None = None
+    backward: bool = True
+    deterministic: bool = True
+    mods: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.head_dims is not None and not isinstance(self.head_dims, HeadDims):
+            object.__setattr__(self, "head_dims", HeadDims.parse(self.head_dims, where="Domain(head_dims=...)"))
+        # one order (MOD_KINDS'), so that equal sets compare equal however they were declared
+        if self.mods is not None:
+            object.__setattr__(self, "mods", _mod_kinds(self.mods, where="Domain(mods=...)"))
+
+    def takes(self, kind: str) -> bool:
+        """Whether the domain takes the mod kind ``kind`` (one of :data:`audits.suites.cases.MOD_KINDS`)."""
+        return self.mods is None or kind in self.mods
+
+    @property
+    def seqlen_multiple(self) -> int:
+        """A length both queries and keys may take: the lcm of the two multiples (the block that
+        lengths made for this domain are multiples of)."""
+        return _lcm(self.seqlen_q_multiple, self.seqlen_k_multiple)
+
+    @classmethod
+    def from_dict(cls, d, *, where: str) -> Domain:
+        """The domain a dict declares (keys optional), every key and value checked; the shorthand
+        ``seqlen_multiple`` sets both length multiples (a specific one given too must agree)."""
+        keys = (*_FIELDS, "seqlen_multiple")
+        if not isinstance(d, dict):
+            raise DomainError(f"{where}: a domain is a dict of keys {', '.join(keys)}, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(keys))
+        if unknown:
+            raise DomainError(f"{where}: unknown domain key(s) {', '.join(unknown)}; accepted: {', '.join(keys)}")
+        values = {k: _value(k, v, where) for k, v in d.items()}
+        both = values.pop("seqlen_multiple", None)
+        if both is not None:
+            for k in _MULTIPLE_KEYS:
+                if values.setdefault(k, both) != both:
+                    raise DomainError(
+                        f"{where}: domain keys 'seqlen_multiple' = {both} and {k!r} = {values[k]} disagree; "
+                        f"give seqlen_multiple (both lengths) or seqlen_q_multiple / seqlen_k_multiple, or equal values"
+                    )
+        return cls(**values)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> Domain:
+        """The domain a TOML file declares (top-level keys, as the dict form)."""
+        return cls.from_dict(read_toml(path, what="domain", error=DomainError), where=str(path))
+
+    def head_dim_pairs(self) -> tuple[tuple[int, int], ...] | None:
+        """Every accepted (d, dv) pair, sorted; None when head dims are unrestricted."""
+        return None if self.head_dims is None else self.head_dims.pairs()
+
+    def accepts_head_dims(self, d: int, dv: int) -> bool:
+        """Whether the domain accepts head dims (d, dv) (decided without enumerating the set)."""
+        return self.head_dims is None or self.head_dims.contains(d, dv)
+
+    def narrow(self, other: Domain) -> Domain:
+        """What both allow (a ``--domain`` file narrowing the kernel's own declaration): the
+        intersection of the listed values and head-dim sets, the lcm of each length multiple."""
+
+        def meet(a, b):
+            return b if a is None else a if b is None else tuple(x for x in a if x in b)
+
+        lo = [m for m in (self.max_seqlen, other.max_seqlen) if m is not None]
+        hd = other.head_dims if self.head_dims is None else self.head_dims if other.head_dims is None else (
+            self.head_dims.meet(other.head_dims))  # fmt: skip
+        return Domain(
+            dtypes=meet(self.dtypes, other.dtypes), head_dims=hd,
+            **{k: _lcm(getattr(self, k), getattr(other, k)) for k in _MULTIPLE_KEYS},
+            equal_seqlens=self.equal_seqlens or other.equal_seqlens,
+            min_seqlen=max(self.min_seqlen, other.min_seqlen), max_seqlen=min(lo) if lo else None,
+            layouts=meet(self.layouts, other.layouts), mods=meet(self.mods, other.mods),
+            **{k: getattr(self, k) and getattr(other, k) for k in _BOOL_KEYS if k != "equal_seqlens"},
+        )  # fmt: skip
+
+    def widen(self, other: Domain) -> Domain:
+        """What either allows, key by key (the box around both: several kernels sharing one suite,
+        each skipping the cases outside its own domain): the union of the listed values and
+        head-dim sets (None, any, wins), the gcd of each length multiple, equal lengths only if
+        both want them, the smaller minimum and the larger maximum (None wins), each feature if
+        either supports it."""
+
+        def join(a, b):
+            return None if a is None or b is None else tuple(dict.fromkeys(a + b))
+
+        hi = None if self.max_seqlen is None or other.max_seqlen is None else max(self.max_seqlen, other.max_seqlen)
+        hd = None if self.head_dims is None or other.head_dims is None else self.head_dims.join(other.head_dims)
+        return Domain(
+            dtypes=join(self.dtypes, other.dtypes), head_dims=hd,
+            **{k: math.gcd(getattr(self, k), getattr(other, k)) for k in _MULTIPLE_KEYS},
+            equal_seqlens=self.equal_seqlens and other.equal_seqlens,
+            min_seqlen=min(self.min_seqlen, other.min_seqlen), max_seqlen=hi,
+            layouts=join(self.layouts, other.layouts), mods=join(self.mods, other.mods),
+            **{k: getattr(self, k) or getattr(other, k) for k in _BOOL_KEYS if k != "equal_seqlens"},
+        )  # fmt: skip
+
+    def refusal(self, case: Case) -> str | None:
+        """Why ``case`` lies outside the domain (the first reason found), None when inside.  A
+        varlen case's lengths are checked per sequence (:meth:`_lengths_refusal`)."""
+        lengths = self._lengths_refusal(case)
+        checks = (
+            (self.dtypes is not None and case.dtype not in self.dtypes, f"dtype {case.dtype} not in {self.dtypes}"),
+            (not self.accepts_head_dims(case.d, case.dv), f"head dims ({case.d}, {case.dv}) not in {self.head_dims}"),
+            (lengths is not None, lengths),
+            (case.causal and not self.causal, "causal masking unsupported"),
+            (case.local and not self.local, "local windows unsupported"),
+            (case.softcap > 0 and not self.softcap, "softcap unsupported"),
+            (case.sink and not self.sink, "learnable sink unsupported"),
+            (case.heads_q != case.heads_kv and not self.gqa, "GQA/MQA unsupported"),
+            (self.layouts is not None and case.layout not in self.layouts,
+             f"layout {case.layout} not in {self.layouts}"),
+        )  # fmt: skip
+        return next((why for bad, why in checks if bad), None) or self._mods_refusal(case)
+
+    def _mods_refusal(self, case: Case) -> str | None:
+        """Why the case's mods lie outside (the first kind the domain does not declare), or None."""
+        kind = next((k for k in case.mods if not self.takes(k)), None)
+        if kind is None:
+            return None
+        have = ", ".join(self.mods) if self.mods else "none"
+        return (f"{kind} unsupported (the domain's mods: {have}; a kernel taking it declares "
+                f"mods = [{', '.join(repr(k) for k in MOD_KINDS)}] or the kinds it takes)")  # fmt: skip
+
+    def _length_refusal(self, sq: int, sk: int) -> str | None:
+        """Why lengths ``sq`` x ``sk`` lie outside the domain's length keys, or None."""
+        qm, km = self.seqlen_q_multiple, self.seqlen_k_multiple
+        checks = (
+            (qm == km and (sq % qm or sk % km), f"seqlens {sq}x{sk} not multiples of {qm}"),
+            (sq % qm, f"seqlen_q {sq} not a multiple of {qm}"),
+            (sk % km, f"seqlen_k {sk} not a multiple of {km}"),
+            (self.equal_seqlens and sq != sk, "seqlen_q != seqlen_k"),
+            (min(sq, sk) < self.min_seqlen, f"a seqlen below {self.min_seqlen}"),
+            (self.max_seqlen is not None and max(sq, sk) > self.max_seqlen, f"a seqlen above {self.max_seqlen}"),
+        )  # fmt: skip
+        return next((why for bad, why in checks if bad), None)
+
+    def _lengths_refusal(self, case: Case) -> str | None:
+        """The length keys on ``case``: a fixed-length case's lengths; a varlen case's per sequence
+        with queries and keys (its rows and used keys: what a sequence computes), each as a call
+        of those lengths would be judged.  Sequences without queries or keys are the varlen
+        entry's business (rows of no sequence; rows with no key): no length key speaks of them."""
+        if not case.varlen:
+            return self._length_refusal(case.seqlen_q, case.seqlen_k)
+        for i, (sq, sk) in enumerate(case.seqlens):
+            used = case.seqused_k[i] if case.seqused_k else sk
+            why = self._length_refusal(sq, used) if sq and used else None
+            if why is not None:
+                return f"sequence {i}: {why}"
+        return None
+
+    def as_dict(self) -> dict:
+        """The declaration in the dict form (lists for tuples, head dims as
+        :meth:`HeadDims.as_value`; ``mods`` left out when None, any), for reports; ``from_dict``
+        reads it back to an equal domain."""
+        out = {}
+        for f in _FIELDS:
+            v = getattr(self, f)
+            out[f] = v.as_value() if isinstance(v, HeadDims) else list(v) if isinstance(v, tuple) else v
+        if self.mods is None:  # any (absent, as a --domain file says it; TOML has no null)
+            del out["mods"]
+        return out
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Domain))
+#: the keys whose None means "any" (as absent)
+_NULLABLE = tuple(f.name for f in dataclasses.fields(Domain) if f.default is None)
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def _value(key: str, v, where: str):
+    """One declared value, checked and normalised (tuples for lists, :class:`HeadDims`)."""
+    bad = lambda want: DomainError(f"{where}: domain key {key!r} = {v!r}: expected {want}")
+    if v is None and key in _NULLABLE:  # as_dict's "any" (TOML has no null: there the key is left out)
+        return None
+    if key in _BOOL_KEYS:
+        if not isinstance(v, bool):
+            raise bad("true or false")
+        return v
+    if key in ("seqlen_multiple", *_MULTIPLE_KEYS, "min_seqlen", "max_seqlen"):
+        if not _positive(v):
+            raise bad("a positive integer")
+        return v
+    if key == "mods":
+        return _mod_kinds(v, where=where)
+    accepted = {"dtypes": DTYPES, "layouts": LAYOUTS}.get(key)
+    if accepted is not None:
+        if not isinstance(v, (list, tuple)) or not v or any(x not in accepted for x in v):
+            raise bad(f"a non-empty list of {', '.join(accepted)}")
+        return tuple(v)
+    return HeadDims.parse(v, where=where, key=key)
+
+
+def _mod_kinds(v, *, where: str) -> tuple[str, ...]:
+    """A declared ``mods`` value: a list (possibly empty: none) of :data:`audits.suites.cases.MOD_KINDS`,
+    returned in MOD_KINDS' order without repeats; :class:`DomainError` naming the accepted kinds."""
+    if not isinstance(v, (list, tuple)) or any(not isinstance(x, str) or x not in MOD_KINDS for x in v):
+        raise DomainError(
+            f"{where}: domain key 'mods' = {v!r}: expected a list of {', '.join(MOD_KINDS)} (the mod kinds the "
+            "kernel takes; [] or absent: none)"
+        )
+    return tuple(k for k in MOD_KINDS if k in v)
+
+
+def domain_of(fn) -> Domain:
+    """The domain a kernel declares (its ``fa4_audit_domain`` attribute: a dict or a Domain, or
+    a callable returning one, evaluated now: production's depends on the GPU it runs on); the
+    unrestricted domain when it declares none — but for the mods: a declaration that does not
+    name ``mods`` (or none at all) takes none (module doc)."""
+    d = getattr(fn, "fa4_audit_domain", None)
+    if callable(d):
+        d = d()
+    if d is None:
+        return Domain(mods=())
+    if not isinstance(d, Domain):
+        d = Domain.from_dict(d, where=f"{getattr(fn, '__qualname__', fn)!s}.fa4_audit_domain")
+    return d if d.mods is not None else dataclasses.replace(d, mods=())
+
+
+#: multiples of the domain's block that generated lengths take: one block, not-a-power-of-two
+#: multiples, and long ones (capped by max_seqlen, or at 8192 when it has none)
+_LENGTH_MULTIPLES = (1, 3, 5, 8, 17, 33, 64)
+_DEFAULT_MAX = 8192
+
+
+#: the Domain fields that constrain lengths
+_LENGTH_FIELDS = (*_MULTIPLE_KEYS, "equal_seqlens", "min_seqlen", "max_seqlen")
+
+
+def seqlens_within(d: Domain, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(seqlen_q, seqlen_k) pairs inside the domain: the given ones it admits, and lengths made
+    from its block (the lcm of its two multiples; ``_LENGTH_MULTIPLES``: the smallest, odd
+    multiples, long ones), as equal pairs and, unless the domain wants equal lengths, as
+    neighbouring unequal pairs both ways, and partial blocks (:func:`_partial_blocks`) when one
+    length's multiple is finer than the other's."""
+    probe = lambda sq, sk: Case(seqlen_q=sq, seqlen_k=sk, dtype=(d.dtypes or ("bfloat16",))[0])
+    free = Domain(**{k: getattr(d, k) for k in _LENGTH_FIELDS})
+    kept = [p for p in pairs if free.refusal(probe(*p)) is None]
+    if free == Domain():  # no constraint on the lengths: the suite's own pairs
+        return kept
+    m, hi = d.seqlen_multiple, d.max_seqlen or _DEFAULT_MAX
+    lengths = [m * k for k in _LENGTH_MULTIPLES if d.min_seqlen <= m * k <= hi]
+    made = [(n, n) for n in lengths]
+    if not d.equal_seqlens:
+        made += [p for a, b in zip(lengths, lengths[1:]) for p in ((a, b), (b, a))]
+        made += _partial_blocks(d, lengths[:3], hi)
+    return list(dict.fromkeys(kept + made))
+
+
+def _partial_blocks(d: Domain, lengths: list[int], hi: int) -> list[tuple[int, int]]:
+    """For a domain whose two length multiples differ (keys in blocks of 64, queries free):
+    pairs whose finer length is not a multiple of the coarser one (a kernel tiling by the
+    coarser block meets a partial block there), the coarser length ``n`` of ``lengths`` and the
+    finer ``n - r`` and ``n + r``, ``r`` the finer multiple nearest half the coarser one."""
+    qm, km = d.seqlen_q_multiple, d.seqlen_k_multiple
+    if qm == km:
+        return []
+    fine, coarse = min(qm, km), max(qm, km)
+    r = fine * max(1, coarse // 2 // fine)  # 0 < r < coarse: n +- r is no multiple of coarse
+    out = []
+    for n in lengths:
+        for x in (n - r, n + r):
+            if max(d.min_seqlen, 1) <= x <= hi:
+                out.append((x, n) if qm < km else (n, x))
+    return out
+
+
+#: a domain listing more (d, dv) pairs than this (a range written out, as production's SM100
+#: head dims 8..128) has its head-dim axis sampled at the suite's own head dims
+_HEAD_DIM_AXIS_MAX = 16
+
+
+def _head_dim_axis(d: Domain, base_ds: list[int]) -> list[tuple[int, int]]:
+    """The head-dim axis: the accepted pairs, or for a long list, per head dim of the suite
+    ``(d, d)`` if listed, else the first listed pair with that d (production's (192, 128) for
+    the (192, 192) it refuses)."""
+    pairs = d.head_dim_pairs()
+    if pairs is None:
+        return [(x, x) for x in base_ds]
+    if len(pairs) <= _HEAD_DIM_AXIS_MAX:
+        return list(pairs)
+    picked = []
+    for x in base_ds:
+        same = [p for p in pairs if p[0] == x]
+        if same:
+            picked.append((x, x) if (x, x) in same else same[0])
+    return picked or list(pairs[:_HEAD_DIM_AXIS_MAX])
+
+
+def axes_within(d: Domain, base: dict | None = None) -> dict[str, list]:
+    """The release axes (``audits.suites.cases.RELEASE_AXES``) restricted to what the domain supports;
+    head dims as (d, dv) pairs."""
+    from audits.suites.cases import RELEASE_AXES
+
+    base = base or RELEASE_AXES
+    return {
+        "dtype": list(d.dtypes) if d.dtypes else list(base["dtype"]),
+        "d": _head_dim_axis(d, list(base["d"])),
+        "mask": ["none"] + ["causal"] * d.causal + ["local"] * d.local,
+        "softcap": [0.0] + [15.0] * d.softcap,
+        "sink": [False] + [True] * d.sink,
+        "heads": [h for h in base["heads"] if d.gqa or h[0] == h[1]],
+        "seqlens": seqlens_within(d, list(base["seqlens"])),
+        "layout": list(d.layouts) if d.layouts else list(base["layout"]),
+    }
+
+
+def case_within(d: Domain, row: dict, family: str, seed: int) -> tuple[Case | None, str | None]:
+    """The release case of ``row`` for ``family`` (``audits.suites.cases.release_case``, head dims from
+    the row's pair), or why the family cannot be placed in the domain.  Public: suite files
+    (``audits.suites.suite_file``) place their rows with it, as the named suites do."""
+    from audits.suites.cases import release_case
+
+    dd, dv = row["d"]
+    case = dataclasses.replace(release_case({**row, "d": dd}, family, seed), dv=dv)
+    why = d.refusal(case)
+    return (case, None) if why is None else (None, why)
+
+
+def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: list | None = None) -> dict:
+    """``release`` built over the domain, not filtered: the pairwise covering array of the
+    supported axis values (:func:`axes_within`) times every input family.  Returns ``{"cases",
+    "axes", "pairs_covered", "not_applicable": {family: reason}}`` — a family none of whose cases
+    fits the domain (``nan_inf_masked`` needs keys no query sees: a left window and unequal
+    lengths) is listed with the reason, never a case outside the domain.  Then release's varlen
+    cases that lie inside the domain (:func:`_varlen_within`), and the code-path class cases
+    (``audits.suites.cases.class_cases``) that lie inside it, and the ``mods`` suite within it
+    (:func:`mods_within`)."""
+    from audits.suites.cases import class_cases, pairwise, release_varlen
+    from audits.suites.inputs import FAMILIES
+
+    axes = axes_within(d)
+    if extra_pairs:
+        axes["seqlens"] = list(dict.fromkeys(axes["seqlens"] + seqlens_within(d, list(extra_pairs))))
+    rows = pairwise(axes)
+    cases, missing = [], {}
+    for f in FAMILIES:
+        placed = [case_within(d, r, f, s) for s in seeds for r in rows]
+        ok = [c for c, _ in placed if c is not None]
+        if not ok:
+            need = " (it needs keys no query sees: a left window short of them)" if f == "nan_inf_masked" else ""
+            missing[f] = f"no case of family {f} fits the domain{need}; e.g. {next(why for _, why in placed)}"
+        cases += ok
+    cases += _varlen_within(d, release_varlen(seeds))
+    cases += [c for c in class_cases() if d.refusal(c) is None]
+    cases += mods_within(d)["cases"]
+    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
+            "not_applicable": missing}  # fmt: skip
+
+
+def _pairs_covered(axes: dict) -> int:
+    """How many pairs of values of two different axes a covering array over ``axes`` covers."""
+    names = list(axes)
+    return sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
+
+
+def _varlen_within(d: Domain, cases: list[Case]) -> list[Case]:
+    """A suite's varlen cases (``audits.suites.cases.smoke_varlen``, ``release_varlen``) that lie inside
+    the domain, as they are: their sequences' lengths are the serving mix, not axis values."""
+    return [c for c in cases if d.refusal(c) is None]
+
+
+def _smoke_case_within(d: Domain, row: dict, family: str) -> tuple[Case | None, str | None]:
+    """:func:`case_within` for smoke, which leaves bf16 ``near_max`` out as ``smoke_suite``
+    does: V ~ 3.4e38 makes P.V overflow float32 in any float32-accumulating kernel."""
+    if family == "near_max" and row["dtype"] == "bfloat16":
+        return None, "smoke leaves bfloat16 near_max out (P.V overflows float32 in every kernel)"
+    return case_within(d, row, family, 0)
+
+
+def mask_kind(case: Case) -> str:
+    """The mask kind of ``case``: ``"causal"``, ``"local"`` (a window) or ``"none"``."""
+    return "causal" if case.causal else "local" if case.local else "none"
+
+
+def smoke_within(d: Domain) -> dict:
+    """``smoke`` over the domain: the pairwise rows of its axes with short lengths (up to five
+    blocks), each input family on one row (families and rows taken in turn until both are used
+    up), and each non-finite family again on a row of every mask kind it applies to
+    (``audits.suites.cases.NONFINITE_MASKS``) that the domain supports and it has no case of yet (a NaN
+    key beyond the causal diagonal is another test than one in an unmasked row),
+    as :func:`release_within` reports them, then smoke's varlen cases inside the domain.  The
+    unrestricted domain gives smoke itself."""
+    from audits.suites.cases import NONFINITE_MASKS, pairwise, smoke_mods, smoke_suite, smoke_varlen, varlen_mods
+    from audits.suites.inputs import FAMILIES
+
+    if _unrestricted_but_mods(d):
+        return {"cases": _with_mods(d, smoke_suite()), "axes": None, "pairs_covered": None, "not_applicable": {}}
+    short = dataclasses.replace(d, max_seqlen=min(d.max_seqlen or 1 << 30, max(3 * d.seqlen_multiple, 256)))
+    axes = {**axes_within(d), "seqlens": seqlens_within(short, [(64, 128), (130, 70), (200, 300), (256, 256)])}
+    rows, fams = pairwise(axes), list(FAMILIES)
+    cases, missing = [], {}
+    for i in range(max(len(rows), len(fams))):
+        f = fams[i % len(fams)]
+        tries = [_smoke_case_within(d, rows[(i + j) % len(rows)], f) for j in range(len(rows))]
+        case = next((c for c, _ in tries if c is not None), None)
+        if case is None:
+            missing.setdefault(f, f"no case of family {f} fits the domain; e.g. {tries[0][1]}")
+        else:
+            cases.append(case)
+    for f, kinds in NONFINITE_MASKS.items():
+        for m in (k for k in kinds if k in axes["mask"]):
+            if any(c.family == f and mask_kind(c) == m for c in cases):
+                continue
+            tries = (_smoke_case_within(d, r, f) for r in rows if r["mask"] == m)
+            case = next((c for c, _ in tries if c is not None and mask_kind(c) == m), None)
+            cases += [case] if case is not None else []
+    cases += _varlen_within(d, smoke_varlen())
+    cases += mods_within(d, smoke_mods() + varlen_mods(smoke=True))["cases"]
+    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
+            "not_applicable": missing}  # fmt: skip
+
+
+_SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def sweep_head_dims(d: Domain) -> list[tuple[int, int]]:
+    """The head dims the ``head-dims`` sweep takes in ``d``: per accepted d, (d, d) when the
+    domain accepts it, else every accepted pair with that d (production SM100's (192, 128));
+    production SM90's (d, d) for d in 8..256 step 8 when head dims are unrestricted."""
+    from audits.suites.cases import SM90_HEAD_DIMS
+
+    pairs = d.head_dim_pairs()
+    if pairs is None:  # production SM90's, every multiple of 8 in 8..256 (interface.py, _validate_head_dims)
+        return [(x, x) for x in SM90_HEAD_DIMS]
+    out = []
+    for x in dict.fromkeys(p[0] for p in pairs):
+        out += [(x, x)] if d.accepts_head_dims(x, x) else [p for p in pairs if p[0] == x]
+    return out
+
+
+def _fit(d: Domain, case: Case) -> tuple[Case | None, str | None]:
+    """``case`` moved into ``d`` along the axes it does not sweep (lengths to the domain's own,
+    equal heads without GQA, a declared layout), or why it still lies outside."""
+    if d.refusal(case) is None:
+        return case, None
+    if case.varlen:  # a varlen case's lengths are the serving mix, not an axis value (_varlen_within)
+        return None, d.refusal(case)
+    sq, sk = next(iter(seqlens_within(d, [(case.seqlen_q, case.seqlen_k)])), (case.seqlen_q, case.seqlen_k))
+    layout = case.layout if d.layouts is None or case.layout in d.layouts else d.layouts[0]
+    moved = dataclasses.replace(case, seqlen_q=sq, seqlen_k=sk, layout=layout,
+                                heads_kv=case.heads_kv if d.gqa else case.heads_q)  # fmt: skip
+    why = d.refusal(moved)
+    return (moved, None) if why is None else (None, why)
+
+
+def head_dims_within(d: Domain) -> dict:
+    """The ``head-dims`` suite over the domain: ``audits.suites.cases.head_dim_sweep`` at
+    :func:`sweep_head_dims`, on the domain's 16-bit dtypes, unmasked and (if supported) causal,
+    each case moved into the domain where its lengths, heads or layout are not (:func:`_fit`)."""
+    from audits.suites.cases import head_dim_sweep
+
+    axes = {"d": sweep_head_dims(d), "dtype": [t for t in (d.dtypes or _SIXTEEN_BIT) if t in _SIXTEEN_BIT],
+            "mask": ["none"] + ["causal"] * d.causal}  # fmt: skip
+    if not axes["dtype"]:
+        why = f"the head-dim sweep runs bfloat16 and float16; the domain's dtypes are {d.dtypes}"
+        return {"cases": [], "axes": axes, "pairs_covered": 0, "not_applicable": {"head-dims": why}}
+    placed = [
+        _fit(d, c) for c in head_dim_sweep(pairs=axes["d"], dtypes=tuple(axes["dtype"]), masks=tuple(axes["mask"]))
+    ]
+    cases = [c for c, _ in placed if c is not None]
+    missing = {}
+    if len(cases) < len(placed):
+        why = next(w for _, w in placed if w is not None)
+        missing["head-dims"] = (
+            f"{len(placed) - len(cases)} of the sweep's {len(placed)} cases fit no length, head or layout "
+            f"of the domain; e.g. {why}"
+        )
+    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
+            "not_applicable": missing}  # fmt: skip
+
+
+def named_suite_within(name: str, d: Domain) -> dict:
+    """:func:`suite_within`, or the named suite itself (as it is defined in ``audits.suites.cases``)
+    when ``d`` restricts no case (``backward`` and ``deterministic`` choose no case)."""
+    from audits.suites.cases import suite
+
+    if _unrestricted_but_mods(d):
+        return {"cases": _with_mods(d, suite(name)), "axes": None, "pairs_covered": None, "not_applicable": {}}
+    return suite_within(name, d)
+
+
+def _unrestricted_but_mods(d: Domain) -> bool:
+    """Whether ``d`` restricts no case but by its mod kinds (``backward`` and ``deterministic``
+    choose no case)."""
+    return dataclasses.replace(d, backward=True, deterministic=True, mods=None) == Domain()
+
+
+def _with_mods(d: Domain, cases: list[Case]) -> list[Case]:
+    """``cases`` without the mod cases whose kinds ``d`` does not declare: a suite built for a
+    kernel has a mod case only where its domain takes the mod (never one to skip)."""
+    return [c for c in cases if all(d.takes(k) for k in c.mods)]
+
+
+def mods_within(d: Domain, cases: list[Case] | None = None) -> dict:
+    """The ``mods`` suite (``audits.suites.cases.mods_suite``; or ``cases``, mod cases of another suite)
+    over the domain: nothing when it declares no mod kind; else each case whose kinds it takes,
+    moved into it along the axes a mod case does not test (lengths, heads, layout: :func:`_fit`;
+    a dtype or head dim outside it is not moved).  A case that still lies outside is left out
+    and counted under ``not_applicable["mods"]`` with the first reason."""
+    from audits.suites.cases import mods_suite
+
+    cases = mods_suite() if cases is None else cases
+    if d.mods == ():
+        why = (
+            "the domain declares no mod kinds (mods = [], or absent in a kernel's declaration): mod cases run only "
+            "where the kernel takes them"
+        )
+        return {"cases": [], "axes": None, "pairs_covered": None, "not_applicable": {"mods": why}}
+    placed = [_fit(d, c) for c in _with_mods(d, cases)]
+    kept = [c for c, _ in placed if c is not None]
+    missing = {}
+    if len(kept) < len(placed):
+        why = next(w for _, w in placed if w is not None)
+        n = len(placed) - len(kept)
+        missing["mods"] = f"{n} of {len(placed)} mod cases fit no length, head or layout of the domain; e.g. {why}"
+    return {"cases": list(dict.fromkeys(kept)), "axes": None, "pairs_covered": None, "not_applicable": missing}
+
+
+def suite_within(name: str, d: Domain) -> dict:
+    """A named suite built over the domain (``smoke``, ``release``, ``head-dims``, ``mods``,
+    ``nightly``: release's over three seeds and long lengths, plus the head-dim sweep); a fixed
+    list (``fidelity``) filtered to it."""
+    if name == "smoke":
+        return smoke_within(d)
+    if name == "release":
+        return release_within(d)
+    if name == "head-dims":
+        return head_dims_within(d)
+    if name == "mods":
+        return mods_within(d)
+    if name == "nightly":
+        built = release_within(d, seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
+        sweep = head_dims_within(d)
+        return {**built, "cases": list(dict.fromkeys(built["cases"] + sweep["cases"])),
+                "not_applicable": {**built["not_applicable"], **sweep["not_applicable"]}}  # fmt: skip
+    from audits.suites.cases import SUITES, suite
+
+    if name in SUITES:  # a fixed list (fidelity's): its cases inside the domain, none made
+        return {"cases": [c for c in suite(name) if d.refusal(c) is None], "axes": None, "pairs_covered": None,
+                "not_applicable": {}}  # fmt: skip
+    raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}")

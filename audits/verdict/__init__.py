@@ -1,0 +1,2 @@
+"""Verdicts: the gate and its thresholds, the diagnosis of failing cases, the separators that tell
+failing from passing cases, and coverage of the declared domain."""
