@@ -67,9 +67,15 @@ def _model_of(arch: str, mma: str = "exact"):
         # production's numerics for this call: a mask_mod drops the flags from the forward's
         # configuration (interface._resolve_causal_local_window), block sparsity fits the tiles
         nm = FA4Numerics.for_call(
-            arch, q, k, v, causal=causal, window_size=window_size, mask_mod=kw.get("mask_mod"),
+            arch,
+            q,
+            k,
+            v,
+            causal=causal,
+            window_size=window_size,
+            mask_mod=kw.get("mask_mod"),
             block_sparse_tensors=kw.get("block_sparse_tensors"),
-        )  # fmt: skip
+        )
         nm = dataclasses.replace(nm, bwd_deterministic=bool(deterministic), mma=mma)
         return attention(q, k, v, causal=causal, window_size=window_size, return_lse=return_lse, numerics=nm, **kw)
 
@@ -255,9 +261,14 @@ def _flex_block_mask(bs, mask_mod, seqlen_q: int, seqlen_k: int, device):
     cnt, idx = block_sparse_index_lists(bs.partial.to(device))
     full_cnt, full_idx = block_sparse_index_lists(bs.full.to(device))
     return BlockMask.from_kv_blocks(
-        cnt, idx, full_cnt, full_idx, BLOCK_SIZE=tuple(bs.block_size), mask_mod=mask_mod,
+        cnt,
+        idx,
+        full_cnt,
+        full_idx,
+        BLOCK_SIZE=tuple(bs.block_size),
+        mask_mod=mask_mod,
         seq_lengths=(seqlen_q, seqlen_k),
-    )  # fmt: skip
+    )
 
 
 def _eager_block_mask_mod(bs, mask_mod, device) -> Callable:
@@ -363,20 +374,33 @@ def _flex(
 
     score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(
         aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )  # fmt: skip
+    )
     sm, block_mask = _flex_mods(
-        q, k, causal=causal, window_size=window_size, softcap=softcap, score_mod=score_mod, mask_mod=mask_mod,
-        aux=list(aux_tensors or []), block_sparse=block_sparse_tensors,
-    )  # fmt: skip
+        q,
+        k,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        aux=list(aux_tensors or []),
+        block_sparse=block_sparse_tensors,
+    )
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     run = _flex_compiled() if q.is_cuda else flex_module.flex_attention
     # torch >= 2.9 asks for the LSE through return_aux (return_lse deprecated); older, return_lse
     request = {"return_aux": flex_module.AuxRequest(lse=True)} if hasattr(flex_module, "AuxRequest") else {}
     try:
         res = run(
-            qt, kt, vt, score_mod=sm, block_mask=block_mask, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
+            qt,
+            kt,
+            vt,
+            score_mod=sm,
+            block_mask=block_mask,
+            scale=softmax_scale,
+            enable_gqa=q.shape[2] != k.shape[2],
             **(request or {"return_lse": True}),
-        )  # fmt: skip
+        )
     except Exception as exc:
         cause = exc.__cause__ or exc.__context__
         while cause is not None and not isinstance(cause, NotImplementedError):
@@ -463,12 +487,22 @@ def fa4_varlen_numerics(name: str):
     if arch is None:
         return None
 
-    def nm(q, k, v, causal, window, *, num_splits: int, page_size: int, pack_gqa, max_seqlen_q: int,
-           block_sparse=None):  # fmt: skip
+    def nm(q, k, v, causal, window, *, num_splits: int, page_size: int, pack_gqa, max_seqlen_q: int, block_sparse=None):
         pack = packs_gqa(pack_gqa, q.shape[2], k.shape[2])
-        return sequence_numerics(arch, q, k, v, causal, window, varlen_q=True, num_splits=num_splits,
-                                 page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q,
-                                 block_sparse=block_sparse)  # fmt: skip
+        return sequence_numerics(
+            arch,
+            q,
+            k,
+            v,
+            causal,
+            window,
+            varlen_q=True,
+            num_splits=num_splits,
+            page_size=page_size,
+            pack=pack,
+            max_seqlen_q=max_seqlen_q,
+            block_sparse=block_sparse,
+        )
 
     return nm
 

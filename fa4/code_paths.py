@@ -432,9 +432,16 @@ def _classes(arch: str) -> tuple[PathClass, ...]:
             ),
         ]
     if arch == "sm90":
-        out.append(_cls(arch, fwd, "block_sparse.tile_fitted",
-                        "block-sparse: a tile shrunk to the sparse block other than the listed ones (tile_m 64, or "
-                        "tile_n = block_k)", f"{_IF}: _fit_sm90_fwd_tile_to_block_sparsity"))  # fmt: skip
+        out.append(
+            _cls(
+                arch,
+                fwd,
+                "block_sparse.tile_fitted",
+                "block-sparse: a tile shrunk to the sparse block other than the listed ones (tile_m 64, or "
+                "tile_n = block_k)",
+                f"{_IF}: _fit_sm90_fwd_tile_to_block_sparsity",
+            )
+        )
     out += _mod_classes(arch)
     blk = "block_info.py: BlockInfo.get_n_block_min_max"
     for direction in (fwd, bwd):
@@ -499,26 +506,67 @@ def _mod_classes(arch: str) -> list[PathClass]:
     bsu = "block_sparse_utils.py"
     sparse_bwd = "consume_block_sparse_mma_bwd_sm90" if sm90 else "produce_block_sparse_q_loads_bwd_sm100_default"
     return [
-        _cls(arch, "forward", "score_mod", "score_mod: the scores pass through the mod after the scale",
-             "softmax.py: apply_score_mod_inner"),
-        _cls(arch, "forward", "mask_mod", "mask_mod: masked per element in every visited block; causal and the "
-             "window dropped (_resolve_causal_local_window)",
-             "mask.py: AttentionMask.apply_mask" if sm90 else "mask.py: AttentionMask.apply_mask_sm100"),
-        _cls(arch, "forward", "block_sparse", "block sparsity: KV blocks from the full / partial block lists",
-             f"{bsu}: consume_block_sparse_loads" if sm90 else f"{bsu}: softmax_block_sparse_sm100"),
-        _cls(arch, "backward", "score_mod", "score_mod: scores recomputed through the mod, dS through score_mod_bwd",
-             "softmax.py: apply_score_mod_bwd_inner"),
-        _cls(arch, "backward", "mask_mod", "mask_mod: masked per element in the recomputed P (causal and the window "
-             "kept: _flash_attn_bwd resolves them without the mask_mod)", f"{_IF}: _flash_attn_bwd"),
-        _cls(arch, "backward", "block_sparse", "block sparsity: Q blocks per KV block from the backward's block lists",
-             f"{bsu}: {sparse_bwd}"),
+        _cls(
+            arch,
+            "forward",
+            "score_mod",
+            "score_mod: the scores pass through the mod after the scale",
+            "softmax.py: apply_score_mod_inner",
+        ),
+        _cls(
+            arch,
+            "forward",
+            "mask_mod",
+            "mask_mod: masked per element in every visited block; causal and the "
+            "window dropped (_resolve_causal_local_window)",
+            "mask.py: AttentionMask.apply_mask" if sm90 else "mask.py: AttentionMask.apply_mask_sm100",
+        ),
+        _cls(
+            arch,
+            "forward",
+            "block_sparse",
+            "block sparsity: KV blocks from the full / partial block lists",
+            f"{bsu}: consume_block_sparse_loads" if sm90 else f"{bsu}: softmax_block_sparse_sm100",
+        ),
+        _cls(
+            arch,
+            "backward",
+            "score_mod",
+            "score_mod: scores recomputed through the mod, dS through score_mod_bwd",
+            "softmax.py: apply_score_mod_bwd_inner",
+        ),
+        _cls(
+            arch,
+            "backward",
+            "mask_mod",
+            "mask_mod: masked per element in the recomputed P (causal and the window "
+            "kept: _flash_attn_bwd resolves them without the mask_mod)",
+            f"{_IF}: _flash_attn_bwd",
+        ),
+        _cls(
+            arch,
+            "backward",
+            "block_sparse",
+            "block sparsity: Q blocks per KV block from the backward's block lists",
+            f"{bsu}: {sparse_bwd}",
+        ),
         # runtime scalars are kernel parameters (utils.AuxData.scalars; the compile key holds their types only,
         # interface.py aux_scalar_metadata) handed to every mod by keyword (softmax.py call_score_mod's branch)
-        _cls(arch, "forward", "aux_scalars", "aux_scalars: runtime scalars passed to the mods",
-             "softmax.py: call_score_mod"),
-        _cls(arch, "backward", "aux_scalars", "aux_scalars: runtime scalars passed to score_mod_bwd",
-             "softmax.py: call_score_mod_bwd"),
-    ]  # fmt: skip
+        _cls(
+            arch,
+            "forward",
+            "aux_scalars",
+            "aux_scalars: runtime scalars passed to the mods",
+            "softmax.py: call_score_mod",
+        ),
+        _cls(
+            arch,
+            "backward",
+            "aux_scalars",
+            "aux_scalars: runtime scalars passed to score_mod_bwd",
+            "softmax.py: call_score_mod_bwd",
+        ),
+    ]
 
 
 _CLASSES = {a: _classes(a) for a in ARCHS}
@@ -612,8 +660,12 @@ def classes_of(arch: str, call: Call, *, direction: str) -> tuple[str, ...]:
         names.append("sink")
     if call.varlen:
         names.append("varlen")
-    mods = (("score_mod", call.score_mod), ("mask_mod", call.mask_mod), ("block_sparse", bs),
-            ("aux_scalars", call.aux_scalars))  # fmt: skip
+    mods = (
+        ("score_mod", call.score_mod),
+        ("mask_mod", call.mask_mod),
+        ("block_sparse", bs),
+        ("aux_scalars", call.aux_scalars),
+    )
     names += [k for k, on in mods if on]
     return tuple(f"{arch}.{short}.{n}" for n in names)
 
@@ -634,9 +686,17 @@ def _sm100_fwd(call: Call, pack: bool) -> list[str]:
         names.append("splitkv")
     rows = call.seqlen_q * (call.qhead_per_kvhead if pack else 1)
     q_stage, two_cta = sm100_fwd_geometry(
-        d=call.d, dv=call.dv, causal=call.causal, local=call.local, packed_rows=rows,
-        qhead_per_kvhead=call.qhead_per_kvhead, pack_gqa=pack, split=split, varlen_q=call.varlen, paged=call.paged,
+        d=call.d,
+        dv=call.dv,
+        causal=call.causal,
+        local=call.local,
+        packed_rows=rows,
+        qhead_per_kvhead=call.qhead_per_kvhead,
+        pack_gqa=pack,
+        split=split,
+        varlen_q=call.varlen,
+        paged=call.paged,
         block_sparse=bool(call.block_sparse),
-    )  # fmt: skip
+    )
     names += [f"q_stage{q_stage}", "2cta" if two_cta else "1cta"]
     return names

@@ -433,9 +433,12 @@ def _softmax_kernel(lo, hi, s, geo, tab, poly, fp, lp, maxv, state, out):  # pra
     tn = p_out.shape[1]
     rows, r0 = geo[0], geo[1]
     bufs = (
-        np.empty(tn, np.float32), np.empty(tn, np.float32), np.empty(tn, np.float32),
-        np.empty(tn, np.int32), np.empty(4, np.float32),
-    )  # fmt: skip
+        np.empty(tn, np.float32),
+        np.empty(tn, np.float32),
+        np.empty(tn, np.float32),
+        np.empty(tn, np.int32),
+        np.empty(4, np.float32),
+    )
     for i in range(lo, hi):
         stt, new, tot, acc, first = _softmax_row(s, i, geo, tab, poly, fp, lp, maxv, state, p_out, bufs)
         status[i] = stt
@@ -531,15 +534,13 @@ def _my_rows(a):  # pragma: no cover - compiled
 @numba.njit(cache=True, nogil=True)
 def _softmax_team(a, s):  # pragma: no cover - compiled
     i64, f32, f64, b1 = np.int64, np.float32, np.float64, np.bool_
-    tab = (_arg1(a, 2, i64), _arg1(a, 3, i64), _arg2(a, 4, i64), _arg2(a, 5, i64),
-           _arg2(a, 6, i64), _arg2(a, 7, i64))  # fmt: skip
+    tab = (_arg1(a, 2, i64), _arg1(a, 3, i64), _arg2(a, 4, i64), _arg2(a, 5, i64), _arg2(a, 6, i64), _arg2(a, 7, i64))
     poly = (_arg1(a, 8, i64), _arg1(a, 9, f64))
     state = (_arg2(a, 12, f32), _arg2(a, 13, f32), _arg2(a, 14, b1), _arg3(a, 15, f32))
     out = (_arg2(a, 16, f64), _arg1(a, 17, f32), _arg1(a, 18, b1), _arg1(a, 19, np.uint8))
     lo, hi = _my_rows(a)
     maxv = _float64(a[3 + 4 * 20])
-    _softmax_kernel(lo, hi, s, _arg1(a, 1, i64), tab, poly, _arg1(a, 10, f32), _arg1(a, 11, i64), maxv,
-                    state, out)  # fmt: skip
+    _softmax_kernel(lo, hi, s, _arg1(a, 1, i64), tab, poly, _arg1(a, 10, f32), _arg1(a, 11, i64), maxv, state, out)
 
 
 def _softmax_team64(data):  # pragma: no cover - compiled
@@ -556,9 +557,15 @@ def _o_team(data):  # pragma: no cover - compiled
     a = numba.carray(data, 3 + 4 * 6, dtype=np.int64)
     lo, hi = _my_rows(a)
     _o_kernel(
-        lo, hi, _arg2(a, 0, np.float64), _arg3(a, 1, np.float32), _arg1(a, 2, np.int64),
-        _arg1(a, 3, np.float32), _arg1(a, 4, np.bool_), _arg1(a, 5, np.uint8),
-    )  # fmt: skip
+        lo,
+        hi,
+        _arg2(a, 0, np.float64),
+        _arg3(a, 1, np.float32),
+        _arg1(a, 2, np.int64),
+        _arg1(a, 3, np.float32),
+        _arg1(a, 4, np.bool_),
+        _arg1(a, 5, np.uint8),
+    )
 
 
 def padded(coeffs) -> np.ndarray:

@@ -302,9 +302,14 @@ class FA4Numerics:
         packed_rows = None if seqlen_q is None else seqlen_q * (qhead_per_kvhead if pack_gqa else 1)
         dv = head_dim if head_dim_v is None else head_dim_v
         q_stage, default_2cta = sm100_fwd_geometry(
-            d=head_dim, dv=dv, causal=causal, local=local, packed_rows=packed_rows,
-            qhead_per_kvhead=qhead_per_kvhead, pack_gqa=pack_gqa,
-        )  # fmt: skip
+            d=head_dim,
+            dv=dv,
+            causal=causal,
+            local=local,
+            packed_rows=packed_rows,
+            qhead_per_kvhead=qhead_per_kvhead,
+            pack_gqa=pack_gqa,
+        )
         use_2cta = default_2cta if use_2cta is None else use_2cta
         key = (use_2cta, causal, hdp, False)
         tune = dict(zip(("freq", "start"), _SM100_TUNING[key])) if key in _SM100_TUNING else {}
@@ -751,9 +756,16 @@ def _compiled_rows(st: _RowState, lp: _Loop, blk: _Block, s: torch.Tensor):
     status = torch.empty(b * hq * nr, dtype=torch.uint8)
     state = (st.row_max.view(-1, sq), st.row_sum.view(-1, sq), st.started.view(-1, sq), st.partial.view(-1, sq, 4))
     ex2_cpu.softmax_block(
-        s.reshape(-1, nc).numpy(), geo, kw["tab"], kw["poly"], kw["fp"], kw["lp"], kw["maxv"],
-        tuple(x.numpy() for x in state), (p64.view(-1, tn).numpy(), acc.numpy(), first.numpy(), status.numpy()),
-    )  # fmt: skip
+        s.reshape(-1, nc).numpy(),
+        geo,
+        kw["tab"],
+        kw["poly"],
+        kw["fp"],
+        kw["lp"],
+        kw["maxv"],
+        tuple(x.numpy() for x in state),
+        (p64.view(-1, tn).numpy(), acc.numpy(), first.numpy(), status.numpy()),
+    )
     return geo, p64, acc, first, status
 
 
@@ -811,7 +823,7 @@ def _run_block(st: _RowState, lp: _Loop, n: int, active=None, masked=None, hw_ro
     acc = torch.empty(b * hq * (r1 - r0), dtype=torch.float32, device=s.device)
     first = torch.empty(b * hq * (r1 - r0), dtype=torch.bool, device=s.device)
     idx = active.expand(b, hq, sq).reshape(-1).nonzero().flatten()
-    flat = (lambda x: None if x is None else x.expand(b, hq, sq).reshape(-1))  # fmt: skip
+    flat = lambda x: None if x is None else x.expand(b, hq, sq).reshape(-1)
     if idx.numel():
         _torch_rows(st, lp, s, blk, idx, p64, acc, first, flat(masked), flat(hw_rows))  # steps 3-8
     if lp.nm.mma == "tensor_core":
@@ -880,10 +892,21 @@ def _make_loop(q, k, v, nm: FA4Numerics, vis, ranges, scales: tuple, mods: FwdMo
         v64 = v.to(torch.float64).repeat_interleave(rep, dim=2)
     p_dtype = nm.p_dtype or q.dtype
     lp = _Loop(
-        nm, fast, q64, k64, v64, vis, k.shape[1], ranges, scale, softcap,
+        nm,
+        fast,
+        q64,
+        k64,
+        v64,
+        vis,
+        k.shape[1],
+        ranges,
+        scale,
+        softcap,
         torch.tensor(sl2, dtype=torch.float32, device=q.device),
-        torch.tensor(float(nm.max_offset), dtype=torch.float32, device=q.device), p_dtype, mods=mods,
-    )  # fmt: skip
+        torch.tensor(float(nm.max_offset), dtype=torch.float32, device=q.device),
+        p_dtype,
+        mods=mods,
+    )
     if fast:
         lp.compiled = _compiled_args(nm, p_dtype, sl2, vis, ranges)
     return lp
@@ -1093,9 +1116,15 @@ def _differentiable(q, k, v, sink, numerics, return_lse: bool, kw: dict):
     nm = numerics
     if nm is None:
         nm = FA4Numerics.for_call(
-            "sm100", q, k, v, causal=kw["causal"], window_size=kw["window_size"], mask_mod=kw.get("mask_mod"),
+            "sm100",
+            q,
+            k,
+            v,
+            causal=kw["causal"],
+            window_size=kw["window_size"],
+            mask_mod=kw.get("mask_mod"),
             block_sparse_tensors=kw.get("block_sparse_tensors"),
-        )  # fmt: skip
+        )
     out, lse = _AttentionFn.apply(q, k, v, sink, nm, kw)
     return (out, lse) if return_lse else out
 

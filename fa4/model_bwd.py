@@ -525,9 +525,21 @@ def attention_backward(
     mods = (score_mod, mask_mod if use_mm else None, aux)
     if bs is not None:
         acc, dq = _sparse_backward(
-            q, k, v, do, d_prime, lse_log2, plan, bs, (causal, window_size), mods, (scale, softcap, sl2), ds_dtype,
-            mma, numerics.arch,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            do,
+            d_prime,
+            lse_log2,
+            plan,
+            bs,
+            (causal, window_size),
+            mods,
+            (scale, softcap, sl2),
+            ds_dtype,
+            mma,
+            numerics.arch,
+        )
     else:
         acc, dq = _dense_backward(
             q, k, v, do, d_prime, lse_log2, plan, (causal, window_size), mods, (scale, softcap, sl2), ds_dtype, mma
@@ -718,7 +730,7 @@ def _heads_major(q, k, v, do, d_prime, lse_log2, rows: slice) -> _Inputs:
         t = t.repeat_interleave(hq // t.shape[2], dim=2) if t.shape[2] != hq else t
         return t.permute(0, 2, 1, 3).reshape(-1, t.shape[1], t.shape[3])[rows].double()
 
-    flat = (lambda t: t.reshape(-1, t.shape[-1])[rows])  # fmt: skip
+    flat = lambda t: t.reshape(-1, t.shape[-1])[rows]
     return _Inputs(hm(q), hm(k), hm(v), hm(do), flat(d_prime), -flat(lse_log2))
 
 

@@ -365,9 +365,15 @@ def build_mods(
             raise ValueError(f"block_sparse={tuple(block_sparse)} needs a mask_mod: the block masks are built from it")
         bq, bk = (int(x) for x in block_sparse)
         kw["block_sparse_tensors"] = block_sparse_from_mask(
-            mm, batch=batch, heads=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_size=(bq, bk), aux=aux,
+            mm,
+            batch=batch,
+            heads=heads_q,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            block_size=(bq, bk),
+            aux=aux,
             device=device,
-        )  # fmt: skip
+        )
     if aux:
         kw["aux_tensors"] = aux
     return kw
@@ -411,17 +417,24 @@ def production_block_sparse(bs: BlockSparse, *, device=None, deterministic: bool
     b_mask = block_sparse_index_lists(part.transpose(-1, -2))
     b_full = block_sparse_index_lists(full.transpose(-1, -2))
     fwd = BlockSparseTensorsTorch(
-        mask_block_cnt=f_mask[0], mask_block_idx=f_mask[1], full_block_cnt=f_full[0], full_block_idx=f_full[1],
+        mask_block_cnt=f_mask[0],
+        mask_block_idx=f_mask[1],
+        full_block_cnt=f_full[0],
+        full_block_idx=f_full[1],
         block_size=block_size,
-    )  # fmt: skip
+    )
     order = {}
     if deterministic:
         dq, dq_full = compute_dq_write_order(*f_mask, *f_full, *b_mask, *b_full, spt=False)
         order = {"dq_write_order": dq, "dq_write_order_full": dq_full, "spt": False}
     bwd = BlockSparseTensorsTorch(
-        mask_block_cnt=b_mask[0], mask_block_idx=b_mask[1], full_block_cnt=b_full[0], full_block_idx=b_full[1],
-        block_size=block_size, **order,
-    )  # fmt: skip
+        mask_block_cnt=b_mask[0],
+        mask_block_idx=b_mask[1],
+        full_block_cnt=b_full[0],
+        full_block_idx=b_full[1],
+        block_size=block_size,
+        **order,
+    )
     return fwd, bwd
 
 

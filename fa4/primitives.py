@@ -192,9 +192,12 @@ def bind_model_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors):
     pass them on only when there are any; ``FlashAttnFunc.backward`` keeps ``ctx.aux_scalars`` for
     the backward, as :func:`fa4.model.attention` keeps the bound mods for its backward."""
     return bind_aux_scalars(
-        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors,
+        aux_scalars,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_sparse=block_sparse_tensors,
         form_keys=MODEL_FORM_KEYS,
-    )  # fmt: skip
+    )
 
 
 def apply_score_mod(s: torch.Tensor, scale: float, score_mod, idx: tuple, aux) -> tuple[torch.Tensor, torch.Tensor]:

@@ -444,16 +444,30 @@ def flash_attn(
 
     from fa4.mods import production_kwargs
 
-    given = dict(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                 block_sparse_tensors=block_sparse_tensors, aux_scalars=aux_scalars)  # fmt: skip
-    mods = production_kwargs({k_: v_ for k_, v_ in given.items() if v_ is not None}, device=q.device,
-                             deterministic=deterministic)  # fmt: skip
+    given = dict(
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        aux_tensors=aux_tensors,
+        block_sparse_tensors=block_sparse_tensors,
+        aux_scalars=aux_scalars,
+    )
+    mods = production_kwargs(
+        {k_: v_ for k_, v_ in given.items() if v_ is not None}, device=q.device, deterministic=deterministic
+    )
     try:
         out, lse = flash_attn_func(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size),
-            softcap=softcap, learnable_sink=learnable_sink, return_lse=return_lse, deterministic=deterministic,
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=tuple(window_size),
+            softcap=softcap,
+            learnable_sink=learnable_sink,
+            return_lse=return_lse,
+            deterministic=deterministic,
             **mods,
-        )  # fmt: skip
+        )
     except Exception as exc:
         rule = refusal_of(exc)
         if rule is None:
@@ -516,8 +530,9 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, retu
     if bsl is not None:  # production's varlen layout (fa4.varlen.varlen_block_lists): the forward only
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-        seqs = sequences(q, k, **{n: kw.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
-                                                           "page_table")})  # fmt: skip
+        seqs = sequences(
+            q, k, **{n: kw.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "page_table")}
+        )
         lens = [(s.q_rows[1] - s.q_rows[0], s.k_index.numel()) for s in seqs]
         lists = varlen_block_lists(bsl, lens, heads=q.shape[-2])
         size = next((tuple(b.block_size) for b in bsl if b is not None), None)

@@ -176,9 +176,13 @@ def _real_mods(cfg: dict) -> dict:
     from fa4.mods import build_mods, production_kwargs
 
     kw = build_mods(
-        **names, batch=cfg["batch"], heads_q=cfg["heads_q"], seqlen_q=cfg["seqlen_q"], seqlen_k=cfg["seqlen_k"],
+        **names,
+        batch=cfg["batch"],
+        heads_q=cfg["heads_q"],
+        seqlen_q=cfg["seqlen_q"],
+        seqlen_k=cfg["seqlen_k"],
         seed=cfg.get("seed", 0),
-    )  # fmt: skip
+    )
     return production_kwargs(kw)
 
 
@@ -241,10 +245,22 @@ def _call_backward_on_fake_tensors(interface, cfg: dict, mods: dict) -> Exceptio
         bwd_mods = {k: fm.get(k) for k in ("score_mod", "score_mod_bwd", "mask_mod", "aux_tensors", "aux_scalars")}
         try:
             interface._flash_attn_bwd(
-                q, k, v, out, torch.empty_like(out), lse, None, cfg["causal"], cfg["softcap"],
-                window_size_left=window[0], window_size_right=window[1], deterministic=False,
-                **bwd_mods, block_sparse_tensors=fm.get("block_sparse_tensors_bwd"), learnable_sink=sink,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                out,
+                torch.empty_like(out),
+                lse,
+                None,
+                cfg["causal"],
+                cfg["softcap"],
+                window_size_left=window[0],
+                window_size_right=window[1],
+                deterministic=False,
+                **bwd_mods,
+                block_sparse_tensors=fm.get("block_sparse_tensors_bwd"),
+                learnable_sink=sink,
+            )
         except Exception as exc:
             return exc
     return None

@@ -91,8 +91,7 @@ def empty_outputs(q: torch.Tensor, v: torch.Tensor, *, packed: bool) -> tuple[to
     """A varlen call's out (shaped as q with v's head dim; bf16 for fp8 inputs) and lse ((hq,
     total_q) packed, else (b, hq, sq)), before any sequence is written: rows no sequence owns
     (past ``seqused_q``) stay out 0, lse -inf."""
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.bfloat16 if q.dtype in FP8 else q.dtype,
-                      device=q.device)  # fmt: skip
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.bfloat16 if q.dtype in FP8 else q.dtype, device=q.device)
     shape = (q.shape[-2], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
     return out, torch.full(shape, -math.inf, device=q.device)
 
@@ -232,9 +231,14 @@ def varlen_attention(
             f"q must be {'(total_q, heads, d)' if packed_q else '(batch, seqlen, heads, d)'}, got {tuple(q.shape)}"
         )
     seqs = sequences(
-        q, k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        q,
+        k,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        seqused_q=seqused_q,
+        seqused_k=seqused_k,
         page_table=page_table,
-    )  # fmt: skip
+    )
     if bsl is not None and len(bsl) != len(seqs):
         raise ValueError(f"block_sparse_tensors has {len(bsl)} entries for {len(seqs)} sequences: one per sequence")
     hq, hk = q.shape[-2], k.shape[-2]
@@ -251,20 +255,50 @@ def varlen_attention(
             continue
         validate_inputs(qs, ks, vs, learnable_sink)
         bs = None if bsl is None or ks.shape[1] == 0 else bsl[seq.index]
-        nm = numerics or replace(sequence_numerics(
-            arch, qs, ks, vs, causal, window_size, varlen_q=packed_q or seqused_q is not None,
-            num_splits=num_splits, page_size=page_size, pack=pack, max_seqlen_q=max_seqlen_q,
-            block_sparse=None if bs is None else tuple(bs.block_size),
-        ), mma=mma)  # fmt: skip
+        nm = numerics or replace(
+            sequence_numerics(
+                arch,
+                qs,
+                ks,
+                vs,
+                causal,
+                window_size,
+                varlen_q=packed_q or seqused_q is not None,
+                num_splits=num_splits,
+                page_size=page_size,
+                pack=pack,
+                max_seqlen_q=max_seqlen_q,
+                block_sparse=None if bs is None else tuple(bs.block_size),
+            ),
+            mma=mma,
+        )
         if bs is not None and packed_q and bs.block_size[0] != nm.tile_m:
             raise NotImplementedError(
                 f"Varlen block sparsity requires sparse_block_size[0]={nm.tile_m} (= q_stage * tile_m); got "
                 f"{bs.block_size[0]} (block_sparsity.normalize_block_sparse_config)"
             )
-        mods = FwdMods.of(**sequence_mods(seq.index, score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                                          block_sparse_tensors=None if bs is None else bsl))  # fmt: skip
-        o, lo = _one_sequence(qs, ks, vs, nm, kw, learnable_sink, hq // hk if pack else 1, n_split, out.dtype,
-                              split_kv=num_splits > 1, mods=None if mods.empty else mods)  # fmt: skip
+        mods = FwdMods.of(
+            **sequence_mods(
+                seq.index,
+                score_mod=score_mod,
+                mask_mod=mask_mod,
+                aux_tensors=aux_tensors,
+                block_sparse_tensors=None if bs is None else bsl,
+            )
+        )
+        o, lo = _one_sequence(
+            qs,
+            ks,
+            vs,
+            nm,
+            kw,
+            learnable_sink,
+            hq // hk if pack else 1,
+            n_split,
+            out.dtype,
+            split_kv=num_splits > 1,
+            mods=None if mods.empty else mods,
+        )
         seq.place(out, lse, o, lo, packed=packed_q)
     return (out, lse) if return_lse else out
 
@@ -329,9 +363,20 @@ def packs_gqa(pack_gqa: bool | None, heads_q: int, heads_kv: int) -> bool:
 
 
 def sequence_numerics(
-    arch: str, q, k, v, causal: bool, window: tuple, *, varlen_q: bool, num_splits: int, page_size: int | None,
-    pack: bool, max_seqlen_q: int | None, block_sparse: tuple[int, int] | None = None,
-) -> FA4Numerics:  # fmt: skip
+    arch: str,
+    q,
+    k,
+    v,
+    causal: bool,
+    window: tuple,
+    *,
+    varlen_q: bool,
+    num_splits: int,
+    page_size: int | None,
+    pack: bool,
+    max_seqlen_q: int | None,
+    block_sparse: tuple[int, int] | None = None,
+) -> FA4Numerics:
     """Production's numerics for one sequence (batch-1 q, k, v) of a varlen call: SM90's depend
     on head dims and masks only; SM100's 2-CTA choice (which sets the exp2 interleave) is off for
     packed or seqused queries (``varlen_q``; head dim 256 aside), splits and page sizes other than
@@ -345,10 +390,18 @@ def sequence_numerics(
     hd256 = q.shape[-1] == 256 and v.shape[-1] == 256
     off = num_splits > 1 or page_size not in (None, 0, 128) or (varlen_q and not hd256)
     return FA4Numerics.sm100(
-        q.dtype, q.shape[-1], causal, local,
-        seqlen_q=max_seqlen_q or q.shape[1], qhead_per_kvhead=q.shape[2] // k.shape[2], head_dim_v=v.shape[-1],
-        use_2cta=False if off else None, pack_gqa=bool(pack), varlen_q=varlen_q, block_sparse=block_sparse,
-    )  # fmt: skip
+        q.dtype,
+        q.shape[-1],
+        causal,
+        local,
+        seqlen_q=max_seqlen_q or q.shape[1],
+        qhead_per_kvhead=q.shape[2] // k.shape[2],
+        head_dim_v=v.shape[-1],
+        use_2cta=False if off else None,
+        pack_gqa=bool(pack),
+        varlen_q=varlen_q,
+        block_sparse=block_sparse,
+    )
 
 
 def varlen_block_sparse(bs) -> tuple:
@@ -448,9 +501,7 @@ def sequence_mods(
     return out
 
 
-def _one_sequence(
-    q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype, *, split_kv: bool = False, mods=None
-):  # fmt: skip
+def _one_sequence(q, k, v, nm, kw, sink, pack: int, num_splits: int, out_dtype, *, split_kv: bool = False, mods=None):
     """One sequence: the loop over each split's blocks, the epilogue, and (``split_kv``) the
     combine.  A split-KV call stays one when a sequence gets a single split (SM100's per-sequence
     counts): the kernel still writes partials (an empty range: LSE -inf, no sink) and the combine

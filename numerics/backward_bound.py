@@ -175,8 +175,20 @@ class _Consts:
         mods = mods or {}
         cap = float(softcap or 0.0)
         sm = softcap_score_mod(cap) if cap > 0 else mods.get("score_mod")
-        return cls(scale, _f32(scale), cap, l2e, _f32(l2e), format_of(q.dtype), fmt_ds, q.shape[2] // k.shape[2],
-                   sm, mods.get("aux_tensors"), mods.get("mask_mod"), mods.get("block_sparse_tensors"))  # fmt: skip
+        return cls(
+            scale,
+            _f32(scale),
+            cap,
+            l2e,
+            _f32(l2e),
+            format_of(q.dtype),
+            fmt_ds,
+            q.shape[2] // k.shape[2],
+            sm,
+            mods.get("aux_tensors"),
+            mods.get("mask_mod"),
+            mods.get("block_sparse_tensors"),
+        )
 
     def scaled(self, e_acc, exact):
         """Step 6: the FMUL by the float32 scale on an accumulator with error ``e_acc``, then the
@@ -202,8 +214,16 @@ def _row_terms(q, do, out, lse, dlse, reference, c: _Consts) -> dict:
         dprime = dprime - dlse.double()
     r_d = r_d + _U * (dprime.abs() + delta.abs() + r_d)  # rounding part of D'^ - D' (delta excluded)
     e_lse = (dl * c.l2e + lse_k_abs * (abs(c.l2e32 - c.l2e) + _U * c.l2e32) * (1 + _U)).unsqueeze(-1)
-    return {"lse_ex": lse_ex, "lse_k": lse_k, "dl": dl, "e_lse": e_lse, "delta": delta, "r_d": r_d,
-            "dprime": dprime, "e_d": delta.abs() + r_d}  # fmt: skip
+    return {
+        "lse_ex": lse_ex,
+        "lse_k": lse_k,
+        "dl": dl,
+        "e_lse": e_lse,
+        "delta": delta,
+        "r_d": r_d,
+        "dprime": dprime,
+        "e_d": delta.abs() + r_d,
+    }
 
 
 def _p_ds(qc, k, v, doc, vis, rw: dict, c: _Consts, rows: torch.Tensor):
@@ -271,9 +291,18 @@ def _mod_chunk_vis(q, k, causal, window, c: _Consts, rows, acc: dict) -> torch.T
     b, sq, hq, _ = q.shape
     sk, r = k.shape[1], rows.numel()
     vis = call_visibility(
-        batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window, mask_mod=c.mask_mod,
-        block_sparse_tensors=c.block_sparse, aux_tensors=c.aux, rows=rows, device=q.device,
-    )  # fmt: skip
+        batch=b,
+        heads=hq,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        causal=causal,
+        window_size=window,
+        mask_mod=c.mask_mod,
+        block_sparse_tensors=c.block_sparse,
+        aux_tensors=c.aux,
+        rows=rows,
+        device=q.device,
+    )
     vis_f = vis.expand(b, hq, r, sk).to(torch.float64)
     acc["n_q"][:, rows] = vis_f.sum(-1).permute(0, 2, 1).unsqueeze(-1)  # (b, rows, hq, 1)
     acc["n_key"] += vis_f.sum(-2).permute(0, 2, 1).unsqueeze(-1)
@@ -293,8 +322,9 @@ def _accumulate(q, k, v, do, causal, window, reference, rw: dict, c: _Consts, nm
     k64 = k.double().repeat_interleave(c.g, dim=2)
     ak = k64.abs()
     f64 = dict(dtype=torch.float64, device=dev)
-    acc = {n: torch.zeros(b, sk, hq, w, **f64) for n, w in (("v1", v.shape[-1]), ("v2", v.shape[-1]), ("k1", d),
-                                                            ("k2", d))}  # fmt: skip
+    acc = {
+        n: torch.zeros(b, sk, hq, w, **f64) for n, w in (("v1", v.shape[-1]), ("v2", v.shape[-1]), ("k1", d), ("k2", d))
+    }
     acc["q"] = torch.zeros(b, sq, hq, d, **f64)
     masks = c.mask_mod is not None or c.block_sparse is not None
     if not masks:
@@ -402,13 +432,23 @@ def backward_error_bound(
     score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
         aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
     )
-    mods = dict(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                block_sparse_tensors=block_sparse_tensors)  # fmt: skip
+    mods = dict(
+        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors
+    )
     if reference is None:
         reference = attention_grad_reference(
-            q, k, v, do, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-            learnable_sink=learnable_sink, dlse=dlse, **mods,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            do,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            learnable_sink=learnable_sink,
+            dlse=dlse,
+            **mods,
+        )
     c = _Consts.of(q, k, v, nm, softmax_scale, softcap, mods)
     rows = _row_terms(q, do, out, lse, dlse, reference, c)
     acc = _accumulate(q, k, v, do, causal, window_size, reference, rows, c, nm)

@@ -191,8 +191,9 @@ def mod_score(dot, e_dot, scale: float, scale32: float, score_mod, aux_tensors, 
     return s, e_pre, f, e_post.expand(s.shape)
 
 
-def step1_score(dot, e_dot, scale: float, scale32: float, softcap: float, l2e: float, *, score_mod=None,
-                aux_tensors=None, rows=None):  # fmt: skip
+def step1_score(
+    dot, e_dot, scale: float, scale32: float, softcap: float, l2e: float, *, score_mod=None, aux_tensors=None, rows=None
+):
     """Step 1 (score error) and the exponent's scale: (sl2, |sl2 - ideal|, base, e_score) where
     the ideal exponent is ``base * ideal`` (log2 units) and ``e_score`` the score's error in
     log2 units.  With a score_mod, or the softcap flag (production's softcap *is* a score_mod,
@@ -308,13 +309,16 @@ def softcap_score_mod(cap: float):
         return g * _sech2(s / cap)
 
     return ScoreMod(
-        "softcap_flag", fn, grad,
+        "softcap_flag",
+        fn,
+        grad,
         value_error=lambda s, b, h, q, kv, aux: softcap_value_error(s, cap),
         slope=lambda lo, hi, b, h, q, kv, aux: softcap_slope(lo, hi, cap),
         grad_error=lambda g, s, b, h, q, kv, aux: softcap_grad_error(g, s, cap),
         curvature=lambda lo, hi, b, h, q, kv, aux: softcap_curvature(lo, hi, cap),
-        params={"cap": cap}, per_head=False,
-    )  # fmt: skip
+        params={"cap": cap},
+        per_head=False,
+    )
 
 
 def _step2_exponent(base, vis, e_score, d_sl2: float, ideal: float, thr: float, off: float, ninf):
@@ -493,14 +497,22 @@ def forward_error_bound(
     score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
         aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
     )
-    mods = dict(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                block_sparse_tensors=block_sparse_tensors)  # fmt: skip
+    mods = dict(
+        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors
+    )
     if num_splits > 1:
         kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, **mods)
         return split_error_bound(
-            q, k, v, numerics, num_splits=num_splits, pack_gqa=pack_gqa, learnable_sink=learnable_sink,
-            reference=reference, **kw,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            numerics,
+            num_splits=num_splits,
+            pack_gqa=pack_gqa,
+            learnable_sink=learnable_sink,
+            reference=reference,
+            **kw,
+        )
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     nm = numerics
@@ -515,9 +527,17 @@ def forward_error_bound(
 
     dot, e_dot, v64 = dot_products(q, k, v)
     vis = call_visibility(
-        batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size, mask_mod=mask_mod,
-        block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, device=dev,
-    )  # fmt: skip
+        batch=b,
+        heads=hq,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        causal=causal,
+        window_size=window_size,
+        mask_mod=mask_mod,
+        block_sparse_tensors=block_sparse_tensors,
+        aux_tensors=aux_tensors,
+        device=dev,
+    )
     vis = vis.view(1, 1, sq, sk) if vis.dim() == 2 else vis  # (1|B, 1|H, sq, sk)
     if key_mask is not None:
         vis = vis & key_mask.to(dev).view(1, hq, sq, sk)
@@ -624,18 +644,37 @@ def split_error_bound(
     b, sq, hq, d = q.shape
     score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(
         aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )  # fmt: skip
-    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, score_mod=score_mod,
-              mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors)  # fmt: skip
+    )
+    kw = dict(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        aux_tensors=aux_tensors,
+        block_sparse_tensors=block_sparse_tensors,
+    )
     pack = hq // k.shape[2] if pack_gqa else 1
-    masks = split_key_masks(sq, k.shape[1], numerics.tile_m, numerics.tile_n, causal, window_size, q.device,
-                            heads=hq, pack=pack, num_splits=num_splits)  # fmt: skip
+    masks = split_key_masks(
+        sq,
+        k.shape[1],
+        numerics.tile_m,
+        numerics.tile_n,
+        causal,
+        window_size,
+        q.device,
+        heads=hq,
+        pack=pack,
+        num_splits=num_splits,
+    )
     parts = []
     for s, m in enumerate(masks):
         sink = learnable_sink if s == 0 else None
         ref_s = attention_reference(q, k, v, learnable_sink=sink, return_lse=True, key_mask=m, **kw)
-        ob, lb = forward_error_bound(q, k, v, numerics, learnable_sink=sink, reference=ref_s, key_mask=m, partial=True,
-                                     **kw)  # fmt: skip
+        ob, lb = forward_error_bound(
+            q, k, v, numerics, learnable_sink=sink, reference=ref_s, key_mask=m, partial=True, **kw
+        )
         parts.append((ref_s[0].permute(0, 2, 1, 3), ref_s[1], ob.permute(0, 2, 1, 3), lb))  # (b, h, i, ·)
     if reference is None:
         reference = attention_reference(q, k, v, learnable_sink=learnable_sink, return_lse=True, **kw)
@@ -664,10 +703,14 @@ def _combine_bound(parts, o_full, lse_full, n: int) -> tuple[torch.Tensor, torch
     gam = gamma(float(n) + 1)
     x, r = MUFU["ex2_rel"], MUFU["rcp_rel"]
     e = [
-        margin * (_U * m_abs * l2e + _U * (fin(lses[s] - l_max).abs() + 2 * beta_max) * l2e
-                  + (fin(lses[s] - l_max).abs() + 2 * beta_max) * abs(l2e_f - l2e))
+        margin
+        * (
+            _U * m_abs * l2e
+            + _U * (fin(lses[s] - l_max).abs() + 2 * beta_max) * l2e
+            + (fin(lses[s] - l_max).abs() + 2 * beta_max) * abs(l2e_f - l2e)
+        )
         for s in range(n)
-    ]  # fmt: skip
+    ]
     e_max = torch.stack(e).amax(0)
     out_b = torch.zeros_like(o_full)
     for s, (o_s, l_s, b_s, beta_s) in enumerate(parts):
@@ -681,8 +724,9 @@ def _combine_bound(parts, o_full, lse_full, n: int) -> tuple[torch.Tensor, torch
     rel = 2.0**e_max * (1 + x) * (1 + gam) - 1
     lg2_err = torch.maximum(MUFU["lg2_rel"] * y, torch.full_like(y, MUFU["lg2_abs"]))
     lse_b = (
-        beta_max + ln2 * (torch.where(rel < 1, -torch.log2((1 - rel).clamp(min=1e-300)), math.inf) + lg2_err)
+        beta_max
+        + ln2 * (torch.where(rel < 1, -torch.log2((1 - rel).clamp(min=1e-300)), math.inf) + lg2_err)
         + abs(_f32(ln2) - ln2) * y
         + 2 * _U * margin * (fin(lse_full).abs() + beta_max + y)
-    )  # fmt: skip
+    )
     return out_b, lse_b

@@ -144,10 +144,18 @@ def _chunk_visibility(r0: int, r1: int, dims: tuple, mods: dict, *, causal, wind
     if mods["mask_mod"] is None and mods["block_sparse_tensors"] is None:
         return _visible_rows(r0, r1, sq, sk, causal=causal, window_size=window_size, device=device)
     m = call_visibility(
-        batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size,
-        mask_mod=mods["mask_mod"], block_sparse_tensors=mods["block_sparse_tensors"], aux_tensors=mods["aux_tensors"],
-        rows=torch.arange(r0, r1, device=device), device=device,
-    )  # fmt: skip
+        batch=b,
+        heads=hq,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        causal=causal,
+        window_size=window_size,
+        mask_mod=mods["mask_mod"],
+        block_sparse_tensors=mods["block_sparse_tensors"],
+        aux_tensors=mods["aux_tensors"],
+        rows=torch.arange(r0, r1, device=device),
+        device=device,
+    )
     return _grouped(m, hk, g)
 
 
@@ -246,8 +254,12 @@ def attention_grad_reference(
     )
     if score_mod is not None and score_mod.grad is None:
         raise ValueError(f"score_mod {score_mod.name!r} has no grad (no score_mod_bwd): its backward is refused")
-    mods = {"score_mod": score_mod, "mask_mod": mask_mod, "aux_tensors": aux_tensors,
-            "block_sparse_tensors": block_sparse_tensors}  # fmt: skip
+    mods = {
+        "score_mod": score_mod,
+        "mask_mod": mask_mod,
+        "aux_tensors": aux_tensors,
+        "block_sparse_tensors": block_sparse_tensors,
+    }
     g = hq // hk
     dev, f64 = q.device, torch.float64
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -583,9 +595,17 @@ def attention_lowprec_grads(
         if score_mod is not None:
             s = apply_score_mod(s, score_mod, aux_tensors)
         vis = call_visibility(
-            batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size, mask_mod=mask_mod,
-            block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, device=q.device,
-        )  # fmt: skip
+            batch=b,
+            heads=hq,
+            seqlen_q=sq,
+            seqlen_k=sk,
+            causal=causal,
+            window_size=window_size,
+            mask_mod=mask_mod,
+            block_sparse_tensors=block_sparse_tensors,
+            aux_tensors=aux_tensors,
+            device=q.device,
+        )
         s = s.masked_fill(~vis, -math.inf)
         if sink is not None:
             s = torch.cat([s, sink.to(s.dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)], dim=-1)

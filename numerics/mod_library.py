@@ -269,8 +269,10 @@ def _temperature(*, scalar_base: int = 0, seed: int, **_) -> tuple[ScoreMod, lis
     Each is evaluated in float64 and widened by ``1 + 2^-50`` for its own few roundings; the
     underflow of a product (TINY) is the bounds' own term."""
     i = int(scalar_base)
-    tau = float(TEMPERATURE_RANGE[0] + (TEMPERATURE_RANGE[1] - TEMPERATURE_RANGE[0]) * torch.rand(
-        (), generator=_gen(seed, 4), dtype=torch.float64))  # fmt: skip
+    tau = float(
+        TEMPERATURE_RANGE[0]
+        + (TEMPERATURE_RANGE[1] - TEMPERATURE_RANGE[0]) * torch.rand((), generator=_gen(seed, 4), dtype=torch.float64)
+    )
 
     def scalar(aux_scalars) -> float:
         if aux_scalars is None or len(aux_scalars) <= i:
@@ -298,11 +300,13 @@ def _temperature(*, scalar_base: int = 0, seed: int, **_) -> tuple[ScoreMod, lis
     hooks = {
         "value_error": lambda s, b, h, q, kv, aux, *, aux_scalars=None: s.abs() * rel(aux_scalars),
         "slope": lambda lo, hi, b, h, q, kv, aux, *, aux_scalars=None: torch.full_like(
-            lo, abs(float(scalar(aux_scalars)))),
+            lo, abs(float(scalar(aux_scalars)))
+        ),
         "grad_error": lambda g, s, b, h, q, kv, aux, *, aux_scalars=None: (g.abs() * rel(aux_scalars)).expand(
-            torch.broadcast_shapes(g.shape, s.shape)),
+            torch.broadcast_shapes(g.shape, s.shape)
+        ),
         "curvature": lambda lo, hi, b, h, q, kv, aux, *, aux_scalars=None: torch.zeros_like(lo),
-    }  # fmt: skip
+    }
     params = {"aux_scalars": (tau,), "scalar_base": i, "range": TEMPERATURE_RANGE}
     return ScoreMod("temperature", fn, grad, params=params, per_head=False, **hooks), []
 

@@ -240,9 +240,13 @@ def at_sequence(mod, index: int, *, forms: Mapping[str, Any] | None = None):
     if isinstance(mod, ScoreMod):
         hooks = {n: shift_batch_arg(getattr(mod, n), 2, index) for n in ("slope", "grad_error", "curvature")}
         return replace(
-            mod, fn=shift_batch_arg(mod.fn, 1, index), grad=shift_batch_arg(mod.grad, 2, index),
-            value_error=shift_batch_arg(mod.value_error, 1, index), forms=dict(forms or {}), **hooks,
-        )  # fmt: skip
+            mod,
+            fn=shift_batch_arg(mod.fn, 1, index),
+            grad=shift_batch_arg(mod.grad, 2, index),
+            value_error=shift_batch_arg(mod.value_error, 1, index),
+            forms=dict(forms or {}),
+            **hooks,
+        )
     if isinstance(mod, MaskMod):
         return replace(mod, fn=shift_batch_arg(mod.fn, 0, index), forms=dict(forms or {}))
     raise TypeError(f"at_sequence takes a ScoreMod or MaskMod, got {type(mod).__name__}")

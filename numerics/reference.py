@@ -94,8 +94,9 @@ def visible_mask(
     """Bool (seqlen_q, seqlen_k): True where key j is visible to query i (module doc); with
     ``rows`` / ``keys`` (index tensors) only at those rows and keys (a figure samples a 32k x 32k
     mask: the whole one would be a gigabyte)."""
-    first, last = visible_key_range(seqlen_q, seqlen_k, causal=causal, window_size=window_size, rows=rows,
-                                    device=device)  # fmt: skip
+    first, last = visible_key_range(
+        seqlen_q, seqlen_k, causal=causal, window_size=window_size, rows=rows, device=device
+    )
     j = torch.arange(seqlen_k, device=device) if keys is None else torch.as_tensor(keys, device=device).long()
     return (j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None])
 
@@ -140,13 +141,20 @@ def call_visibility(
 
     _, mask_mod, block_sparse_tensors = bind_aux_scalars(
         aux_scalars, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )  # fmt: skip
+    )
 
     flags = visible_mask(seqlen_q, seqlen_k, causal=causal, window_size=window_size, device=device, rows=rows)
     mods = visibility(
-        batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, mask_mod=mask_mod,
-        block_sparse=block_sparse_tensors, aux=aux_tensors, rows=rows, device=device,
-    )  # fmt: skip
+        batch=batch,
+        heads=heads,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        mask_mod=mask_mod,
+        block_sparse=block_sparse_tensors,
+        aux=aux_tensors,
+        rows=rows,
+        device=device,
+    )
     if mods is None:
         return flags
     return flags.view(1, 1, *flags.shape) & mods.view(*((1,) * (4 - mods.dim())), *mods.shape[-4:])
@@ -282,9 +290,17 @@ def attention_reference(
     if score_mod is not None:
         s = apply_score_mod(s, score_mod, aux_tensors).clone()  # a fresh tensor: the passes below are in place
     vis = call_visibility(
-        batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size, mask_mod=mask_mod,
-        block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, device=q.device,
-    )  # fmt: skip
+        batch=b,
+        heads=hq,
+        seqlen_q=sq,
+        seqlen_k=sk,
+        causal=causal,
+        window_size=window_size,
+        mask_mod=mask_mod,
+        block_sparse_tensors=block_sparse_tensors,
+        aux_tensors=aux_tensors,
+        device=q.device,
+    )
     if key_mask is not None:
         vis = (vis.view(1, sq, sk) if vis.dim() == 2 else vis) & key_mask.to(q.device)
     if not bool(vis.all()):
@@ -331,9 +347,18 @@ def _row_visibility(q, k, causal, window_size, mask_mod, block_sparse_tensors, a
 
     def one(bi: int, h: int, i: int) -> torch.Tensor:
         m = call_visibility(
-            batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=causal, window_size=window_size, mask_mod=mask_mod,
-            block_sparse_tensors=block_sparse_tensors, aux_tensors=aux_tensors, rows=torch.tensor([i]), device=q.device,
-        )  # fmt: skip
+            batch=b,
+            heads=hq,
+            seqlen_q=sq,
+            seqlen_k=sk,
+            causal=causal,
+            window_size=window_size,
+            mask_mod=mask_mod,
+            block_sparse_tensors=block_sparse_tensors,
+            aux_tensors=aux_tensors,
+            rows=torch.tensor([i]),
+            device=q.device,
+        )
         return m[bi if m.shape[0] > 1 else 0, h if m.shape[1] > 1 else 0, 0].cpu()
 
     return one
@@ -399,8 +424,16 @@ def mp_attention_rows(
                     s = softcap * mpmath.tanh(s / softcap)
                 logits.append((j, s))
             if score_mod is not None:
-                f = mod_logits_row(score_mod, [s for _, s in logits], batch_idx=bi, head_idx=h, q_idx=i,
-                                   keys=[j for j, _ in logits], aux_tensors=aux_tensors, device=q.device)  # fmt: skip
+                f = mod_logits_row(
+                    score_mod,
+                    [s for _, s in logits],
+                    batch_idx=bi,
+                    head_idx=h,
+                    q_idx=i,
+                    keys=[j for j, _ in logits],
+                    aux_tensors=aux_tensors,
+                    device=q.device,
+                )
                 logits = [(j, mpmath.mpf(x)) for (j, _), x in zip(logits, f)]
             dv = v.shape[-1]
             w = mp_softmax(
@@ -481,8 +514,16 @@ def _exact_row(q, k, v, row_vis, row: tuple[int, int, int], scale, softcap: floa
         return None
     logits = _exact_logits(qi, kj, scale, softcap)
     if mods["score_mod"] is not None:  # f in float64 at the rounded exact score (mod_logits_row)
-        f = mod_logits_row(mods["score_mod"], logits, batch_idx=bi, head_idx=h, q_idx=i, keys=js.tolist(),
-                           aux_tensors=mods["aux_tensors"], device=q.device)  # fmt: skip
+        f = mod_logits_row(
+            mods["score_mod"],
+            logits,
+            batch_idx=bi,
+            head_idx=h,
+            q_idx=i,
+            keys=js.tolist(),
+            aux_tensors=mods["aux_tensors"],
+            device=q.device,
+        )
         logits = [mpmath.mpf(x) for x in f]
     dv = v.shape[-1]
     w = mp_softmax(logits, None if sink is None else mpmath.mpf(sink))

@@ -73,9 +73,13 @@ def _chunk(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, extra_bits: int) -
 
 
 def tc_dot(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *, block: int = TC_BLOCK,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None = None,
+    *,
+    block: int = TC_BLOCK,
     extra_bits: int = TC_EXTRA_BITS,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``c + sum_k a[..., k] b[..., k]`` as the tensor cores compute it (module doc): a and b of
     a 16-bit (or 8-bit) float dtype, broadcast together, reduced over their last dimension in
     blocks of ``block`` in order; c float32 (zeros when None).  Returns float32.  On the CPU a

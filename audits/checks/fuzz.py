@@ -233,7 +233,7 @@ def fuzz(
                 device=torch.device(device).type,
                 thresholds_path=thresholds.get("path"),
                 backward=backward,
-            ),  # fmt: skip
+            ),
         }
     best_t, best_c = state["best"]
     return {

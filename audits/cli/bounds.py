@@ -51,9 +51,18 @@ def _print_table(rows: list, seqlen_k: int, max_v: float) -> None:
 
     console = Console()
     columns = [
-        "dtype", "threshold", "max_offset", "max P", "dtype max", "headroom (log2)", "min P after cast",
-        "mass lost to flush <=", "row sum headroom", "O headroom", "safe",
-    ]  # fmt: skip
+        "dtype",
+        "threshold",
+        "max_offset",
+        "max P",
+        "dtype max",
+        "headroom (log2)",
+        "min P after cast",
+        "mass lost to flush <=",
+        "row sum headroom",
+        "O headroom",
+        "safe",
+    ]
     cells = [
         [
             r.dtype,
@@ -67,7 +76,7 @@ def _print_table(rows: list, seqlen_k: int, max_v: float) -> None:
             f"{r.row_sum_headroom_log2(seqlen_k):.1f}",
             f"{r.o_accumulator_headroom_log2(seqlen_k, max_v):.1f}",
             "yes" if r.safe else "NO",
-        ]  # fmt: skip
+        ]
         for r in rows
     ]
     print_table(console, f"lazy rescaling range analysis (seqlen_k {seqlen_k:,}, max|V| {max_v:g})", columns, cells)

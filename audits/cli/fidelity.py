@@ -139,8 +139,10 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         f"LSE {100 * s['lse_fraction_identical']:.3f}% identical; report: {out / 'fidelity.md'}"
     )
     if outside:
-        print(f"{outside} case(s) of {sel.label!r} lie outside the kernels' domain (declared, narrowed by --domain) "
-              "and were not run (report: domain)")  # fmt: skip
+        print(
+            f"{outside} case(s) of {sel.label!r} lie outside the kernels' domain (declared, narrowed by --domain) "
+            "and were not run (report: domain)"
+        )
     for u in unfinished:
         print(f"{u['verdict'].upper()} {u['case']}: {u['reason']}")
     return EXIT_OK if s["cases_ok"] == s["cases"] and not unfinished else EXIT_FAIL
@@ -161,9 +163,11 @@ def register(sub) -> None:
         "production kernel needs --device cuda).",
     )
     f.add_argument(
-        "--device", default="cpu", choices=["cpu", "cuda"],
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
         help="where the kernels run (default cpu, as everywhere; the production kernel fa4 needs --device cuda)",
-    )  # fmt: skip
+    )
     f.add_argument(
         "--production",
         default="fa4",

@@ -85,8 +85,10 @@ def _within(targets: list[tuple], domain_file: str | None) -> list[tuple]:
     if not domain_file:
         return targets
     narrow = kernels_domains([], domain_file)[0]
-    return [tuple(None if t is None else dataclasses.replace(t, domain=t.domain.narrow(narrow)) for t in pair)
-            for pair in targets]  # fmt: skip
+    return [
+        tuple(None if t is None else dataclasses.replace(t, domain=t.domain.narrow(narrow)) for t in pair)
+        for pair in targets
+    ]
 
 
 def _in_workers(args, targets: list, device) -> tuple[list, list]:
@@ -124,10 +126,17 @@ def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
     mname = None if model is None else model.name
     summary = core.summarize(records, _required(args.require), mname)
     return {
-        "schema": SCHEMA, "kernel": t.name, "predict": mname, "suite": label, **meta, "device": str(device),
-        "seconds": round(time.perf_counter() - t0, 2), "properties": props, "summary": summary,
+        "schema": SCHEMA,
+        "kernel": t.name,
+        "predict": mname,
+        "suite": label,
+        **meta,
+        "device": str(device),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "properties": props,
+        "summary": summary,
         "cases": records,
-    }  # fmt: skip
+    }
 
 
 def cmd_invariance(args: argparse.Namespace) -> int:
@@ -171,12 +180,16 @@ def _print_summary(report: dict, d: Path) -> None:
     pred = s.get("prediction")
     for p, n in s["counts"].items():
         req = " (required)" if p in s["required"] else ""
-        print(f"{kern} {p}{req}: {n['holds']} hold, {n['differs']} differ, {n['not applicable']} n.a., "
-              f"{n['skipped']} skipped, {n['error']} error, {n['timeout']} timeout")  # fmt: skip
+        print(
+            f"{kern} {p}{req}: {n['holds']} hold, {n['differs']} differ, {n['not applicable']} n.a., "
+            f"{n['skipped']} skipped, {n['error']} error, {n['timeout']} timeout"
+        )
         if pred:
             a = pred["per_property"][p]
-            print(f"  predicted by {pred['model']}: {a['agree']} agree, {a['disagree']} disagree, "
-                  f"{a['not compared']} not compared")  # fmt: skip
+            print(
+                f"  predicted by {pred['model']}: {a['agree']} agree, {a['disagree']} disagree, "
+                f"{a['not compared']} not compared"
+            )
         if p in s.get("uncompared", {}):  # required, compared nowhere: fails the run
             print(f"  FAIL {p}: {s['uncompared'][p]}")
         for r in report["cases"]:
@@ -212,24 +225,37 @@ def register(sub) -> None:
         "them.",
     )
     r.add_argument(
-        "--kernel", required=True, action="append",
+        "--kernel",
+        required=True,
+        action="append",
         help="a kernel name (fa4-model, sdpa-math, ...), module:attr or path/to/file.py:fn; repeatable",
-    )  # fmt: skip
+    )
     add_case_arguments(r, default_suite="smoke")
-    r.add_argument("--require", default=None,
-                   help=f"comma-separated properties that gate the exit code ({', '.join(ALL_PROPERTIES)}); "
-                   "the others are reported only (a required mod property is run without --mods)")  # fmt: skip
-    r.add_argument("--mods", action="store_true",
-                   help=f"also run the mod properties ({', '.join(MOD_PROPERTIES)}: block-sparse vs dense, mask_mod / "
-                   "score_mod vs the causal / window / softcap flags; docs/invariance.md)")  # fmt: skip
-    r.add_argument("--predict", default=None, metavar="MODEL",
-                   help="run the same properties on MODEL (a kernel name) with the same inputs and report its "
-                   "verdicts beside the measured ones; 'none': no prediction; default: for fa4 the model of this "
-                   "machine's production arch (fa4-model-sm90 on Hopper, fa4-model otherwise), none for "
-                   "others")  # fmt: skip
+    r.add_argument(
+        "--require",
+        default=None,
+        help=f"comma-separated properties that gate the exit code ({', '.join(ALL_PROPERTIES)}); "
+        "the others are reported only (a required mod property is run without --mods)",
+    )
+    r.add_argument(
+        "--mods",
+        action="store_true",
+        help=f"also run the mod properties ({', '.join(MOD_PROPERTIES)}: block-sparse vs dense, mask_mod / "
+        "score_mod vs the causal / window / softcap flags; docs/invariance.md)",
+    )
+    r.add_argument(
+        "--predict",
+        default=None,
+        metavar="MODEL",
+        help="run the same properties on MODEL (a kernel name) with the same inputs and report its "
+        "verdicts beside the measured ones; 'none': no prediction; default: for fa4 the model of this "
+        "machine's production arch (fa4-model-sm90 on Hopper, fa4-model otherwise), none for "
+        "others",
+    )
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernels run (default cpu)")
-    r.add_argument("--out", default="reports/invariance-latest",
-                   help="report directory (default reports/invariance-latest)")  # fmt: skip
+    r.add_argument(
+        "--out", default="reports/invariance-latest", help="report directory (default reports/invariance-latest)"
+    )
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     add_timeout_argument(r, note=IN_PROCESS_NOTE)
     r.set_defaults(func=cmd_invariance)

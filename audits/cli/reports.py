@@ -90,9 +90,14 @@ def _summarize(rep: dict, *, selected: int | None = None) -> dict:
     basis = basis_of_coverage(cov) or legacy_basis(rep)  # the coverage recomputed over these cases, same basis
     bwd = "backward" in cov["directions"] if "directions" in cov else None
     return build_report(
-        **{k: rep[k] for k in keys}, records=rep["cases"], shard=rep.get("shard"), selected=sel,
-        stopped=rep["summary"].get("stopped"), coverage_basis=basis, backward=bwd,
-    )  # fmt: skip
+        **{k: rep[k] for k in keys},
+        records=rep["cases"],
+        shard=rep.get("shard"),
+        selected=sel,
+        stopped=rep["summary"].get("stopped"),
+        coverage_basis=basis,
+        backward=bwd,
+    )
 
 
 def _say_partial(rep: dict, path: str) -> None:
@@ -190,10 +195,11 @@ def _show_plot(args: argparse.Namespace, rep: dict) -> int:
     rel = rec.get("error_map")
     if not rel:
         why = (
-            f"it did not fail (verdict {rec['verdict']})" if rec["verdict"] not in FAILING else
-            f"its failure ({rec['verdict']}) has no element past the bound to map: a kernel error, crash or "
+            f"it did not fail (verdict {rec['verdict']})"
+            if rec["verdict"] not in FAILING
+            else f"its failure ({rec['verdict']}) has no element past the bound to map: a kernel error, crash or "
             "timeout, a failure that is not per element, or a report written before error maps existed"
-        )  # fmt: skip
+        )
         raise UsageError(f"case {args.case} has no error map: {why}")
     npz = Path(run_reports(args.report)[0]).parent / rel
     if not npz.is_file():
@@ -486,10 +492,18 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         backward = BackwardOptions(repeat=2)
     try:
         res = fuzz(
-            args.kernel, budget=args.budget, device=device, thresholds=th, database=args.database,
-            max_seqlen=args.max_seqlen, seed=args.seed, backward=backward, narrow=narrow, timeout=_timeout(args),
+            args.kernel,
+            budget=args.budget,
+            device=device,
+            thresholds=th,
+            database=args.database,
+            max_seqlen=args.max_seqlen,
+            seed=args.seed,
+            backward=backward,
+            narrow=narrow,
+            timeout=_timeout(args),
             mods=args.mods,
-        )  # fmt: skip
+        )
     except ValueError as exc:  # --mods on a kernel whose domain declares no mod kind
         if not args.mods:
             raise
@@ -519,14 +533,17 @@ def _register_fuzz(sub) -> None:
     fz.add_argument("--backward", action="store_true", help="audit the gradients too (as run --backward, 2 repeats)")
     fz.add_argument("--seed", type=int, default=None, help="a fixed search (the database is then not used)")
     fz.add_argument(
-        "--domain", default=None, metavar="FILE.toml",
+        "--domain",
+        default=None,
+        metavar="FILE.toml",
         help="a TOML file of domain keys (audits/suites/domain.py) narrowing what the kernel declares: dtypes "
         "and lengths are drawn inside it, other draws outside it are skipped",
-    )  # fmt: skip
+    )
     fz.add_argument(
-        "--mods", action="store_true",
+        "--mods",
+        action="store_true",
         help="draw the library mods (score_mod, mask_mod, block sparsity) the kernel's domain declares (docs/mods.md)",
-    )  # fmt: skip
+    )
     fz.add_argument("--out", default="reports/fuzz-latest", help="writes OUT/fuzz.json (default reports/fuzz-latest)")
     add_timeout_argument(fz, note=IN_PROCESS_NOTE)
     fz.set_defaults(func=cmd_fuzz)
@@ -539,10 +556,11 @@ def register(sub) -> None:
     g.add_argument("report", help="the report.json (or .json.gz / .json.xz) to re-judge")
     g.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/verdict/thresholds.toml)")
     g.add_argument(
-        "--baseline", default=None,
+        "--baseline",
+        default=None,
         help="BASE.json: fail cases worse than the baseline by more than [baseline] max_ratio; "
         "exit 1 when no case matches",
-    )  # fmt: skip
+    )
     g.add_argument("--ignore-seed", action="store_true", help="match baseline cases by configuration, not seed")
     g.add_argument("--out", default=None, help="also write the re-judged report (json, md, html, junit) here")
     g.set_defaults(func=cmd_gate)
@@ -552,10 +570,11 @@ def register(sub) -> None:
         "--case", default=None, metavar="GLOB", help="show the cases whose name matches GLOB (a full name: that case)"
     )
     sh.add_argument(
-        "--plot", action="store_true",
+        "--plot",
+        action="store_true",
         help="render the --case's error map (|error|/bound per element, tiles, mask) and print the file's path; "
         "exit 2 when the case has none",
-    )  # fmt: skip
+    )
     sh.add_argument("--format", default="png", choices=["png", "svg"], help="--plot's format (default png)")
     sh.add_argument(
         "--tensor", default=None, choices=["out", "lse", "dq", "dk", "dv"], help="--plot only this tensor's panels"
@@ -568,7 +587,7 @@ def register(sub) -> None:
         description="Print a report's coverage (docs/runner.md, 'Coverage'): the head dims the kernel's domain "
         "accepts, those the run compared in the forward and in the backward, those it missed, and each code-path "
         "class of the kernel's architecture with one case that covered it.  Exit 0; 2 for a bad path.",
-    )  # fmt: skip
+    )
     cv.add_argument(
         "report", help="a report.json (or .json.gz / .json.xz), a run's journal.jsonl, or a run directory (--out DIR)"
     )
@@ -578,10 +597,11 @@ def register(sub) -> None:
     df.add_argument("cand", help="the candidate report.json, compared case by case with the baseline")
     df.add_argument("--ignore-seed", action="store_true", help="match cases by configuration, not seed")
     df.add_argument(
-        "--exit-zero", action="store_true",
+        "--exit-zero",
+        action="store_true",
         help="exit 0 even when a case got worse (report only; default: exit 1 when a verdict got worse in the order "
         "pass < warn < skipped, out-of-domain < fail, error, crash, timeout)",
-    )  # fmt: skip
+    )
     df.set_defaults(func=cmd_diff)
     mg = sub.add_parser("merge", help="combine shard reports (run --shard I/N) into one")
     mg.add_argument("reports", nargs="+", help="the shard reports (report.json of each run --shard I/N)")

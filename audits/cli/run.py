@@ -114,12 +114,24 @@ def _run_here(args, kernels, cases, label, th, device, header: dict, stopped: di
         task = bar.add_task(f"{', '.join(kernels)} / {label}", total=len(cases) * len(kernels), failing=0)
         try:
             return run_suites(
-                kernels, cases, device=device, out_dir=args.out, thresholds=th, suite=label, seed=args.seed,
-                resume=args.resume, exitfirst=args.exitfirst, isolate=isolate, progress=tick,
-                backward=_backward_options(args), per_sequence=args.per_sequence, timeout=timeout,
-                deadline=deadline, stopped=stopped,
+                kernels,
+                cases,
+                device=device,
+                out_dir=args.out,
+                thresholds=th,
+                suite=label,
+                seed=args.seed,
+                resume=args.resume,
+                exitfirst=args.exitfirst,
+                isolate=isolate,
+                progress=tick,
+                backward=_backward_options(args),
+                per_sequence=args.per_sequence,
+                timeout=timeout,
+                deadline=deadline,
+                stopped=stopped,
                 journal_extra={"report": header["report"], "coverage": _kept_bases(header["coverage"])},
-            )  # fmt: skip
+            )
         except JournalMismatch as exc:
             raise UsageError(f"--resume refused: {exc}") from exc
 
@@ -205,8 +217,11 @@ def _run_jobs(args, kernels, cases, label, stopped: dict) -> dict[str, list[dict
                 cmd += ["--out", str(d)]
                 # a session of its own: a terminal's Ctrl-C reaches this process only, which passes it on
                 # once (_interrupt_jobs), so that no job is interrupted again while it writes its report
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=pinned_env(env, gpus, i),
-                                              start_new_session=True))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, env=pinned_env(env, gpus, i), start_new_session=True
+                    )
+                )
         with progress(Console(stderr=True), quiet=args.quiet) as bar:
             task = bar.add_task(f"{', '.join(kernels)} / {label} ({n} jobs)", total=len(cases) * len(kernels))
             try:
@@ -311,8 +326,11 @@ def _run_header(args, device, th) -> dict:
     report = {
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
-        "device": str(device), "environment": env, "thresholds": th, "shard": args.shard,
-    }  # fmt: skip
+        "device": str(device),
+        "environment": env,
+        "thresholds": th,
+        "shard": args.shard,
+    }
     report = json.loads(json.dumps(report, default=str))  # as a journal line holds it (a TOML date as text)
     return {"started": time.monotonic(), "report": report}
 
@@ -381,10 +399,16 @@ def _report_runs(args, runs, cases, label, th, device, header: dict, stopped: st
     for kern, records in runs.items():
         missing = len(cases) - len(records)
         rep = build_report(
-            kernel=kern, suite=label, seed=args.seed, records=records, selected=len(cases),
-            stopped=(stopped or "unfinished") if missing else None, coverage_basis=header["coverage"][kern],
-            backward=args.backward, **header["report"],
-        )  # fmt: skip
+            kernel=kern,
+            suite=label,
+            seed=args.seed,
+            records=records,
+            selected=len(cases),
+            stopped=(stopped or "unfinished") if missing else None,
+            coverage_basis=header["coverage"][kern],
+            backward=args.backward,
+            **header["report"],
+        )
         if getattr(args, "shard_order", None):
             rep["shard_order"] = {r["case"]: args.shard_order[r["case"]] for r in records}
         if getattr(args, "domain_info", None):
@@ -401,8 +425,11 @@ def _report_runs(args, runs, cases, label, th, device, header: dict, stopped: st
             print(f"{kern}: nothing was audited: no case was compared with the reference", file=sys.stderr)
         if missing:
             why = _STOP_ADVICE[rep["summary"]["stopped"]].format(budget=args.budget or 0)
-            print(f"{kern}: {why}: {len(records)} of {len(cases)} selected cases run, {missing} not run "
-                  "(not checked); the report is partial. --resume continues the run", file=sys.stderr)  # fmt: skip
+            print(
+                f"{kern}: {why}: {len(records)} of {len(cases)} selected cases run, {missing} not run "
+                "(not checked); the report is partial. --resume continues the run",
+                file=sys.stderr,
+            )
     if stopped == "interrupted" and code != 1:
         return EXIT_INTERRUPTED
     return code
@@ -462,85 +489,109 @@ def register(sub) -> None:
         "crashes or times out (--timeout) or none was evaluated, 2 for usage and environment errors.",
     )
     r.add_argument(
-        "--kernel", required=True, action="append",
+        "--kernel",
+        required=True,
+        action="append",
         help="fa4, fa4-model, fa4-model-sm90, fa4-model-sm90-tc, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, "
         "module:attr or path/to/file.py:fn; repeat to audit several kernels on shared inputs and references",
-    )  # fmt: skip
+    )
     add_case_arguments(r, default_suite="smoke")
     r.add_argument("--label", default=None, help=argparse.SUPPRESS)  # the parent's label, for --jobs children
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernels run (default cpu)")
     r.add_argument("--out", default="reports/run-latest", help="report directory (default reports/run-latest)")
     r.add_argument(
-        "--maps", type=int, default=DEFAULT_MAPS, metavar="N",
+        "--maps",
+        type=int,
+        default=DEFAULT_MAPS,
+        metavar="N",
         help=f"render error maps of the N worst failing cases as OUT/maps/CASE.png and .svg, shown in report.html "
         f"(default {DEFAULT_MAPS}; 0: none; the map data is saved for every failing case)",
-    )  # fmt: skip
+    )
     r.add_argument("--thresholds", default=None, help="thresholds TOML (default: audits/verdict/thresholds.toml)")
     r.add_argument("--resume", action="store_true", help="continue the run in OUT (refused if OUT holds another run)")
     r.add_argument("--overwrite", action="store_true", help="replace the run OUT holds (default: refuse, exit 2)")
     r.add_argument(
-        "-x", "--exitfirst", action="store_true",
+        "-x",
+        "--exitfirst",
+        action="store_true",
         help="stop at the first failing case (the report is partial: it says how many cases were selected and not run)",
-    )  # fmt: skip
+    )
     r.add_argument(
-        "--budget", type=float, default=None, metavar="MINUTES",
+        "--budget",
+        type=float,
+        default=None,
+        metavar="MINUTES",
         help="stop cleanly once MINUTES have passed: no case starts after it; the report is partial (selected / run "
         "/ not-run counts), exit 1 if a case failed, else 3 (incomplete, never a pass); --resume continues. Cases "
         "run in a stratified order, so the cases run span the suite's axes",
-    )  # fmt: skip
+    )
     r.add_argument(
-        "--shard", default=None,
+        "--shard",
+        default=None,
         help="I/N: run a deterministic, balanced 1/N slice; auto: I and N from a Slurm array task "
         "(SLURM_ARRAY_TASK_ID, _MIN, _COUNT or _MAX) or a Kubernetes Indexed Job (JOB_COMPLETION_INDEX with "
         "--shards N or FA4_AUDIT_SHARDS)",
-    )  # fmt: skip
+    )
     r.add_argument("--shards", type=int, default=None, help="N: the shard count for --shard auto (Kubernetes)")
     r.add_argument(
-        "--shard-by", default="cost", choices=["cost", "key"],
+        "--shard-by",
+        default="cost",
+        choices=["cost", "key"],
         help="balance shards by case cost, or keep compile-key groups whole (default cost)",
-    )  # fmt: skip
+    )
     r.add_argument("--jobs", type=int, default=1, help="N parallel processes, one compile-key shard each")
     r.add_argument(
-        "--gpus", default=None,
+        "--gpus",
+        default=None,
         help="with --jobs on CUDA: the GPUs the jobs are pinned to, job I on GPU I mod G, e.g. 0,1 "
         "(default: all visible)",
-    )  # fmt: skip
+    )
     r.add_argument(
-        "--isolate", action=argparse.BooleanOptionalAction, default=None,
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="run the kernel in a worker process so that a crash is one case's verdict "
         "(default: on for fa4 and user kernels, off for the built-in model and SDPA; on for every kernel with "
         "--timeout)",
-    )  # fmt: skip
+    )
     add_timeout_argument(r, note=RUN_DEFAULT_NOTE)
     r.add_argument(
-        "--quiet", action="store_true",
+        "--quiet",
+        action="store_true",
         help="no progress on stderr (default: a bar on a terminal, else a line every 30 s and at each tenth)",
-    )  # fmt: skip
+    )
     r.add_argument(
-        "--backward", action="store_true",
+        "--backward",
+        action="store_true",
         help="audit the gradients too: a seeded dO per case, dq/dk/dv (and dsink) by torch.autograd.grad against "
         "FP64 gradients, the backward bound and FA's backward criterion",
-    )  # fmt: skip
+    )
     r.add_argument(
-        "--repeat", type=int, default=None,
+        "--repeat",
+        type=int,
+        default=None,
         help="with --backward: backward runs per case on the same inputs (default 2); reports the elements that "
         "differ run to run",
-    )  # fmt: skip
+    )
     r.add_argument(
-        "--deterministic", action="store_true",
+        "--deterministic",
+        action="store_true",
         help="with --backward: pass deterministic=True to kernels that take it and fail any run-to-run difference",
-    )  # fmt: skip
+    )
     r.add_argument(
-        "--require-coverage", default=None, choices=REQUIRE,
+        "--require-coverage",
+        default=None,
+        choices=REQUIRE,
         help="after writing the report, exit 1 when the run missed any head dim the kernel's domain accepts "
         "(head_dims), any code-path class of its architecture (classes), or either (all), in the forward and, with "
         "--backward, the backward (docs/runner.md, 'Coverage'); exit 2 up front when the kernel declares no head dims "
         "or no architecture to judge",
-    )  # fmt: skip
+    )
     r.add_argument(
-        "--per-sequence", action="store_true",
+        "--per-sequence",
+        action="store_true",
         help="audit a fixed-length kernel on varlen cases (docs/varlen.md) one sequence at a time: a batch-1 call per "
         "sequence on its rows and used keys (without it, such a kernel skips varlen cases; kernels with a varlen "
         "entry, fn.fa4_audit_contract = 'varlen', run them through it either way)",
-    )  # fmt: skip
+    )
     r.set_defaults(func=cmd_run)

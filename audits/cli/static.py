@@ -124,9 +124,14 @@ def cmd_static(args: argparse.Namespace) -> int:
     no_driver = args.compile_on == "cpu"
     try:
         records = _audit_groups(
-            groups, audit, ptx_dir=ptx_dir, no_driver=no_driver, jobs=args.jobs, quiet=args.quiet,
+            groups,
+            audit,
+            ptx_dir=ptx_dir,
+            no_driver=no_driver,
+            jobs=args.jobs,
+            quiet=args.quiet,
             gpus=gpu_list(args.gpus) if args.jobs > 1 and not no_driver else [],
-        )  # fmt: skip
+        )
     except StaticError as exc:
         print(f"fa4-audit static: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -159,9 +159,15 @@ def _call_vis(case: Case, kw: dict, device="cpu") -> torch.Tensor:
     call has them, the mods' mask (``numerics.reference.call_visibility``)."""
     mods = {k: kw[k] for k in ("mask_mod", "block_sparse_tensors", "aux_tensors", "aux_scalars") if k in kw}
     vis = call_visibility(
-        batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, causal=case.causal,
-        window_size=tuple(case.window), device=device, **mods,
-    )  # fmt: skip
+        batch=case.batch,
+        heads=case.heads_q,
+        seqlen_q=case.seqlen_q,
+        seqlen_k=case.seqlen_k,
+        causal=case.causal,
+        window_size=tuple(case.window),
+        device=device,
+        **mods,
+    )
     return vis.to(device).expand(case.batch, case.heads_q, case.seqlen_q, case.seqlen_k)
 
 

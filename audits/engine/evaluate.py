@@ -52,7 +52,7 @@ from audits.kernels import (
     kernel_domain,
     per_sequence,
     varlen_contract_error,
-)  # fmt: skip
+)
 from audits.report.repro import reproducer
 from audits.report.schema import FAILING, upgrade_case
 from audits.suites.cases import Case
@@ -170,13 +170,20 @@ def _fa4_numerics(kernel: str, x: dict, case: Case):
 
     kw = x["kw"]
     return FA4Numerics.for_call(
-        arch, x["q"], x["k"], x["v"], causal=case.causal, window_size=tuple(case.window),
-        mask_mod=kw.get("mask_mod"), block_sparse_tensors=kw.get("block_sparse_tensors"),
-    )  # fmt: skip
+        arch,
+        x["q"],
+        x["k"],
+        x["v"],
+        causal=case.causal,
+        window_size=tuple(case.window),
+        mask_mod=kw.get("mask_mod"),
+        block_sparse_tensors=kw.get("block_sparse_tensors"),
+    )
 
 
-def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device,
-             keep: CaseTensors) -> None:  # fmt: skip
+def _analyse(
+    rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse, device: torch.device, keep: CaseTensors
+) -> None:
     """Reference, metrics, bound and criteria of a kernel result, into ``rec``; the tensors a
     failing verdict is localized with, into ``keep``."""
     q = x["q"]
@@ -187,8 +194,9 @@ def _analyse(rec: dict, kernel: str, case: Case, x: dict, out: torch.Tensor, lse
     _measure(rec, kernel, case, x, out, lse, refs, bounds, (kind, nm), keep)
 
 
-def _measure(rec: dict, kernel: str, case: Case, x: dict, out, lse, refs: tuple, bounds: tuple, nm: tuple,
-             keep: CaseTensors) -> None:  # fmt: skip
+def _measure(
+    rec: dict, kernel: str, case: Case, x: dict, out, lse, refs: tuple, bounds: tuple, nm: tuple, keep: CaseTensors
+) -> None:
     """The measurements of a result against its references ``refs`` (FP64 out and LSE, the
     low-precision result, the certification) and its per-element ``bounds`` (out, LSE) under
     numerics ``nm`` ((kind, FA4Numerics)), into ``rec``; the tensors themselves into ``keep``
@@ -360,8 +368,12 @@ def _varlen_numerics(kernel: str, case: Case, x: dict) -> tuple[str, tuple, tupl
     nmf, spf = fa4_varlen_numerics(kernel), fa4_varlen_splits(kernel)
     if nmf is None:
         return "peer", tuple(_peer_numerics(x["q"]) for _ in case.seqlens), (case.num_splits,) * len(case.seqlens)
-    kw = {"num_splits": case.num_splits, "page_size": case.page_size, "pack_gqa": case.pack_gqa,
-          "max_seqlen_q": x["kw"]["max_seqlen_q"]}  # fmt: skip
+    kw = {
+        "num_splits": case.num_splits,
+        "page_size": case.page_size,
+        "pack_gqa": case.pack_gqa,
+        "max_seqlen_q": x["kw"]["max_seqlen_q"],
+    }
     if case.block_sparse:  # the tiles production fits to the sparse block (fa4.varlen.sequence_numerics)
         kw["block_sparse"] = tuple(case.block_sparse)
     nms = []
@@ -373,8 +385,9 @@ def _varlen_numerics(kernel: str, case: Case, x: dict) -> tuple[str, tuple, tupl
     return "fa4", tuple(nms), tuple(spf(x["q"], x["k"], x["kw"]))
 
 
-def _analyse_varlen(rec: dict, kernel: str, case: Case, x: dict, out, lse, device: torch.device,
-                    keep: CaseTensors) -> None:  # fmt: skip
+def _analyse_varlen(
+    rec: dict, kernel: str, case: Case, x: dict, out, lse, device: torch.device, keep: CaseTensors
+) -> None:
     """:func:`_analyse` of a varlen result (out (total_q, hq, dv), lse (hq, total_q)): measured
     as one batch-1 result against the sequences' packed references and bounds; the record's
     ``varlen`` names the sequence of the largest output error."""
@@ -393,8 +406,12 @@ def _varlen_record(case: Case, per_seq: bool) -> dict:
     """The record's ``varlen``: sequence count, tokens (queries, keys used), the run's
     ``--per-sequence``; the entry that ran is added once known."""
     used = sum(_used_k(case, i) for i in range(len(case.seqlens)))
-    return {"sequences": len(case.seqlens), "total_q": sum(a for a, _ in case.seqlens), "total_k": used,
-            "per_sequence": per_seq}  # fmt: skip
+    return {
+        "sequences": len(case.seqlens),
+        "total_q": sum(a for a, _ in case.seqlens),
+        "total_k": used,
+        "per_sequence": per_seq,
+    }
 
 
 def _varlen_entry(kernel: str, fn: Callable, per_seq: bool) -> tuple[Callable | None, str | None]:
@@ -419,8 +436,9 @@ def _no_varlen_entry(kernel: str) -> str:
     )
 
 
-def _backward(kernel: str, fn: Callable, case: Case, x: dict, device: torch.device, opts: BackwardOptions,
-              keep: CaseTensors) -> dict:  # fmt: skip
+def _backward(
+    kernel: str, fn: Callable, case: Case, x: dict, device: torch.device, opts: BackwardOptions, keep: CaseTensors
+) -> dict:
     """The case's backward half (``audits.engine.backward``): a seeded dO, the kernel's
     gradients, their measurements (the tensors into ``keep``); an OOM in the audit's own FP64
     work is the case's error."""
@@ -576,8 +594,16 @@ def run_suites(
     propagates after the journals hold what finished.  ``journal_extra``: fields added to a new
     journal's header (the command, the environment: what a report built from the journal shows)."""
     state = {}
-    run = {"suite": suite, "seed": seed, "resume": resume, "several": len(kernels) > 1, "backward": backward,
-           "per_sequence": per_sequence, "extra": journal_extra or {}, "timeout": timeout}  # fmt: skip
+    run = {
+        "suite": suite,
+        "seed": seed,
+        "resume": resume,
+        "several": len(kernels) > 1,
+        "backward": backward,
+        "per_sequence": per_sequence,
+        "extra": journal_extra or {},
+        "timeout": timeout,
+    }
     for kern in kernels:
         state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, run)
         iso = isolate(kern) if callable(isolate) else isolate
@@ -691,8 +717,9 @@ def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward
                 rec = {**st["done"][c.name], "resumed": True}
             else:
                 emap = {}
-                rec = evaluate_case(kern, st["fn"], c, device, thresholds, backward, st["domain"], st["per_sequence"],
-                                    error_map=emap)  # fmt: skip
+                rec = evaluate_case(
+                    kern, st["fn"], c, device, thresholds, backward, st["domain"], st["per_sequence"], error_map=emap
+                )
                 rec["repro"] = st["repro"](c)
                 if rec["verdict"] in FAILING:
                     rec["repro_inputs"] = _save_inputs(st, c)

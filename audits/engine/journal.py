@@ -60,10 +60,16 @@ def run_identity(*, kernel: str, suite: str, seed: int, thresholds: dict, cases:
     """What a journal's records belong to (the header's fields)."""
     ver = package_version()
     return {
-        "journal": SCHEMA, "kernel": kernel, "suite": suite, "seed": seed, "thresholds": thresholds_digest(thresholds),
-        "cases": _digest([c.as_dict() for c in cases]), "n_cases": len(cases), "fa4_audit": ver,
+        "journal": SCHEMA,
+        "kernel": kernel,
+        "suite": suite,
+        "seed": seed,
+        "thresholds": thresholds_digest(thresholds),
+        "cases": _digest([c.as_dict() for c in cases]),
+        "n_cases": len(cases),
+        "fa4_audit": ver,
         "backward": None if backward is None else {"repeat": backward.repeat, "deterministic": backward.deterministic},
-    }  # fmt: skip
+    }
 
 
 def append(path: Path, rec: dict) -> None:

@@ -74,8 +74,13 @@ class RemoteError(Exception):
         return (type(self), (self._info(),))
 
     def _info(self) -> dict:
-        return {"name": self.type_name, "type": self.qualified_type, "message": self.message,
-                "traceback": self.worker_traceback, "kind": self.kind}  # fmt: skip
+        return {
+            "name": self.type_name,
+            "type": self.qualified_type,
+            "message": self.message,
+            "traceback": self.worker_traceback,
+            "kind": self.kind,
+        }
 
 
 class RemoteRefusal(RemoteError, NotImplementedError):
@@ -138,10 +143,13 @@ def add_timeout_argument(parser: argparse.ArgumentParser, *, note: str) -> None:
     """``--timeout SECONDS`` on a subcommand, the same everywhere: ``note`` (:data:`RUN_DEFAULT_NOTE`
     or :data:`IN_PROCESS_NOTE`) says where its kernels run without it, and so what the default is."""
     parser.add_argument(
-        "--timeout", type=_seconds, default=None, metavar="SECONDS",
+        "--timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
         help="time limit of each kernel call, forward and backward separately (0: no limit): a call past it kills "
         f"the kernel's worker process, the case's verdict is timeout and the run goes on with a fresh worker. {note}",
-    )  # fmt: skip
+    )
 
 
 def timeout_setting(args: argparse.Namespace) -> tuple[float | None, bool]:
@@ -206,8 +214,13 @@ def _exception_reply(exc: BaseException) -> tuple:
         msg = str(exc)
     except Exception as e:  # a broken __str__ must not kill the worker either
         msg = f"<str() of the exception raised {type(e).__name__}>"
-    info = {"name": type(exc).__name__, "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-            "message": msg, "traceback": "".join(traceback.format_exception(exc)), "kind": _kind(exc)}  # fmt: skip
+    info = {
+        "name": type(exc).__name__,
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": msg,
+        "traceback": "".join(traceback.format_exception(exc)),
+        "kind": _kind(exc),
+    }
     try:
         pickle.loads(pickle.dumps(exc))
         return ("raise", exc, info)
@@ -271,8 +284,10 @@ def serve(conn, kernel: str) -> None:  # pragma: no cover - runs in the child pr
 def death_reason(code: int | None) -> str:
     """Why a worker process ended, from its exit code (negative: the signal that killed it)."""
     if code == -signal.SIGKILL:
-        return ("the kernel's worker process was killed (SIGKILL, exit code -9) on this case: most likely by "
-                "the host's out-of-memory killer (see dmesg)")  # fmt: skip
+        return (
+            "the kernel's worker process was killed (SIGKILL, exit code -9) on this case: most likely by "
+            "the host's out-of-memory killer (see dmesg)"
+        )
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name
@@ -385,8 +400,14 @@ class Isolated:
     def _ask(self, q, k, v, kw, bwd, entry=None):
         w = self._worker()
         try:
-            w.conn.send(((to_device(q, "cpu"), to_device(k, "cpu"), to_device(v, "cpu"), to_device(kw, "cpu")),
-                         self.device, bwd, entry))  # fmt: skip
+            w.conn.send(
+                (
+                    (to_device(q, "cpu"), to_device(k, "cpu"), to_device(v, "cpu"), to_device(kw, "cpu")),
+                    self.device,
+                    bwd,
+                    entry,
+                )
+            )
             if not w.conn.poll(self.timeout):
                 w.kill()
                 self._lost()

@@ -85,9 +85,15 @@ def fa4_audit(tmp_path, tmp_path_factory, fa4_audit_shard, request):
         out = tmp_path / f"fa4-audit-{Path(suite).stem}"
         bwd = BackwardOptions(repeat=repeat, deterministic=deterministic) if backward else None
         records = run_suite(
-            kernel, cases, device=torch.device(device), out_dir=out, thresholds=th, suite=suite, isolate=isolate,
+            kernel,
+            cases,
+            device=torch.device(device),
+            out_dir=out,
+            thresholds=th,
+            suite=suite,
+            isolate=isolate,
             backward=bwd,
-        )  # fmt: skip
+        )
         rep = build_report(
             kernel=kernel,
             suite=suite,
@@ -105,8 +111,10 @@ def fa4_audit(tmp_path, tmp_path_factory, fa4_audit_shard, request):
             _keep_shard(request, tmp_path_factory, paths["json"], fa4_audit_shard)
         if exit_code(rep):
             bad = [r for r in records if r["verdict"] in FAILING]
-            lines = [f"  {r['verdict']}: {r['case']}: {'; '.join(x for x in r['reasons'] if x)}\n"
-                     f"    reproduce: {r['repro']}" for r in bad[:10]]  # fmt: skip
+            lines = [
+                f"  {r['verdict']}: {r['case']}: {'; '.join(x for x in r['reasons'] if x)}\n    reproduce: {r['repro']}"
+                for r in bad[:10]
+            ]
             why = f"fails {len(bad)} case(s)" if bad else "evaluated no case (nothing was audited)"
             pytest.fail(
                 f"fa4-audit: {kernel} {why} of suite {suite}; {summary_line(rep)} (report {paths['md']}):\n"
@@ -185,8 +193,9 @@ def pytest_generate_tests(metafunc):
     """Under xdist with N workers, a test using ``fa4_audit`` becomes N instances, shard I/N each."""
     n = int(getattr(metafunc.config, "workerinput", {}).get("workercount", 1))
     if "fa4_audit" in metafunc.fixturenames and n > 1:
-        metafunc.parametrize("fa4_audit_shard", [f"{i}/{n}" for i in range(n)], indirect=True,
-                             ids=[f"shard{i}of{n}" for i in range(n)])  # fmt: skip
+        metafunc.parametrize(
+            "fa4_audit_shard", [f"{i}/{n}" for i in range(n)], indirect=True, ids=[f"shard{i}of{n}" for i in range(n)]
+        )
 
 
 def _keep_shard(request, tmp_path_factory, report: Path, shard: str) -> None:

@@ -198,13 +198,21 @@ def report_from_journal(path) -> dict:
     if basis is None:  # a journal written before coverage: from what it holds, as an old report
         basis = legacy_basis({"kernel": head["kernel"], "environment": extra.get("environment") or {}})
     return build_report(
-        kernel=head["kernel"], suite=head["suite"], seed=head["seed"], device=extra.get("device", "unknown"),
+        kernel=head["kernel"],
+        suite=head["suite"],
+        seed=head["seed"],
+        device=extra.get("device", "unknown"),
         environment=extra.get("environment", {"fa4_audit": head.get("fa4_audit", "unknown")}),
-        thresholds=extra.get("thresholds", {"digest": head["thresholds"]}), records=records,
-        command=extra.get("command", f"(read from the journal {path})"), created=extra.get("created", "unknown"),
-        shard=extra.get("shard"), selected=head.get("n_cases"), stopped="journal", coverage_basis=basis,
+        thresholds=extra.get("thresholds", {"digest": head["thresholds"]}),
+        records=records,
+        command=extra.get("command", f"(read from the journal {path})"),
+        created=extra.get("created", "unknown"),
+        shard=extra.get("shard"),
+        selected=head.get("n_cases"),
+        stopped="journal",
+        coverage_basis=basis,
         backward=head.get("backward") is not None,
-    )  # fmt: skip
+    )
 
 
 def _journal_basis(head: dict, extra: dict) -> dict | None:
@@ -321,8 +329,11 @@ def _domain_lines(info: dict | None) -> list[str]:
     if info.get("pairs_covered") is not None:
         L[-1] += f" Pairs of supported axis values covered: {info['pairs_covered']}."
     L += [f"- family {f} not applicable: {why}" for f, why in (info.get("not_applicable") or {}).items()]
-    L += [f"- {k} skips {x['cases_outside']} cases outside its domain" for k, x in (info.get("kernels") or {}).items()
-          if x.get("cases_outside")]  # fmt: skip
+    L += [
+        f"- {k} skips {x['cases_outside']} cases outside its domain"
+        for k, x in (info.get("kernels") or {}).items()
+        if x.get("cases_outside")
+    ]
     return L + [""]
 
 
@@ -368,8 +379,13 @@ def _markdown(rep: dict) -> str:
         cells = (r["case"], r["verdict"], c["max_abs"], c["rel_l2"], c["lse"], c["tightness"], f"{r['seconds']:.2f}")
         L.append("| " + " | ".join((*cells, c["reasons"])) + " |")
     if any(r.get("backward") for r in rows):
-        L += ["", "## Gradients (--backward)", "", "| case | verdict | max \\|grad - ref\\| | err/bound | run to run |",
-              "|---|---|---|---|---|"]  # fmt: skip
+        L += [
+            "",
+            "## Gradients (--backward)",
+            "",
+            "| case | verdict | max \\|grad - ref\\| | err/bound | run to run |",
+            "|---|---|---|---|---|",
+        ]
         for r in rows:
             g = grad_cells(r, thresholds=rep["thresholds"])
             L.append(f"| {r['case']} | {r['verdict']} | {g['grads']} | {g['grad_tightness']} | {g['spread']} |")
@@ -420,8 +436,13 @@ def _junit(rep: dict) -> str:
     if part := partial_line(rep):  # the cases not run are not in the file: say so where CI looks
         props = ET.SubElement(suite, "properties")
         selected, run, not_run = run_counts(rep)
-        for name, value in (("partial", "true"), ("selected", selected), ("run", run), ("not_run", not_run),
-                            ("stopped", rep["summary"].get("stopped") or "")):  # fmt: skip
+        for name, value in (
+            ("partial", "true"),
+            ("selected", selected),
+            ("run", run),
+            ("not_run", not_run),
+            ("stopped", rep["summary"].get("stopped") or ""),
+        ):
             ET.SubElement(props, "property", name=name, value=str(value))
     for r in rep["cases"]:
         tc = ET.SubElement(

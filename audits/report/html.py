@@ -195,8 +195,11 @@ def _coverage(cov: dict | None) -> str:
         parts.append(f"<table>{head}{rows}</table>")
     if cov.get("required"):
         r = cov["required"]
-        parts.append(f"<p>required ({html.escape(r['require'])}): {'met' if r['met'] else '<b>NOT met</b>'}"
-                     + "".join(f"<br>missed: {html.escape(m)}" for m in r["missed"]) + "</p>")  # fmt: skip
+        parts.append(
+            f"<p>required ({html.escape(r['require'])}): {'met' if r['met'] else '<b>NOT met</b>'}"
+            + "".join(f"<br>missed: {html.escape(m)}" for m in r["missed"])
+            + "</p>"
+        )
     parts.append("".join(f"<p>note: {html.escape(n)}</p>" for n in cov["notes"]))
     return "".join(parts)
 

@@ -131,9 +131,13 @@ def _mask_image(config: dict, batch: int, heads=None) -> tuple[np.ndarray, np.nd
     rows, keys = _samples(sq), _samples(sk)
     flag_keys = np.minimum(keys, max(used - 1, 0))
     vis = visibility(
-        rows=rows, keys=flag_keys, seqlen_q=sq, seqlen_k=used, causal=bool(config["causal"]),
+        rows=rows,
+        keys=flag_keys,
+        seqlen_q=sq,
+        seqlen_k=used,
+        causal=bool(config["causal"]),
         window=config.get("window"),
-    )  # fmt: skip
+    )
     mods = _mod_mask(config, batch, heads, rows=rows, keys=flag_keys, used=used, sq=sq) if _has_mods(config) else None
     if mods is not None:
         vis &= mods["kept"]
@@ -145,8 +149,9 @@ def _mask_image(config: dict, batch: int, heads=None) -> tuple[np.ndarray, np.nd
     cat = np.where((keys >= used)[None, :], 2, cat)
     # a row sees no key when none of all its keys is visible, not only of the sampled ones: its
     # visible keys are the interval [i + off - left, i + off + right] cut to [0, used)
-    first, last = visible_key_range(sq, used, causal=bool(config["causal"]), window_size=config.get("window"),
-                                    rows=torch.as_tensor(rows))  # fmt: skip
+    first, last = visible_key_range(
+        sq, used, causal=bool(config["causal"]), window_size=config.get("window"), rows=torch.as_tensor(rows)
+    )
     empty = (first > last).numpy()
     if mods is not None:  # ... and, with mods, kept by them (every key checked, not the sampled ones)
         empty |= ~mods["row_any"]
@@ -173,12 +178,27 @@ def _mod_mask(config: dict, batch: int, heads, *, rows: np.ndarray, keys: np.nda
 
     nb, hq, lq, lk = (int(config[k]) for k in ("batch", "heads_q", "seqlen_q", "seqlen_k"))
     block = tuple(int(x) for x in config.get("block_sparse") or ())
-    mods = build_mods(mask_mod=config.get("mask_mod") or "", block_sparse=block, batch=nb, heads_q=hq, seqlen_q=lq,
-                      seqlen_k=lk, seed=int(config.get("seed", 0)))  # fmt: skip
+    mods = build_mods(
+        mask_mod=config.get("mask_mod") or "",
+        block_sparse=block,
+        batch=nb,
+        heads_q=hq,
+        seqlen_q=lq,
+        seqlen_k=lk,
+        seed=int(config.get("seed", 0)),
+    )
     heads = list(range(hq)) if heads is None else [int(h) for h in heads]
     bs = mods.get("block_sparse_tensors")
-    kw = dict(batch=nb, heads=hq, seqlen_q=lq, seqlen_k=lk, mask_mod=mods.get("mask_mod"), block_sparse=bs,
-              aux=mods.get("aux_tensors"), rows=torch.as_tensor(rows))  # fmt: skip
+    kw = dict(
+        batch=nb,
+        heads=hq,
+        seqlen_q=lq,
+        seqlen_k=lk,
+        mask_mod=mods.get("mask_mod"),
+        block_sparse=bs,
+        aux=mods.get("aux_tensors"),
+        rows=torch.as_tensor(rows),
+    )
 
     def kept(ks: np.ndarray) -> np.ndarray:
         v = mod_visibility(**kw, keys=torch.as_tensor(ks))
@@ -187,8 +207,9 @@ def _mod_mask(config: dict, batch: int, heads, *, rows: np.ndarray, keys: np.nda
     row_any = np.zeros(len(rows), dtype=bool)
     for k0 in range(0, used, 4096):  # every used key, a slice at a time (a 32k-key row x 512 rows x heads)
         ks = np.arange(k0, min(k0 + 4096, used))
-        flags = visibility(rows=rows, keys=ks, seqlen_q=sq, seqlen_k=used, causal=bool(config["causal"]),
-                           window=config.get("window"))  # fmt: skip
+        flags = visibility(
+            rows=rows, keys=ks, seqlen_q=sq, seqlen_k=used, causal=bool(config["causal"]), window=config.get("window")
+        )
         row_any |= (flags & kept(ks)).any(axis=1)
     blocks = None
     if bs is not None:
@@ -288,9 +309,14 @@ def _mask_panel(ax, *, meta: dict, panel: dict, ratios: np.ndarray) -> set[int]:
     img = cat.T if by_key else cat
     ext = [0, sq, sk, 0] if by_key else [0, sk, sq, 0]
     ax.imshow(
-        img, cmap=ListedColormap(_MASK_COLOURS), vmin=-0.5, vmax=len(_MASK_COLOURS) - 0.5, extent=ext, aspect="auto",
+        img,
+        cmap=ListedColormap(_MASK_COLOURS),
+        vmin=-0.5,
+        vmax=len(_MASK_COLOURS) - 0.5,
+        extent=ext,
+        aspect="auto",
         interpolation="nearest",
-    )  # fmt: skip
+    )
     _mask_edges(ax, sq=sq, used=used, config=config, transposed=by_key)
     t_rows, t_keys = _tiles(meta, panel)
     every_y = _grid(ax, sk if by_key else sq, t_keys if by_key else t_rows, axis="y", lines=True)
@@ -302,8 +328,14 @@ def _mask_panel(ax, *, meta: dict, panel: dict, ratios: np.ndarray) -> set[int]:
     starts, ends = np.flatnonzero(~bad[:-1] & bad[1:]), np.flatnonzero(bad[:-1] & ~bad[1:])
     step = panel["row_step"]
     for a, b in zip(starts, ends, strict=True):
-        ax.axhspan(a * step, min(b * step, panel["n_rows"]), facecolor="none", edgecolor=_VIOLATION, hatch="////",
-                   linewidth=1.0)  # fmt: skip
+        ax.axhspan(
+            a * step,
+            min(b * step, panel["n_rows"]),
+            facecolor="none",
+            edgecolor=_VIOLATION,
+            hatch="////",
+            linewidth=1.0,
+        )
     ax.set_xlim(ext[0], ext[1])
     ax.set_ylim(ext[2], ext[3])
     ax.set_xlabel("query row" if by_key else "key")
@@ -344,9 +376,13 @@ def _map_panel(ax, *, meta: dict, panel: dict, data: np.ndarray, cmap, norm) -> 
     by_key = panel["row_axis"] == "col"
     n_rows, n_cols = panel["n_rows"], panel["n_cols"]
     ax.imshow(
-        np.ma.masked_invalid(logs), cmap=cmap, norm=norm, extent=[0, n_cols, n_rows, 0], aspect="auto",
+        np.ma.masked_invalid(logs),
+        cmap=cmap,
+        norm=norm,
+        extent=[0, n_cols, n_rows, 0],
+        aspect="auto",
         interpolation="nearest",
-    )  # fmt: skip
+    )
     t_rows, t_keys = _tiles(meta, panel)
     every = _grid(ax, n_rows, t_keys if by_key else t_rows, axis="y", lines=False)
     # a lone non-finite element is one pixel: ring each (up to a few hundred; more show as a field)
@@ -357,8 +393,11 @@ def _map_panel(ax, *, meta: dict, panel: dict, data: np.ndarray, cmap, norm) -> 
     tensor = panel["tensor"]
     ax.set_ylabel(("key" if by_key else "query row") + f" (batch {panel['batch']})")
     unit = "keys" if by_key else "rows"
-    steps = f"; a cell: max of {panel['row_step']} {unit} x {panel['col_step']} columns" if panel["row_step"] > 1 or (
-        panel["col_step"] > 1) else ""  # fmt: skip
+    steps = (
+        f"; a cell: max of {panel['row_step']} {unit} x {panel['col_step']} columns"
+        if panel["row_step"] > 1 or (panel["col_step"] > 1)
+        else ""
+    )
     ax.set_xlabel(("LSE (one value per row)" if tensor == "lse" else "head-dim column") + steps, fontsize=8)
     if tensor == "lse":
         ax.set_xticks([])
@@ -368,8 +407,9 @@ def _map_panel(ax, *, meta: dict, panel: dict, data: np.ndarray, cmap, norm) -> 
     tile = f"{t_keys}-key" if by_key else f"{t_rows}-row"
     ax.set_title(
         f"{tensor}, batch {panel['batch']}, {head} {panel['head']}: {panel['violations']:,} violations, "
-        f"worst {worst} x bound; {tile} tiles{every}", fontsize=9,
-    )  # fmt: skip
+        f"worst {worst} x bound; {tile} tiles{every}",
+        fontsize=9,
+    )
 
 
 def render(npz_path: str | Path, *, fmt: str = "png", tensor: str | None = None) -> bytes:
@@ -410,8 +450,12 @@ def _figure(npz_path: str | Path, *, tensor: str | None):
         meta = json.loads(str(z["meta"][()]))
         panels = [p for p in meta["panels"] if tensor is None or p["tensor"] == tensor]
         # read in the order of the call: out, lse, then the gradients; the worst first within each
-        panels.sort(key=lambda p: (_ORDER.index(p["tensor"]) if p["tensor"] in _ORDER else len(_ORDER),
-                                   -p["max_ratio"] if not math.isnan(p["max_ratio"]) else 0.0))  # fmt: skip
+        panels.sort(
+            key=lambda p: (
+                _ORDER.index(p["tensor"]) if p["tensor"] in _ORDER else len(_ORDER),
+                -p["max_ratio"] if not math.isnan(p["max_ratio"]) else 0.0,
+            )
+        )
         if not panels:
             have = sorted({p["tensor"] for p in meta["panels"]})
             raise ValueError(f"{npz_path}: no panel of tensor {tensor!r}; the map has {', '.join(have) or 'none'}")
@@ -423,9 +467,16 @@ def _figure(npz_path: str | Path, *, tensor: str | None):
     height = _TOP + _BOTTOM + _PANEL * len(panels)
     fig = Figure(figsize=(11, height), dpi=100)
     gs = fig.add_gridspec(
-        len(panels), 3, width_ratios=[3, 2.2, 0.12], left=0.07, right=0.885, wspace=0.2, top=1 - _TOP / height,
-        bottom=_BOTTOM / height, hspace=1.0 / (_PANEL - 1.0),
-    )  # fmt: skip
+        len(panels),
+        3,
+        width_ratios=[3, 2.2, 0.12],
+        left=0.07,
+        right=0.885,
+        wspace=0.2,
+        top=1 - _TOP / height,
+        bottom=_BOTTOM / height,
+        hspace=1.0 / (_PANEL - 1.0),
+    )
     shown: set[int] = set()  # the mask categories drawn, for the legend
     for n, (p, d) in enumerate(zip(panels, data, strict=True)):
         ax = fig.add_subplot(gs[n, 0])
@@ -441,8 +492,11 @@ def _figure(npz_path: str | Path, *, tensor: str | None):
     more = f"  (the map data keeps the worst {len(meta['panels'])} panels; {omitted} more not kept)" if omitted else ""
     title = "\n".join(textwrap.wrap(f"{meta['case']}{more}", 125))  # a varlen case's name is long
     fig.suptitle(title, fontsize=10, y=1 - 0.08 / height, va="top")  # above the panel titles
-    legend = [Patch(color=_INF, label="non-finite kernel, finite reference")] if any(
-        np.isposinf(d).any() for d in data) else []  # fmt: skip
+    legend = (
+        [Patch(color=_INF, label="non-finite kernel, finite reference")]
+        if any(np.isposinf(d).any() for d in data)
+        else []
+    )
     names = _mask_names(meta["config"])
     legend += [Patch(color=_MASK_COLOURS[k], label=names[k]) for k in sorted(shown)]
     legend.append(Patch(facecolor="none", edgecolor=_VIOLATION, hatch="////", label="rows (keys) past the bound"))

@@ -100,8 +100,17 @@ def summary_rows(reports: list[dict], by: tuple[str, ...], labels: list[str] | N
 def summary_markdown(reports: list[dict], by: tuple[str, ...], labels: list[str] | None = None) -> str:
     f = lambda x: "—" if x is None else f"{x:.3g}"
     bwd = any(c.get("backward") for rep in reports for c in rep["cases"])
-    head = (" / ".join(by), "kernel", "cases", "finite, in domain", "worst \\|out-ref\\|", "worst rel L2",
-            "worst \\|LSE-ref\\|", "max err/bound", "max err / PyTorch low-prec err")  # fmt: skip
+    head = (
+        " / ".join(by),
+        "kernel",
+        "cases",
+        "finite, in domain",
+        "worst \\|out-ref\\|",
+        "worst rel L2",
+        "worst \\|LSE-ref\\|",
+        "max err/bound",
+        "max err / PyTorch low-prec err",
+    )
     head += ("worst \\|grad-ref\\|", "max grad err/bound") if bwd else ()
     keys = ("out_max_abs", "rel_l2", "lse_max_abs", "tightness", "vs_lowprec")
     keys += ("grad_max_abs", "grad_tightness") if bwd else ()

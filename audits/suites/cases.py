@@ -182,12 +182,27 @@ class Case:
         (:class:`fa4.code_paths.Call`), for ``fa4.code_paths.classes_of``;
         ``deterministic``: the backward's ``deterministic=True`` (not a case field)."""
         return Call(
-            dtype=self.dtype, d=self.d, dv=self.dv, causal=self.causal, local=self.local, softcap=self.softcap > 0,
-            sink=self.sink, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, heads_q=self.heads_q,
-            heads_kv=self.heads_kv, varlen=self.varlen, paged=self.page_size > 0, num_splits=self.num_splits,
-            pack_gqa=self.pack_gqa, deterministic=deterministic, score_mod=bool(self.score_mod),
-            mask_mod=bool(self.mask_mod), block_sparse=tuple(self.block_sparse), aux_scalars="aux_scalars" in self.mods,
-        )  # fmt: skip
+            dtype=self.dtype,
+            d=self.d,
+            dv=self.dv,
+            causal=self.causal,
+            local=self.local,
+            softcap=self.softcap > 0,
+            sink=self.sink,
+            seqlen_q=self.seqlen_q,
+            seqlen_k=self.seqlen_k,
+            heads_q=self.heads_q,
+            heads_kv=self.heads_kv,
+            varlen=self.varlen,
+            paged=self.page_size > 0,
+            num_splits=self.num_splits,
+            pack_gqa=self.pack_gqa,
+            deterministic=deterministic,
+            score_mod=bool(self.score_mod),
+            mask_mod=bool(self.mask_mod),
+            block_sparse=tuple(self.block_sparse),
+            aux_scalars="aux_scalars" in self.mods,
+        )
 
 
 #: the mask kinds ("none", "causal", "local") each non-finite input family applies to; smoke has
@@ -276,19 +291,44 @@ def smoke_mods() -> list[Case]:
         # GQA: the seed puts batch 0's prefix at 249 keys, batch 1's at 262, so full blocks (inside
         # the prefix: one in batch 0, two in batch 1) and partial ones (the causal part, the ragged
         # 200 x 300 ends) differ per batch
-        Case("bfloat16", 64, 64, 2, 2, 1, 200, 300, family="student_t", score_mod="alibi", mask_mod="prefix_lm",
-             block_sparse=MOD_BLOCK_SM100, seed=8),
+        Case(
+            "bfloat16",
+            64,
+            64,
+            2,
+            2,
+            1,
+            200,
+            300,
+            family="student_t",
+            score_mod="alibi",
+            mask_mod="prefix_lm",
+            block_sparse=MOD_BLOCK_SM100,
+            seed=8,
+        ),
         # the relative-position bias (per-head table, bucket aux) with a document mask (segment
         # ids per token, aux), dense, fp16
-        Case("float16", 64, 64, 1, 2, 2, 160, 256, family="offset", score_mod="relbias", mask_mod="document",
-             seed=4),
+        Case("float16", 64, 64, 1, 2, 2, 160, 256, family="offset", score_mod="relbias", mask_mod="document", seed=4),
         # softcap as a score_mod (its derivative is not constant) on a sliding window, block-sparse:
         # the window cuts both visited key blocks (partial ones), the first is skipped
-        Case("bfloat16", 128, 128, 1, 2, 2, 128, 384, family="outliers", score_mod="softcap",
-             mask_mod="sliding_window", block_sparse=MOD_BLOCK, seed=5),
+        Case(
+            "bfloat16",
+            128,
+            128,
+            1,
+            2,
+            2,
+            128,
+            384,
+            family="outliers",
+            score_mod="softcap",
+            mask_mod="sliding_window",
+            block_sparse=MOD_BLOCK,
+            seed=5,
+        ),
         # a mask_mod beside causal=True: the audit's meaning is the intersection; production drops causal
         Case("bfloat16", 64, 64, 1, 2, 2, 130, 200, causal=True, family="flat", mask_mod="causal", seed=6),
-    ]  # fmt: skip
+    ]
 
 
 #: the adversarial input families the ``mods`` suite takes in turn, one per mod configuration
@@ -310,11 +350,15 @@ def _mod_configs() -> list[dict]:
     plain = [s for s in SCORE_MODS if s not in SCALAR_SCORE_MODS]
     out = [{"score_mod": s} for s in plain]
     out += [{"mask_mod": m, "block_sparse": bs} for m in MASK_MODS for bs in ((), MOD_BLOCK, MOD_BLOCK_SM100)]
-    out += [{"score_mod": s, "mask_mod": m, "block_sparse": bs} for s in plain for m in MASK_MODS
-            for bs in ((), MOD_BLOCK)]  # fmt: skip
+    out += [
+        {"score_mod": s, "mask_mod": m, "block_sparse": bs} for s in plain for m in MASK_MODS for bs in ((), MOD_BLOCK)
+    ]
     for s in SCALAR_SCORE_MODS:
-        out += [{"score_mod": s}, {"score_mod": s, "mask_mod": "document"},
-                {"score_mod": s, "mask_mod": "prefix_lm", "block_sparse": MOD_BLOCK}]  # fmt: skip
+        out += [
+            {"score_mod": s},
+            {"score_mod": s, "mask_mod": "document"},
+            {"score_mod": s, "mask_mod": "prefix_lm", "block_sparse": MOD_BLOCK},
+        ]
     return out
 
 
@@ -371,48 +415,148 @@ def varlen_mods(*, smoke: bool = False) -> list[Case]:
     cases = [
         # ALiBi (per-head aux) with a document mask (per-sequence segment ids): an empty sequence, 1x1,
         # queries without keys, GQA 4:2
-        varlen_case(seqlens=mixed, dtype="bfloat16", d=64, dv=64, heads_q=4, heads_kv=2, family="student_t",
-                    score_mod="alibi", mask_mod="document", seed=11),
-    ]  # fmt: skip
+        varlen_case(
+            seqlens=mixed,
+            dtype="bfloat16",
+            d=64,
+            dv=64,
+            heads_q=4,
+            heads_kv=2,
+            family="student_t",
+            score_mod="alibi",
+            mask_mod="document",
+            seed=11,
+        ),
+    ]
     if smoke:
         return cases
     cases += [
         # the relative bias with prefix-LM (a prefix per sequence), keys used below the allocation, fp16, d 128
-        varlen_case(seqlens=((100, 300), (64, 256), (1, 90), (0, 7)), seqused_k=(150, 200, 90, 7), dtype="float16",
-                    d=128, dv=128, heads_q=2, heads_kv=2, score_mod="relbias", mask_mod="prefix_lm", seed=12),
+        varlen_case(
+            seqlens=((100, 300), (64, 256), (1, 90), (0, 7)),
+            seqused_k=(150, 200, 90, 7),
+            dtype="float16",
+            d=128,
+            dv=128,
+            heads_q=2,
+            heads_kv=2,
+            score_mod="relbias",
+            mask_mod="prefix_lm",
+            seed=12,
+        ),
         # softcap as a score_mod on a sliding window, paged keys (64-key pages), MQA
-        varlen_case(seqlens=((70, 300), (1, 129), (200, 200)), page_size=64, seqused_k=(300, 129, 200),
-                    dtype="bfloat16", d=64, dv=64, heads_q=4, heads_kv=1, family="outliers", score_mod="softcap",
-                    mask_mod="sliding_window", seed=13),
+        varlen_case(
+            seqlens=((70, 300), (1, 129), (200, 200)),
+            page_size=64,
+            seqused_k=(300, 129, 200),
+            dtype="bfloat16",
+            d=64,
+            dv=64,
+            heads_q=4,
+            heads_kv=1,
+            family="outliers",
+            score_mod="softcap",
+            mask_mod="sliding_window",
+            seed=13,
+        ),
         # causal as a mask_mod, split-KV with pack_gqa (the model's SM100 split path; SM90 refuses splits)
-        varlen_case(seqlens=((2, 700), (77, 400), (100, 300)), num_splits=3, pack_gqa=True, dtype="bfloat16",
-                    d=64, dv=64, heads_q=4, heads_kv=2, family="drift", mask_mod="causal", seed=14),
+        varlen_case(
+            seqlens=((2, 700), (77, 400), (100, 300)),
+            num_splits=3,
+            pack_gqa=True,
+            dtype="bfloat16",
+            d=64,
+            dv=64,
+            heads_q=4,
+            heads_kv=2,
+            family="drift",
+            mask_mod="causal",
+            seed=14,
+        ),
         # ALiBi alone on decode rows against long caches, 48-key pages (not dividing the tile)
-        varlen_case(seqlens=((1, 1000), (4, 1024), (3, 500)), page_size=48, seqused_k=(1000, 1000, 480),
-                    dtype="bfloat16", d=64, dv=64, heads_q=8, heads_kv=2, family="peaked", score_mod="alibi",
-                    seed=15),
+        varlen_case(
+            seqlens=((1, 1000), (4, 1024), (3, 500)),
+            page_size=48,
+            seqused_k=(1000, 1000, 480),
+            dtype="bfloat16",
+            d=64,
+            dv=64,
+            heads_q=8,
+            heads_kv=2,
+            family="peaked",
+            score_mod="alibi",
+            seed=15,
+        ),
         # the relative bias beside a local window (the flags stay with a score_mod alone), fp16
-        varlen_case(seqlens=((200, 400), (65, 65), (10, 300), (0, 3)), window=(96, 8), dtype="float16", d=64,
-                    dv=64, heads_q=4, heads_kv=4, family="long_tail", score_mod="relbias", seed=16),
+        varlen_case(
+            seqlens=((200, 400), (65, 65), (10, 300), (0, 3)),
+            window=(96, 8),
+            dtype="float16",
+            d=64,
+            dv=64,
+            heads_q=4,
+            heads_kv=4,
+            family="long_tail",
+            score_mod="relbias",
+            seed=16,
+        ),
         # the document mask alone, causal flag off, fp16, on chunked-prefill lengths
-        varlen_case(seqlens=((128, 384), (129, 257), (1, 1)), dtype="float16", d=128, dv=128, heads_q=4,
-                    heads_kv=2, mask_mod="document", seed=17),
+        varlen_case(
+            seqlens=((128, 384), (129, 257), (1, 1)),
+            dtype="float16",
+            d=128,
+            dv=128,
+            heads_q=4,
+            heads_kv=2,
+            mask_mod="document",
+            seed=17,
+        ),
         # block-sparse per sequence (production's varlen layout: cu_total_m_blocks), ALiBi with a document
         # mask: full and partial blocks, sequences without queries or keys; SM90's sparse block (128 rows:
         # q_stage * tile_m), and SM100's (two 128-row Q stages) on prefix-LM with keys used below the allocation
-        varlen_case(seqlens=((0, 50), (1, 1), (200, 300), (5, 0), (130, 260)), dtype="bfloat16", d=64, dv=64,
-                    heads_q=4, heads_kv=2, score_mod="alibi", mask_mod="document", block_sparse=MOD_BLOCK, seed=18),
-        varlen_case(seqlens=((300, 400), (1, 129), (256, 256)), seqused_k=(380, 129, 200), dtype="float16", d=128,
-                    dv=128, heads_q=4, heads_kv=2, family="drift", mask_mod="prefix_lm", block_sparse=MOD_BLOCK_SM100,
-                    seed=19),
-    ]  # fmt: skip
+        varlen_case(
+            seqlens=((0, 50), (1, 1), (200, 300), (5, 0), (130, 260)),
+            dtype="bfloat16",
+            d=64,
+            dv=64,
+            heads_q=4,
+            heads_kv=2,
+            score_mod="alibi",
+            mask_mod="document",
+            block_sparse=MOD_BLOCK,
+            seed=18,
+        ),
+        varlen_case(
+            seqlens=((300, 400), (1, 129), (256, 256)),
+            seqused_k=(380, 129, 200),
+            dtype="float16",
+            d=128,
+            dv=128,
+            heads_q=4,
+            heads_kv=2,
+            family="drift",
+            mask_mod="prefix_lm",
+            block_sparse=MOD_BLOCK_SM100,
+            seed=19,
+        ),
+    ]
     from numerics.mod_library import MASK_MODS, SCORE_MODS
 
     # a library mod none of the above names (one added later): alone, on the mixed lengths
     for key, names in (("score_mod", SCORE_MODS), ("mask_mod", MASK_MODS)):
         for name in (n for n in names if n not in {getattr(c, key) for c in cases}):
-            cases.append(varlen_case(seqlens=mixed, dtype="bfloat16", d=64, dv=64, heads_q=4, heads_kv=2,
-                                     seed=_seed_of("varlen-mods", name), **{key: name}))  # fmt: skip
+            cases.append(
+                varlen_case(
+                    seqlens=mixed,
+                    dtype="bfloat16",
+                    d=64,
+                    dv=64,
+                    heads_q=4,
+                    heads_kv=2,
+                    seed=_seed_of("varlen-mods", name),
+                    **{key: name},
+                )
+            )
     return cases
 
 
@@ -428,26 +572,90 @@ def smoke_varlen() -> list[Case]:
     return [
         # GQA, causal: a sequence with no query, one of 1x1, one with queries and no key (out 0,
         # LSE -inf), rows with no visible key (37 > 30), lengths off the tile
-        varlen_case(seqlens=((0, 50), (1, 1), (37, 30), (130, 130), (5, 0), (64, 200)), dtype="bfloat16", d=64,
-                    dv=64, heads_q=4, heads_kv=2, causal=True, family="student_t"),
+        varlen_case(
+            seqlens=((0, 50), (1, 1), (37, 30), (130, 130), (5, 0), (64, 200)),
+            dtype="bfloat16",
+            d=64,
+            dv=64,
+            heads_q=4,
+            heads_kv=2,
+            causal=True,
+            family="student_t",
+        ),
         # seqused_k below the allocated keys; the drifting logits put the largest ones in the unused tail
-        varlen_case(seqlens=((100, 300), (64, 256), (1, 90)), seqused_k=(150, 200, 90), dtype="float16", d=128,
-                    dv=128, heads_q=2, heads_kv=2, causal=True, family="drift", seed=1),
+        varlen_case(
+            seqlens=((100, 300), (64, 256), (1, 90)),
+            seqused_k=(150, 200, 90),
+            dtype="float16",
+            d=128,
+            dv=128,
+            heads_q=2,
+            heads_kv=2,
+            causal=True,
+            family="drift",
+            seed=1,
+        ),
         # decode: 1..4 rows per sequence against ~1000 keys, MQA
-        varlen_case(seqlens=((1, 1000), (4, 1024), (3, 1100), (2, 777)), dtype="bfloat16", d=64, dv=64,
-                    heads_q=8, heads_kv=1, causal=True, family="outliers"),
+        varlen_case(
+            seqlens=((1, 1000), (4, 1024), (3, 1100), (2, 777)),
+            dtype="bfloat16",
+            d=64,
+            dv=64,
+            heads_q=8,
+            heads_kv=1,
+            causal=True,
+            family="outliers",
+        ),
         # paged KV, shuffled pages of 64 keys (dividing the tile) and of 48 (not), seqused_k set
-        varlen_case(seqlens=((70, 300), (1, 129), (200, 200)), page_size=64, dtype="bfloat16", d=64, dv=64,
-                    heads_q=4, heads_kv=1, causal=True, family="peaked"),
-        varlen_case(seqlens=((3, 500), (50, 97), (0, 10), (20, 48)), seqused_k=(410, 97, 10, 20), page_size=48,
-                    dtype="float16", d=128, dv=128, heads_q=2, heads_kv=2, causal=True, family="long_tail"),
+        varlen_case(
+            seqlens=((70, 300), (1, 129), (200, 200)),
+            page_size=64,
+            dtype="bfloat16",
+            d=64,
+            dv=64,
+            heads_q=4,
+            heads_kv=1,
+            causal=True,
+            family="peaked",
+        ),
+        varlen_case(
+            seqlens=((3, 500), (50, 97), (0, 10), (20, 48)),
+            seqused_k=(410, 97, 10, 20),
+            page_size=48,
+            dtype="float16",
+            d=128,
+            dv=128,
+            heads_q=2,
+            heads_kv=2,
+            causal=True,
+            family="long_tail",
+        ),
         # split-KV (3 splits and their combine) with pack_gqa; the drift makes each split's maximum differ
-        varlen_case(seqlens=((2, 700), (77, 400), (100, 300)), num_splits=3, pack_gqa=True, dtype="bfloat16", d=64,
-                    dv=64, heads_q=4, heads_kv=2, causal=True, family="drift", seed=1),
+        varlen_case(
+            seqlens=((2, 700), (77, 400), (100, 300)),
+            num_splits=3,
+            pack_gqa=True,
+            dtype="bfloat16",
+            d=64,
+            dv=64,
+            heads_q=4,
+            heads_kv=2,
+            causal=True,
+            family="drift",
+            seed=1,
+        ),
         # a local window per sequence
-        varlen_case(seqlens=((200, 400), (65, 65), (10, 300)), window=(96, 8), dtype="bfloat16", d=128, dv=128,
-                    heads_q=2, heads_kv=2, family="flat"),
-    ]  # fmt: skip
+        varlen_case(
+            seqlens=((200, 400), (65, 65), (10, 300)),
+            window=(96, 8),
+            dtype="bfloat16",
+            d=128,
+            dv=128,
+            heads_q=2,
+            heads_kv=2,
+            family="flat",
+        ),
+    ]
 
 
 #: (seqlen_q, seqlen_k) pairs of FA's own tests (flash-attention/tests/cute/test_flash_attn.py) and more
@@ -605,10 +813,21 @@ def _varlen_release_case(row: dict, seed: int) -> Case:
     hq, hk = row["heads"]
     split_gqa = row["num_splits"] > 1 and hq > hk
     return varlen_case(
-        seqlens=pairs, seqused_k=used, page_size=row["page_size"], num_splits=row["num_splits"],
-        pack_gqa=True if split_gqa else None, dtype=row["dtype"], d=row["d"], dv=row["d"], heads_q=hq, heads_kv=hk,
-        causal=mask == "causal", window=window, family=fam, seed=seed,
-    )  # fmt: skip
+        seqlens=pairs,
+        seqused_k=used,
+        page_size=row["page_size"],
+        num_splits=row["num_splits"],
+        pack_gqa=True if split_gqa else None,
+        dtype=row["dtype"],
+        d=row["d"],
+        dv=row["d"],
+        heads_q=hq,
+        heads_kv=hk,
+        causal=mask == "causal",
+        window=window,
+        family=fam,
+        seed=seed,
+    )
 
 
 def release_varlen(seeds: tuple[int, ...] = (0,)) -> list[Case]:

@@ -90,8 +90,10 @@ class _Steps:
         if lo > hi:
             return None
         # the first value >= self.first in self's progression that is also in other's
-        x0 = next((x for x in (self.first + self.step * k for k in range(other.step))
-                   if (x - other.first) % other.step == 0), None)  # fmt: skip
+        x0 = next(
+            (x for x in (self.first + self.step * k for k in range(other.step)) if (x - other.first) % other.step == 0),
+            None,
+        )
         if x0 is None:
             return None
         step = _lcm(self.step, other.step)
@@ -370,16 +372,24 @@ class Domain:
             return b if a is None else a if b is None else tuple(x for x in a if x in b)
 
         lo = [m for m in (self.max_seqlen, other.max_seqlen) if m is not None]
-        hd = other.head_dims if self.head_dims is None else self.head_dims if other.head_dims is None else (
-            self.head_dims.meet(other.head_dims))  # fmt: skip
+        hd = (
+            other.head_dims
+            if self.head_dims is None
+            else self.head_dims
+            if other.head_dims is None
+            else (self.head_dims.meet(other.head_dims))
+        )
         return Domain(
-            dtypes=meet(self.dtypes, other.dtypes), head_dims=hd,
+            dtypes=meet(self.dtypes, other.dtypes),
+            head_dims=hd,
             **{k: _lcm(getattr(self, k), getattr(other, k)) for k in _MULTIPLE_KEYS},
             equal_seqlens=self.equal_seqlens or other.equal_seqlens,
-            min_seqlen=max(self.min_seqlen, other.min_seqlen), max_seqlen=min(lo) if lo else None,
-            layouts=meet(self.layouts, other.layouts), mods=meet(self.mods, other.mods),
+            min_seqlen=max(self.min_seqlen, other.min_seqlen),
+            max_seqlen=min(lo) if lo else None,
+            layouts=meet(self.layouts, other.layouts),
+            mods=meet(self.mods, other.mods),
             **{k: getattr(self, k) and getattr(other, k) for k in _BOOL_KEYS if k != "equal_seqlens"},
-        )  # fmt: skip
+        )
 
     def widen(self, other: Domain) -> Domain:
         """What either allows, key by key (the box around both: several kernels sharing one suite,
@@ -394,13 +404,16 @@ class Domain:
         hi = None if self.max_seqlen is None or other.max_seqlen is None else max(self.max_seqlen, other.max_seqlen)
         hd = None if self.head_dims is None or other.head_dims is None else self.head_dims.join(other.head_dims)
         return Domain(
-            dtypes=join(self.dtypes, other.dtypes), head_dims=hd,
+            dtypes=join(self.dtypes, other.dtypes),
+            head_dims=hd,
             **{k: math.gcd(getattr(self, k), getattr(other, k)) for k in _MULTIPLE_KEYS},
             equal_seqlens=self.equal_seqlens and other.equal_seqlens,
-            min_seqlen=min(self.min_seqlen, other.min_seqlen), max_seqlen=hi,
-            layouts=join(self.layouts, other.layouts), mods=join(self.mods, other.mods),
+            min_seqlen=min(self.min_seqlen, other.min_seqlen),
+            max_seqlen=hi,
+            layouts=join(self.layouts, other.layouts),
+            mods=join(self.mods, other.mods),
             **{k: getattr(self, k) or getattr(other, k) for k in _BOOL_KEYS if k != "equal_seqlens"},
-        )  # fmt: skip
+        )
 
     def refusal(self, case: Case) -> str | None:
         """Why ``case`` lies outside the domain (the first reason found), None when inside.  A
@@ -415,9 +428,11 @@ class Domain:
             (case.softcap > 0 and not self.softcap, "softcap unsupported"),
             (case.sink and not self.sink, "learnable sink unsupported"),
             (case.heads_q != case.heads_kv and not self.gqa, "GQA/MQA unsupported"),
-            (self.layouts is not None and case.layout not in self.layouts,
-             f"layout {case.layout} not in {self.layouts}"),
-        )  # fmt: skip
+            (
+                self.layouts is not None and case.layout not in self.layouts,
+                f"layout {case.layout} not in {self.layouts}",
+            ),
+        )
         return next((why for bad, why in checks if bad), None) or self._mods_refusal(case)
 
     def _mods_refusal(self, case: Case) -> str | None:
@@ -426,8 +441,10 @@ class Domain:
         if kind is None:
             return None
         have = ", ".join(self.mods) if self.mods else "none"
-        return (f"{kind} unsupported (the domain's mods: {have}; a kernel taking it declares "
-                f"mods = [{', '.join(repr(k) for k in MOD_KINDS)}] or the kinds it takes)")  # fmt: skip
+        return (
+            f"{kind} unsupported (the domain's mods: {have}; a kernel taking it declares "
+            f"mods = [{', '.join(repr(k) for k in MOD_KINDS)}] or the kinds it takes)"
+        )
 
     def _length_refusal(self, sq: int, sk: int) -> str | None:
         """Why lengths ``sq`` x ``sk`` lie outside the domain's length keys, or None."""
@@ -439,7 +456,7 @@ class Domain:
             (self.equal_seqlens and sq != sk, "seqlen_q != seqlen_k"),
             (min(sq, sk) < self.min_seqlen, f"a seqlen below {self.min_seqlen}"),
             (self.max_seqlen is not None and max(sq, sk) > self.max_seqlen, f"a seqlen above {self.max_seqlen}"),
-        )  # fmt: skip
+        )
         return next((why for bad, why in checks if bad), None)
 
     def _lengths_refusal(self, case: Case) -> str | None:
@@ -654,8 +671,12 @@ def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: lis
     cases += _varlen_within(d, release_varlen(seeds))
     cases += [c for c in class_cases() if d.refusal(c) is None]
     cases += mods_within(d)["cases"]
-    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
-            "not_applicable": missing}  # fmt: skip
+    return {
+        "cases": list(dict.fromkeys(cases)),
+        "axes": axes,
+        "pairs_covered": _pairs_covered(axes),
+        "not_applicable": missing,
+    }
 
 
 def _pairs_covered(axes: dict) -> int:
@@ -717,8 +738,12 @@ def smoke_within(d: Domain) -> dict:
             cases += [case] if case is not None else []
     cases += _varlen_within(d, smoke_varlen())
     cases += mods_within(d, smoke_mods() + varlen_mods(smoke=True))["cases"]
-    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
-            "not_applicable": missing}  # fmt: skip
+    return {
+        "cases": list(dict.fromkeys(cases)),
+        "axes": axes,
+        "pairs_covered": _pairs_covered(axes),
+        "not_applicable": missing,
+    }
 
 
 _SIXTEEN_BIT = ("bfloat16", "float16")
@@ -748,8 +773,9 @@ def _fit(d: Domain, case: Case) -> tuple[Case | None, str | None]:
         return None, d.refusal(case)
     sq, sk = next(iter(seqlens_within(d, [(case.seqlen_q, case.seqlen_k)])), (case.seqlen_q, case.seqlen_k))
     layout = case.layout if d.layouts is None or case.layout in d.layouts else d.layouts[0]
-    moved = dataclasses.replace(case, seqlen_q=sq, seqlen_k=sk, layout=layout,
-                                heads_kv=case.heads_kv if d.gqa else case.heads_q)  # fmt: skip
+    moved = dataclasses.replace(
+        case, seqlen_q=sq, seqlen_k=sk, layout=layout, heads_kv=case.heads_kv if d.gqa else case.heads_q
+    )
     why = d.refusal(moved)
     return (moved, None) if why is None else (None, why)
 
@@ -760,8 +786,11 @@ def head_dims_within(d: Domain) -> dict:
     each case moved into the domain where its lengths, heads or layout are not (:func:`_fit`)."""
     from audits.suites.cases import head_dim_sweep
 
-    axes = {"d": sweep_head_dims(d), "dtype": [t for t in (d.dtypes or _SIXTEEN_BIT) if t in _SIXTEEN_BIT],
-            "mask": ["none"] + ["causal"] * d.causal}  # fmt: skip
+    axes = {
+        "d": sweep_head_dims(d),
+        "dtype": [t for t in (d.dtypes or _SIXTEEN_BIT) if t in _SIXTEEN_BIT],
+        "mask": ["none"] + ["causal"] * d.causal,
+    }
     if not axes["dtype"]:
         why = f"the head-dim sweep runs bfloat16 and float16; the domain's dtypes are {d.dtypes}"
         return {"cases": [], "axes": axes, "pairs_covered": 0, "not_applicable": {"head-dims": why}}
@@ -776,8 +805,12 @@ def head_dims_within(d: Domain) -> dict:
             f"{len(placed) - len(cases)} of the sweep's {len(placed)} cases fit no length, head or layout "
             f"of the domain; e.g. {why}"
         )
-    return {"cases": list(dict.fromkeys(cases)), "axes": axes, "pairs_covered": _pairs_covered(axes),
-            "not_applicable": missing}  # fmt: skip
+    return {
+        "cases": list(dict.fromkeys(cases)),
+        "axes": axes,
+        "pairs_covered": _pairs_covered(axes),
+        "not_applicable": missing,
+    }
 
 
 def named_suite_within(name: str, d: Domain) -> dict:
@@ -842,11 +875,18 @@ def suite_within(name: str, d: Domain) -> dict:
     if name == "nightly":
         built = release_within(d, seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
         sweep = head_dims_within(d)
-        return {**built, "cases": list(dict.fromkeys(built["cases"] + sweep["cases"])),
-                "not_applicable": {**built["not_applicable"], **sweep["not_applicable"]}}  # fmt: skip
+        return {
+            **built,
+            "cases": list(dict.fromkeys(built["cases"] + sweep["cases"])),
+            "not_applicable": {**built["not_applicable"], **sweep["not_applicable"]},
+        }
     from audits.suites.cases import SUITES, suite
 
     if name in SUITES:  # a fixed list (fidelity's): its cases inside the domain, none made
-        return {"cases": [c for c in suite(name) if d.refusal(c) is None], "axes": None, "pairs_covered": None,
-                "not_applicable": {}}  # fmt: skip
+        return {
+            "cases": [c for c in suite(name) if d.refusal(c) is None],
+            "axes": None,
+            "pairs_covered": None,
+            "not_applicable": {},
+        }
     raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}")

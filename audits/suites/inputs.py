@@ -309,9 +309,15 @@ def _mods(case, v: torch.Tensor, device) -> dict:
             f"{case.seqlen_q}x{case.seqlen_k}"
         )
     recipe = dict(
-        score_mod=case.score_mod, mask_mod=case.mask_mod, block_sparse=tuple(case.block_sparse), batch=case.batch,
-        heads_q=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, seed=case.seed,
-    )  # fmt: skip
+        score_mod=case.score_mod,
+        mask_mod=case.mask_mod,
+        block_sparse=tuple(case.block_sparse),
+        batch=case.batch,
+        heads_q=case.heads_q,
+        seqlen_q=case.seqlen_q,
+        seqlen_k=case.seqlen_k,
+        seed=case.seed,
+    )
     mods = build_mods(**recipe, device=device)
     for key in ("score_mod", "mask_mod"):
         if key in mods:
@@ -362,9 +368,15 @@ def _inf_key_seen_by_all(case, v: torch.Tensor, mods: dict) -> None:
     keys = torch.isinf(v).flatten(2).any(-1).any(0).nonzero().flatten().cpu()
     flags = visible_mask(case.seqlen_q, case.seqlen_k, causal=case.causal, window_size=tuple(case.window))
     aux = [t.cpu() for t in mods.get("aux_tensors") or []]
-    vis = visibility(batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k,
-                     mask_mod=mods.get("mask_mod"), block_sparse=_cpu_blocks(mods.get("block_sparse_tensors")),
-                     aux=aux)  # fmt: skip
+    vis = visibility(
+        batch=case.batch,
+        heads=case.heads_q,
+        seqlen_q=case.seqlen_q,
+        seqlen_k=case.seqlen_k,
+        mask_mod=mods.get("mask_mod"),
+        block_sparse=_cpu_blocks(mods.get("block_sparse_tensors")),
+        aux=aux,
+    )
     vis = vis.expand(case.batch, case.heads_q, case.seqlen_q, case.seqlen_k) & flags
     rows = vis.any(-1)
     for j in keys.tolist():
@@ -438,13 +450,24 @@ def _head_max_logits(q: torch.Tensor, k: torch.Tensor, case) -> torch.Tensor:
                 f"score_mod relbias covers sequences up to {RELBIAS_SPAN} tokens (its bucket table); the case has "
                 f"{sq}x{sk}"
             )
-        mods = build_mods(score_mod=case.score_mod, mask_mod=case.mask_mod, block_sparse=tuple(case.block_sparse),
-                          batch=b, heads_q=hq, seqlen_q=sq, seqlen_k=sk, seed=case.seed, device=q.device)  # fmt: skip
+        mods = build_mods(
+            score_mod=case.score_mod,
+            mask_mod=case.mask_mod,
+            block_sparse=tuple(case.block_sparse),
+            batch=b,
+            heads_q=hq,
+            seqlen_q=sq,
+            seqlen_k=sk,
+            seed=case.seed,
+            device=q.device,
+        )
     aux = mods.get("aux_tensors")
     score_mod, mask_mod, blocks = bind_aux_scalars(  # the call's runtime scalars, when it has any
-        mods.get("aux_scalars"), score_mod=mods.get("score_mod"), mask_mod=mods.get("mask_mod"),
+        mods.get("aux_scalars"),
+        score_mod=mods.get("score_mod"),
+        mask_mod=mods.get("mask_mod"),
         block_sparse=mods.get("block_sparse_tensors"),
-    )  # fmt: skip
+    )
     kd = k.double().repeat_interleave(hq // k.shape[2], dim=2)
     best = torch.full((hq,), -math.inf, dtype=torch.float64, device=q.device)
     rows = max(1, (1 << 24) // max(1, b * hq * sk))
@@ -456,9 +479,18 @@ def _head_max_logits(q: torch.Tensor, k: torch.Tensor, case) -> torch.Tensor:
         if score_mod is not None:
             s = apply_score_mod(s, score_mod, aux, rows=idx)
         vis = call_visibility(
-            batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, causal=case.causal, window_size=tuple(case.window),
-            mask_mod=mask_mod, block_sparse_tensors=blocks, aux_tensors=aux, rows=idx, device=q.device,
-        )  # fmt: skip
+            batch=b,
+            heads=hq,
+            seqlen_q=sq,
+            seqlen_k=sk,
+            causal=case.causal,
+            window_size=tuple(case.window),
+            mask_mod=mask_mod,
+            block_sparse_tensors=blocks,
+            aux_tensors=aux,
+            rows=idx,
+            device=q.device,
+        )
         s = s.masked_fill(~(vis & torch.isfinite(s)), -math.inf)
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     return best.cpu()
@@ -556,8 +588,16 @@ def _varlen_mods(case, device) -> dict:
                 per.append(None)
                 continue
             own = sequence_mods(i, mask_mod=mm)["mask_mod"]
-            bs = block_sparse_from_mask(own, batch=1, heads=case.heads_q, seqlen_q=sq, seqlen_k=sk, block_size=(bq, bk),
-                                        aux=mods.get("aux_tensors"), device=device)  # fmt: skip
+            bs = block_sparse_from_mask(
+                own,
+                batch=1,
+                heads=case.heads_q,
+                seqlen_q=sq,
+                seqlen_k=sk,
+                block_size=(bq, bk),
+                aux=mods.get("aux_tensors"),
+                device=device,
+            )
             per.append(replace(bs, mask_mod=mm))
         mods["block_sparse_tensors"] = per
     return mods
@@ -569,10 +609,22 @@ def _sequence_case(case, i: int, sq: int, sk: int):
     from dataclasses import replace
 
     return replace(
-        case, batch=1, seqlen_q=max(sq, 1), seqlen_k=max(sk, 1), seed=case.seed * 7919 + i, layout="contiguous",
-        sink=False, seqlens=(), seqused_k=(), page_size=0, num_splits=1, pack_gqa=None, score_mod="", mask_mod="",
+        case,
+        batch=1,
+        seqlen_q=max(sq, 1),
+        seqlen_k=max(sk, 1),
+        seed=case.seed * 7919 + i,
+        layout="contiguous",
+        sink=False,
+        seqlens=(),
+        seqused_k=(),
+        page_size=0,
+        num_splits=1,
+        pack_gqa=None,
+        score_mod="",
+        mask_mod="",
         block_sparse=(),
-    )  # fmt: skip
+    )
 
 
 def page_table(lengths: list[int], page: int, g: torch.Generator) -> torch.Tensor:

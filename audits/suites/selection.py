@@ -58,28 +58,40 @@ def add_case_arguments(parser: argparse.ArgumentParser, *, default_suite: str = 
 
     g = parser.add_argument_group("case selection (the same for run, invariance, static and fidelity)")
     g.add_argument(
-        "--suite", default=None, metavar="NAME|FILE.toml",
+        "--suite",
+        default=None,
+        metavar="NAME|FILE.toml",
         help=f"a named suite ({', '.join(SUITES)}; default {default_suite}) or a suite file FILE.toml "
         "(docs/runner.md, 'Suite files'); not with --config or --case-file",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--config", action="append", default=None, metavar="JSON",
+        "--config",
+        action="append",
+        default=None,
+        metavar="JSON",
         help='a case as JSON (audits.suites.cases.Case fields, absent = default), e.g. \'{"d": 64, "causal": true}\'; '
         "repeatable",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--case-file", action="append", default=None, metavar="FILE",
+        "--case-file",
+        action="append",
+        default=None,
+        metavar="FILE",
         help="a file of cases: a JSON list, JSON lines, or a report.json (its cases); repeatable",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--case", default=None, metavar="GLOB",
+        "--case",
+        default=None,
+        metavar="GLOB",
         help="keep the cases whose name (or fidelity label, e.g. d128_softcap) matches GLOB, e.g. '*causal*'",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--domain", default=None, metavar="FILE.toml",
+        "--domain",
+        default=None,
+        metavar="FILE.toml",
         help="a TOML file of domain keys (audits/suites/domain.py) narrowing what the kernels declare: suites are "
         "built within it, given cases outside it are not run",
-    )  # fmt: skip
+    )
     g.add_argument("--seed", type=int, default=0, metavar="N", help="added to every case's seed (default 0)")
     parser.set_defaults(default_suite=default_suite)
 
@@ -185,8 +197,10 @@ def _suite(name: str, narrow, own: dict, d) -> Selection:
         lost = [c for c in whole if c not in kept]
         if lost:
             info["cases_outside"] = len(lost)
-            _say(f"{name}: {len(lost)} of {len(whole)} cases lie outside the kernels' domain and are not run "
-                 f"(e.g. {lost[0].name}: {d.refusal(lost[0])})")  # fmt: skip
+            _say(
+                f"{name}: {len(lost)} of {len(whole)} cases lie outside the kernels' domain and are not run "
+                f"(e.g. {lost[0].name}: {d.refusal(lost[0])})"
+            )
     if len(own) > 1:  # the per-kernel domains and the cases each will skip
         outside = {k: sum(x.refusal(c) is not None for c in built["cases"]) for k, x in own.items()}
         info["kernels"] = {k: {"domain": x.as_dict(), "cases_outside": outside[k]} for k, x in own.items()}
@@ -205,8 +219,12 @@ def _domain_info(own: dict, d, built: dict, label: str) -> dict:
     for fam, why in built["not_applicable"].items():
         _say(f"{label}: family {fam} not applicable in the kernels' domain: {why}")
     rule = "union" if len(own) > 1 else "single" if own else "domain file"
-    return {"rule": rule, "domain": d.as_dict(), "pairs_covered": built["pairs_covered"],
-            "not_applicable": built["not_applicable"]}  # fmt: skip
+    return {
+        "rule": rule,
+        "domain": d.as_dict(),
+        "pairs_covered": built["pairs_covered"],
+        "not_applicable": built["not_applicable"],
+    }
 
 
 def _suite_file(path: str, narrow, own: dict, d) -> Selection:

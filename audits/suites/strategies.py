@@ -436,9 +436,18 @@ def compose_score_mod(
 
     spec = score_spec(ops)
     mod = ScoreMod(
-        spec, fn, grad, value_error, slope, grad_error, curvature, aux_base=aux_base, forms=_forms(ops, aux_base),
-        params={"ops": [op.token() for op in ops], "seed": seed}, per_head=any(op.name == "hbias" for op in ops),
-    )  # fmt: skip
+        spec,
+        fn,
+        grad,
+        value_error,
+        slope,
+        grad_error,
+        curvature,
+        aux_base=aux_base,
+        forms=_forms(ops, aux_base),
+        params={"ops": [op.token() for op in ops], "seed": seed},
+        per_head=any(op.name == "hbias" for op in ops),
+    )
     return mod, aux
 
 
@@ -604,32 +613,69 @@ def score_mods(draw, *, heads_q: int, aux_base: int = 0, max_ops: int = 4, devic
 
 
 @st.composite
-def mask_mods(draw, *, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, block_size, aux_base: int = 0,
-              device="cpu"):  # fmt: skip
+def mask_mods(
+    draw, *, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, block_size, aux_base: int = 0, device="cpu"
+):
     """(MaskMod, aux tensors) of a random block pattern (:func:`random_mask`): per head or
     broadcast, per batch or broadcast, the block kinds' weights (one kind alone among them, so
     all-full / all-partial / all-empty-but-one-key patterns occur), the density inside partial
     blocks."""
-    weights = draw(st.sampled_from([(1.0, 1.0, 1.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (1.0, 1.0, 0.0),
-                                    (0.0, 1.0, 1.0), (1.0, 0.0, 1.0), (0.2, 0.5, 0.3)]))  # fmt: skip
+    weights = draw(
+        st.sampled_from(
+            [
+                (1.0, 1.0, 1.0),
+                (1.0, 0.0, 0.0),
+                (0.0, 1.0, 0.0),
+                (1.0, 1.0, 0.0),
+                (0.0, 1.0, 1.0),
+                (1.0, 0.0, 1.0),
+                (0.2, 0.5, 0.3),
+            ]
+        )
+    )
     pat = random_mask(
-        batch=batch, heads=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k, block_size=tuple(block_size),
-        seed=draw(st.integers(0, 2**16)), per_head=draw(st.booleans()), per_batch=draw(st.booleans()),
-        weights=weights, density=draw(st.sampled_from([0.5, 0.1, 0.9])),
-    )  # fmt: skip
+        batch=batch,
+        heads=heads_q,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        block_size=tuple(block_size),
+        seed=draw(st.integers(0, 2**16)),
+        per_head=draw(st.booleans()),
+        per_batch=draw(st.booleans()),
+        weights=weights,
+        density=draw(st.sampled_from([0.5, 0.1, 0.9])),
+    )
     return mask_mod_of(pat, aux_base=aux_base, device=device)
 
 
 @st.composite
-def block_sparse_mods(draw, *, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, block_size, aux_base: int = 0,
-                      device="cpu") -> tuple[MaskMod, list, BlockSparse]:  # fmt: skip
+def block_sparse_mods(
+    draw, *, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, block_size, aux_base: int = 0, device="cpu"
+) -> tuple[MaskMod, list, BlockSparse]:
     """(MaskMod, aux tensors, BlockSparse from it at ``block_size``) (:func:`mask_mods`,
     ``numerics.mods.block_sparse_from_mask``)."""
-    mm, aux = draw(mask_mods(batch=batch, heads_q=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                             block_size=block_size, aux_base=aux_base, device=device))  # fmt: skip
+    mm, aux = draw(
+        mask_mods(
+            batch=batch,
+            heads_q=heads_q,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            block_size=block_size,
+            aux_base=aux_base,
+            device=device,
+        )
+    )
     full_aux = [None] * aux_base + aux
-    bs = block_sparse_from_mask(mm, batch=batch, heads=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                block_size=tuple(block_size), aux=full_aux, device=device)  # fmt: skip
+    bs = block_sparse_from_mask(
+        mm,
+        batch=batch,
+        heads=heads_q,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        block_size=tuple(block_size),
+        aux=full_aux,
+        device=device,
+    )
     return mm, aux, bs
 
 
@@ -651,9 +697,16 @@ def varlen_batches(draw, *, max_sequences: int = 4, max_len: int = 48, device="c
     sm, sm_aux = draw(score_mods(heads_q=hq, max_ops=3, device=device))
     mq, mk = max(1, max(a for a, _ in seqlens)), max(1, max(b for _, b in seqlens))
     pat = random_mask(
-        batch=n, heads=hq, seqlen_q=mq, seqlen_k=mk, block_size=(16, 16), seed=draw(st.integers(0, 2**16)),
-        per_head=draw(st.booleans()), per_batch=True, density=draw(st.sampled_from([0.5, 0.1, 0.9])),
-    )  # fmt: skip
+        batch=n,
+        heads=hq,
+        seqlen_q=mq,
+        seqlen_k=mk,
+        block_size=(16, 16),
+        seed=draw(st.integers(0, 2**16)),
+        per_head=draw(st.booleans()),
+        per_batch=True,
+        density=draw(st.sampled_from([0.5, 0.1, 0.9])),
+    )
     mm, mm_aux = mask_mod_of(pat, aux_base=len(sm_aux), device=device)
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     tq, tk = sum(a for a, _ in seqlens), sum(b for _, b in seqlens)
@@ -662,7 +715,12 @@ def varlen_batches(draw, *, max_sequences: int = 4, max_len: int = 48, device="c
     )
     cu = lambda ls: torch.tensor([0, *torch.tensor(ls, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
     kw = {
-        "cu_seqlens_q": cu([a for a, _ in seqlens]).to(device), "cu_seqlens_k": cu([b for _, b in seqlens]).to(device),
-        "max_seqlen_q": mq, "max_seqlen_k": mk, "score_mod": sm, "mask_mod": mm, "aux_tensors": [*sm_aux, *mm_aux],
-    }  # fmt: skip
+        "cu_seqlens_q": cu([a for a, _ in seqlens]).to(device),
+        "cu_seqlens_k": cu([b for _, b in seqlens]).to(device),
+        "max_seqlen_q": mq,
+        "max_seqlen_k": mk,
+        "score_mod": sm,
+        "mask_mod": mm,
+        "aux_tensors": [*sm_aux, *mm_aux],
+    }
     return {"q": q, "k": k, "v": v, "kw": kw, "seqlens": seqlens, "pattern": pat}

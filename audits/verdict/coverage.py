@@ -152,8 +152,15 @@ def coverage(
         )
     classes = None if arch is None else _class_entries(arch, domain, got["classes"])
     features = {f: {d: got["features"][d].get(f) for d in DIRECTIONS} for f in _features(domain)}
-    return {"arch": arch, "domain": domain.as_dict(), "directions": directions, "head_dims": heads,
-            "classes": classes, "features": features, "notes": notes}  # fmt: skip
+    return {
+        "arch": arch,
+        "domain": domain.as_dict(),
+        "directions": directions,
+        "head_dims": heads,
+        "classes": classes,
+        "features": features,
+        "notes": notes,
+    }
 
 
 def _values(pairs) -> dict[str, list[int]]:
@@ -220,8 +227,10 @@ def _class_entries(arch: str, domain, covered: dict) -> dict:
     for pc in classes(arch):
         if pc.direction not in applicable:
             continue
-        e = out.setdefault(pc.name, {"description": pc.description, "source": pc.source, "directions": [],
-                                     "forward": None, "backward": None})  # fmt: skip
+        e = out.setdefault(
+            pc.name,
+            {"description": pc.description, "source": pc.source, "directions": [], "forward": None, "backward": None},
+        )
         e[pc.direction] = covered[pc.direction].get(pc.name)
         why = NOT_AUDITABLE.get(pc.name.split(".", 1)[1])
         if why:
@@ -282,10 +291,25 @@ def _reachable_cached(arch: str, domain_json: str) -> dict[str, set]:
     shapes = [s for s in _SHAPES if dom.gqa or s[0] == s[1]]
     dtype = (dom.dtypes or ("bfloat16",))[0]
     calls = [
-        Call(dtype=dtype, d=d, dv=dv, causal=c, local=w, heads_q=hq, heads_kv=hk, pack_gqa=pk, seqlen_q=sq,
-             seqlen_k=sk, varlen=vl, paged=pg, num_splits=ns)
-        for d, dv in pairs for c, w in masks for hq, hk, pk, sq, sk, vl, pg, ns in shapes
-    ]  # fmt: skip
+        Call(
+            dtype=dtype,
+            d=d,
+            dv=dv,
+            causal=c,
+            local=w,
+            heads_q=hq,
+            heads_kv=hk,
+            pack_gqa=pk,
+            seqlen_q=sq,
+            seqlen_k=sk,
+            varlen=vl,
+            paged=pg,
+            num_splits=ns,
+        )
+        for d, dv in pairs
+        for c, w in masks
+        for hq, hk, pk, sq, sk, vl, pg, ns in shapes
+    ]
     toggles = [k for k in ("softcap", "sink") if getattr(dom, k)] + ["deterministic"] * dom.deterministic
     toggles += [k for k in ("score_mod", "mask_mod") if dom.takes(k)]
     calls += [dataclasses.replace(calls[0], **{k: True}) for k in toggles]
@@ -562,14 +586,19 @@ def coverage_lines(cov: dict | None) -> list[str]:
         L.append(f"  {'class':{w}}  {'forward':{cw}}  backward")
         for name, e in cov["classes"].items():
             L.append(f"  {name:{w}}  {cell(e, 'forward'):{cw}}  {cell(e, 'backward')}")
-        L += [f"  {n}: not auditable ({d}): {why}" for n, e in cov["classes"].items()
-              for d, why in (e.get("not_auditable") or {}).items()]  # fmt: skip
+        L += [
+            f"  {n}: not auditable ({d}): {why}"
+            for n, e in cov["classes"].items()
+            for d, why in (e.get("not_auditable") or {}).items()
+        ]
     feats = cov.get("features") or {}
     if feats:
         L.append("features (reported, not gated):")
         for f, e in feats.items():
-            L.append(f"  {f}  " + "; ".join(f"{d}: {e.get(d) or ('missed' if d in judged else 'not judged')}"
-                                           for d in DIRECTIONS))  # fmt: skip
+            L.append(
+                f"  {f}  "
+                + "; ".join(f"{d}: {e.get(d) or ('missed' if d in judged else 'not judged')}" for d in DIRECTIONS)
+            )
     req = cov.get("required")
     if req:
         state = "met" if req["met"] else "NOT met"

@@ -230,8 +230,9 @@ def layout_of(*, case: Case, level: str, tile: int) -> Layout:
     n = case.seqlen_q if level == "row" else case.seqlen_k
     reg = _regions(vis, tile, level=level)
     batch = torch.arange(case.batch)[:, None].expand(case.batch, n)
-    return Layout(level, batch, torch.arange(n)[None].expand(case.batch, n), reg[None].expand(case.batch, n), tile,
-                  group)  # fmt: skip
+    return Layout(
+        level, batch, torch.arange(n)[None].expand(case.batch, n), reg[None].expand(case.batch, n), tile, group
+    )
 
 
 def _canonical(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -425,8 +426,12 @@ def localize(*, tensor: str, mask: torch.Tensor, layout: Layout) -> dict:
         c = concentration(violations=viol, elements=elem, ordered=a not in ("batch", "head", "kv_head", "mask_region"))
         if c is None:
             continue
-        axes[a] = {"values": [vals[i] for i in c.index], "share_of_violations": round(c.share_of_violations, 6),
-                   "share_of_elements": round(c.share_of_elements, 6), "of": sum(e > 0 for e in elem)}  # fmt: skip
+        axes[a] = {
+            "values": [vals[i] for i in c.index],
+            "share_of_violations": round(c.share_of_violations, 6),
+            "share_of_elements": round(c.share_of_elements, 6),
+            "of": sum(e > 0 for e in elem),
+        }
     summary = _summary(tensor, total, mask.numel(), axes, counts, layout, mask.shape[2])
     return {"violations": total, "elements": mask.numel(), "axes": axes, "summary": summary}
 
@@ -665,13 +670,33 @@ def _panels(parts: list[_Part], case: Case, fwd_tiles: tuple[int, int]) -> Error
         key = f"{p.name}_b{label}_h{h}"
         arrays[key] = pooled.numpy()
         tm, tn = p.tiles
-        panels.append({"key": key, "tensor": p.name, "batch": label, "head": h, "rows": pooled.shape[0],
-                       "cols": pooled.shape[1], "row_step": rs, "col_step": cs,
-                       "row_axis": "col" if p.layout.level == "key" else "row", "n_rows": full.shape[0],
-                       "n_cols": full.shape[1], "max_ratio": -neg_worst, "violations": int(-neg_viol),
-                       "tile_m": tm, "tile_n": tn})  # fmt: skip
-    meta = {"case": case.name, "config": case.as_dict(), "tile_m": fwd_tiles[0], "tile_n": fwd_tiles[1],
-            "panels": panels, "omitted_panels": len(cands) - len(panels)}  # fmt: skip
+        panels.append(
+            {
+                "key": key,
+                "tensor": p.name,
+                "batch": label,
+                "head": h,
+                "rows": pooled.shape[0],
+                "cols": pooled.shape[1],
+                "row_step": rs,
+                "col_step": cs,
+                "row_axis": "col" if p.layout.level == "key" else "row",
+                "n_rows": full.shape[0],
+                "n_cols": full.shape[1],
+                "max_ratio": -neg_worst,
+                "violations": int(-neg_viol),
+                "tile_m": tm,
+                "tile_n": tn,
+            }
+        )
+    meta = {
+        "case": case.name,
+        "config": case.as_dict(),
+        "tile_m": fwd_tiles[0],
+        "tile_n": fwd_tiles[1],
+        "panels": panels,
+        "omitted_panels": len(cands) - len(panels),
+    }
     return ErrorMap(meta, arrays)
 
 
@@ -711,7 +736,12 @@ def diagnose(*, rec: dict, th: dict, tensors: CaseTensors | None) -> tuple[dict,
     diag = {}
     for p in parts:
         loc = localize(tensor=p.name, mask=p.mask, layout=p.layout)
-        diag[p.name] = {"violations": loc["violations"], "elements": loc["elements"], "criteria": p.criteria,
-                        "axes": loc["axes"], "summary": loc["summary"]}  # fmt: skip
+        diag[p.name] = {
+            "violations": loc["violations"],
+            "elements": loc["elements"],
+            "criteria": p.criteria,
+            "axes": loc["axes"],
+            "summary": loc["summary"],
+        }
     fwd = forward_tiles(case=tensors.case, numerics=tensors.numerics, kind=tensors.kind)
     return diag, _panels(parts, tensors.case, fwd)

@@ -39,8 +39,12 @@ _BACKWARD_KEYS = {
     "bound": bool, "peer_bound": bool, "fa_criterion": bool, "softcap_multiplier": float, "softcap_abs": float,
     "mpmath_max_rel": float,
 }  # fmt: skip
-_GRAD_KEYS = {"dq": {"fa_multiplier": float}, "dk": {"fa_multiplier": float}, "dv": {"fa_multiplier": float},
-              "dsink": {"fa_multiplier": float, "ulps": float}}  # fmt: skip
+_GRAD_KEYS = {
+    "dq": {"fa_multiplier": float},
+    "dk": {"fa_multiplier": float},
+    "dv": {"fa_multiplier": float},
+    "dsink": {"fa_multiplier": float, "ulps": float},
+}
 
 
 class ThresholdsError(ValueError):
@@ -132,8 +136,10 @@ def _nonfinite(r: dict, noun: tuple[str, str], kind: str, th: dict, *, ref: str)
     the breakdown (written before it) gets the counts in plain words."""
     groups = [("fail", r["nonfinite_where_ref_finite"], {"finite"})]
     if kind == "LSE":  # -inf is the empty row's convention, its own check
-        groups += [(th["policy"]["nan_swallowed"], r["nan_swallowed"], {"NaN", "+inf"}),
-                   ("fail", r.get("mismatched_nonfinite", 0), {"-inf"})]  # fmt: skip
+        groups += [
+            (th["policy"]["nan_swallowed"], r["nan_swallowed"], {"NaN", "+inf"}),
+            ("fail", r.get("mismatched_nonfinite", 0), {"-inf"}),
+        ]
     else:
         groups.append((th["policy"]["nan_swallowed"], r["nan_swallowed"], {"NaN", "+inf", "-inf"}))
     pairs = r.get("nonfinite_mismatches")
@@ -143,8 +149,11 @@ def _nonfinite(r: dict, noun: tuple[str, str], kind: str, th: dict, *, ref: str)
         if not n:
             continue
         deviation = " — a semantics deviation" if i == 1 else ""
-        mine = [(k.split("|"), c) for k, c in pairs.items()
-                if isinstance(c, int) and k.count("|") == 1 and k.split("|")[1] in refs]  # fmt: skip
+        mine = [
+            (k.split("|"), c)
+            for k, c in pairs.items()
+            if isinstance(c, int) and k.count("|") == 1 and k.split("|")[1] in refs
+        ]
         if sum(c for _, c in mine) != n or any(g not in _HOLDS or v not in _HOLDS for (g, v), _ in mine):
             found.append((sev, _plain(n, noun, kind, ref=ref, group=i) + deviation))
             continue
@@ -201,8 +210,13 @@ def _bound(m: dict, th: dict) -> list[tuple[str, str]]:
     applies = _bound_gated((b or {}).get("kind"), th["policy"])
     if b is None or not applies or not (b["violations"] or b["lse_violations"]):
         return []
-    return [("fail", f"{b['violations']} outputs and {b['lse_violations']} LSE values exceed the forward-pass bound "
-             f"(worst error/bound {b['tightness']:.3g}) — a bug in the kernel or in the analysis")]  # fmt: skip
+    return [
+        (
+            "fail",
+            f"{b['violations']} outputs and {b['lse_violations']} LSE values exceed the forward-pass bound "
+            f"(worst error/bound {b['tightness']:.3g}) — a bug in the kernel or in the analysis",
+        )
+    ]
 
 
 def fa_allowed(*, m: dict, th: dict) -> float | None:
@@ -245,8 +259,13 @@ def _lse(m: dict, th: dict) -> list[tuple[str, str]]:
     found = []  # an LSE other than -inf where the reference is -inf: _semantics
     ref_max, allowed = lse.get("ref_max_abs", 0.0), lse_allowed(m=m, th=th)
     if lse["max_abs"] > allowed:
-        found.append(("fail", f"LSE max |err| {lse['max_abs']:.3g} > allowed {allowed:.3g} (max_abs "
-                      f"{th['lse']['max_abs']:g} + rel {th['lse']['rel']:g} * max|lse| {ref_max:.3g})"))  # fmt: skip
+        found.append(
+            (
+                "fail",
+                f"LSE max |err| {lse['max_abs']:.3g} > allowed {allowed:.3g} (max_abs "
+                f"{th['lse']['max_abs']:g} + rel {th['lse']['rel']:g} * max|lse| {ref_max:.3g})",
+            )
+        )
     return found
 
 
@@ -273,8 +292,13 @@ def _grad_values(b: dict, th: dict) -> list[tuple[str, str]]:
         bd = g.get("bound")
         applies = _bound_gated(b.get("bound_kind"), bt)
         if bd and applies and bd["violations"]:
-            found.append(("fail", f"{bd['violations']} {n} elements exceed the backward bound (worst error/bound "
-                          f"{bd['tightness']:.3g}) — a bug in the kernel or in the analysis"))  # fmt: skip
+            found.append(
+                (
+                    "fail",
+                    f"{bd['violations']} {n} elements exceed the backward bound (worst error/bound "
+                    f"{bd['tightness']:.3g}) — a bug in the kernel or in the analysis",
+                )
+            )
     return found
 
 
@@ -308,8 +332,13 @@ def _grad_fa_criterion(b: dict, m: dict, th: dict) -> list[tuple[str, str]]:
             bad = [i for i, (e, a) in enumerate(zip(fa["errors"], allowed)) if e > a]
             if bad:
                 i = bad[0]
-                found.append(("fail", f"FA criterion: dsink of {len(bad)} head(s) off, head {i}: "
-                              f"|err| {fa['errors'][i]:.3g} > allowed {allowed[i]:.3g}"))  # fmt: skip
+                found.append(
+                    (
+                        "fail",
+                        f"FA criterion: dsink of {len(bad)} head(s) off, head {i}: "
+                        f"|err| {fa['errors'][i]:.3g} > allowed {allowed[i]:.3g}",
+                    )
+                )
             continue
         if fa["max_abs"] > allowed:
             found.append(("fail", f"FA criterion: max|{n} - ref| {fa['max_abs']:.3g} > allowed {allowed:.3g}"))
@@ -328,12 +357,22 @@ def _grad_semantics(b: dict, th: dict) -> list[tuple[str, str]]:
     if b.get("deterministic"):
         for n, sp in b.get("spread", {}).items():
             if sp["differing"]:
-                found.append(("fail", f"deterministic=True: {sp['differing']} {n} elements differ between "
-                              f"backward runs (up to {sp['max_ulp']} ULP)"))  # fmt: skip
+                found.append(
+                    (
+                        "fail",
+                        f"deterministic=True: {sp['differing']} {n} elements differ between "
+                        f"backward runs (up to {sp['max_ulp']} ULP)",
+                    )
+                )
     for n, rel in b.get("certified", {}).items():
         if rel > th["backward"]["mpmath_max_rel"]:
-            found.append(("fail", f"FP64 {n} not certified: differs from the exact elements by {rel:.3g} relative "
-                          f"(allowed {th['backward']['mpmath_max_rel']:g})"))  # fmt: skip
+            found.append(
+                (
+                    "fail",
+                    f"FP64 {n} not certified: differs from the exact elements by {rel:.3g} relative "
+                    f"(allowed {th['backward']['mpmath_max_rel']:g})",
+                )
+            )
     return found
 
 
@@ -404,10 +443,14 @@ def judge_against_baseline(m: dict, base: dict, th: dict) -> list[str]:
     r = th["baseline"]["max_ratio"]
     out = []
     grads = lambda c: (c.get("backward") or {}).get("grads") or {}
-    pairs = [((m.get(key) or {}).get("max_abs"), (base.get(key) or {}).get("max_abs"), label)
-             for key, label in (("out", "max |out - ref|"), ("lse", "LSE max |err|"))]  # fmt: skip
-    pairs += [((grads(m).get(n) or {}).get("max_abs"), (grads(base).get(n) or {}).get("max_abs"), f"max |{n} - ref|")
-              for n in ("dq", "dk", "dv", "dsink")]  # fmt: skip
+    pairs = [
+        ((m.get(key) or {}).get("max_abs"), (base.get(key) or {}).get("max_abs"), label)
+        for key, label in (("out", "max |out - ref|"), ("lse", "LSE max |err|"))
+    ]
+    pairs += [
+        ((grads(m).get(n) or {}).get("max_abs"), (grads(base).get(n) or {}).get("max_abs"), f"max |{n} - ref|")
+        for n in ("dq", "dk", "dv", "dsink")
+    ]
     for a, b, label in pairs:
         if a is not None and b is not None and a > r * b and a > 0:
             out.append(f"{label} {a:.3g} > {r:g} x baseline {b:.3g}")

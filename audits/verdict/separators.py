@@ -267,9 +267,13 @@ def _predicates(records: list[dict], failing: np.ndarray, arch: str | None) -> _
 
 def _entry(field: str, rule: str, nf: int, np_: int, of_f: int, of_p: int) -> dict:
     return {
-        "field": field, "rule": rule, "failing": nf, "passing": np_, "exact": nf == of_f and np_ == 0,
+        "field": field,
+        "rule": rule,
+        "failing": nf,
+        "passing": np_,
+        "exact": nf == of_f and np_ == 0,
         "score": round(nf / of_f - np_ / of_p, 6),
-    }  # fmt: skip
+    }
 
 
 def _pick(candidates: list[tuple], limit: int) -> list[tuple]:
@@ -302,9 +306,10 @@ def separators(cases: list[dict], *, arch: str | None) -> dict:
     out: dict = {"separators": [], "failing": nf, "passing": np_}
     if not nf or not np_:
         out["note"] = (
-            "no failing case and no passing one: nothing to separate" if not nf and not np_
+            "no failing case and no passing one: nothing to separate"
+            if not nf and not np_
             else f"every counted case {'fails' if nf else 'passes'}: nothing to separate"
-        )  # fmt: skip
+        )
         return out
     mat, meta = _predicates(records, failing, arch).distinct()
     F, P = mat[:, failing], mat[:, ~failing]
@@ -326,11 +331,17 @@ def separators(cases: list[dict], *, arch: str | None) -> dict:
         both = Pa @ Pa.T  # passing cases satisfying both
         a, b = np.nonzero(np.triu(both == 0, k=1))
         if len(a):
-            key = lambda t: (max(meta[full[t[0]]][0][0], meta[full[t[1]]][0][0]),
-                             meta[full[t[0]]][0][0] + meta[full[t[1]]][0][0], t[0], t[1])  # fmt: skip
+            key = lambda t: (
+                max(meta[full[t[0]]][0][0], meta[full[t[1]]][0][0]),
+                meta[full[t[0]]][0][0] + meta[full[t[1]]][0][0],
+                t[0],
+                t[1],
+            )
             pairs = sorted(zip(a.tolist(), b.tolist()), key=key)
-            cands = [(_fields(meta[full[i]][1], meta[full[j]][1]), f"{meta[full[i]][2]} and {meta[full[j]][2]}")
-                     for i, j in pairs]  # fmt: skip
+            cands = [
+                (_fields(meta[full[i]][1], meta[full[j]][1]), f"{meta[full[i]][2]} and {meta[full[j]][2]}")
+                for i, j in pairs
+            ]
             out["separators"] = [_entry(f, r, nf, 0, nf, np_) for f, r in _pick(cands, MAX_RULES)]
             return out
     out["separators"] = _best(meta, F, P, J, nf, np_)
@@ -396,10 +407,14 @@ def separator_text(diag: dict | None) -> tuple[str, list[tuple[str, str]]]:
     if all(s["exact"] for s in seps):
         how = "Every failing case and no passing one satisfies" + (" each of" if len(seps) > 1 else "")
         return ". ".join([counted, *note, how]), [(s["rule"], "") for s in seps]
-    how = ("No exact rule of one or two predicates; the best by Youden's J (share of failing cases "
-           "satisfying it - share of passing)")  # fmt: skip
-    rules = [(s["rule"], f"{s['failing']} of {nf} failing, {s['passing']} of {np_} passing (J {s['score']:.2f})")
-             for s in seps]  # fmt: skip
+    how = (
+        "No exact rule of one or two predicates; the best by Youden's J (share of failing cases "
+        "satisfying it - share of passing)"
+    )
+    rules = [
+        (s["rule"], f"{s['failing']} of {nf} failing, {s['passing']} of {np_} passing (J {s['score']:.2f})")
+        for s in seps
+    ]
     return ". ".join([counted, *note, how]), rules
 
 

@@ -217,15 +217,17 @@ def print_summary(report: dict, console: Console | None = None) -> None:
     cells = []
     for r, n, prod in _degree_rows(report):
         ratio = r["bound"] / n["max_rel_error"] if n.get("max_rel_error") else None
-        cells.append([
-            str(r["degree"]),
-            _fmt(n.get("max_rel_error")),
-            f"{n.get('argmax_x', 0):.7g}",
-            _fmt(n.get("max_ulp_error"), ".1f"),
-            _fmt(r["bound"]),
-            _fmt(ratio, ".4f"),
-            "; ".join(f"{k}: {_short_cell(v)}" for k, v in prod.items()) or "—",
-        ])  # fmt: skip
+        cells.append(
+            [
+                str(r["degree"]),
+                _fmt(n.get("max_rel_error")),
+                f"{n.get('argmax_x', 0):.7g}",
+                _fmt(n.get("max_ulp_error"), ".1f"),
+                _fmt(r["bound"]),
+                _fmt(ratio, ".4f"),
+                "; ".join(f"{k}: {_short_cell(v)}" for k, v in prod.items()) or "—",
+            ]
+        )
     columns = ["degree", "max rel err", "at x", "max ULP", "proven bound", "bound/max", "production"]
     print_table(console, f"exp2 emulation ({report['mode']}, {report['device']})", columns, cells)
     for v in report["verdicts"]:

@@ -45,9 +45,15 @@ def run_case(label: str, c: Case, production, device, *, mma: str = "exact") -> 
     t0 = time.perf_counter()
     po, pl = production(q, k, v, return_lse=True, **kw)
     nm = FA4Numerics.for_call(
-        production_arch() if torch.device(device).type == "cuda" else "sm90", q, k, v, causal=c.causal,
-        window_size=c.window, mask_mod=kw.get("mask_mod"), block_sparse_tensors=kw.get("block_sparse_tensors"),
-    )  # fmt: skip
+        production_arch() if torch.device(device).type == "cuda" else "sm90",
+        q,
+        k,
+        v,
+        causal=c.causal,
+        window_size=c.window,
+        mask_mod=kw.get("mask_mod"),
+        block_sparse_tensors=kw.get("block_sparse_tensors"),
+    )
     nm = dataclasses.replace(nm, mma=mma)
     mo, ml = attention(q, k, v, return_lse=True, numerics=nm, **kw)
     ref, rl = attention_reference(q, k, v, return_lse=True, **kw)

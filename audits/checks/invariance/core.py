@@ -135,8 +135,10 @@ def _not_applicable(prop: str, case, t: Target) -> str | None:
     if getattr(case, "mods", ()):
         # a sliced, restricted or repacked call would reuse the mods of the whole call: aux tensors
         # indexed by batch (prefix_lm, document), positions by query row (every mask mod, ALiBi)
-        return (f"a case with mods ({', '.join(case.mods)}): this property slices or repacks the call, and the "
-                "mods' aux tensors and query positions are built for the whole call")  # fmt: skip
+        return (
+            f"a case with mods ({', '.join(case.mods)}): this property slices or repacks the call, and the "
+            "mods' aux tensors and query positions are built for the whole call"
+        )
     if t.varlen is None and prop in VARLEN_ONLY:
         return "the kernel has no varlen entry (fixed-length): split-KV, paged KV and pack_gqa are varlen features"
     if t.varlen is None and case.varlen:
@@ -153,8 +155,10 @@ def _property(prop: str, shared: _Shared, t: Target) -> dict:
         res = fixed.decode(shared.get("fixed"), t)
         if res["result"] == "not applicable" and (v := fixed.decode_variant(shared.case, t.domain)) is not None:
             res = fixed.decode(shared.get("fixed", v), t)
-            note = (f"compared on the case with seqlen_q {v.seqlen_q} (its own {shared.case.seqlen_q} rows leave "
-                    f"no last rows inside the kernel's declared domain)")  # fmt: skip
+            note = (
+                f"compared on the case with seqlen_q {v.seqlen_q} (its own {shared.case.seqlen_q} rows leave "
+                f"no last rows inside the kernel's declared domain)"
+            )
             res["note"] = "; ".join(x for x in (note, res.get("note")) if x)
         return res
     note = None
@@ -234,8 +238,14 @@ def _prediction_summary(records: list[dict]) -> dict:
             a = res["agreement"]
             per[p][a or "not compared"] += 1
             if a == "disagree":
-                disagreements.append({"case": r["case"], "property": p, "measured": r["properties"][p]["result"],
-                                      "predicted": res["result"]})  # fmt: skip
+                disagreements.append(
+                    {
+                        "case": r["case"],
+                        "property": p,
+                        "measured": r["properties"][p]["result"],
+                        "predicted": res["result"],
+                    }
+                )
     agree = sum(n["agree"] for n in per.values())
     return {"agree": agree, "disagree": len(disagreements), "per_property": per, "disagreements": disagreements}
 
@@ -269,8 +279,14 @@ def summarize(records: list[dict], required: list[str], model: str | None = None
     compared = sum(counts[p]["holds"] + counts[p]["differs"] for p in counts)
     none = {p: uncompared(p, records) for p in required if not counts[p]["holds"] + counts[p]["differs"]}
     failing = [p for p in required if counts[p]["differs"] or counts[p]["error"] or counts[p]["timeout"] or p in none]
-    s = {"counts": counts, "required": required, "compared": compared, "failing": failing, "uncompared": none,
-         "passed": compared > 0 and not failing}  # fmt: skip
+    s = {
+        "counts": counts,
+        "required": required,
+        "compared": compared,
+        "failing": failing,
+        "uncompared": none,
+        "passed": compared > 0 and not failing,
+    }
     if model is not None:
         s["prediction"] = {"model": model, **_prediction_summary(records)}
     return s

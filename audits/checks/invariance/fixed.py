@@ -152,8 +152,7 @@ def decode_rows(case, sq: int, sk: int, domain) -> tuple[list[int], list[str]]:
 def decode(x: FixedInputs, t) -> dict:
     case = x.case
     if case.seqlen_q <= min(DECODE_ROWS):
-        return {"result": "not applicable",
-                "reason": f"seqlen_q {case.seqlen_q}: the last row alone is the full call"}  # fmt: skip
+        return {"result": "not applicable", "reason": f"seqlen_q {case.seqlen_q}: the last row alone is the full call"}
     usable, why = decode_rows(case, case.seqlen_q, case.seqlen_k, t.domain)
     if not usable:
         return {"result": "not applicable", "reason": "; ".join(why)}

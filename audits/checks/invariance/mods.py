@@ -207,8 +207,15 @@ def _library(x: ModInputs, **names) -> dict:
     from fa4.mods import build_mods
 
     c = x.case
-    return build_mods(**names, batch=c.batch, heads_q=c.heads_q, seqlen_q=c.seqlen_q, seqlen_k=c.seqlen_k,
-                      seed=c.seed, device=x.device)  # fmt: skip
+    return build_mods(
+        **names,
+        batch=c.batch,
+        heads_q=c.heads_q,
+        seqlen_q=c.seqlen_q,
+        seqlen_k=c.seqlen_k,
+        seed=c.seed,
+        device=x.device,
+    )
 
 
 def _inside(t, case, **fields) -> str | None:
@@ -226,8 +233,9 @@ def block_sparse(x: ModInputs, t) -> dict:
 
     c = x.case
     blk = tuple(c.block_sparse) or MOD_BLOCK
-    no = _inside(t, c, causal=False, window=(None, None), softcap=0.0, mask_mod=c.mask_mod or "causal",
-                 block_sparse=blk)  # fmt: skip
+    no = _inside(
+        t, c, causal=False, window=(None, None), softcap=0.0, mask_mod=c.mask_mod or "causal", block_sparse=blk
+    )
     if no:
         raise Refused(f"outside the kernel's declared domain: {no}")
     base = x.plain()
@@ -238,16 +246,32 @@ def block_sparse(x: ModInputs, t) -> dict:
     if c.mask_mod:
         lib = _library(x, score_mod=c.score_mod, mask_mod=c.mask_mod)
         masks.append((f"mask_mod {c.mask_mod}", lib["mask_mod"], list(lib.get("aux_tensors") or [])))
-    pat = random_mask(batch=c.batch, heads=c.heads_q, seqlen_q=c.seqlen_q, seqlen_k=c.seqlen_k, block_size=blk,
-                      seed=c.seed, per_head=c.seed % 2 == 0, per_batch=c.seed % 3 == 0)  # fmt: skip
+    pat = random_mask(
+        batch=c.batch,
+        heads=c.heads_q,
+        seqlen_q=c.seqlen_q,
+        seqlen_k=c.seqlen_k,
+        block_size=blk,
+        seed=c.seed,
+        per_head=c.seed % 2 == 0,
+        per_batch=c.seed % 3 == 0,
+    )
     mm, maux = mask_mod_of(pat, aux_base=len(aux0), device=x.device)
     masks.append((f"random blocks (seed {c.seed})", mm, aux0 + maux))
     no_claim = _claims(t)
     comps, notes = [], []
     for what, mask, aux in masks:
         dense = {**base, "mask_mod": mask, "aux_tensors": aux}
-        bs = block_sparse_from_mask(mask, batch=c.batch, heads=c.heads_q, seqlen_q=c.seqlen_q, seqlen_k=c.seqlen_k,
-                                    block_size=blk, aux=aux, device=x.device)  # fmt: skip
+        bs = block_sparse_from_mask(
+            mask,
+            batch=c.batch,
+            heads=c.heads_q,
+            seqlen_q=c.seqlen_q,
+            seqlen_k=c.seqlen_k,
+            block_size=blk,
+            aux=aux,
+            device=x.device,
+        )
         sparse = {**dense, "block_sparse_tensors": bs}
         if no_claim:
             claimed, why = False, no_claim
@@ -276,13 +300,31 @@ def mask_flag(x: ModInputs, t) -> dict:
     d, dv = c.d, c.dv
     plain_tn = sm90_tile_n(d, dv)
     checks = [
-        ("causal=True vs the causal mask_mod", {"causal": True}, dict(causal=True), {"mask_mod": "causal"},
-         "mask_mod", sm90_tile_n(d, dv, causal=True)),
-        (f"window_size=({WINDOW}, 0) vs the sliding_window mask_mod", {"window_size": (WINDOW, 0)},
-         dict(window=(WINDOW, 0)), {"mask_mod": "sliding_window"}, "mask_mod", sm90_tile_n(d, dv, local=True)),
-        (f"softcap={SOFTCAP_CAP} vs the softcap score_mod", {"softcap": SOFTCAP_CAP}, dict(softcap=SOFTCAP_CAP),
-         {"score_mod": "softcap"}, "score_mod", plain_tn),
-    ]  # fmt: skip
+        (
+            "causal=True vs the causal mask_mod",
+            {"causal": True},
+            dict(causal=True),
+            {"mask_mod": "causal"},
+            "mask_mod",
+            sm90_tile_n(d, dv, causal=True),
+        ),
+        (
+            f"window_size=({WINDOW}, 0) vs the sliding_window mask_mod",
+            {"window_size": (WINDOW, 0)},
+            dict(window=(WINDOW, 0)),
+            {"mask_mod": "sliding_window"},
+            "mask_mod",
+            sm90_tile_n(d, dv, local=True),
+        ),
+        (
+            f"softcap={SOFTCAP_CAP} vs the softcap score_mod",
+            {"softcap": SOFTCAP_CAP},
+            dict(softcap=SOFTCAP_CAP),
+            {"score_mod": "softcap"},
+            "score_mod",
+            plain_tn,
+        ),
+    ]
     off = dict(causal=False, window=(None, None), softcap=0.0, score_mod="", mask_mod="", block_sparse=())
     comps, skipped = [], []
     no_claim = _claims(t)

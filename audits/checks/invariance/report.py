@@ -14,9 +14,11 @@ def _diffs(res: dict) -> list[str]:
         if m and m["differ"]:
             e = m["max_err_fp64"]
             wb = {True: ", within bound", False: ", BEYOND bound"}.get(m.get("within_bound"), "")
-            parts.append(f"{t}: {m['differ']}/{m['compared']} differ, max {m['max_steps']} steps "
-                         f"({m['max_ulp']:.3g} ULP at FP64), "
-                         f"max err vs FP64 {e[0]:.3g} / {e[1]:.3g}{wb}")  # fmt: skip
+            parts.append(
+                f"{t}: {m['differ']}/{m['compared']} differ, max {m['max_steps']} steps "
+                f"({m['max_ulp']:.3g} ULP at FP64), "
+                f"max err vs FP64 {e[0]:.3g} / {e[1]:.3g}{wb}"
+            )
     return parts
 
 
@@ -66,8 +68,10 @@ def _prediction(report: dict) -> list[str]:
     lines += ["", "Cells: measured / predicted.", ""]
     for d in s["disagreements"]:
         r = next(c for c in report["cases"] if c["case"] == d["case"])
-        lines.append(f"* {d['case']}, {d['property']}: measured {cell(r['properties'][d['property']])}; "
-                     f"predicted {cell(r['predicted'][d['property']])}")  # fmt: skip
+        lines.append(
+            f"* {d['case']}, {d['property']}: measured {cell(r['properties'][d['property']])}; "
+            f"predicted {cell(r['predicted'][d['property']])}"
+        )
     return lines
 
 

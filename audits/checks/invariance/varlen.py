@@ -199,9 +199,18 @@ class VarlenInputs:
         pack = packs_gqa(spec.pack_gqa, self.hq, self.hk)
         # the numerics fa4.varlen.varlen_attention picks for this sequence of a packed call
         nm = sequence_numerics(
-            t.arch, q, k, v, self.common["causal"], self.common["window_size"], varlen_q=True,
-            num_splits=spec.num_splits, page_size=spec.page, pack=pack, max_seqlen_q=call.kw["max_seqlen_q"],
-        )  # fmt: skip
+            t.arch,
+            q,
+            k,
+            v,
+            self.common["causal"],
+            self.common["window_size"],
+            varlen_q=True,
+            num_splits=spec.num_splits,
+            page_size=spec.page,
+            pack=pack,
+            max_seqlen_q=call.kw["max_seqlen_q"],
+        )
         extra = bound_keywords(call.splits(t.arch, j), pack)  # split-KV: numerics.forward_bound.split_error_bound
         key = (i, nm, tuple(sorted(extra.items())))  # calls of the same numerics share one
         if key not in self._bounds:
@@ -263,8 +272,10 @@ def batch(x: VarlenInputs, t) -> dict:
     notes = [] if n > 1 else ["one sequence: compared alone vs beside a shorter one"]
     whole = [i for i, (p, short) in enumerate(zip(x.parts, shorts)) if short[0].shape[1] == p[0].shape[1]]
     if whole:  # no shorter sequence lies in the kernel's declared domain: beside a copy of itself
-        notes.append(f"sequence {', '.join(map(str, whole))}: beside a copy of the same length (no shorter one lies "
-                     "in the kernel's declared domain)")  # fmt: skip
+        notes.append(
+            f"sequence {', '.join(map(str, whole))}: beside a copy of the same length (no shorter one lies "
+            "in the kernel's declared domain)"
+        )
     return verdict(comps, "; ".join(notes) or None)
 
 

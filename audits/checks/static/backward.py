@@ -222,9 +222,12 @@ def _mod_facts_bwd(c: Case, ptx: str, chosen: dict, **compile_kw) -> tuple[dict,
             raise StaticError(f"{c.name}: production refuses {base.name}, the backward baseline of {name}: {got}")
         base_ptx, _, how = got
         facts[name] = differential(
-            mine, f32_elements(main_kernel_text(base_ptx)), scores=scores, scores_without=scores_of_main(base_ptx),
+            mine,
+            f32_elements(main_kernel_text(base_ptx)),
+            scores=scores,
+            scores_without=scores_of_main(base_ptx),
             what=f"backward {name} of {c.name} against {base.name}",
             selects=name == "mod.mask_ops",
-        )  # fmt: skip
+        )
         baselines[name] = f"{base.name} ({how})"
     return facts, baselines

@@ -271,10 +271,12 @@ def _mod_facts(c: Case, ptx: str, chosen: dict, scores: int, **compile_kw) -> tu
         base_ptx, base_chosen, how = got
         base_tile_n = int(base_chosen.get("attributes", {}).get("n_block_size", 128))
         facts[name] = differential(
-            mine, f32_elements(base_ptx), scores=scores,
+            mine,
+            f32_elements(base_ptx),
+            scores=scores,
             scores_without=kernel_facts(base_ptx, tile_n=base_tile_n)["softmax.steps"] * base_tile_n,
             what=f"{name} of {c.name} against {base.name}",
             selects=name == "mod.mask_ops",
-        )  # fmt: skip
+        )
         baselines[name] = f"{base.name} ({how})"
     return facts, baselines

@@ -256,10 +256,11 @@ def _agrees(got, want) -> bool:
     if set(got) != set(want):
         return False
     return all(
-        isinstance(got[k], (int, float)) and got[k] >= float(v[2:]) if isinstance(v, str) and v.startswith(">= ")
+        isinstance(got[k], (int, float)) and got[k] >= float(v[2:])
+        if isinstance(v, str) and v.startswith(">= ")
         else got[k] == v
         for k, v in want.items()
-    )  # fmt: skip
+    )
 
 
 def compare_mod_facts(facts: dict, want: dict) -> list[dict]:
