@@ -1,6 +1,6 @@
 """The direction of imports: ``numerics`` <- ``fa4`` <- ``audits``, the layers of ``audits`` (library,
-checks each in its own folder, the audit API, its callers) importing downwards only, and no import circle anywhere (lazy imports inside
-functions count: a circle through them is still a circle)."""
+checks each in its own folder, the audit API, its callers) importing downwards only, and no import
+circle anywhere (lazy imports inside functions count: a circle through them is still a circle)."""
 
 import ast
 from pathlib import Path
