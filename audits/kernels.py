@@ -28,6 +28,7 @@ can hold it to ``numerics.forward_bound``; None for the peers.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import os
@@ -36,14 +37,44 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import flex_attention as flex_module
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from fa4.production import REFUSALS, production_domain
+from audits.common import UsageError
+from audits.suites.domain import Domain, DomainError, domain_of
+from fa4.mods import block_sparse_index_lists
+from fa4.production import (
+    REFUSALS,
+    ProductionUnavailable,
+    flash_attn,
+    flash_attn_varlen,
+    production_domain,
+    require_production,
+)
+from numerics.mods import bind_aux_scalars
+from numerics.reference import effective_window, visible_mask
 
 __all__ = [
-    "KERNELS", "MODELS", "get_kernel", "kernel_domain", "portable_spec", "fa4_numerics", "fa4_arch", "production_arch",
-    "cuda_arch", "arch_of_capability", "claims_nonfinite_inputs", "contract_error", "VARLEN_KERNELS",
-    "get_varlen_kernel", "per_sequence", "varlen_contract_error", "fa4_varlen_numerics", "fa4_varlen_splits",
-]  # fmt: skip
+    "KERNELS",
+    "MODELS",
+    "get_kernel",
+    "kernel_domain",
+    "portable_spec",
+    "fa4_numerics",
+    "fa4_arch",
+    "production_arch",
+    "cuda_arch",
+    "arch_of_capability",
+    "claims_nonfinite_inputs",
+    "contract_error",
+    "VARLEN_KERNELS",
+    "get_varlen_kernel",
+    "per_sequence",
+    "varlen_contract_error",
+    "fa4_varlen_numerics",
+    "fa4_varlen_splits",
+]
 
 
 #: the models by name: (FA4Numerics family, its ``mma``)
@@ -60,9 +91,7 @@ def _model_of(arch: str, mma: str = "exact"):
     ``FA4Numerics.bwd_deterministic``)."""
 
     def run(q, k, v, *, causal=False, window_size=(None, None), return_lse=False, deterministic=False, **kw):
-        import dataclasses
-
-        from fa4.model import FA4Numerics, attention
+        from fa4.model import FA4Numerics, attention  # lazy: fa4.model loads numba (~0.2 s)
 
         # production's numerics for this call: a mask_mod drops the flags from the forward's
         # configuration (interface._resolve_causal_local_window), block sparsity fits the tiles
@@ -98,8 +127,6 @@ _MODEL_DOMAINS = {
 
 
 def _production(q, k, v, *, deterministic=False, **kw):
-    from fa4.production import flash_attn
-
     return flash_attn(q, k, v, deterministic=deterministic, **kw)
 
 
@@ -140,10 +167,6 @@ def _sdpa(backend: str) -> Callable:
         learnable_sink=None,
         return_lse=False,
     ):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        from numerics.reference import visible_mask
-
         # softcap, the sink, fp8 and (flash, cudnn) windows are outside its declared domain:
         # the runner skips those cases before calling (run.fa4_audit_domain below)
         sq, sk = q.shape[1], k.shape[1]
@@ -212,7 +235,7 @@ def _flex_compiled():
     kernel the peer audits on CUDA (eager flex materialises the scores, another algorithm)."""
     global _FLEX_COMPILED
     if _FLEX_COMPILED is None:
-        import torch._dynamo.config as dynamo_config
+        import torch._dynamo.config as dynamo_config  # lazy: dynamo only where flex is compiled (CUDA)
         from torch.nn.attention.flex_attention import flex_attention
 
         for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
@@ -234,8 +257,6 @@ _FLEX_COMPILED = None
 def _flag_mask(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> Callable | None:
     """The flags' mask as a flex mask_mod ``(b, h, q_idx, kv_idx) -> bool`` (None: keeps every
     key): ``numerics.reference.visible_key_range``'s rule, bottom-right aligned."""
-    from numerics.reference import effective_window
-
     left, right = effective_window(causal=causal, window_size=window_size)
     if left is None and right is None:
         return None
@@ -254,10 +275,6 @@ def _flex_block_mask(bs, mask_mod, seqlen_q: int, seqlen_k: int, device):
     ``kv_num_blocks`` / ``kv_indices`` (``mask_mod`` applied there), the full ones as
     ``full_kv_*`` (not masked), the lists ascending as ``create_block_mask`` orders them;
     ``BlockMask.from_kv_blocks`` derives the transposed lists the backward walks."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    from fa4.mods import block_sparse_index_lists
-
     cnt, idx = block_sparse_index_lists(bs.partial.to(device))
     full_cnt, full_idx = block_sparse_index_lists(bs.full.to(device))
     return BlockMask.from_kv_blocks(
@@ -292,8 +309,6 @@ def _eager_block_mask_mod(bs, mask_mod, device) -> Callable:
 
 def _flex_mods(q, k, *, causal, window_size, softcap, score_mod, mask_mod, aux, block_sparse):
     """(score_mod, block_mask) of a flex call for the contract's flags and mods (:func:`_flex`)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     b, sq, hq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
     flags = _flag_mask(causal, window_size, sq, sk)
     sm = None
@@ -364,14 +379,10 @@ def _flex(
     production refuses it); ``learnable_sink`` is refused (flex has no sink).  The LSE
     (``return_aux=AuxRequest(lse=True)``; ``return_lse`` before torch 2.9) is natural-log (flex
     rescales its base-2 statistics: ``_finalize_outputs``); GQA through ``enable_gqa``."""
-    from torch.nn.attention import flex_attention as flex_module
-
     if learnable_sink is not None:
         raise NotImplementedError("flex_attention has no learnable sink")
     if softcap and score_mod is not None:
         raise NotImplementedError("softcap and a score_mod together: one score_mod only (production refuses it too)")
-    from numerics.mods import bind_aux_scalars
-
     score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(
         aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
     )
@@ -458,7 +469,7 @@ def production_arch() -> str:
 def fa4_numerics(name: str):
     """Callable (q, k, v, causal, window) -> FA4Numerics for kernels that implement FA4's
     numerics (held to the forward-pass bound); None for the others."""
-    from fa4.model import FA4Numerics
+    from fa4.model import FA4Numerics  # lazy: numba
 
     arch = fa4_arch(name)
     if arch is None:
@@ -481,7 +492,7 @@ def fa4_varlen_numerics(name: str):
     interleave of packed GQA; tiles fitted to a sparse block); ``page_size`` 0: no page table;
     ``pack_gqa`` None: the default (on for GQA).  None for kernels that do not implement FA4's
     numerics."""
-    from fa4.varlen import packs_gqa, sequence_numerics
+    from fa4.varlen import packs_gqa, sequence_numerics  # lazy: fa4.varlen loads fa4.model (numba)
 
     arch = fa4_arch(name)
     if arch is None:
@@ -513,7 +524,7 @@ def fa4_varlen_splits(name: str):
     ``num_splits``, or SM100's per-sequence counts on varlen queries, which follow the GPU's SM
     count: production's own GPU's, the model's 148 of a B200); None for kernels that do not
     implement FA4's numerics."""
-    from fa4.varlen import split_counts
+    from fa4.varlen import split_counts  # lazy: numba
 
     arch = fa4_arch(name)
     if arch is None:
@@ -579,14 +590,11 @@ def portable_spec(spec: str) -> str:
     return f"{Path(f).resolve()}:{attr}" if f else spec
 
 
-def usable_kernels(specs: list[str]) -> list[str]:
+def usable_kernels(specs: list[str], *, domains: bool = True) -> list[str]:
     """The kernels named (duplicates dropped), each loadable, the production kernel only where
-    it can run: otherwise a ``UsageError`` (exit 2, with the install hint), never an error
-    verdict per case."""
-    from audits.common import UsageError
-    from audits.suites.domain import DomainError
-    from fa4.production import ProductionUnavailable, require_production
-
+    it can run, and (``domains``) each declaring a well-formed domain: otherwise a ``UsageError``
+    (exit 2, with the install hint), never an error verdict per case.  ``domains=False`` where
+    the caller resolves the domains next (the case selection, which reports a malformed one alike)."""
     kernels = list(dict.fromkeys(specs))
     for kern in kernels:
         try:
@@ -598,7 +606,7 @@ def usable_kernels(specs: list[str]) -> list[str]:
             require_production()
         except ProductionUnavailable as exc:
             raise UsageError(f"--kernel fa4 is the production kernel, which cannot run here: {exc}") from exc
-    for kern in kernels:  # a malformed declaration is a usage error before any case runs
+    for kern in kernels if domains else ():  # a malformed declaration is a usage error before any case runs
         try:
             kernel_domain(kern)
         except DomainError as exc:
@@ -606,11 +614,9 @@ def usable_kernels(specs: list[str]) -> list[str]:
     return kernels
 
 
-def kernel_domain(spec: str):
+def kernel_domain(spec: str) -> Domain:
     """The domain the kernel ``spec`` declares (``audits.suites.domain.domain_of``; production's for
     this machine's GPU), resolved now: the runner resolves it once per kernel and run."""
-    from audits.suites.domain import domain_of
-
     return domain_of(get_kernel(spec))
 
 
@@ -637,7 +643,7 @@ def contract_error(q: torch.Tensor, v: torch.Tensor, out, lse) -> str | None:
 
 def _model_varlen(arch: str, mma: str = "exact") -> Callable:
     def run(q, k, v, **kw):
-        from fa4.varlen import varlen_attention
+        from fa4.varlen import varlen_attention  # lazy: numba
 
         if arch == "sm90" and q.dtype.itemsize == 1:
             raise NotImplementedError("the SM90 path supports only bf16 and fp16 (flash_fwd.py _check_type)")
@@ -651,8 +657,6 @@ def _model_varlen(arch: str, mma: str = "exact") -> Callable:
 
 
 def _production_varlen(q, k, v, **kw):
-    from fa4.production import flash_attn_varlen
-
     return flash_attn_varlen(q, k, v, **kw)
 
 
@@ -688,7 +692,7 @@ def per_sequence(fn: Callable) -> Callable:
     and pack_gqa are ignored (the fixed-length call has neither)."""
 
     def run(q, k, v, *, return_lse=False, num_splits=1, pack_gqa=None, max_seqlen_q=None, max_seqlen_k=None, **kw):
-        from fa4.varlen import VARLEN_KEYWORDS, empty_outputs, sequences
+        from fa4.varlen import VARLEN_KEYWORDS, empty_outputs, sequences  # lazy: numba
 
         vk = {n: kw.pop(n) for n in VARLEN_KEYWORDS if n in kw}
         mods = [n for n in ("score_mod", "mask_mod", "aux_tensors", "block_sparse_tensors") if kw.get(n) is not None]

@@ -1,7 +1,8 @@
-"""Code-path classes: the groups of attention calls that production FA4 (flash-attn-4 4.0.0b36,
-``flash_attn/cute``) runs through different compiled code or different arithmetic, per GPU
-architecture and direction.  One statement of the rules: the model (``fa4.model``,
-``fa4.model_bwd``) takes its tile sizes from the functions here, the suites
+"""FA4's code paths and tile rules: the groups of attention calls that production FA4
+(flash-attn-4 4.0.0b36, ``flash_attn/cute``) runs through different compiled code or different
+arithmetic, per GPU architecture and direction, and the tile sizes production picks for each.  One
+statement of the rules: the model takes its tiles from the functions here (the forward's
+``fa4.knobs.FA4Numerics``, the backward's ``fa4.model_bwd.bwd_plan``), the suites
 (``audits.suites.cases.class_cases``) are built to cover every class, and coverage reports
 (``audits.verdict.coverage``) name them.
 
@@ -40,10 +41,22 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 __all__ = [
-    "Call", "PathClass", "ARCHS", "DIRECTIONS", "classes", "classes_of", "sm90_fwd_tile", "sm90_bwd_tile",
-    "Sm90BwdTile", "sm90_accum_wider", "sm100_fwd_geometry", "sm100_bwd_tile", "hdim_multiple", "SM100_TILE_M",
+    "Call",
+    "PathClass",
+    "ARCHS",
+    "DIRECTIONS",
+    "classes",
+    "classes_of",
+    "sm90_fwd_tile",
+    "sm90_bwd_tile",
+    "Sm90BwdTile",
+    "sm90_accum_wider",
+    "sm100_fwd_geometry",
+    "sm100_bwd_tile",
+    "hdim_multiple",
+    "SM100_TILE_M",
     "SM100_TILE_N",
-]  # fmt: skip
+]
 
 ARCHS = ("sm90", "sm100")
 DIRECTIONS = ("forward", "backward")

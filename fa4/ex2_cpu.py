@@ -1,5 +1,6 @@
 """Compiled CPU loops (numba): the fast path of ``fa4.ex2``'s model fused into one pass, and the
-forward model's softmax step (``fa4.model``'s fast loop, steps 3-8 and step 9's accumulator).
+forward model's softmax step (``fa4.forward_loop``'s fast loop, steps 3-8 and step 9's
+accumulator).
 
 **The exp2 emulation.**  Same algorithm and the same proof obligations as
 ``fa4.ex2._ex2_torch`` (see that module's docstring); it exists because a chain of ~40 torch
@@ -21,12 +22,12 @@ which flags xc >= 2**22 and every midpoint landing (the TwoSum test stops the ve
 its caller to redo with :func:`ex2_elem`.
 
 **The softmax step** (:func:`softmax_block`, :func:`o_update`): per row, the operations of
-``fa4.model``'s torch functions in their order and precision, each float32 operation an IEEE
+``fa4.forward_steps``' torch functions in their order and precision, each float32 operation an IEEE
 one, the float32 fma correctly rounded (:func:`_fma32`), MUFU.EX2's model (correctly rounded
 float64 exp2, flushed) by a float64 polynomial with an error bound (:func:`_exp2_hw`), P's
 rounding to p_dtype exact (:func:`_round_bf16`, :func:`_round_lp`).  A row with a NaN anywhere,
 or a float64 intermediate too close to a float32 rounding boundary to be sure of the rounding,
-gets status 2 (3 for the accumulator) and ``fa4.model`` recomputes it with torch.  Each
+gets status 2 (3 for the accumulator) and ``fa4.forward_loop`` recomputes it with torch.  Each
 primitive was checked against its torch model over all 2**32 float32 inputs
 (``docs/performance.md``).
 
@@ -662,7 +663,7 @@ def _run(kernel, body: str, nrow: int, args: tuple, arrays: tuple, scalars: tupl
 
 
 def softmax_block(s, geo, tab, poly, fp, lp, maxv: float, state, out) -> None:
-    """The forward model's steps 1-8 for one KV block on the rows of a window (``fa4.model``).
+    """The forward model's steps 1-8 for one KV block on the rows of a window (``fa4.forward_loop``).
 
     s: (rows, nc) float64 S, or float32 softcapped scores, rows flat over (b, heads_q, window).
     geo: int64 (window rows, first row, heads_q, block, masked_exp2 hardware, partial block,

@@ -106,8 +106,8 @@ module doc for the forward), as ``flash_bwd_sm90.py`` ``mma_one_m_block`` (SM100
   dQ reduction under block sparsity is not modelled (refused), nor are mods on SM100's
   dedicated head-dim-256 kernels.
 
-This module does not import ``fa4.model`` (which imports it): the primitives it shares with
-the forward — the exp2 model, the mask rule, the float32 scales and the broadcasting FFMA —
+This module imports nothing of the forward model (``fa4.autograd`` imports it): the primitives
+it shares with the forward — the exp2 model, the mask rule, the float32 scales and the broadcasting FFMA —
 come from ``fa4.primitives``, the same functions the forward calls.
 """
 
@@ -212,7 +212,7 @@ def bwd_plan(
 def butterfly(x: torch.Tensor) -> torch.Tensor:
     """``utils.warp_reduce(x, add)`` over the last dim (a power of two): offsets 1, 2, 4, ...
     pair adjacent lanes first, so the result is the adjacent-pairs tree sum.  Public: the
-    preprocess-order probe (``benchmarks/h200_preprocess_order.py``) ends its candidate orders
+    preprocess-order probe (``benchmarks/experiments/h200_preprocess_order.py``) ends its candidate orders
     with it."""
     while x.shape[-1] > 1:
         x = x[..., 0::2] + x[..., 1::2]
@@ -243,7 +243,7 @@ def row_dot(out: torch.Tensor, do: torch.Tensor, hdimv_multiple: int) -> torch.T
     FFMA chain (the products are exact in float32, so FFMA and FADD chains agree), then the warp
     butterfly.  Measured: the chunk-major order left 2 dQ and 12 dK elements of the H200's
     head-dim-256 backward different; this order, none.  out, do: (b, h, sq, dv) -> (b, h, sq).
-    Public: that probe (``benchmarks/h200_preprocess_order.py``) replaces it with each candidate
+    Public: that probe (``benchmarks/experiments/h200_preprocess_order.py``) replaces it with each candidate
     order; :func:`_preprocess` looks it up at each call."""
     dv = out.shape[-1]
     dvp, gk = _preprocess_geometry(dv, hdimv_multiple)
@@ -479,7 +479,7 @@ def attention_backward(
     aux_scalars: tuple | None = None,
 ):
     """Production's backward (module doc) of ``fa4.model.attention``; ``numerics`` an
-    ``fa4.model.FA4Numerics`` (arch and the ``bwd_*`` / ``ds_dtype`` knobs).
+    ``fa4.knobs.FA4Numerics`` (arch and the ``bwd_*`` / ``ds_dtype`` knobs).
 
     q: (b, sq, hq, d); k: (b, sk, hk, d); v: (b, sk, hk, dv), bf16 or fp16; out, do: (b, sq,
     hq, dv) in the input dtype (out as the forward returned it); lse, dlse: (b, hq, sq) float32.

@@ -64,12 +64,19 @@ import torch
 
 from fa4.mod_forms import forms_of
 from numerics.mod_library import RELBIAS_SPAN, make_mask_mod, make_score_mod
-from numerics.mods import BlockSparse, MaskMod, ScoreMod, block_sparse_from_mask
+from numerics.mods import BlockSparse, MaskMod, ScoreMod, block_sparse_from_mask, check_aux_scalars
 
 __all__ = [
-    "LazyForms", "build_mods", "attach_forms", "production_kwargs", "block_sparse_index_lists",
-    "production_block_sparse", "SCORE_FORMS", "MASK_FORMS", "dsl_scalars",
-]  # fmt: skip
+    "LazyForms",
+    "build_mods",
+    "attach_forms",
+    "production_kwargs",
+    "block_sparse_index_lists",
+    "production_block_sparse",
+    "SCORE_FORMS",
+    "MASK_FORMS",
+    "dsl_scalars",
+]
 
 
 class LazyForms(Mapping):
@@ -407,6 +414,7 @@ def production_block_sparse(bs: BlockSparse, *, device=None, deterministic: bool
     production's dQ write order (``block_sparsity.compute_dq_write_order``, ascending:
     ``spt=False``), which its deterministic block-sparse backward requires
     (``interface._flash_attn_bwd``)."""
+    # lazy: the production package is optional (GPU extra)
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch, compute_dq_write_order
 
     dev = bs.full.device if device is None else torch.device(device)
@@ -450,8 +458,6 @@ def dsl_scalars(aux_scalars) -> tuple | None:
     BlockArgument ... '!cuda.stream' ... to Numeric"), while the same scalars as DSL values compile
     (CPU cross-compiles, 2026-12-02, ``tests/test_aux_scalars.py``).  The values, and the Float32
     rounding of a float, are the same either way."""
-    from numerics.mods import check_aux_scalars
-
     scalars = check_aux_scalars(aux_scalars)
     if scalars is None:
         return None

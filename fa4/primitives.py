@@ -1,9 +1,10 @@
 """The primitives the FA4 forward model (``fa4.model``) and backward model (``fa4.model_bwd``)
 share, stated once: the hardware exp2 (MUFU.EX2), the mask rule, the float32 scales, the
 broadcasting FFMA both build on, and how a call's mods apply (``apply_score_mod``,
-``apply_mask_mod``, the checks of ``check_mods`` / ``check_block_sparse``).  ``fa4.model``
-imports ``fa4.model_bwd`` (its autograd hook), so they live here rather than in either; this
-module imports only torch, math and ``numerics``.
+``apply_mask_mod``, the checks of ``check_mods`` / ``check_block_sparse``).  The forward's
+modules (``fa4.forward_loop``, ``fa4.forward_steps``) and ``fa4.model_bwd`` both build on them, so
+they live here rather than in either; this module imports only torch, math, ``numerics`` and
+``fa4.mufu`` (the MUFU instructions themselves on CUDA).
 
 Production citations are flash-attn-4 4.0.0b36, ``flash_attn/cute``.
 """
@@ -14,15 +15,31 @@ import math
 
 import torch
 
+from fa4 import mufu
 from numerics.fp import CANONICAL_NAN_BITS, fma_f32
 from numerics.fp import to_f32 as _f32
 from numerics.mods import BlockSparse, MaskMod, ScoreMod, bind_aux_scalars
 
 __all__ = [
-    "FP8", "LOG2_E", "div_rn", "softcap_tanh", "fma", "hardware_exp2", "hardware_rcp", "hardware_lg2", "hardware_tanh",
-    "scales", "visible", "visible_bounds", "apply_score_mod", "apply_mask_mod", "check_mods", "check_block_sparse",
-    "MODEL_FORM_KEYS", "bind_model_scalars",
-]  # fmt: skip
+    "FP8",
+    "LOG2_E",
+    "div_rn",
+    "softcap_tanh",
+    "fma",
+    "hardware_exp2",
+    "hardware_rcp",
+    "hardware_lg2",
+    "hardware_tanh",
+    "scales",
+    "visible",
+    "visible_bounds",
+    "apply_score_mod",
+    "apply_mask_mod",
+    "check_mods",
+    "check_block_sparse",
+    "MODEL_FORM_KEYS",
+    "bind_model_scalars",
+]
 
 #: the model's own forms of a mod (``fa4.mod_forms``): they take the call's aux_scalars as the
 #: reference forms do, where the kernel forms ("cute", "cute_bwd") get them from production itself
@@ -52,14 +69,10 @@ def hardware_exp2(t: torch.Tensor) -> torch.Tensor:
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
-    from fa4 import mufu
-
     return mufu.available(t.device)
 
 
 def _gpu(op: str, t: torch.Tensor) -> torch.Tensor:
-    from fa4 import mufu
-
     return mufu.apply(op, t.float())
 
 
@@ -95,8 +108,8 @@ def div_rn(x: torch.Tensor, c: float) -> torch.Tensor:
     lose one bit of precision"), which production does not do: its softcap division
     (``utils.create_softcap_scoremod``) is ``div.rn.f32`` in the PTX and the full-range
     FCHK / FFMA sequence with the ``div_rn_noftz`` slow path in the SASS (sm_90a, compiled on
-    2026-12-01).  That reciprocal was the model's one difference from production on the H200's
-    softcap case (docs/model-and-fidelity.md)."""
+    2026-12-01).  The reciprocal product differs from production on the H200's softcap case
+    (docs/model-and-fidelity.md)."""
     return (x.double() / float(c)).float()
 
 

@@ -20,6 +20,7 @@ Each thread handles two consecutive elements (the pair for ``packed``).
 # annotations (cute.Tensor, cutlass.Constexpr) at compile time, in the defining scope.
 import copy
 import functools
+import glob
 import os
 import re
 from collections.abc import Callable
@@ -27,11 +28,26 @@ from dataclasses import dataclass
 
 import torch
 
+from fa4.mods import production_kwargs
+
 __all__ = [
-    "REFUSALS", "Refusal", "refusal_of", "SM90_HEAD_DIMS", "SM100_HEAD_DIMS", "production_domain", "ProductionError",
-    "ProductionUnavailable", "INSTALL_HINT", "COMPILE_CACHE_ENV", "enable_compile_cache", "require_production",
-    "ex2_kernel", "EX2_VARIANTS", "flash_attn_varlen", "PRODUCTION_MODS",
-]  # fmt: skip
+    "REFUSALS",
+    "Refusal",
+    "refusal_of",
+    "SM90_HEAD_DIMS",
+    "SM100_HEAD_DIMS",
+    "production_domain",
+    "ProductionError",
+    "ProductionUnavailable",
+    "INSTALL_HINT",
+    "COMPILE_CACHE_ENV",
+    "enable_compile_cache",
+    "require_production",
+    "ex2_kernel",
+    "EX2_VARIANTS",
+    "flash_attn_varlen",
+    "PRODUCTION_MODS",
+]
 
 INSTALL_HINT = (
     "install the production kernel with: pip install 'fa4-audit[gpu]' "
@@ -256,8 +272,6 @@ def require_production() -> None:
 def _first_line(exc: BaseException) -> str:
     """The compiler's diagnosis in one line: ANSI colours removed, the backend's own reason
     preferred over the DSL's generic header."""
-    import re
-
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
     for line in text.splitlines():
         if "not supported" in line:
@@ -388,8 +402,6 @@ def compile_ex2_ptx(variant: str, degree: int, dump_dir: str) -> str:
     ``CUTE_DSL_DUMP_DIR=dump_dir``, must be set before ``cutlass`` is first imported (the DSL
     reads them then); so call this in a fresh process.  Needs no GPU.
     """
-    import glob
-
     if not os.environ.get("CUTE_DSL_ARCH") or os.environ.get("CUTE_DSL_DUMP_DIR") != dump_dir:
         raise RuntimeError("set CUTE_DSL_ARCH, CUTE_DSL_KEEP_PTX=1 and CUTE_DSL_DUMP_DIR before importing cutlass")
     _, cute, from_dlpack, _ = _import_dsl()
@@ -441,8 +453,6 @@ def flash_attn(
     ``audits.engine.backward``.)"""
     require_production()
     from flash_attn.cute import flash_attn_func
-
-    from fa4.mods import production_kwargs
 
     given = dict(
         score_mod=score_mod,
@@ -517,7 +527,8 @@ def flash_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, retu
         raise TypeError(f"flash_attn_varlen: unknown keyword(s) {', '.join(unknown)}")
     if "window_size" in kw:
         kw["window_size"] = tuple(kw["window_size"])
-    from fa4.mods import production_kwargs
+    # lazy: fa4.varlen loads the forward model and numba (~0.25 s), which importers of these adapters
+    # (audits.kernels, the PTX compile subprocesses) otherwise never load
     from fa4.varlen import sequences, varlen_block_lists, varlen_block_sparse
 
     bsl = kw.pop("block_sparse_tensors", None)

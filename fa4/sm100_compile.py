@@ -49,6 +49,10 @@ import shutil
 import sys
 import tempfile
 
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fa4.mods import build_mods, production_kwargs
 from fa4.production import refusal_of
 
 __all__ = ["main", "KERNEL_MARK", "AUX_KERNELS", "MOD_ATTRIBUTES"]
@@ -150,8 +154,6 @@ def _capture_compiles(interface, dump: str) -> list[dict]:
 
 def _fake_inputs(cfg: dict) -> tuple:
     """q, k, v and the learnable sink (or None) shaped by ``cfg``, on device cuda (call inside a FakeTensorMode)."""
-    import torch
-
     dt = getattr(torch, cfg["dtype"])
     b, sq, sk, hq, hk = cfg["batch"], cfg["seqlen_q"], cfg["seqlen_k"], cfg["heads_q"], cfg["heads_kv"]
     q = torch.empty(b, sq, hq, cfg["d"], dtype=dt, device="cuda")
@@ -173,7 +175,6 @@ def _real_mods(cfg: dict) -> dict:
         names["block_sparse"] = tuple(cfg["block_sparse"])
     if not names:
         return {}
-    from fa4.mods import build_mods, production_kwargs
 
     kw = build_mods(
         **names,
@@ -188,8 +189,6 @@ def _real_mods(cfg: dict) -> dict:
 
 def _fake_like(t):
     """A FakeTensor on device cuda of ``t``'s shape, stride and dtype (inside a FakeTensorMode)."""
-    import torch
-
     return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cuda")
 
 
@@ -197,8 +196,6 @@ def _fake_mods(mods: dict) -> dict:
     """``mods`` (:func:`_real_mods`) with every tensor — each aux tensor, each tensor field of a
     ``BlockSparseTensorsTorch`` — replaced by a FakeTensor like it (call inside the FakeTensorMode
     that makes q, k, v): production compiles on shapes, strides and dtypes, and launches nothing."""
-    import torch
-
     out = dict(mods)
     if out.get("aux_tensors") is not None:
         out["aux_tensors"] = [_fake_like(t) for t in out["aux_tensors"]]
@@ -213,8 +210,6 @@ def _call_on_fake_tensors(fa, cfg: dict, mods: dict) -> Exception | None:
     """``flash_attn_func`` on FakeTensors shaped by ``cfg``, with ``mods`` (:func:`_real_mods`:
     every keyword of them, as ``fa4.production.flash_attn`` passes them); the exception it raised,
     if any."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     kw = dict(causal=cfg["causal"], window_size=tuple(cfg["window"]), softcap=cfg["softcap"], return_lse=True)
     with FakeTensorMode():
         q, k, v, sink = _fake_inputs(cfg)
@@ -233,9 +228,6 @@ def _call_backward_on_fake_tensors(interface, cfg: dict, mods: dict) -> Exceptio
     gradient on ``out`` only: the mods as the forward's context keeps them (score_mod,
     score_mod_bwd, mask_mod, the saved aux tensors, aux_scalars, ``block_sparse_tensors`` = the
     call's ``block_sparse_tensors_bwd``); the exception it raised, if any."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
         q, k, v, sink = _fake_inputs(cfg)
         out = torch.empty(*q.shape[:-1], cfg["dv"], dtype=q.dtype, device="cuda")
@@ -303,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     _configure_environment(dump)
     if no_driver:
         _stub_hardware_info()
+    # lazy: the production package (optional, GPU extra); the DSL reads its target when first imported
     import flash_attn.cute as fa
     from flash_attn.cute import interface
 

@@ -1,7 +1,7 @@
 """The FA4 forward's serving entry (``interface.flash_attn_varlen_func``) as production computes
 it: packed variable-length batches, ``seqused``, a paged KV cache, split-KV and its combine,
-pack_gqa.  Each sequence runs the fixed-length model's loop (``fa4.model.forward_loop``) on its
-own rows and keys, with production's block ranges for it:
+pack_gqa.  Each sequence runs the fixed-length model's loop (``fa4.forward_loop.forward_loop``)
+on its own rows and keys, with production's block ranges for it:
 
 * **varlen / seqused** (``seqlen_info.py`` ``SeqlenInfoQK``): sequence i's queries are rows
   ``cu_seqlens_q[i] ..`` of the packed q, ``seqused_q[i]`` of them if given (else up to
@@ -14,8 +14,8 @@ own rows and keys, with production's block ranges for it:
   logical sequence before tiling: KV blocks stay at multiples of tile_n in the sequence, so the
   page size changes which memory is read, never the arithmetic.
 * **pack_gqa** (``pack_gqa.py``): the query heads of a KV head share the M dimension of a tile,
-  which changes the block range of a tile (``fa4.model.kv_block_ranges``).  On finite inputs a
-  row's result does not depend on it (a block outside a row's visible keys adds exact zeros);
+  which changes the block range of a tile (``fa4.forward_loop.kv_block_ranges``).  On finite
+  inputs a row's result does not depend on it (a block outside a row's visible keys adds exact zeros);
   it moves the split boundaries and where masked non-finite values are read.
 * **split-KV** (``block_info.py`` ``get_n_block_min_max`` under ``is_split_kv``): split s of
   ``num_splits`` runs the loop over its run of blocks and writes float32 partials; then
@@ -37,9 +37,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
-from fa4.model import FA4Numerics, FwdMods, finalize, forward_loop, kv_block_ranges, validate_inputs
+from fa4.forward_loop import FwdMods, forward_loop, kv_block_ranges
+from fa4.forward_steps import finalize
+from fa4.knobs import FA4Numerics
+from fa4.model import validate_inputs
+from fa4.mods import block_sparse_index_lists
 from fa4.primitives import FP8, LOG2_E, bind_model_scalars, check_mods, fma, hardware_exp2, hardware_lg2
 from numerics.fp import to_f32
 from numerics.mods import BlockSparse, at_sequence, shift_batch_arg
@@ -342,8 +347,6 @@ def dynamic_splits(
     KV heads under pack_gqa, else the query heads), and ``max(1, min(ceil(n_b / bps),
     num_splits))`` per sequence (``zfill_padded_output``: at least 1).  More than 992 sequences
     (a second CTA in the prepare grid) give 1 each.  The combine reads that many splits."""
-    import numpy as np
-
     f32 = np.float32
     if len(lengths) > 992 or num_splits == 1:
         return [1] * len(lengths)
@@ -436,8 +439,6 @@ def varlen_block_lists(bsl, lengths: list[tuple[int, int]], *, heads: int) -> di
     queries or keys) has zero counts.  Returns int32 CPU tensors: ``mask_block_cnt`` /
     ``full_block_cnt`` (H, total_m_blocks), ``mask_block_idx`` / ``full_block_idx`` (H,
     total_index), ``cu_total_m_blocks`` / ``cu_block_idx_offsets`` (sequences + 1,)."""
-    from fa4.mods import block_sparse_index_lists
-
     sizes = {tuple(b.block_size) for b in bsl if b is not None}
     bq, bk = sizes.pop() if sizes else (128, 128)
     H = 1 if all(b is None or b.full.shape[1] == 1 for b in bsl) else heads
@@ -543,7 +544,7 @@ def _split_partial(q, k, v, nm, kw, sink, ranges, split: int, mods=None):
 class CombineOps:
     """How :func:`combine` evaluates its steps.  The defaults are the model (MUFU stand-ins
     correctly rounded, as in ``fa4.model``; the fusions ptxas applies); the H200 fidelity probe
-    (``benchmarks/combine_fidelity.py``) swaps in production's MUFU functions and the other
+    (``benchmarks/experiments/combine_fidelity.py``) swaps in production's MUFU functions and the other
     fusions to find which matches production's combine kernel bit for bit.
 
     exp2, lg2: float32 -> float32 (``ex2.approx.ftz``, ``lg2.approx.ftz``).

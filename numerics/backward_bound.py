@@ -111,7 +111,9 @@ from numerics.forward_bound import (
 from numerics.forward_bound import UNIT_ROUNDOFF as _U
 from numerics.fp import format_of
 from numerics.fp import to_f32 as _f32
-from numerics.mods import bind_aux_scalars
+from numerics.grad_reference import attention_grad_reference
+from numerics.mods import bind_aux_scalars, index_grid
+from numerics.reference import call_visibility, check_mods, score_mod_derivative, visible_mask
 
 __all__ = ["backward_error_bound"]
 
@@ -266,9 +268,6 @@ def _mod_chain(ds, e_ds, s_pre, e_pre, c: _Consts, rows):
     through ``score_mod_bwd`` at the kernel's float32 pre-mod score ``s^`` (within ``e_pre`` of
     s): ``|grad^(g^, s^) - g f'(s)| <= grad_error(|g| + e_g, s^) + (|g| + e_g) curvature e_pre +
     e_g |f'(s)| + 2**-126`` (module doc, step 4).  A hook that is None gives +inf."""
-    from numerics.mods import index_grid
-    from numerics.reference import score_mod_derivative
-
     sm = c.score_mod
     fprime = score_mod_derivative(s_pre, sm, c.aux, rows=rows)
     if sm.grad_error is None or sm.curvature is None:
@@ -286,8 +285,6 @@ def _mod_chunk_vis(q, k, causal, window, c: _Consts, rows, acc: dict) -> torch.T
     """With a mask_mod or block sparsity: the visibility of query rows ``rows``,
     (B|1, H|1, rows, sk) (``numerics.reference.call_visibility``), counted into ``acc["n_q"]``
     (keys per (batch, row, head)) and ``acc["n_key"]`` ((row) pairs per (batch, key, head))."""
-    from numerics.reference import call_visibility
-
     b, sq, hq, _ = q.shape
     sk, r = k.shape[1], rows.numel()
     vis = call_visibility(
@@ -314,8 +311,6 @@ def _accumulate(q, k, v, do, causal, window, reference, rw: dict, c: _Consts, nm
     per key, accumulated over the chunks, and dQ's accumulator error per row.  Without a
     mask_mod or block sparsity the visibility is the flag mask, one (sq, sk) tensor as before
     mods; with them it is computed per chunk, (B|1, H|1, rows, sk), as are the counts."""
-    from numerics.reference import visible_mask
-
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     dev = q.device
@@ -425,9 +420,6 @@ def backward_error_bound(
     ``numerics.grad_reference.attention_grad_reference`` for these inputs (computed if None).
     ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``, ``aux_scalars``: the call's mods
     (module doc, "Mods")."""
-    from numerics.grad_reference import attention_grad_reference
-    from numerics.reference import check_mods
-
     check_mods(softcap, score_mod)
     score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
         aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors

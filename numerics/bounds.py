@@ -61,7 +61,9 @@ from dataclasses import asdict, dataclass
 import mpmath
 from mpmath import iv
 
-__all__ = ["ex2_error_bound", "ex2_bound_details", "RescalingAnalysis", "rescaling_analysis", "PRODUCTION_RESCALING"]
+from numerics.fp import format_of
+
+__all__ = ["ex2_error_bound", "ex2_bound_details", "RescalingAnalysis", "rescaling_analysis"]
 
 _U_EXP = -24  # float32: |RN(v) - v| <= 2**(floor(log2|v|) - 24)
 
@@ -254,22 +256,11 @@ class RescalingAnalysis:
         return d
 
 
-#: Production's settings (flash_fwd_sm100.py softmax_loop): 16-bit inputs threshold 8, offset 0;
-#: fp8 threshold 0, offset 8.
-PRODUCTION_RESCALING = {
-    "bfloat16": (8.0, 0),
-    "float16": (8.0, 0),
-    "float8_e4m3fn": (0.0, 8),
-    "float8_e5m2": (0.0, 8),
-}
-
-
 def rescaling_analysis(dtype, rescale_threshold: float, max_offset: int) -> RescalingAnalysis:
     """Range analysis of lazy rescaling for P cast to ``dtype`` (name or torch dtype); see the
     derivation above this function.  ``safe`` is False when P can exceed the dtype's largest
-    finite value (it then saturates and the output shrinks while the LSE stays exact, #2716)."""
-    from numerics.fp import format_of
-
+    finite value (it then saturates and the output shrinks while the LSE stays exact, #2716).
+    Production's settings: ``fa4.knobs.PRODUCTION_RESCALING``."""
     fmt = format_of(dtype)
     if fmt.name == "float32":
         raise ValueError("P is cast to the input dtype: one of bfloat16, float16, float8_e4m3fn, float8_e5m2")

@@ -82,7 +82,7 @@ is +inf.  Rows with no visible key have an
 exact output (0) and LSE (-inf, or the sink up to its few roundings).
 
 Mask mods and block sparsity (``numerics.mods.visibility``) only change which keys are visible,
-now per batch and head: every sum above runs over the visible keys of the row, so the bound
+per batch and head: every sum above runs over the visible keys of the row, so the bound
 evaluates with a (B|1, H|1, sq, sk) visibility (the flags intersected with the mods:
 ``numerics.reference.call_visibility``) and nothing else changes.  The model's visit order under
 block sparsity (partial blocks first, each list from its last entry) is one order of the sums,
@@ -98,13 +98,25 @@ import math
 
 import torch
 
+from numerics.bounds import ex2_error_bound
+from numerics.fp import format_of
 from numerics.fp import to_f32 as _f32
-from numerics.mods import bind_aux_scalars
+from numerics.mods import ScoreMod, bind_aux_scalars, index_grid
+from numerics.reference import apply_score_mod, attention_reference, call_visibility, check_mods
+from numerics.tiles import split_key_masks
 
 __all__ = [
-    "forward_error_bound", "split_error_bound", "MUFU", "mod_score", "softcap_score_mod", "softcap_value_error",
-    "softcap_slope", "softcap_curvature", "softcap_grad_error", "hook_at_ends",
-]  # fmt: skip
+    "forward_error_bound",
+    "split_error_bound",
+    "MUFU",
+    "mod_score",
+    "softcap_score_mod",
+    "softcap_value_error",
+    "softcap_slope",
+    "softcap_curvature",
+    "softcap_grad_error",
+    "hook_at_ends",
+]
 
 #: MUFU accuracy measured over all 2**32 float32 inputs on the H200 (reports/fidelity,
 #: ``fa4-audit fidelity --mufu``), rounded up: ex2 relative 1.4584e-7; lg2 absolute 7.778e-6
@@ -170,8 +182,6 @@ def mod_score(dot, e_dot, scale: float, scale32: float, score_mod, aux_tensors, 
     element); a zero e_pre makes the slope term 0 whatever the slope (s^ = s exactly).
     ``dot``, ``e_dot``: (batch, heads_q, rows, seqlen_k); ``rows``: the query indices of dim 2.
     Public: the backward bound recomputes P through it and needs e_pre for ``f'``."""
-    from numerics.reference import apply_score_mod
-
     s = dot * scale
     e_a = e_dot * scale32 + dot.abs() * abs(scale32 - scale)
     e_pre = dot.abs().mul_(_U * scale).add_(e_a, alpha=1 + _U)  # e_a + u (|q.k| scale + e_a)
@@ -179,7 +189,6 @@ def mod_score(dot, e_dot, scale: float, scale32: float, score_mod, aux_tensors, 
     f = apply_score_mod(s, score_mod, aux_tensors, rows=rows)
     if score_mod.slope is None or score_mod.value_error is None:
         return s, e_pre, f, torch.full_like(s, math.inf)
-    from numerics.mods import index_grid
 
     b, h, i, j = s.shape
     idx = (*index_grid(b, h, i, j, rows=rows, device=s.device), aux_tensors)
@@ -298,8 +307,6 @@ def softcap_score_mod(cap: float):
     and ``create_softcap_scoremod_bwd``) with its bound hooks: the forward and backward bounds
     treat ``softcap=cap`` as this mod, so the flag and ``numerics.mod_library``'s softcap mod share
     one derivation.  ``fn``/``grad`` are the mathematical function (float64 here)."""
-    from numerics.mods import ScoreMod
-
     cap = float(cap)
 
     def fn(s, b, h, q, kv, aux):
@@ -336,8 +343,6 @@ def _step2_exponent(base, vis, e_score, d_sl2: float, ideal: float, thr: float, 
 def _step3_exp2(nm, sk: int, dev, vis, rel_exp, e_j, off: float):
     """Step 3: (eps, p, eta, low, alpha): exp2's relative error per key column, p_j in P units,
     |eta_j|'s bound, the keys whose result may be flushed or wrongly scaled and their alpha_j."""
-    from numerics.bounds import ex2_error_bound
-
     cols = torch.arange(sk, device=dev) % nm.tile_n
     emu = nm.emulated_mask().to(dev)[cols]  # which key columns of a tile take the polynomial
     poly = ex2_error_bound(nm.poly_coefficients)
@@ -490,9 +495,6 @@ def forward_error_bound(
     output cast (a split's float32 partial): the bound of one split's partial results.
     ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``, ``aux_scalars``: the call's mods
     (``numerics.mods``; module doc, "Mods")."""
-    from numerics.fp import format_of
-    from numerics.reference import attention_reference, call_visibility, check_mods
-
     check_mods(softcap, score_mod)
     score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
         aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
@@ -637,10 +639,6 @@ def split_error_bound(
     moves by at most max_s beta_s).  Rows where every split is empty: out 0, LSE -inf, bound 0.
     Mods: each split's keys are its share intersected with the mods' visibility (the partial
     bound applies them); the combine does not see the mods."""
-    from numerics.fp import format_of
-    from numerics.reference import attention_reference
-    from numerics.tiles import split_key_masks
-
     b, sq, hq, d = q.shape
     score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(
         aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors

@@ -31,7 +31,7 @@ is ``f'(r_ij)``, computed by the mod's backward reference form ``grad(1, r)`` (t
 of production's ``score_mod_bwd``: ``grad(g, r) = g f'(r)``), so ``dS_raw = dS * f'(r)``; the
 softcap flag is the special case ``f = cap tanh(r / cap)``, kept on its own (its factor as
 ``cosh**-2``, below) because its closed form is better conditioned than ``1 - tanh^2``.  A
-mask_mod and block sparsity only change which pairs are visible, now per batch and head:
+mask_mod and block sparsity only change which pairs are visible, per batch and head:
 ``numerics.reference.call_visibility`` of each row chunk, (B|1, H|1, rows, seqlen_k), grouped
 here as (B|1, hk|1, g|1, rows, seqlen_k).
 
@@ -138,7 +138,7 @@ def _grouped(m: torch.Tensor, hk: int, g: int) -> torch.Tensor:
 
 def _chunk_visibility(r0: int, r1: int, dims: tuple, mods: dict, *, causal, window_size, device) -> torch.Tensor:
     """The visible pairs of query rows r0:r1: :func:`_visible_rows` (rows, sk) without a
-    mask_mod or block sparsity (the path before mods, unchanged); with them the intersection
+    mask_mod or block sparsity; with them the intersection
     with ``numerics.mods.visibility`` of these rows only, grouped (:func:`_grouped`)."""
     b, sq, hq, sk, hk, g = dims
     if mods["mask_mod"] is None and mods["block_sparse_tensors"] is None:

@@ -21,12 +21,19 @@ import math
 
 import torch
 
-from numerics.fp import format_of, ordered_bits, ulp_error
+from numerics.fp import format_of, ordered_bits, ulp_error, ulp_of
 
 __all__ = [
-    "output_errors", "lse_errors", "nonfinite_mismatches", "VALUE_CLASSES", "ulp_diff_histogram",
-    "row_scaled_ulp_diff", "fa_criterion", "fa_floor", "bound_check",
-]  # fmt: skip
+    "output_errors",
+    "lse_errors",
+    "nonfinite_mismatches",
+    "VALUE_CLASSES",
+    "ulp_diff_histogram",
+    "row_scaled_ulp_diff",
+    "fa_criterion",
+    "fa_floor",
+    "bound_check",
+]
 
 
 def _index(flat_idx: int, shape) -> tuple[int, ...]:
@@ -155,8 +162,6 @@ def row_scaled_ulp_diff(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> 
     the row: an attention output row is a convex combination of V rows, so its rounding scale
     is set by its largest entries).  Integer ULP steps overstate differences of entries near 0,
     where the format's spacing is tiny; this measure does not.  Counts of <= 1, <= 2, > 2."""
-    from numerics.fp import ulp_of
-
     fmt = format_of(a.dtype)
     scale = ulp_of(ref.double().abs().amax(dim=-1, keepdim=True), fmt)
     d = (a.double() - b.double()).abs() / scale

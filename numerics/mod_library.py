@@ -41,9 +41,19 @@ from numerics.forward_bound import (
 from numerics.mods import MaskMod, ScoreMod
 
 __all__ = [
-    "SCORE_MODS", "MASK_MODS", "SOFTCAP_CAP", "WINDOW", "RELBIAS_BUCKETS", "RELBIAS_MAX_DISTANCE", "RELBIAS_SPAN",
-    "TEMPERATURE_RANGE", "SCALAR_SCORE_MODS", "make_score_mod", "make_mask_mod", "t5_bucket",
-]  # fmt: skip
+    "SCORE_MODS",
+    "MASK_MODS",
+    "SOFTCAP_CAP",
+    "WINDOW",
+    "RELBIAS_BUCKETS",
+    "RELBIAS_MAX_DISTANCE",
+    "RELBIAS_SPAN",
+    "TEMPERATURE_RANGE",
+    "SCALAR_SCORE_MODS",
+    "make_score_mod",
+    "make_mask_mod",
+    "t5_bucket",
+]
 
 SCORE_MODS = ("alibi", "relbias", "softcap", "temperature")
 #: the score mods that read the call's runtime ``aux_scalars`` (a call naming one carries them):

@@ -5,7 +5,8 @@ form**: torch operations over broadcast index tensors, dtype-polymorphic, so tha
 is evaluated in float64 by the FP64 reference (``numerics.reference``) and in float32, in
 production's order of operations, by the model (``fa4.model``).  The kernel forms (production's
 CuTe-DSL function and its ``score_mod_bwd``) are opaque here: they ride in ``forms`` untouched
-and are attached by ``fa4.mods``.  numerics knows no FA4: what a form means is ``fa4``'s business.
+and are attached by ``fa4.mods``.  numerics imports nothing of ``fa4`` and holds none of its
+tables: what a form means is ``fa4``'s business.
 
 Semantics (production's, ``flash_attn/cute/softmax.py`` ``apply_score_mod_inner``, and
 flex_attention's): the score a mod sees is ``s = softmax_scale * (q . k)`` (the scale is applied
@@ -38,9 +39,17 @@ from typing import Any
 import torch
 
 __all__ = [
-    "ScoreMod", "MaskMod", "BlockSparse", "index_grid", "visibility", "block_sparse_from_mask", "at_sequence",
-    "shift_batch_arg", "check_aux_scalars", "bind_aux_scalars",
-]  # fmt: skip
+    "ScoreMod",
+    "MaskMod",
+    "BlockSparse",
+    "index_grid",
+    "visibility",
+    "block_sparse_from_mask",
+    "at_sequence",
+    "shift_batch_arg",
+    "check_aux_scalars",
+    "bind_aux_scalars",
+]
 
 
 @dataclass(frozen=True, eq=False)

@@ -46,11 +46,22 @@ from collections.abc import Iterable
 import mpmath
 import torch
 
+from numerics.mods import bind_aux_scalars, index_grid, visibility
+
 __all__ = [
-    "visible_mask", "visible_key_range", "effective_window", "attention_reference", "attention_lowprec",
-    "mp_attention_rows", "exact_attention_rows", "call_visibility", "apply_score_mod", "score_mod_derivative",
-    "check_mods", "mod_logits_row",
-]  # fmt: skip
+    "visible_mask",
+    "visible_key_range",
+    "effective_window",
+    "attention_reference",
+    "attention_lowprec",
+    "mp_attention_rows",
+    "exact_attention_rows",
+    "call_visibility",
+    "apply_score_mod",
+    "score_mod_derivative",
+    "check_mods",
+    "mod_logits_row",
+]
 
 
 def effective_window(*, causal: bool, window_size) -> tuple[int | None, int | None]:
@@ -111,8 +122,6 @@ def check_mods(softcap: float, score_mod) -> None:
 def _bind_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors):
     """The mods with the call's ``aux_scalars`` bound (``numerics.mods.bind_aux_scalars``: only
     when there are any, production's shim), for an entry point of the contract."""
-    from numerics.mods import bind_aux_scalars
-
     return bind_aux_scalars(aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors)
 
 
@@ -131,14 +140,12 @@ def call_visibility(
     device: torch.device | str = "cpu",
     aux_scalars=None,
 ) -> torch.Tensor:
-    """The keys a call keeps: the flag mask :func:`visible_mask` (``(rows, seqlen_k)``, exactly
-    what it was before mods existed) when there is neither a mask_mod nor block sparsity; else
-    its intersection with ``numerics.mods.visibility``, bool ``(B|1, H|1, rows, seqlen_k)`` (B,
-    H: 1 where the mods do not depend on the batch / head).  ``rows``: these query rows only.
+    """The keys a call keeps: the flag mask :func:`visible_mask` (``(rows, seqlen_k)``) when
+    there is neither a mask_mod nor block sparsity; else its intersection with
+    ``numerics.mods.visibility``, bool ``(B|1, H|1, rows, seqlen_k)`` (B, H: 1 where the mods do
+    not depend on the batch / head).  ``rows``: these query rows only.
     ``aux_scalars``: the call's runtime scalars, handed to the mask mod when there are any
     (``numerics.mods.bind_aux_scalars``)."""
-    from numerics.mods import bind_aux_scalars, visibility
-
     _, mask_mod, block_sparse_tensors = bind_aux_scalars(
         aux_scalars, mask_mod=mask_mod, block_sparse=block_sparse_tensors
     )
@@ -162,8 +169,6 @@ def call_visibility(
 
 def _grid(s: torch.Tensor, rows):
     """The index tensors of a (b, h, rows, keys) score tensor (``numerics.mods.index_grid``)."""
-    from numerics.mods import index_grid
-
     b, h, i, j = s.shape
     return index_grid(b, h, i, j, rows=rows, device=s.device)
 

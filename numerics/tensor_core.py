@@ -1,4 +1,4 @@
-"""How Hopper's tensor cores sum a dot product, as measured on the H200 (``benchmarks/mma_probe.py``,
+"""How Hopper's tensor cores sum a dot product, as measured on the H200 (``benchmarks/experiments/mma_probe.py``,
 ``docs/tensor-cores.md``): ``wgmma ... .f32.bf16.bf16`` / ``.f32.f16.f16`` with a float32
 accumulator C, for each k16 instruction:
 
@@ -12,12 +12,12 @@ accumulator C, for each k16 instruction:
 4. the sum is normalised and truncated toward zero to float32.
 
 A K-long dot is ceil(K / 16) such instructions in order, each taking the previous result as C.
-Measured on the H200 (``benchmarks/mma_probe.py``, Triton 3.6 ``tl.dot``, bf16 and fp16, K = 16 to
+Measured on the H200 (``benchmarks/experiments/mma_probe.py``, Triton 3.6 ``tl.dot``, bf16 and fp16, K = 16 to
 128): the crafted probes give 2 extra bits, one block of all 16 products with C in it, and
 truncation for both the alignment and the final rounding — the parameters Khattak & Mikaitis
-(arXiv 2512.07004) publish for H100 through ``wmma``; on random inputs of three exponent spreads
-that model matched only 81-99 % of the outputs until the product exponent was taken as the sum
-of the input exponents; then 100 % of 196,608 random outputs and every probe match
+(arXiv 2512.07004) publish for H100 through ``wmma``.  With a product's exponent taken as the sum
+of the input exponents (step 2), 100 % of 196,608 random outputs of three exponent spreads and
+every probe match; with the renormalised product's exponent, 81-99 %
 (``tests/test_tensor_core.py`` replays a recorded subset).  ``tc_dot`` evaluates it in float64,
 which holds every intermediate exactly: products of 8- or 11-bit significands, and 17 terms that
 are multiples of the quantum below 2**27 of it each, so their sum is exact in any order.  On the

@@ -309,9 +309,9 @@ def audit(kernels: list[str], cases: list, opts, out_dir) -> dict[str, list[dict
     from pathlib import Path
 
     from audits.engine.evaluate import run_suites
-    from audits.verdict.gate import load_thresholds
+    from audits.engine.options import RunOptions
 
     spec = {k: f"{Path(__file__).resolve()}:{k}" for k in kernels}
-    recs = run_suites(list(spec.values()), cases, device=torch.device("cpu"), out_dir=out_dir,
-                      thresholds=load_thresholds(), suite="smoke", backward=opts)  # fmt: skip
+    options = RunOptions(out=out_dir, label="smoke", isolate=False, backward=opts)
+    recs = run_suites(list(spec.values()), cases, options)
     return {k: recs[s] for k, s in spec.items()}

@@ -91,12 +91,12 @@ def raises_on_seqlen_7(q, k, v, **kw):
 def spins_on_gpu(q, k, v, **kw):
     """Never returns: a GPU kernel that spins (``torch.cuda._sleep``, about 2^40 clock cycles,
     minutes on any GPU) and a host that waits for it, as a deadlocked CUDA kernel leaves both.
-    Needs CUDA (benchmarks/h200_harness.sh)."""
+    Needs CUDA (benchmarks/device/h200_harness.sh)."""
     torch.cuda._sleep(2**40)
     torch.cuda.synchronize()
 
 
 def exhausts_gpu_memory(q, k, v, **kw):
     """Asks the GPU for 4 TiB: a real ``torch.OutOfMemoryError`` from the caching allocator.
-    Needs CUDA (benchmarks/h200_harness.sh)."""
+    Needs CUDA (benchmarks/device/h200_harness.sh)."""
     torch.empty(2**42, dtype=torch.uint8, device="cuda")

@@ -273,12 +273,13 @@ FWD = r"outputs and \d+ LSE values exceed the forward-pass bound|FA criterion: m
 
 def test_a_kernel_ignoring_the_calls_aux_scalars_is_caught_and_the_model_passes(tmp_path):
     from audits.engine.evaluate import run_suites
+    from audits.engine.options import RunOptions
     from audits.verdict.gate import load_thresholds
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     spec = {k: f"{__file__}:{k}" for k in ("_honours_scalars", "_ignores_scalars")}
-    recs = run_suites(list(spec.values()), CASES, device=torch.device("cpu"), out_dir=tmp_path,
-                      thresholds=load_thresholds(), suite="scalars")  # fmt: skip
+    options = RunOptions(out=tmp_path, thresholds=load_thresholds(), label="scalars", isolate=False)
+    recs = run_suites(list(spec.values()), CASES, options)
     good, bad = ({r["case"]: r for r in recs[spec[k]]} for k in ("_honours_scalars", "_ignores_scalars"))
     for c in CASES:
         assert good[c.name]["verdict"] == "pass", (c.name, good[c.name]["reasons"])

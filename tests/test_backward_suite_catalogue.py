@@ -26,7 +26,7 @@ asserted and the narrower check that does catch it named:
 
 ``dv_unaligned_cols`` runs on the smoke suite's case with head_dim_v 72 (added for it: without
 one, the suite missed that bug).  The full smoke suite for every bug is
-benchmarks/backward_catalogue.py's (reports/bench/backward_catalogue.json).
+benchmarks/experiments/backward_catalogue.py's (reports/bench/backward_catalogue.json).
 """
 
 import copy

@@ -166,3 +166,42 @@ def test_smoke_nonfinite_cases_pass_a_correct_kernel_and_catch_additive_masking(
         bad = _dense(x, c.causal, c.window, -1e6)
         caught = bool((~torch.isfinite(bad) & finite).any())
         assert caught == (_mask(c) != "none"), f"{c.name}: additive masking caught: {caught}"
+
+
+def test_each_named_suite_is_one_builder_unrestricted_or_within_a_domain():
+    """A named suite is defined once, as a function of the domain: the build in the unrestricted
+    domain is the suite; a domain restricting only the mod kinds gives it without the mod cases
+    it does not take; the per-suite builders agree with :func:`suite`."""
+    from audits.suites.cases import (
+        NIGHTLY_PAIRS,
+        NIGHTLY_SEEDS,
+        build_suite,
+        head_dims_within,
+        mods_within,
+        nightly_within,
+        release_suite,
+        release_within,
+        smoke_within,
+    )
+    from audits.suites.domain import Domain
+
+    builders = {
+        "smoke": smoke_within,
+        "release": release_within,
+        "nightly": nightly_within,
+        "head-dims": head_dims_within,
+        "mods": mods_within,
+    }
+    for name in SUITES:
+        whole = suite(name)
+        assert whole and suite(name, Domain()) == suite(name, None) == whole == SUITES[name](), name
+        built = build_suite(name, Domain())
+        assert built["axes"] is None and built["not_applicable"] == {}, name
+        if name in builders:
+            assert builders[name](Domain())["cases"] == whole, name
+        no_mods = Domain(mods=())
+        assert suite(name, no_mods) == [c for c in whole if not c.mods], name
+    nightly = release_suite(seeds=NIGHTLY_SEEDS, extra_pairs=list(NIGHTLY_PAIRS))
+    assert suite("nightly") == list(dict.fromkeys(nightly + suite("head-dims")))
+    with pytest.raises(ValueError, match="unknown suite 'nope'; accepted: smoke, release"):
+        build_suite("nope")

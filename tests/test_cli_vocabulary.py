@@ -8,7 +8,7 @@ import json
 import pytest
 
 from audits import cli
-from audits.suites.selection import CASE_OPTIONS
+from audits.cli.options import CASE_OPTIONS
 
 #: the subcommands that take cases, and what each needs besides them to get as far as choosing
 TAKE_CASES = {
@@ -138,20 +138,20 @@ def test_invariance_takes_a_suite_file_and_a_glob(tmp_path):
 
 def test_invariance_builds_named_suites_within_the_domain_file(tmp_path, capsys):
     (tmp_path / "d.toml").write_text('dtypes = ["float16"]\nhead_dims = [[64, 64]]\n')
-    from audits.suites.selection import select_cases
+    from audits.cli.options import selection_from_args
 
     ns = argparse.Namespace(suite=None, domain=str(tmp_path / "d.toml"), default_suite="smoke")
-    sel = select_cases(ns, kernels=["sdpa-math"])
+    sel = selection_from_args(ns, kernels=["sdpa-math"])
     assert sel.cases and {(c.dtype, c.d) for c in sel.cases} == {("float16", 64)}
     assert sel.label == "smoke" and sel.domain_info["domain"]["dtypes"] == ["float16"]
 
 
 def test_a_fixed_suite_filtered_to_the_domain_says_what_it_lost(tmp_path, capsys):
     """fidelity's fixed list is filtered, not built, within a domain: the cases left out are counted."""
-    from audits.suites.selection import select_cases
+    from audits.cli.options import selection_from_args
 
     (tmp_path / "d.toml").write_text("head_dims = [[64, 64]]\n")
-    sel = select_cases(argparse.Namespace(suite="fidelity", domain=str(tmp_path / "d.toml")))
+    sel = selection_from_args(argparse.Namespace(suite="fidelity", domain=str(tmp_path / "d.toml")))
     assert [c.d for c in sel.cases] == [64] * 6 and sel.domain_info["cases_outside"] == 27
     err = capsys.readouterr().err
     assert "fidelity: 27 of 33 cases lie outside the kernels' domain and are not run (e.g. bf16-d96-" in err
@@ -237,10 +237,10 @@ def test_fidelity_defaults_to_its_suite_and_takes_any_selection(tmp_path, monkey
 
 
 def test_fuzz_draws_inside_its_domain_file(tmp_path, monkeypatch):
-    from audits.engine import evaluate as engine
+    from audits.checks import fuzz
 
     drawn = []
-    monkeypatch.setattr(engine, "evaluate_case", lambda k, fn, c, *a, **kw: drawn.append(c) or {"verdict": "pass"})
+    monkeypatch.setattr(fuzz, "evaluate_case", lambda k, fn, c, *a, **kw: drawn.append(c) or {"verdict": "pass"})
     (tmp_path / "d.toml").write_text('dtypes = ["float16"]\nmax_seqlen = 48\n')
     argv = ["fuzz", "--kernel", "sdpa-math", "--budget", "15", "--seed", "3", "--domain", str(tmp_path / "d.toml")]
     assert cli.main([*argv, "--database", str(tmp_path / "db"), "--out", str(tmp_path)]) == 0

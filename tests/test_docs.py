@@ -70,9 +70,9 @@ def _release_in_domain(kernel: str) -> int:
 def _within(name: str, kernel: str) -> int:
     """The size of suite ``name`` built inside ``kernel``'s declared domain (as ``run`` builds it)."""
     from audits.kernels import kernel_domain
-    from audits.suites.domain import named_suite_within
+    from audits.suites.cases import suite
 
-    return len(named_suite_within(name, kernel_domain(kernel))["cases"])
+    return len(suite(name, kernel_domain(kernel)))
 
 
 def _size(name: str) -> int:

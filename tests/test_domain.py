@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from audits.suites.cases import MOD_KINDS, Case, case_from_dict, mods_suite, release_suite
-from audits.suites.domain import Domain, DomainError, domain_of, release_within
+from audits.suites.cases import MOD_KINDS, Case, case_from_dict, mods_suite, release_suite, release_within
+from audits.suites.domain import Domain, DomainError, domain_of
 
 #: the issue's example: a Triton-tutorial-like kernel
 TRITON = {
@@ -184,7 +184,7 @@ def test_a_domain_built_suite_runs_with_jobs_and_resumes(tmp_path):
     ``--resume`` continues them: the report holds exactly the cases the domain built."""
     from audits import cli
     from audits.kernels import kernel_domain
-    from audits.suites.domain import smoke_within
+    from audits.suites.cases import smoke_within
 
     kern = "examples/restricted_kernel.py:attention"
     narrow = tmp_path / "d.toml"
@@ -272,10 +272,10 @@ def test_the_builtin_kernels_declare_their_domains(monkeypatch):
 def test_sdpa_flash_refuses_a_softcap_case_before_it_is_called(tmp_path, monkeypatch):
     """The engine skips a case outside the kernel's declared domain without calling it; the
     kernel is called for the cases inside."""
-    import torch
 
     from audits import kernels
     from audits.engine.evaluate import run_suites
+    from audits.engine.options import RunOptions
     from audits.verdict.gate import load_thresholds
 
     sdpa, calls = kernels.KERNELS["sdpa-flash"], []
@@ -288,8 +288,8 @@ def test_sdpa_flash_refuses_a_softcap_case_before_it_is_called(tmp_path, monkeyp
     monkeypatch.setitem(kernels.KERNELS, "sdpa-flash", spy)
     inside = Case("bfloat16", 64, 64, 1, 2, 2, 64, 64, family="normal")
     capped = dataclasses.replace(inside, softcap=15.0)
-    recs = run_suites(["sdpa-flash"], [capped, inside], device=torch.device("cpu"), out_dir=tmp_path,
-                      thresholds=load_thresholds())["sdpa-flash"]  # fmt: skip
+    options = RunOptions(out=tmp_path, thresholds=load_thresholds(), isolate=False)
+    recs = run_suites(["sdpa-flash"], [capped, inside], options)["sdpa-flash"]
     assert recs[0]["verdict"] == "skipped"
     assert recs[0]["reasons"] == ["outside the kernel's declared domain: softcap unsupported"]
     assert len(calls) == 1 and calls[0]["softcap"] == 0.0  # only the case inside was called
@@ -300,9 +300,9 @@ def test_fa4_model_sm90_gets_its_own_smoke_without_fp8():
     """One kernel: the suite is built within its own domain; the report's domain says so."""
     import argparse
 
-    from audits.suites.selection import select_cases
+    from audits.cli.options import selection_from_args
 
-    sel = select_cases(argparse.Namespace(suite="smoke", domain=None), kernels=["fa4-model-sm90"])
+    sel = selection_from_args(argparse.Namespace(suite="smoke", domain=None), kernels=["fa4-model-sm90"])
     cases, info = sel.cases, sel.domain_info
     assert cases and not any(c.dtype.startswith("float8") for c in cases)
     assert {c.dtype for c in cases} == {"bfloat16", "float16"}
@@ -441,7 +441,8 @@ def test_query_and_key_lengths_have_their_own_multiples():
 def test_keys_in_blocks_of_64_and_free_queries_get_partial_query_blocks():
     """A domain "seqlen_k a multiple of 64, seqlen_q free": the suites built in it have queries
     that are not multiples of 64 (partial query blocks) as well as multiples, every case inside."""
-    from audits.suites.domain import seqlens_within, smoke_within
+    from audits.suites.cases import smoke_within
+    from audits.suites.domain import seqlens_within
 
     d = Domain.from_dict({"seqlen_k_multiple": 64, "max_seqlen": 1024}, where="k")
     lengths = seqlens_within(d, [])
@@ -463,7 +464,7 @@ def test_smoke_pairs_each_nonfinite_family_with_every_mask_the_domain_supports()
     causal): its smoke has nan_inf_visible both causal and not (a kernel masking causally by
     adding -1e6 turns earlier rows NaN from a NaN key beyond the diagonal); a domain with
     windows gets a local one too, one without causal masking none."""
-    from audits.suites.domain import mask_kind, smoke_within
+    from audits.suites.cases import mask_kind, smoke_within
 
     d = Domain.from_dict({"dtypes": ["float16"], "head_dims": [64, 128], "seqlen_multiple": 128,
                           "equal_seqlens": True, "causal": True, "local": False}, where="k")  # fmt: skip
@@ -480,8 +481,7 @@ def test_the_head_dim_sweep_within_a_domain():
     """``head-dims`` in a domain: (x, x) for every accepted x, else every accepted pair with
     that d (SM100's (192, 128)); the 16-bit dtypes; causal only where supported; each case moved
     into the domain's lengths.  Unrestricted, it is the named suite; nightly includes it."""
-    from audits.suites.cases import head_dim_sweep, suite
-    from audits.suites.domain import head_dims_within, suite_within, sweep_head_dims
+    from audits.suites.cases import build_suite, head_dim_sweep, head_dims_within, suite, sweep_head_dims
 
     sm100 = Domain.from_dict({"head_dims": SM100_FORMS}, where="k")
     pairs = sweep_head_dims(sm100)
@@ -497,9 +497,9 @@ def test_the_head_dim_sweep_within_a_domain():
         (64, 128, 128, 4, 4), (128, 128, 128, 4, 4)}  # fmt: skip
     fp8 = head_dims_within(Domain(dtypes=("float8_e4m3fn",)))
     assert fp8["cases"] == [] and "the head-dim sweep runs bfloat16 and float16" in fp8["not_applicable"]["head-dims"]
-    assert suite_within("head-dims", Domain())["cases"] == suite("head-dims")
+    assert build_suite("head-dims", Domain())["cases"] == suite("head-dims")
     sweep = set(head_dim_sweep(pairs=[(64, 64)], dtypes=("bfloat16",), masks=("none",)))
-    nightly = set(suite_within("nightly", Domain(head_dims=[64], dtypes=("bfloat16",)))["cases"])
+    nightly = set(suite("nightly", Domain(head_dims=[64], dtypes=("bfloat16",))))
     assert sweep <= nightly
 
 
@@ -511,3 +511,45 @@ def test_release_within_a_domain_adds_the_class_cases_inside_it():
     assert inside and len(inside) < len(class_cases())  # some lie outside (fp16, fp8, d != dv)
     cases = set(release_within(d)["cases"])
     assert set(inside) <= cases and all(d.refusal(c) is None for c in cases)
+
+
+def test_a_domain_is_an_immutable_value():
+    d = Domain.from_dict({"dtypes": ["float16"], "head_dims": [64, [96, 64]], "seqlen_multiple": 128}, where="t")
+    same = Domain(dtypes=("float16",), head_dims=[(64, 64), (96, 64)], seqlen_q_multiple=128, seqlen_k_multiple=128)
+    assert d == same and hash(d) == hash(same) and {d: 1}[same] == 1
+    assert Domain.from_dict(d.as_dict(), where="t") == d
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.dtypes = ("bfloat16",)
+    assert d != Domain() and Domain() == Domain()
+
+
+def test_a_run_reads_the_domain_file_once_and_resolves_each_kernel_once(tmp_path, monkeypatch):
+    """``run --domain FILE``: the file is parsed once (the case selection), and each kernel's
+    domain resolved once outside the engine (the selection's, reused by the coverage bases)."""
+    import sys
+
+    import audits.kernels
+    import audits.suites.domain
+    from audits import cli
+
+    reads, resolved = [], []
+    read_toml, domain_of = audits.suites.domain.read_toml, audits.kernels.domain_of
+
+    def counting_read(path, **kw):
+        reads.append((str(path), kw.get("what")))
+        return read_toml(path, **kw)
+
+    def counting_domain_of(fn):
+        caller = sys._getframe(1).f_back.f_globals.get("__name__", "")  # kernel_domain's caller
+        resolved.append(caller)
+        return domain_of(fn)
+
+    monkeypatch.setattr(audits.suites.domain, "read_toml", counting_read)
+    monkeypatch.setattr(audits.kernels, "domain_of", counting_domain_of)
+    f = tmp_path / "d.toml"
+    f.write_text('dtypes = ["bfloat16"]\n')
+    config = '{"d": 64, "dv": 64, "seqlen_q": 20, "seqlen_k": 36}'
+    argv = ["run", "--kernel", "sdpa-math", "--domain", str(f), "--config", config, "--out", str(tmp_path / "o")]
+    assert cli.main([*argv, "--quiet"]) == 0
+    assert reads == [(str(f), "domain")]
+    assert [c for c in resolved if not c.startswith("audits.engine")] == ["audits.suites.selection"]

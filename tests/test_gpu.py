@@ -121,7 +121,7 @@ def test_softcap_division_on_cuda_is_ieee():
 def test_tc_backward_matches_production_deterministic_bitwise(kw):
     """``fa4-model-sm90-tc``'s backward against production's SM90 backward, both with
     ``deterministic=True`` (the dQ / dK / dV reductions in the semaphores' order): every
-    gradient bit (benchmarks/h200_backward.py --deterministic, docs/backward.md; head dim 256
+    gradient bit (benchmarks/experiments/h200_backward.py --deterministic, docs/backward.md; head dim 256
     since the preprocess's element-major order, fa4.model_bwd.row_dot)."""
     from audits.kernels import get_kernel
     from audits.suites.cases import Case

@@ -170,11 +170,11 @@ def _fidelity_args(domain_file) -> argparse.Namespace:
 
 
 def test_fidelity_selection_lies_inside_the_domain(tmp_path, capsys):
-    from audits.suites.selection import select_cases
+    from audits.cli.options import selection_from_args
 
     dom = tmp_path / "d.toml"
     dom.write_text('dtypes = ["float16"]\n')
-    sel = select_cases(_fidelity_args(dom), kernels=["fa4-model-sm90"])
+    sel = selection_from_args(_fidelity_args(dom), kernels=["fa4-model-sm90"])
     assert [c.dtype for c in sel.cases] == ["float16", "float16"]
     assert sel.domain_info["cases_outside"] == 31
     assert "fidelity: 31 of 33 cases lie outside the kernels' domain" in capsys.readouterr().err

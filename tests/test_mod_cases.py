@@ -20,13 +20,16 @@ from audits.suites.cases import (
     MOD_BLOCK_SM100,
     MOD_KINDS,
     Case,
+    build_suite,
     case_from_dict,
     case_from_json,
     mods_cross_checks,
+    mods_within,
     smoke_mods,
+    smoke_within,
     suite,
 )
-from audits.suites.domain import Domain, DomainError, domain_of, mods_within, named_suite_within, smoke_within
+from audits.suites.domain import Domain, DomainError, domain_of
 from audits.suites.inputs import NotApplicable, make_inputs, saveable_kw
 from fa4.code_paths import ARCHS, classes, classes_of
 from numerics.mod_library import MASK_MODS, RELBIAS_SPAN, SCALAR_SCORE_MODS, SCORE_MODS, SOFTCAP_CAP, WINDOW
@@ -110,12 +113,13 @@ def test_the_printed_reproducer_reruns_the_mod_case(tmp_path):
     directory, re-runs exactly that case (its mods rebuilt from --config) to the same failure."""
     import tests.bugged_mods as bm
     from audits.engine.evaluate import run_suites
+    from audits.engine.options import RunOptions
     from audits.verdict.gate import load_thresholds
 
     case = smoke_mods()[1]  # relbias + document: the neighbour head's bias fails the forward
     kernel = f"{bm.__file__}:bug_aux_wrong_head"
-    (rec,) = run_suites([kernel], [case], device=torch.device("cpu"), out_dir=tmp_path / "run",
-                        thresholds=load_thresholds(), suite="smoke")[kernel]  # fmt: skip
+    options = RunOptions(out=tmp_path / "run", thresholds=load_thresholds(), label="smoke", isolate=False)
+    (rec,) = run_suites([kernel], [case], options)[kernel]
     assert rec["verdict"] == "fail" and "--config" in rec["repro"]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env["PYTHONPATH"] = str(ROOT)  # tests.bugged_mods imports the package's modules only
@@ -229,14 +233,14 @@ def test_the_cross_checks_pair_same_inputs_that_must_agree():
 
 def test_mod_cases_are_built_only_where_the_domain_takes_them():
     smoke = suite("smoke")
-    plain = named_suite_within("smoke", NONE)["cases"]
+    plain = build_suite("smoke", NONE)["cases"]
     assert plain == [c for c in smoke if not c.mods]
-    assert named_suite_within("smoke", ALL)["cases"] == named_suite_within("smoke", Domain())["cases"] == smoke
-    only_scores = named_suite_within("smoke", Domain(mods=("score_mod",)))["cases"]
+    assert build_suite("smoke", ALL)["cases"] == build_suite("smoke", Domain())["cases"] == smoke
+    only_scores = build_suite("smoke", Domain(mods=("score_mod",)))["cases"]
     assert {c.name for c in only_scores} - {c.name for c in plain} == set()  # every smoke mod case has a mask_mod too
     none = mods_within(NONE)
     assert none["cases"] == [] and "declares no mod kinds" in none["not_applicable"]["mods"]
-    assert named_suite_within("mods", ALL)["cases"] == suite("mods")
+    assert build_suite("mods", ALL)["cases"] == suite("mods")
     # a restricted domain: its smoke gets the mod cases that fit it, moved along lengths and heads
     d = Domain.from_dict({"dtypes": ["bfloat16"], "head_dims": [64, 128], "seqlen_multiple": 64, "gqa": False,
                          "mods": list(MOD_KINDS)}, where="t")  # fmt: skip

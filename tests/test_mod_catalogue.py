@@ -61,14 +61,16 @@ def runs(tmp_path_factory):
     """One ``run_suites`` over smoke's mod cases for the clean kernel and every bugged one (they
     share the inputs and the FP64 references), --backward with one backward run."""
     from audits.engine.evaluate import run_suites
+    from audits.engine.options import RunOptions
     from audits.verdict.gate import load_thresholds
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     names = ["clean"] + [f"bug_{b}" for b in bm.BUGS]
     spec = {k: f"{bm.__file__}:{k}" for k in names}
     out = tmp_path_factory.mktemp("mod_catalogue")
-    recs = run_suites(list(spec.values()), CASES, device=torch.device("cpu"), out_dir=out,
-                      thresholds=load_thresholds(), suite="smoke", backward=BackwardOptions(repeat=1))  # fmt: skip
+    bwd = BackwardOptions(repeat=1)
+    options = RunOptions(out=out, thresholds=load_thresholds(), label="smoke", isolate=False, backward=bwd)
+    recs = run_suites(list(spec.values()), CASES, options)
     return {k: {r["case"]: r for r in recs[s]} for k, s in spec.items()}
 
 

@@ -16,8 +16,9 @@ import dataclasses
 import pytest
 import torch
 
-import fa4.model as M
-from fa4.model import FA4Numerics, attention, block_sparse_kv_order
+import fa4.forward_loop as loop
+from fa4.block_sparse import block_sparse_kv_order
+from fa4.model import FA4Numerics, attention
 from fa4.model_bwd import attention_backward, block_sparse_q_order, bwd_plan
 from fa4.primitives import div_rn, fma, hardware_tanh
 from fa4.varlen import varlen_attention
@@ -109,7 +110,7 @@ def test_softcap_score_mod_equals_softcap_flag(arch, fast, monkeypatch):
     """Production's softcap flag *is* this score_mod (``interface._flash_attn_fwd``:
     ``score_mod = utils.create_softcap_scoremod(softcap)``): the same operations in the same
     order, forward (fast loop and plain loop) and backward, bit for bit."""
-    monkeypatch.setattr(M, "_FAST_CPU", fast)
+    monkeypatch.setattr(loop, "_FAST_CPU", fast)
     q, k, v, do = _qkv(d=128, grad=True)
     nm = FA4Numerics.for_inputs(arch, q, k, v)
     _assert_same(_run(q, k, v, do, nm, softcap=CAP), _run(q, k, v, do, nm, score_mod=SOFTCAP))

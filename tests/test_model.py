@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+import fa4.forward_steps as fs
 from fa4.model import FA4Numerics, attention, hardware_exp2
+from fa4.primitives import LOG2_E, div_rn
+from numerics.fp import fma_f32, to_f32
 from numerics.metrics import row_scaled_ulp_diff, ulp_diff_histogram
 from numerics.reference import attention_reference
 from tests.conftest import DATA
@@ -190,24 +193,21 @@ def test_sm90_sink_fold_rounds_the_product_before_the_subtraction(monkeypatch):
     - row_max_scaled)`` — FMUL, then FADD — not one FFMA (the sm_90a SASS: the product also
     feeds the select for rows that saw no key).  The fused form differs on these inputs; on the
     H200 this step took d128_sink's LSE from 93.0% to 100% bit-identical."""
-    import fa4.model as fm
-    from numerics.fp import fma_f32
-
     g = torch.Generator().manual_seed(2)
     sink = torch.randn(64, generator=g) * 4
     row_max = torch.randn(1, 64, 1, generator=g) * 4
-    sl2 = torch.tensor(fm._f32(0.125 * fm._LOG2_E))
+    sl2 = torch.tensor(to_f32(0.125 * LOG2_E))
     seen = []
-    real = fm.hardware_exp2
-    monkeypatch.setattr(fm, "hardware_exp2", lambda t: seen.append(t.clone()) or real(t))
+    real = fs.hardware_exp2
+    monkeypatch.setattr(fs, "hardware_exp2", lambda t: seen.append(t.clone()) or real(t))
     nm = FA4Numerics.sm90(torch.bfloat16, 64)
-    fm.finalize(
+    fs.finalize(
         nm, row_max, torch.ones(1, 64, 1), torch.ones(1, 64, 1, 8), sl2, torch.tensor(0.0), sink, torch.bfloat16
     )
-    s_l2 = sink.view(1, -1, 1) * torch.tensor(fm._f32(fm._LOG2_E))
+    s_l2 = sink.view(1, -1, 1) * torch.tensor(to_f32(LOG2_E))
     want = s_l2 - row_max * sl2
     assert torch.equal(seen[0].view(torch.int32), want.view(torch.int32))
-    fused = fma_f32(sink.view(1, -1, 1), torch.tensor(fm._f32(fm._LOG2_E)), -(row_max * sl2))
+    fused = fma_f32(sink.view(1, -1, 1), torch.tensor(to_f32(LOG2_E)), -(row_max * sl2))
     assert not torch.equal(fused, want)
 
 
@@ -215,8 +215,6 @@ def test_div_rn_is_the_ieee_quotient():
     """``fa4.primitives.div_rn`` (the softcap's div.rn.f32): the float32 quotient correctly
     rounded — numpy's float32 division — on random values, and not the reciprocal product torch's
     CUDA division by a scalar computes (tests/test_gpu.py checks it on the device)."""
-    from fa4.primitives import div_rn
-
     x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(4)) * 40
     want = torch.from_numpy(x.numpy() / np.float32(15.0))
     assert torch.equal(div_rn(x, 15.0).view(torch.int32), want.view(torch.int32))

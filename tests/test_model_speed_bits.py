@@ -1,13 +1,12 @@
 """The forward model's fast CPU loop against its plain loop, bit for bit (``docs/performance.md``).
 
-The fast loop (``fa4.model._FAST_CPU``: row windows, ``torch.matmul`` on head-major float64
+The fast loop (``fa4.forward_loop._FAST_CPU``: row windows, ``torch.matmul`` on head-major float64
 copies, the compiled softmax step of ``fa4.ex2_cpu`` on torch's OpenMP team or in the calling
-thread) must give the plain loop's bits — every
-row of every block through torch and the einsums of the original model — out and LSE, NaN
-payloads included, on the machine the tests run on: the row windows rely on MKL's float64 GEMM
-giving a row the same sum whatever rows share the call (checked here on inputs whose float64
-sums are inexact), and the compiled exp2 on torch's float64 exp2 being within 1 ulp (checked
-here on sampled inputs; exhaustively over all 2**32 float32 when it was written).  No timing:
+thread) must give the plain loop's bits — every row of every block through torch and the einsums
+over all rows — out and LSE, NaN payloads included, on the machine the tests run on: the row
+windows rely on MKL's float64 GEMM giving a row the same sum whatever rows share the call (checked
+here on inputs whose float64 sums are inexact), and the compiled exp2 on torch's float64 exp2
+being within 1 ulp (checked here on sampled inputs).  No timing:
 ``benchmarks/model_cpu.py``.
 """
 
@@ -20,10 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-import fa4.model as model
+import fa4.forward_loop as loop
 from fa4 import ex2_cpu
 from fa4.ex2 import POLY_EX2, ex2_emulation_2
-from fa4.primitives import hardware_exp2
+from fa4.model import FA4Numerics, attention
+from fa4.primitives import hardware_exp2, visible_bounds
 from numerics.fp import bit_view, fma_f32, format_of, round_to
 
 
@@ -114,13 +114,13 @@ def test_fast_loop_without_torchs_thread_team(case, monkeypatch):
 def _fast_against_plain(case, monkeypatch):
     dtype, b, sq, sk, hq, hk, d, dv, causal, window, softcap, sink, arch, knobs, family = case
     q, k, v = _inputs(getattr(torch, dtype), b, sq, sk, hq, hk, d, dv, family, seed=len(knobs) + sq)
-    nm = dataclasses.replace(model.FA4Numerics.for_inputs(arch, q, k, v, causal, window), **knobs)
+    nm = dataclasses.replace(FA4Numerics.for_inputs(arch, q, k, v, causal, window), **knobs)
     kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True, numerics=nm)
     if sink:
         kw["learnable_sink"] = torch.linspace(-2.0, 3.0, hq)
-    fast = model.attention(q, k, v, **kw)
-    monkeypatch.setattr(model, "_FAST_CPU", False)
-    plain = model.attention(q, k, v, **kw)
+    fast = attention(q, k, v, **kw)
+    monkeypatch.setattr(loop, "_FAST_CPU", False)
+    plain = attention(q, k, v, **kw)
     for x, y in zip(fast, plain):
         assert torch.equal(bit_view(x), bit_view(y)), f"{(bit_view(x) != bit_view(y)).sum().item()} elements differ"
 
@@ -136,13 +136,13 @@ def test_row_windows_keep_the_gemm_bits(sq, sk, hq, hk, d, dv, causal, window, m
     g = torch.Generator().manual_seed(sq)
     q, k = _wide((1, sq, hq, d), torch.bfloat16, g), _wide((1, sk, hk, d), torch.bfloat16, g)
     v = _wide((1, sk, hk, dv), torch.bfloat16, g)
-    nm = model.FA4Numerics.for_inputs("sm100", q, k, v, causal, window)
-    n_min, n_max, nblk = model.kv_block_ranges(sq, sk, nm, causal, window, "cpu", heads=hq)
-    vis = model.visible_bounds(sq, sk, causal, window, "cpu")
+    nm = FA4Numerics.for_inputs("sm100", q, k, v, causal, window)
+    n_min, n_max, nblk = loop.kv_block_ranges(sq, sk, nm, causal, window, "cpu", heads=hq)
+    vis = visible_bounds(sq, sk, causal, window, "cpu")
     scales = (0.125, 0.0, 0.18)
-    fast = model._make_loop(q, k, v, nm, vis, (n_min, n_max, n_min, n_max), scales)
-    monkeypatch.setattr(model, "_FAST_CPU", False)
-    plain = model._make_loop(q, k, v, nm, vis, (n_min, n_max, n_min, n_max), scales)
+    fast = loop._make_loop(q, k, v, nm, vis, (n_min, n_max, n_min, n_max), scales)
+    monkeypatch.setattr(loop, "_FAST_CPU", False)
+    plain = loop._make_loop(q, k, v, nm, vis, (n_min, n_max, n_min, n_max), scales)
     assert fast.fast and not plain.fast
     p_all = _wide((1, hq, sq, nm.tile_n), torch.bfloat16, g, 40).double().abs()
     windows = set()
@@ -150,7 +150,7 @@ def test_row_windows_keep_the_gemm_bits(sq, sk, hq, hk, d, dv, causal, window, m
         active = (n >= n_min) & (n < n_max)
         if not bool(active.any()):
             continue
-        r0, r1 = model._row_window(active, sq, True)
+        r0, r1 = loop._row_window(active, sq, True)
         windows.add((r0, r1))
         j0, j1 = n * nm.tile_n, min((n + 1) * nm.tile_n, sk)
         s_fast, s_plain = fast.scores(j0, j1, r0, r1), plain.scores(j0, j1, 0, sq)[:, :, r0:r1]

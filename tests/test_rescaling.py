@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from audits import cli
+from fa4.knobs import PRODUCTION_RESCALING
 from fa4.model import FA4Numerics, attention
-from numerics.bounds import PRODUCTION_RESCALING, rescaling_analysis
+from numerics.bounds import rescaling_analysis
 
 
 @pytest.mark.parametrize("dtype", list(PRODUCTION_RESCALING))

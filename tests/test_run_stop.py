@@ -118,19 +118,18 @@ def test_budget_stops_before_the_next_case_and_resume_completes(tmp_path, tiny, 
     import torch
 
     from audits.engine import evaluate as engine
+    from audits.engine.options import RunOptions
+    from audits.engine.stop import StopReason
     from audits.verdict.gate import load_thresholds
 
     now = [0.0]
     cases = [Case(**{**c, "window": tuple(c.get("window", (None, None)))}) for c in TINY]
-    stopped = {}
     late = lambda kern, rec: now.__setitem__(0, 60.0)  # noqa: E731 - the first case took a minute
+    options = RunOptions(device=torch.device("cpu"), out=tmp_path / "e", thresholds=load_thresholds(), isolate=False)
     with monkeypatch.context() as m:
         m.setattr(engine, "time", types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
-        runs = engine.run_suites(
-            ["fa4-model"], cases, device=torch.device("cpu"), out_dir=tmp_path / "e", thresholds=load_thresholds(),
-            deadline=59.0, stopped=stopped, progress=late,
-        )  # fmt: skip
-    assert stopped == {"reason": "budget"} and len(runs["fa4-model"]) == 1
+        runs = engine.run_suites(["fa4-model"], cases, options, deadline=59.0, progress=late)
+    assert runs.stopped == StopReason.BUDGET == "budget" and len(runs["fa4-model"]) == 1
 
     out = tmp_path / "b"
     argv = ["run", "--quiet", "--kernel", "fa4-model", "--case-file", str(tiny), "--out", str(out)]

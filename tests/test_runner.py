@@ -1,5 +1,6 @@
 """fa4-audit run: verdicts, journal and --resume, -x, shards, reports, bad input."""
 
+import dataclasses
 import fnmatch
 import json
 from pathlib import Path
@@ -429,3 +430,72 @@ def test_a_family_whose_precondition_fails_is_a_skipped_case_not_the_end_of_the_
     assert cases[0]["reasons"] == [
         "input family not applicable here: family nan_inf_masked needs a case with a left window, got (None, None)"
     ]
+
+
+# ---- the audit API and the --jobs children's options ---------------------------------------------
+
+TILE_STEPS = [c for c in smoke_suite() if "tile_step" in c.name][:2]
+#: the two cheapest compile keys of smoke: one per job of --jobs 2
+TWO_KEYS = [c for c in smoke_suite() if c.name.startswith(("bf16-d64v72-b1h2k2-s64x96-", "f16-d64-b1h3k1-s96x64-"))]
+
+
+def test_audit_api_used_directly_without_the_command_line(tmp_path):
+    """``audits.api.audit``: a typed Report (records and report per kernel, the stop reason),
+    nothing written but the journal; -x's stop reason as the enum; --resume through the options."""
+    from audits.api import Report, RunOptions, StopReason, audit
+    from audits.report.schema import validate_report
+
+    options = RunOptions(out=tmp_path / "a", label="two-steps", isolate=False)
+    got = audit("fa4-model", TILE_STEPS, options)
+    assert isinstance(got, Report) and got.stopped is None and got.exit_code == 0 and got.selected == 2
+    rep = got.reports["fa4-model"]
+    assert rep["suite"] == "two-steps" and rep["command"] == "audits.api.audit" and rep["partial"] is False
+    assert [r["case"] for r in got.records["fa4-model"]] == [c.name for c in TILE_STEPS]
+    validate_report(json.loads(json.dumps(rep)), "api")
+    assert (tmp_path / "a" / "journal.jsonl").exists() and not (tmp_path / "a" / "report.json").exists()
+    again = audit(["fa4-model"], TILE_STEPS, options.replace(resume=True))
+    assert all(r.get("resumed") for r in again.records["fa4-model"])
+
+    bad = audit("tests.bugged_kernels:wrong_lse", TILE_STEPS, options.replace(out=str(tmp_path / "x"), exitfirst=True))
+    assert bad.stopped == StopReason.EXITFIRST and bad.exit_code == 1
+    assert bad.reports["tests.bugged_kernels:wrong_lse"]["summary"]["stopped"] == "exitfirst"
+
+
+def test_run_options_survive_the_job_file_field_for_field(tmp_path):
+    """What a --jobs child reads (OUT/jobs/I/job.json) is the parent's RunOptions, every field
+    given a value other than its default, bar what the job changes: its folder, shard, one process."""
+    from audits.engine.backward import BackwardOptions
+    from audits.engine.jobs import write_jobs
+    from audits.engine.options import RunOptions
+
+    given = dict(device="cpu", out=str(tmp_path), thresholds=load_thresholds(), seed=7, label="lbl", resume=True)
+    given |= dict(exitfirst=True, isolate=True, timeout=12.5, timeout_given=True, per_sequence=True, budget=2.5)
+    given |= dict(backward=BackwardOptions(repeat=3, deterministic=True), jobs=2, gpus="0,1", quiet=False, maps=1)
+    options = RunOptions(**given)
+    assert set(given) | {"shard"} == {f.name for f in dataclasses.fields(RunOptions)}  # every field but shard
+    files = write_jobs(["fa4-model"], TILE_STEPS, options, header={}, coverage={})
+    got = RunOptions.from_json(json.dumps(json.loads(files[1].read_text())["options"]))
+    assert got == options.replace(out=str(tmp_path / "jobs" / "1"), jobs=1, gpus=None, quiet=True, shard="1/2")
+    with pytest.raises(ValueError, match="unknown field"):
+        RunOptions.from_dict({**got.as_dict(), "colour": "blue"})
+
+
+def test_a_jobs_child_runs_under_the_options_of_its_file(tmp_path):
+    """``python -m audits.engine.child JOB.json`` (run here in-process): its shard of the parent's
+    cases, its report labelled, seeded and headed as the file says."""
+    from audits.engine import child
+    from audits.engine.jobs import write_jobs
+    from audits.engine.options import RunOptions
+
+    options = RunOptions(out=tmp_path, label="from-the-file", seed=5, isolate=False, jobs=2, maps=0)
+    head = {"command": "fa4-audit run (parent)", "created": "then", "environment": {}}
+    files = write_jobs(["fa4-model"], TWO_KEYS, options, header=head, coverage={})
+    reps = []
+    for f in files:
+        assert child.run_job(f) == 0
+        reps.append(json.loads((f.parent / "report.json").read_text()))
+    assert [r["shard"] for r in reps] == ["0/2", "1/2"]
+    heads = {(r["suite"], r["seed"], r["command"], r["created"]) for r in reps}
+    assert heads == {("from-the-file", 5, "fa4-audit run (parent)", "then")}
+    assert sorted(c["case"] for r in reps for c in r["cases"]) == sorted(c.name for c in TWO_KEYS)
+    assert all(len(r["cases"]) == 1 for r in reps) and len(TWO_KEYS) == 2

@@ -1,4 +1,4 @@
-"""numerics.tensor_core against wgmma outputs recorded on the H200 (benchmarks/mma_probe.py;
+"""numerics.tensor_core against wgmma outputs recorded on the H200 (benchmarks/experiments/mma_probe.py;
 tests/data/wgmma_h200.*): bf16 and fp16, K = 16 to 128, crafted probes and random inputs of
 wide exponent spread, every output bit for bit; and the alternatives the measurement ruled out
 fail on the same data (so the test can tell the model from its near misses)."""

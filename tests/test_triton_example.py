@@ -33,10 +33,11 @@ def test_the_triton_example_passes_two_cases_of_its_domain(tmp_path):
 
 def test_the_triton_examples_domain_builds_release_inside_it():
     sys.path.insert(0, str(ROOT))
-    from audits.suites.domain import domain_of, suite_within
+    from audits.suites.cases import build_suite
+    from audits.suites.domain import domain_of
     from examples.triton_attention import attention
 
     d = domain_of(attention)
-    built = suite_within("release", d)
+    built = build_suite("release", d)
     assert len(built["cases"]) == 567 and all(d.refusal(c) is None for c in built["cases"])
     assert set(built["not_applicable"]) == {"nan_inf_masked"}

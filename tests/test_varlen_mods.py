@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from audits.engine import evaluate as engine
+from audits.engine.options import RunOptions
 from audits.kernels import per_sequence
 from audits.suites.cases import case_from_dict, mods_suite, smoke_suite, varlen_case, varlen_mods
 from audits.suites.strategies import mask_mod_of, varlen_batches
@@ -154,8 +155,8 @@ _entry_partial_as_full.fa4_audit_domain = {"mods": ["score_mod", "mask_mod", "bl
 def test_varlen_block_sparse_case_passes_and_catches_a_partial_block_treated_as_full(tmp_path):
     case = varlen_case(**BS_CASE)
     recs = engine.run_suites(
-        ["fa4-model-sm90", "tests.test_varlen_mods:_entry_partial_as_full"], [case], device=torch.device("cpu"),
-        out_dir=tmp_path, thresholds=load_thresholds(),
+        ["fa4-model-sm90", "tests.test_varlen_mods:_entry_partial_as_full"], [case],
+        RunOptions(out=tmp_path, thresholds=load_thresholds(), isolate=False),
     )  # fmt: skip
     good, bad = recs["fa4-model-sm90"][0], recs["tests.test_varlen_mods:_entry_partial_as_full"][0]
     assert good["verdict"] == "pass" and good["bound"]["violations"] == 0, good["reasons"]
@@ -230,7 +231,7 @@ def test_smoke_varlen_mod_case_passes_on_the_model_and_catches_the_wrong_sequenc
     case = varlen_mods(smoke=True)[0]
     recs = engine.run_suites(
         ["fa4-model-sm90", "tests.test_varlen_mods:_entry_without_sequence_index"], [case],
-        device=torch.device("cpu"), out_dir=tmp_path, thresholds=load_thresholds(),
+        RunOptions(out=tmp_path, thresholds=load_thresholds(), isolate=False),
     )  # fmt: skip
     good, bad = recs["fa4-model-sm90"][0], recs["tests.test_varlen_mods:_entry_without_sequence_index"][0]
     assert good["verdict"] == "pass" and good["bound"]["violations"] == 0, good["reasons"]
@@ -287,8 +288,8 @@ def test_production_varlen_with_mods_passes_and_is_its_fixed_length_call_at_the_
     from fa4.production import flash_attn, flash_attn_varlen
 
     model = "fa4-model-sm90" if production_arch() == "sm90" else "fa4-model"
-    recs = engine.run_suites(["fa4", model], [case], device=torch.device("cuda"), out_dir=tmp_path,
-                             thresholds=load_thresholds())  # fmt: skip
+    options = RunOptions(device="cuda", out=tmp_path, thresholds=load_thresholds(), isolate=False)
+    recs = engine.run_suites(["fa4", model], [case], options)
     p, m = recs["fa4"][0], recs[model][0]
     assert m["verdict"] in ("pass", "skipped") and p["verdict"] == m["verdict"], (p["reasons"], m["reasons"])
     if p["verdict"] == "skipped":  # the sparse block this arch refuses: both say so

@@ -11,6 +11,7 @@ import torch
 
 from audits import cli
 from audits.engine import evaluate as engine
+from audits.engine.options import RunOptions
 from audits.engine.shards import run_order
 from audits.suites.cases import smoke_suite, smoke_varlen, varlen_case
 from audits.verdict.gate import load_thresholds
@@ -71,10 +72,8 @@ def test_fa4_model_passes_and_equals_the_fixed_length_model_per_sequence(tmp_pat
 
     monkeypatch.setattr(engine, "_call", call)
     cases, fixed = smoke_varlen(), "tests.bugged_varlen:fixed_model"
-    recs = engine.run_suites(
-        ["fa4-model", fixed], cases, device=torch.device("cpu"), out_dir=tmp_path, thresholds=load_thresholds(),
-        per_sequence=True,
-    )  # fmt: skip
+    options = RunOptions(out=tmp_path, thresholds=load_thresholds(), isolate=False, per_sequence=True)
+    recs = engine.run_suites(["fa4-model", fixed], cases, options)
     for c, r in zip(cases, recs["fa4-model"], strict=True):
         assert r["verdict"] == "pass", (c.name, r["reasons"])
         assert r["bound"]["kind"] == "fa4" and r["bound"]["violations"] == r["bound"]["lse_violations"] == 0
@@ -269,9 +268,16 @@ def test_a_domain_judges_each_sequence():
     assert Domain(min_seqlen=100).refusal(c) is None and Domain(min_seqlen=129).refusal(c).startswith("sequence 0")
 
 
-def test_jobs_children_get_per_sequence():
-    from audits.cli import build_parser
-    from audits.cli.run import _child_argv
+def test_jobs_children_get_per_sequence(tmp_path):
+    import json
 
-    args = build_parser().parse_args(["run", "--kernel", "fa4-model", "--per-sequence"])  # the parser's own defaults
-    assert "--per-sequence" in _child_argv(args, ["fa4-model"], Path("cases.json"), "smoke")
+    from audits.cli import build_parser
+    from audits.cli.run_options import run_options_from_args
+    from audits.engine.jobs import write_jobs
+    from audits.engine.options import RunOptions
+
+    argv = ["run", "--kernel", "fa4-model", "--per-sequence", "--jobs", "2", "--out", str(tmp_path)]
+    args = build_parser().parse_args(argv)  # the parser's own defaults
+    options = run_options_from_args(args, thresholds=load_thresholds(), label="smoke")
+    job = write_jobs(["fa4-model"], smoke_varlen()[:2], options, header={}, coverage={})[1]
+    assert RunOptions.from_dict(json.loads(job.read_text())["options"]).per_sequence is True

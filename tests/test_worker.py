@@ -238,7 +238,8 @@ def test_every_kernel_calling_subcommand_takes_the_same_timeout(name):
 def test_timeout_setting_and_isolation():
     from argparse import Namespace
 
-    from audits.engine.worker import DEFAULT_TIMEOUT_S, isolation, timeout_setting
+    from audits.cli.run_options import timeout_setting
+    from audits.engine.worker import DEFAULT_TIMEOUT_S, isolation
 
     assert timeout_setting(Namespace(timeout=None)) == (DEFAULT_TIMEOUT_S, False)
     assert timeout_setting(Namespace(timeout=0.0)) == (None, True)

@@ -25,11 +25,15 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from audits.engine.evaluate import evaluate_case
+from audits.engine.worker import open_kernel
+from audits.kernels import kernel_domain
 from audits.report.repro import reproducer
 from audits.report.schema import FAILING
 from audits.suites.cases import MOD_BLOCK, MOD_BLOCK_SM100, Case
 from audits.suites.domain import Domain
 from audits.suites.inputs import FAMILIES
+from numerics.mod_library import MASK_MODS, SCALAR_SCORE_MODS, SCORE_MODS
 
 __all__ = ["cases", "fuzz", "draw_mods", "MOD_BLOCKS"]
 
@@ -52,8 +56,6 @@ def draw_mods(draw, dom: Domain, d: int) -> dict:
     only when the kind ``aux_scalars`` is declared too), a mask_mod of ``MASK_MODS`` or none, block
     sparsity (:data:`MOD_BLOCKS`) only with a mask_mod, the kind declared and d <= 128.  Each
     shrinks toward none."""
-    from numerics.mod_library import MASK_MODS, SCALAR_SCORE_MODS, SCORE_MODS
-
     out = {"score_mod": "", "mask_mod": "", "block_sparse": ()}
     if "score_mod" in dom.mods:
         scalars = "aux_scalars" in dom.mods
@@ -170,11 +172,7 @@ def fuzz(
     process, no limit.  ``mods`` (``fuzz --mods``): draw the library mods the domain declares
     (:func:`cases`); ValueError when it declares none (a search that cannot draw what it was
     asked to)."""
-    from audits.engine.evaluate import evaluate_case
-    from audits.engine.worker import Isolated
-    from audits.kernels import get_kernel, kernel_domain
-
-    fn = Isolated(kernel, device, timeout=timeout) if timeout else get_kernel(kernel)
+    fn = open_kernel(kernel, device, isolated=bool(timeout), timeout=timeout)
     domain = kernel_domain(kernel)
     if narrow is not None:
         domain = domain.narrow(narrow)
@@ -218,8 +216,7 @@ def fuzz(
     except AssertionError:
         pass
     finally:
-        if isinstance(fn, Isolated):
-            fn.close()
+        fn.close()
     if state["fail"] is not None:
         case, rec = state["fail"]
         failure = {

@@ -1,5 +1,6 @@
-"""The ``fa4-audit`` command line (also ``python -m audits``): one parser onto which each audit
-registers its subcommands (``audits/<audit>/cli.py``).  Exit codes: ``audits.common``."""
+"""The ``fa4-audit`` command line (also ``python -m audits``): one parser onto which each command
+module of this package registers its subcommands (parsing and printing only; the work is the
+library's, ``audits.api`` and below).  Exit codes: ``audits.common``."""
 
 from __future__ import annotations
 
@@ -7,21 +8,21 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
+from audits.cli import bounds as bounds_cli
+from audits.cli import ex2 as ex2_cli
+from audits.cli import fidelity as fidelity_cli
+from audits.cli import invariance as invariance_cli
+from audits.cli import reports as cli_reports
+from audits.cli import run as runner_cli
+from audits.cli import static as static_cli
 from audits.common import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from audits.cli import bounds as bounds_cli
-    from audits.cli import ex2 as ex2_cli
-    from audits.cli import fidelity as fidelity_cli
-    from audits.cli import invariance as invariance_cli
-    from audits.cli import reports as cli_reports
-    from audits.cli import run as runner_cli
-    from audits.cli import static as static_cli
-
     p = argparse.ArgumentParser(
         prog="fa4-audit",
         description="Numerics audits of the FlashAttention-4 kernel (exit 0 pass, 1 fail, 2 usage error).",
@@ -39,8 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _version() -> str:
     """The installed distribution's version (pyproject.toml's, one source of truth); a tree run
     without installing says so rather than guessing."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("fa4-audit")
     except PackageNotFoundError:

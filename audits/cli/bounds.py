@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 
-from audits.common import EXIT_FAIL, EXIT_OK, UsageError
+from rich.console import Console
+
+from audits.common import EXIT_FAIL, EXIT_OK, UsageError, print_table
+from fa4.knobs import PRODUCTION_RESCALING
+from numerics.bounds import rescaling_analysis
 
 
 def _rescaling_settings(args: argparse.Namespace) -> list[tuple]:
     """The (dtype, threshold, max_offset) settings to analyse: production's, or the one variant asked for."""
-    from numerics.bounds import PRODUCTION_RESCALING
-
     variant = any(v is not None for v in (args.dtype, args.threshold, args.max_offset))
     if not variant:
         return [(d, *PRODUCTION_RESCALING[d]) for d in PRODUCTION_RESCALING]
@@ -32,8 +35,6 @@ def _rescaling_settings(args: argparse.Namespace) -> list[tuple]:
 
 def _analyse(settings: list[tuple]) -> list:
     """One ``rescaling_analysis`` record per setting; a setting it rejects is a usage error."""
-    from numerics.bounds import rescaling_analysis
-
     rows = []
     for dt, thr, off in settings:
         try:
@@ -45,10 +46,6 @@ def _analyse(settings: list[tuple]) -> list:
 
 def _print_table(rows: list, seqlen_k: int, max_v: float) -> None:
     """Print the analysis table, then one explanation line per dtype."""
-    from rich.console import Console
-
-    from audits.common import print_table
-
     console = Console()
     columns = [
         "dtype",
@@ -85,8 +82,6 @@ def _print_table(rows: list, seqlen_k: int, max_v: float) -> None:
 
 
 def cmd_bounds(args: argparse.Namespace) -> int:
-    import json
-
     settings = _rescaling_settings(args)
     if args.seqlen_k <= 0 or not args.max_v > 0:
         raise UsageError(

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import shlex
 
 import torch
+from rich.console import Console
 
+from audits.checks.ex2.report import print_summary, write_report
+from audits.checks.ex2.sweep import planned_inputs, sweep_ex2
+from audits.checks.ex2.verdicts import degree_verdicts, ptx_checks, ptx_verdicts, sweep_degree
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError, progress
 from audits.common import device as _device
 from audits.common import environment as _environment
+from audits.report.header import command_line, now
+from fa4.ex2 import DEGREES
+from fa4.production import ProductionUnavailable, ex2_kernel, require_production
 
 
 def _parse_degrees(text: str) -> list[int]:
-    from fa4.ex2 import DEGREES
-
     if text == "all":
         return list(DEGREES)
     try:
@@ -27,43 +30,12 @@ def _parse_degrees(text: str) -> list[int]:
     return [d]
 
 
-def _ptx_checks(degrees: list[int], arch: str, out: str, bar) -> list[dict]:
-    """Compile production's scalar and packed exp2 for ``arch`` and check them (audits.checks.ex2.ptx)."""
-    import importlib.util
-    from pathlib import Path
-
-    from audits.checks.ex2.ptx import check_ptx, compile_ptx
-
-    missing = [m for m in ("cutlass", "flash_attn") if importlib.util.find_spec(m) is None]
-    if missing:
-        from fa4.production import INSTALL_HINT
-
-        raise UsageError(
-            f"--ptx needs the production package to compile (missing: {', '.join(missing)}); {INSTALL_HINT}"
-        )
-    rows = []
-    task = bar.add_task(f"compile production exp2 for {arch}", total=2 * len(degrees))
-    for deg in degrees:
-        for variant in ("scalar", "packed"):
-            try:
-                text = compile_ptx(variant, deg, arch=arch, dump_dir=Path(out) / "ptx-dump")
-            except RuntimeError as exc:
-                raise UsageError(str(exc)) from exc
-            rows.append(
-                {"degree": deg, "variant": variant, "differences": check_ptx(text, variant=variant, degree=deg)}
-            )
-            bar.advance(task)
-    return rows
-
-
 def _checked_device(args: argparse.Namespace) -> torch.device:
     """The ``--device`` asked for, after checking ``--sample`` and, for cuda, that production is importable."""
     device = _device(args.device)
     if args.sample <= 0:
         raise UsageError(f"--sample must be a positive number of inputs per class, got {args.sample}")
     if device.type == "cuda":
-        from fa4.production import ProductionUnavailable, require_production
-
         try:
             require_production()
         except ProductionUnavailable as exc:
@@ -71,86 +43,12 @@ def _checked_device(args: argparse.Namespace) -> torch.device:
     return device
 
 
-def _sweep_degree(deg: int, device: torch.device, sweep) -> dict:
-    """Sweep the model of degree ``deg`` (and production's scalar and packed exp2 on cuda) beside the proven bound."""
-    from fa4.ex2 import POLY_EX2
-    from numerics.bounds import ex2_bound_details
-
-    entry = {"degree": deg}
-    details = ex2_bound_details(POLY_EX2[deg])
-    entry["bound"] = details["bound"]
-    entry["bound_details"] = details
-    prod_entry = {}
-    if device.type == "cuda":
-        from fa4.production import ex2_kernel
-
-        entry["sweep"] = sweep(
-            f"degree {deg}: model vs production scalar", degree=deg, production=ex2_kernel("scalar", deg)
-        )
-        prod_entry["scalar"] = entry["sweep"].pop("production")
-        try:
-            packed = ex2_kernel("packed", deg)
-            packed(torch.zeros(512, device=device))  # compile now: fails before sm_100
-        except NotImplementedError as exc:
-            prod_entry["packed"] = {"skipped": str(exc)}
-        else:
-            ps = sweep(f"degree {deg}: packed model vs production packed", degree=deg, packed=True, production=packed)
-            prod_entry["packed"] = ps["production"]
-    else:
-        entry["sweep"] = sweep(f"degree {deg}: model", degree=deg)
-    entry["production"] = prod_entry
-    return entry
-
-
-def _degree_verdicts(entry: dict) -> tuple[list[str], bool]:
-    """Verdict lines for one degree's entry (model vs bound, production vs model) and whether any failed."""
-    deg, prod_entry = entry["degree"], entry["production"]
-    verdicts, failed = [], False
-    n = entry["sweep"]["classes"]["normal"]
-    if n["max_rel_error"] > entry["bound"]:
-        failed = True
-        verdicts.append(
-            f"FAIL degree {deg}: measured max relative error {n['max_rel_error']:.6e} at x = "
-            f"{n['argmax_x']!r} exceeds the proven bound {entry['bound']:.6e} "
-            "— the model or the analysis is wrong"
-        )
-    else:
-        verdicts.append(
-            f"ok degree {deg}: measured max {n['max_rel_error']:.6e} <= proven bound {entry['bound']:.6e} "
-            f"(bound/measured = {entry['bound'] / n['max_rel_error']:.4f})"
-        )
-    for variant, p in prod_entry.items():
-        if "mismatches" in p:
-            ok = p["mismatches"] == 0
-            failed |= not ok
-            verdicts.append(
-                f"{'ok' if ok else 'FAIL'} degree {deg}: production {variant} vs model: "
-                f"{p['mismatches']:,} bit mismatches in {p['compared']:,} inputs"
-            )
-        else:
-            verdicts.append(f"note degree {deg}: production {variant} not compared: {p['skipped']}")
-    return verdicts, failed
-
-
-def _ptx_verdicts(ptx: list[dict], arch: str) -> tuple[list[str], bool]:
-    """Verdict lines for the ``--ptx`` checks and whether any failed."""
-    verdicts, failed = [], False
-    for row in ptx:
-        ok = not row["differences"]
-        failed |= not ok
-        verdicts.append(
-            f"{'ok' if ok else 'FAIL'} degree {row['degree']}: production {row['variant']} PTX for {arch} "
-            + ("matches the model's instructions" if ok else "differs from the model: " + "; ".join(row["differences"]))
-        )
-    return verdicts, failed
-
-
 def _report(args, device, results, verdicts, hardware, ptx) -> dict:
     """The ex2 report record (what ``write_report`` writes as JSON and markdown)."""
     report = {
         "schema": "fa4-audit/ex2/1",
-        "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": command_line(args.argv),
+        "created": now(),
         "mode": "exhaustive (all 2^32 float32 inputs)"
         if args.exhaustive
         else f"sample (~{args.sample:,} inputs per class, seed {args.seed})",
@@ -167,11 +65,6 @@ def _report(args, device, results, verdicts, hardware, ptx) -> dict:
 
 
 def cmd_ex2(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from audits.checks.ex2.report import print_summary, write_report
-    from audits.checks.ex2.sweep import planned_inputs, sweep_ex2
-
     degrees = _parse_degrees(args.degree)
     device = _checked_device(args)
     console = Console(stderr=True)
@@ -187,21 +80,20 @@ def cmd_ex2(args: argparse.Namespace) -> int:
             return sweep_ex2(progress=lambda n: bar.advance(task, n), **common, **kw)
 
         for deg in degrees:
-            entry = _sweep_degree(deg, device, sweep)
-            lines, bad = _degree_verdicts(entry)
+            entry = sweep_degree(deg, device, sweep)
+            lines, bad = degree_verdicts(entry)
             verdicts += lines
             failed |= bad
             results.append(entry)
         ptx = None
         if args.ptx:
-            ptx = _ptx_checks(degrees, args.ptx_arch, args.out, bar)
-            lines, bad = _ptx_verdicts(ptx, args.ptx_arch)
+            task = bar.add_task(f"compile production exp2 for {args.ptx_arch}", total=2 * len(degrees))
+            ptx = ptx_checks(degrees, args.ptx_arch, args.out, advance=lambda: bar.advance(task))
+            lines, bad = ptx_verdicts(ptx, args.ptx_arch)
             verdicts += lines
             failed |= bad
         hardware = None
         if device.type == "cuda":
-            from fa4.production import ex2_kernel
-
             hardware = sweep("hardware ex2.approx.ftz (MUFU.EX2)", degree=0, function=ex2_kernel("hardware"))
         elif not args.quiet:
             verdicts.append("note: production not compared (--device cpu); use --device cuda with the gpu extra")

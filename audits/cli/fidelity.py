@@ -6,26 +6,32 @@ and the summary say how many of its cases lay outside."""
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import shlex
+import json
+import sys
+from pathlib import Path
 
+from rich.console import Console
+
+from audits.checks.fidelity import core as fidelity
+from audits.checks.fidelity.mufu import measure_mufu
+from audits.cli.run_options import IN_PROCESS_NOTE, add_timeout_argument, timeout_setting
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, progress
 from audits.common import device as _device
 from audits.common import environment as _environment
+from audits.engine.worker import Isolated
+from audits.kernels import get_kernel
+from audits.report.header import command_line, now
+from fa4.production import ProductionUnavailable, flash_attn, require_production
 
 
 def _production(spec: str):
     """The kernel to compare with: production (``fa4``, exit 2 where it cannot run) or any kernel."""
     if spec == "fa4":
-        from fa4.production import ProductionUnavailable, flash_attn, require_production
-
         try:
             require_production()
         except ProductionUnavailable as exc:
             raise UsageError(f"fidelity compares with the production kernel, which is unavailable: {exc}") from exc
         return flash_attn
-    from audits.kernels import get_kernel
-
     try:
         return get_kernel(spec)
     except ValueError as exc:
@@ -33,31 +39,18 @@ def _production(spec: str):
 
 
 def _run_cases(cases, production, device, quiet: bool, mma: str = "exact", unfinished=None) -> list[dict]:
-    """Each case's result; a case whose production call passed ``--timeout`` or killed its worker
-    goes into ``unfinished`` instead ({case, name, verdict: timeout | crash, reason})."""
-    from rich.console import Console
-
-    from audits.checks.fidelity import core as fidelity
-    from audits.engine.worker import KernelTimeout, WorkerCrashed
-
-    results = []
+    """Each case's result (``audits.checks.fidelity.core.run_cases``) under a progress bar; a case
+    that timed out or crashed goes into ``unfinished`` instead."""
     with progress(Console(stderr=True), quiet=quiet) as bar:
         task = bar.add_task("fidelity", total=len(cases))
-        for label, c in cases:
-            try:
-                results.append(fidelity.run_case(label, c, production, device, mma=mma))
-            except (KernelTimeout, WorkerCrashed) as exc:
-                verdict = "timeout" if isinstance(exc, KernelTimeout) else "crash"
-                unfinished.append({"case": label, "name": c.name, "verdict": verdict, "reason": str(exc)})
-            bar.advance(task)
+        results, gone = fidelity.run_cases(cases, production, device, mma=mma, advance=lambda: bar.advance(task))
+    unfinished.extend(gone)
     return results
 
 
 def _in_worker(args, production, device):
     """(the production kernel, run in a worker process under ``--timeout`` when it is given
     above 0, and that worker to close; else the kernel itself and None)."""
-    from audits.engine.worker import Isolated, timeout_setting
-
     timeout, explicit = timeout_setting(args)
     if not (explicit and timeout):
         return production, None
@@ -68,18 +61,13 @@ def _in_worker(args, production, device):
 def _outside(sel) -> int:
     """How many cases of the selected fixed list lay outside the domain it was filtered to: the
     fidelity list is filtered, not built, within the production kernel's declared domain narrowed
-    by ``--domain`` (``audits.suites.selection``, ``audits.suites.domain.suite_within``); 0 when no domain
+    by ``--domain`` (``audits.suites.selection``, ``audits.suites.cases.build_suite``); 0 when no domain
     restricted it or the cases were given."""
     return int((sel.domain_info or {}).get("cases_outside", 0))
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    import json
-    import sys
-    from pathlib import Path
-
-    from audits.checks.fidelity import core as fidelity
-    from audits.suites.selection import select_cases
+    from audits.cli.options import selection_from_args
 
     if args.cases is not None:  # the old spelling: the same glob, now over names and labels alike
         print("fa4-audit fidelity: --cases is deprecated; use --case GLOB", file=sys.stderr)
@@ -95,7 +83,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     if args.mufu and device.type != "cuda":  # before any case runs
         raise UsageError("--mufu measures the GPU's MUFU.EX2: it needs --device cuda and the production package")
     production = _production(args.production)
-    sel = select_cases(args, kernels=[args.production])
+    sel = selection_from_args(args, kernels=[args.production])
     labels = {c: n for n, c in fidelity.CASES.items()}  # the fidelity suite's labels; other cases by name
     cases = [(labels.get(c, c.name), c) for c in sel.cases]
     production, worker = _in_worker(args, production, device)
@@ -112,8 +100,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     report = {
         "schema": "fa4-audit/fidelity/1",
-        "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": command_line(args.argv),
+        "created": now(),
         "environment": ", ".join(f"{k} {v}" for k, v in _environment(device).items()),
         "production": args.production,
         "suite": sel.label,
@@ -125,8 +113,6 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     if sel.domain_info is not None:  # the domain the selection was built in (audits.suites.selection), as run's report
         report["domain"] = {**sel.domain_info, "cases_outside": outside}
     if args.mufu:
-        from audits.checks.fidelity.mufu import measure_mufu
-
         report["mufu_ex2_vs_model"] = fidelity.mufu_vs_model(device)
         report["mufu_accuracy"] = measure_mufu(device)
     out = Path(args.out)
@@ -150,8 +136,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add this audit's subcommands to the ``fa4-audit`` parser."""
-    from audits.engine.worker import IN_PROCESS_NOTE, add_timeout_argument
-    from audits.suites.selection import add_case_arguments
+    from audits.cli.options import add_case_arguments
 
     f = sub.add_parser(
         "fidelity",

@@ -10,24 +10,26 @@ why), or nothing was compared, 2 for usage errors."""
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
+import dataclasses
 import json
 import re
-import shlex
 import sys
-import time
 from pathlib import Path
 
+from rich.console import Console
+
+from audits.checks.invariance import core
+from audits.checks.invariance.core import ALL_PROPERTIES, MOD_PROPERTIES, PROPERTIES
+from audits.checks.invariance.report import cell, markdown
+from audits.cli.run_options import IN_PROCESS_NOTE, add_timeout_argument, timeout_setting
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, progress
 from audits.common import device as _device
 from audits.common import environment as _environment
-
-SCHEMA = "fa4-audit/invariance/2"
+from audits.kernels import usable_kernels
+from audits.report.header import command_line, now
 
 
 def _required(text: str | None) -> list[str]:
-    from audits.checks.invariance.core import ALL_PROPERTIES
-
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
     bad = [n for n in names if n not in ALL_PROPERTIES]
     if bad:
@@ -40,8 +42,6 @@ def _required(text: str | None) -> list[str]:
 def _properties(args) -> dict:
     """The properties to run: the default five, with ``--mods`` the mod properties too, and any
     ``--require``'d mod property (a gate on a property not run would compare nothing)."""
-    from audits.checks.invariance.core import ALL_PROPERTIES, PROPERTIES
-
     want = set(PROPERTIES) | set(_required(args.require))
     if getattr(args, "mods", False):
         want |= set(ALL_PROPERTIES)
@@ -56,9 +56,6 @@ def _targets(kernels: list[str], predict: str | None) -> list[tuple]:
     """(kernel target, model target or None) per kernel: ``--predict none`` turns prediction
     off, a name sets the model of every kernel (none for the model itself), absent: each
     kernel's default (``core.default_model``)."""
-    from audits.checks.invariance import core
-    from audits.kernels import usable_kernels
-
     out = []
     for kern in kernels:
         try:
@@ -74,17 +71,12 @@ def _targets(kernels: list[str], predict: str | None) -> list[tuple]:
     return out
 
 
-def _within(targets: list[tuple], domain_file: str | None) -> list[tuple]:
-    """The targets with their declared domains narrowed by the ``--domain`` file
-    (``audits.suites.selection.kernels_domains``, as the suite was built): the properties place their
-    derived calls inside it, and a given case outside it is the kernel's ``skipped`` case."""
-    import dataclasses
-
-    from audits.suites.selection import kernels_domains
-
-    if not domain_file:
+def _within(targets: list[tuple], narrow) -> list[tuple]:
+    """The targets with their declared domains narrowed by the ``--domain`` file's domain
+    (``narrow``, as the selection read it; None: none given): the properties place their derived
+    calls inside it, and a given case outside it is the kernel's ``skipped`` case."""
+    if narrow is None:
         return targets
-    narrow = kernels_domains([], domain_file)[0]
     return [
         tuple(None if t is None else dataclasses.replace(t, domain=t.domain.narrow(narrow)) for t in pair)
         for pair in targets
@@ -94,9 +86,6 @@ def _within(targets: list[tuple], domain_file: str | None) -> list[tuple]:
 def _in_workers(args, targets: list, device) -> tuple[list, list]:
     """(the targets, each run in a worker process under ``--timeout`` when it is given above 0,
     else as they are; the workers to close): a call in this process could not be stopped."""
-    from audits.checks.invariance import core
-    from audits.engine.worker import timeout_setting
-
     timeout, explicit = timeout_setting(args)
     if not (explicit and timeout):
         return targets, []
@@ -105,55 +94,42 @@ def _in_workers(args, targets: list, device) -> tuple[list, list]:
 
 
 def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
-    from rich.console import Console
-
-    from audits.checks.invariance import core
-
-    t0 = time.perf_counter()
-    records = []
+    """The report of kernel ``t`` (``audits.checks.invariance.core.audit_kernel``) under a
+    progress bar, its calls in worker processes under ``--timeout``."""
     limit, workers = _in_workers(args, [t, model], device)
     t, model = limit
-    props = _properties(args)
     try:
         with progress(Console(stderr=True), quiet=args.quiet) as bar:
             task = bar.add_task(f"invariance {t.name} / {label}", total=len(cases))
-            for c in cases:
-                records.append(core.run_case(c, t, device=device, model=model, properties=list(props)))
-                bar.advance(task)
+            return core.audit_kernel(
+                t,
+                cases,
+                device=device,
+                model=model,
+                properties=_properties(args),
+                required=_required(args.require),
+                suite=label,
+                meta=meta,
+                advance=lambda: bar.advance(task),
+            )
     finally:
         for w in workers:
             w.close()
-    mname = None if model is None else model.name
-    summary = core.summarize(records, _required(args.require), mname)
-    return {
-        "schema": SCHEMA,
-        "kernel": t.name,
-        "predict": mname,
-        "suite": label,
-        **meta,
-        "device": str(device),
-        "seconds": round(time.perf_counter() - t0, 2),
-        "properties": props,
-        "summary": summary,
-        "cases": records,
-    }
 
 
 def cmd_invariance(args: argparse.Namespace) -> int:
-    from audits.checks.invariance.report import markdown
-    from audits.kernels import usable_kernels
-    from audits.suites.selection import select_cases
+    from audits.cli.options import selection_from_args
 
     _required(args.require)
     kernels = usable_kernels(args.kernel)
     targets = _targets(kernels, args.predict)
-    sel = select_cases(args, kernels=kernels)
-    targets = _within(targets, args.domain)
+    sel = selection_from_args(args, kernels=kernels)
+    targets = _within(targets, sel.narrowing)
     cases, label = sel.cases, sel.label
     device = _device(args.device)
     meta = {
-        "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": command_line(args.argv),
+        "created": now(),
         "environment": ", ".join(f"{k} {v}" for k, v in _environment(device).items()),
     }
     if sel.domain_info is not None:
@@ -173,8 +149,6 @@ def cmd_invariance(args: argparse.Namespace) -> int:
 
 
 def _print_summary(report: dict, d: Path) -> None:
-    from audits.checks.invariance.report import cell
-
     s = report["summary"]
     kern = report["kernel"]
     pred = s.get("prediction")
@@ -207,9 +181,7 @@ def _print_summary(report: dict, d: Path) -> None:
 
 def register(sub) -> None:
     """Add ``invariance`` to the ``fa4-audit`` parser."""
-    from audits.checks.invariance.core import ALL_PROPERTIES, MOD_PROPERTIES
-    from audits.engine.worker import IN_PROCESS_NOTE, add_timeout_argument
-    from audits.suites.selection import add_case_arguments
+    from audits.cli.options import add_case_arguments
 
     r = sub.add_parser(
         "invariance",

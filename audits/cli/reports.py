@@ -5,19 +5,46 @@ error (exit 2), never a failed check."""
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import shlex
 import sys
+from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
+from audits.checks.fuzz import fuzz
+from audits.cli.run_options import IN_PROCESS_NOTE, add_timeout_argument, given_timeout
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, read_json
 from audits.common import device as _device
-from audits.report.schema import FAILING
+from audits.engine.backward import BackwardOptions
+from audits.engine.journal import SCHEMA as JOURNAL_SCHEMA
+from audits.kernels import KERNELS, usable_kernels
+from audits.report.build import (
+    collapse_reasons,
+    exit_code,
+    partial_line,
+    report_from_journal,
+    summary_line,
+    write_report,
+)
+from audits.report.header import command_line
+from audits.report.html import case_cells
+from audits.report.maps import render
+from audits.report.merge import MergeError, check_shards, merge_reports, summarize
+from audits.report.schema import FAILING, ReportError, validate_report
+from audits.report.summary import GROUP_FIELDS, plot_errors, summary_markdown
+from audits.suites.cases import SUITES
+from audits.suites.inputs import FAMILIES
+from audits.suites.selection import read_domain
+from audits.verdict.coverage import coverage_lines, coverage_summary
+from audits.verdict.gate import ThresholdsError, load_thresholds, rejudge, require_backward
+from audits.verdict.separators import separator_text, where_lines
 
 
 def _is_journal(path: str) -> bool:
     """Whether ``path`` is a run's journal (JSON lines, a journal header first), not a report."""
-    from audits.engine.journal import SCHEMA
-
     if str(path).endswith(".jsonl"):
         return True
     try:
@@ -25,7 +52,7 @@ def _is_journal(path: str) -> bool:
             first = json.loads(fh.readline() or b"null")
     except (OSError, ValueError):
         return False
-    return isinstance(first, dict) and first.get("journal") == SCHEMA
+    return isinstance(first, dict) and first.get("journal") == JOURNAL_SCHEMA
 
 
 def run_reports(path: str) -> list[str]:
@@ -33,8 +60,6 @@ def run_reports(path: str) -> list[str]:
     ``report.json`` (else its ``journal.jsonl``: a run stopped or still going), or with several
     kernels each ``<kernel>/report.json`` (or journal) below it.  A missing path, or a directory
     holding none of them, is a :class:`UsageError` naming it."""
-    from pathlib import Path
-
     p = Path(path)
     if not p.exists():
         raise UsageError(f"{path}: no such report, journal or run directory")
@@ -60,9 +85,8 @@ def load_report(path: str) -> dict:
     """A report file (``.json``, ``.json.gz``, ``.json.xz``), validated field by field; or a run's
     ``journal.jsonl`` read as the report the run would write from it (``report_from_journal``:
     partial while cases are missing), so that a killed or running run can be read; or a run
-    directory of one kernel (:func:`run_reports`)."""
-    from audits.report.build import ReportError, report_from_journal, validate_report
-
+    directory of one kernel (:func:`run_reports`).  Either is upgraded to this version's shape
+    (``audits.report.schema.validate_report``), which the readers below assume."""
     found = run_reports(path)
     if len(found) > 1:
         raise UsageError(f"{path}: a run of several kernels ({', '.join(found)}): name one of them")
@@ -78,32 +102,8 @@ def load_report(path: str) -> dict:
         raise UsageError(str(exc)) from exc
 
 
-def _summarize(rep: dict, *, selected: int | None = None) -> dict:
-    """``rep`` with its summary recomputed from its cases; a partial report stays partial
-    (its selected count, or ``selected``, and why it stopped)."""
-    from audits.report.build import build_report, run_counts
-    from audits.verdict.coverage import basis_of_coverage, legacy_basis
-
-    keys = ("kernel", "suite", "seed", "device", "environment", "thresholds", "command", "created")
-    sel = run_counts(rep)[0] if selected is None else selected
-    cov = rep.get("coverage") or {}
-    basis = basis_of_coverage(cov) or legacy_basis(rep)  # the coverage recomputed over these cases, same basis
-    bwd = "backward" in cov["directions"] if "directions" in cov else None
-    return build_report(
-        **{k: rep[k] for k in keys},
-        records=rep["cases"],
-        shard=rep.get("shard"),
-        selected=sel,
-        stopped=rep["summary"].get("stopped"),
-        coverage_basis=basis,
-        backward=bwd,
-    )
-
-
 def _say_partial(rep: dict, path: str) -> None:
     """A line on stderr when a report read is partial: its unrun cases were not checked."""
-    from audits.report.build import partial_line
-
     if part := partial_line(rep):
         print(f"{path}: {part}", file=sys.stderr)
 
@@ -118,8 +118,6 @@ def case_key(case: dict, *, ignore_seed: bool) -> str:
 
 
 def _thresholds(path):
-    from audits.verdict.gate import ThresholdsError, load_thresholds
-
     try:
         return load_thresholds(path)
     except ThresholdsError as exc:
@@ -141,14 +139,11 @@ def _baseline(args, rep: dict) -> tuple[dict | None, int, str]:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from audits.report.build import collapse_reasons, exit_code, summary_line, write_report
-    from audits.verdict.gate import rejudge
-
     rep = load_report(args.report)
     th = _thresholds(args.thresholds)
     base, shared, overlap = _baseline(args, rep)
     key = lambda c: case_key(c, ignore_seed=args.ignore_seed)
-    new = _summarize(rejudge(rep, th, base, key=key))
+    new = summarize(rejudge(rep, th, base, key=key))
     for c, n in collapse_reasons([c for c in new["cases"] if c["verdict"] in FAILING]):
         also = f" (x{n} cases)" if n > 1 else ""
         print(f"{c['verdict'].upper():7s} {c['case']}: {'; '.join(c['reasons'])}{also}")
@@ -170,8 +165,6 @@ def cmd_gate(args: argparse.Namespace) -> int:
 def _named_cases(args: argparse.Namespace, rep: dict, *, one: bool) -> list[dict]:
     """The records ``--case GLOB`` matches (as every subcommand's ``--case``: fnmatch on the full
     name, which matches itself); ``one``: exactly one, as ``--plot`` draws one case."""
-    import fnmatch
-
     got = [r for r in rep["cases"] if fnmatch.fnmatchcase(r["case"], args.case)]
     if not got:
         raise UsageError(f"{args.report}: no case matches {args.case!r}; `fa4-audit show {args.report}` lists them")
@@ -185,10 +178,6 @@ def _show_plot(args: argparse.Namespace, rep: dict) -> int:
     """``show --case NAME --plot``: render the case's error map (``audits.report.maps``)
     to ``--out`` (default ``<case>.png`` or ``.svg`` here) and print the path; exit 2 with the
     reason when the case has none."""
-    from pathlib import Path
-
-    from audits.report.maps import render
-
     if args.case is None:
         raise UsageError("--plot needs --case NAME: the case whose error map to render")
     (rec,) = _named_cases(args, rep, one=True)
@@ -220,13 +209,6 @@ def _show_plot(args: argparse.Namespace, rep: dict) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     """A report as a table on a terminal, as plain lines otherwise; case names never cut."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from audits.report.build import case_cells, summary_line
-    from audits.verdict.coverage import coverage_summary
-    from audits.verdict.separators import where_lines
-
     rep = load_report(args.report)
     if args.plot:
         return _show_plot(args, rep)
@@ -274,8 +256,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _separator_lines(diag: dict | None) -> list[str]:
     """``show``'s lines of a report's separators (``audits.verdict.separators.separator_text``)."""
-    from audits.verdict.separators import separator_text
-
     head, rules = separator_text(diag)
     if not head:
         return []
@@ -286,8 +266,6 @@ def _separator_lines(diag: dict | None) -> list[str]:
 def cmd_coverage(args: argparse.Namespace) -> int:
     """A report's coverage (``audits.verdict.coverage``), per kernel of a run directory: the head dims
     accepted, covered and missed in each direction, each code-path class with its case."""
-    from audits.verdict.coverage import coverage_lines
-
     for path in run_reports(args.report):
         rep = load_report(path)
         _say_partial(rep, path)
@@ -341,89 +319,25 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-#: what every shard of one run shares; merge refuses shards that differ in any (name, value of a report)
-SAME_RUN = (
-    ("kernel", lambda r: r["kernel"]),
-    ("suite", lambda r: r["suite"]),
-    ("seed", lambda r: r["seed"]),
-    ("thresholds", lambda r: _policy(r["thresholds"])),
-    ("fa4-audit version", lambda r: r["environment"].get("fa4_audit", "not recorded")),
-    ("shard count", lambda r: (r.get("shard") or "?/unsharded").split("/")[-1]),
-)
-
-
-def _policy(th: dict) -> str:
-    """A thresholds policy as a report records it: its content's digest (and where it was read)."""
-    from audits.engine.journal import thresholds_digest
-
-    return f"policy {thresholds_digest(th)} ({th.get('path', 'no path')})"
-
-
-def _check_shards(reps: list[dict], paths: list[str]) -> None:
-    """Refuse (exit 2) shard reports that are not slices of one run: any field of
-    :data:`SAME_RUN` differing (the field, each value and a report holding it), a case in two
-    shards, or a shard twice; warn of shards missing from the count."""
-    from audits.engine.journal import thresholds_digest
-
-    for name, get in SAME_RUN:
-        if name == "thresholds":  # the same policy read from another path is the same policy
-            vals = {thresholds_digest(r["thresholds"]): (get(r), p) for r, p in zip(reps, paths, strict=True)}
-        else:
-            vals = {}
-            for r, p in zip(reps, paths, strict=True):
-                vals.setdefault(get(r), (get(r), p))
-        if len(vals) > 1:
-            shown = "; ".join(f"{v!r} in {p}" for v, p in vals.values())
-            raise UsageError(f"shard reports of different runs: they differ in {name}: {shown}")
-    where: dict[str, str] = {}
-    for r, p in zip(reps, paths, strict=True):
-        for c in r["cases"]:
-            if c["case"] in where:
-                raise UsageError(f"case {c['case']} is in two shard reports: {where[c['case']]} and {p}")
-            where[c["case"]] = p
-    shards = [r["shard"] for r in reps if r.get("shard")]
-    if len(set(shards)) < len(shards):
-        twice = sorted({s for s in shards if shards.count(s) > 1})
-        raise UsageError(f"shard {', '.join(twice)} given twice")
-    if shards:
-        n = int(shards[0].split("/")[1])
-        missing = [f"{i}/{n}" for i in range(n) if f"{i}/{n}" not in shards]
-        if missing:
-            print(f"merge: shard {', '.join(missing)} not given: the merged report lacks its cases", file=sys.stderr)
-
-
 def cmd_merge(args: argparse.Namespace) -> int:
-    """Shard reports into the report of the unsharded run: its cases, in its order (each shard's
-    ``shard_order``), its summary; refused for shards of different runs (:func:`_check_shards`)."""
-    from audits.report.build import exit_code, run_counts, write_report
-
+    """Shard reports into the report of the unsharded run (``audits.report.merge``); refused (exit 2)
+    for shards of different runs, the shards missing from the count said on stderr."""
     reps = [load_report(p) for p in args.reports]
-    _check_shards(reps, args.reports)
+    try:
+        missing = check_shards(reps, args.reports)
+    except MergeError as exc:
+        raise UsageError(str(exc)) from exc
+    if missing:
+        print(f"merge: shard {', '.join(missing)} not given: the merged report lacks its cases", file=sys.stderr)
     for r, p in zip(reps, args.reports, strict=True):
         _say_partial(r, p)
-    cases = [c for r in reps for c in r["cases"]]
-    order = {}
-    for r in reps:
-        order.update(r.get("shard_order") or {})
-    if all(c["case"] in order for c in cases):  # else (older reports) in the order given
-        cases.sort(key=lambda c: order[c["case"]])
-    command = "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
-    # partial when a shard is: the shards' selected cases, the first partial shard's reason
-    stopped = next((r["summary"].get("stopped") for r in reps if run_counts(r)[2]), None)
-    base = {**reps[0], "cases": cases, "shard": None, "command": command}
-    base["summary"] = {**base["summary"], "stopped": stopped}
-    merged = _summarize(base, selected=sum(run_counts(r)[0] for r in reps))
+    merged = merge_reports(reps, command=command_line(args.argv))
     paths = write_report(merged, args.out)
-    print(f"merged {len(reps)} reports, {len(cases)} cases: {paths['md']}")
+    print(f"merged {len(reps)} reports, {len(merged['cases'])} cases: {paths['md']}")
     return exit_code(merged)
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from audits.report.build import partial_line
-    from audits.report.summary import GROUP_FIELDS, plot_errors, summary_markdown
-
     reps = [load_report(p) for p in args.reports]
     by = tuple(b.strip() for b in args.by.split(",") if b.strip())
     if not by or set(by) - set(GROUP_FIELDS):
@@ -443,10 +357,6 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from audits.kernels import KERNELS
-    from audits.suites.cases import SUITES
-    from audits.suites.inputs import FAMILIES
-
     print("kernels: " + ", ".join(KERNELS) + ", module:attr or path/to/file.py:fn")
     print("suites:")
     for name, make in SUITES.items():
@@ -458,33 +368,15 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _timeout(args: argparse.Namespace) -> float | None:
-    """``--timeout`` when given above 0 (the kernel then runs in a worker), else None (in this
-    process, no limit)."""
-    from audits.engine.worker import timeout_setting
-
-    timeout, explicit = timeout_setting(args)
-    return timeout if explicit else None
-
-
 def cmd_fuzz(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from audits.checks.fuzz import fuzz
-    from audits.kernels import usable_kernels
-    from audits.suites.selection import kernels_domains
-
     usable_kernels([args.kernel])
-    narrow = kernels_domains([], args.domain)[0] if args.domain else None  # as run's --domain (audits.suites.selection)
+    narrow = read_domain(args.domain) if args.domain else None  # as run's --domain (audits.suites.selection)
     th = _thresholds(args.thresholds)
     if args.budget <= 0 or args.max_seqlen <= 0:
         raise UsageError(f"--budget and --max-seqlen must be positive, got {args.budget}, {args.max_seqlen}")
     device = _device(args.device)
     backward = None
     if args.backward:
-        from audits.engine.backward import BackwardOptions
-        from audits.verdict.gate import ThresholdsError, require_backward
-
         try:
             require_backward(th)
         except ThresholdsError as exc:
@@ -501,7 +393,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             seed=args.seed,
             backward=backward,
             narrow=narrow,
-            timeout=_timeout(args),
+            timeout=given_timeout(args),
             mods=args.mods,
         )
     except ValueError as exc:  # --mods on a kernel whose domain declares no mod kind
@@ -519,8 +411,6 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
 def _register_fuzz(sub) -> None:
     """The ``fuzz`` subcommand's arguments."""
-    from audits.engine.worker import IN_PROCESS_NOTE, add_timeout_argument
-
     fz = sub.add_parser("fuzz", help="Hypothesis search for a failing case, climbing toward the largest error/bound")
     fz.add_argument(
         "--kernel", required=True, help="a kernel name (fa4-model, sdpa-math, ...), module:attr or path/to/file.py:fn"

@@ -5,16 +5,30 @@ per kernel; results on stdout, progress on stderr.  The commands that read repor
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
-from audits.common import EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, gpu_list, progress
+import torch
+from rich.console import Console
+
+from audits.api import Report, RunOptions, audit
+from audits.cli.options import add_case_arguments, selection_from_args
+from audits.cli.run_options import RUN_DEFAULT_NOTE, add_timeout_argument, run_options_from_args
+from audits.common import EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERRUPTED, UsageError, finishing, gpu_list, progress
 from audits.common import device as _device
-from audits.common import environment as _environment
-from audits.kernels import usable_kernels
+from audits.engine.evaluate import FAILING, kernel_dir, shard_cases
+from audits.engine.journal import JournalMismatch, package_version
+from audits.engine.shards import ShardEnvError, parse_shard, shard_from_env
+from audits.engine.stop import StopReason
+from audits.kernels import get_kernel, usable_kernels
+from audits.report.build import collapse_reasons, exit_code, summary_line, write_report
+from audits.report.header import report_header
+from audits.report.maps import DEFAULT_MAPS
+from audits.verdict.coverage import REQUIRE, arch_of, coverage_summary, missed, unjudgeable
+from audits.verdict.gate import ThresholdsError, load_thresholds, require_backward
 
 #: what a run writes into OUT (and OUT/<kernel>/ with several kernels); --overwrite removes
 #: exactly these, nothing else a user keeps there
@@ -27,14 +41,11 @@ SHOW_FAILING = 10
 def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
     """(cases, label): the shared selection (``audits.suites.selection``: suite, given cases, domain,
     --seed, --case), then run's own --shard."""
-    from audits.engine.evaluate import shard_cases
-    from audits.engine.shards import parse_shard
-    from audits.suites.selection import select_cases
-
-    sel = select_cases(args, kernels=args.kernel)
+    sel = selection_from_args(args, kernels=args.kernel)
     cases, label = sel.cases, sel.label
     if sel.domain_info is not None:
         args.domain_info = sel.domain_info  # the domain the suite was built in, for the report
+    args.kernel_domains = sel.kernel_domains  # each kernel's declared domain, resolved once for the run
     if args.shard:
         if args.shard == "auto":
             args.shard = _auto_shard(args)
@@ -54,8 +65,6 @@ def _select_cases(args: argparse.Namespace) -> tuple[list, str]:
 def _auto_shard(args: argparse.Namespace) -> str:
     """``--shard auto``: "I/N" from a Slurm array's or a Kubernetes Indexed Job's environment
     (``audits.engine.shards``), said on stderr."""
-    from audits.engine.shards import ShardEnvError, shard_from_env
-
     try:
         i, n, src = shard_from_env(shards=args.shards)
     except ShardEnvError as exc:
@@ -89,81 +98,34 @@ def _prepare_out(args: argparse.Namespace) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def _run_here(args, kernels, cases, label, th, device, header: dict, stopped: dict) -> dict[str, list[dict]]:
-    """The run in this process (``run_suites``); why it stopped early goes into ``stopped``
-    (Ctrl-C is caught there, so that the records so far make a partial report)."""
-    from rich.console import Console
-
-    from audits.engine.evaluate import FAILING, run_suites
-    from audits.engine.journal import JournalMismatch
-    from audits.engine.worker import isolation, timeout_setting
-
-    timeout, explicit = timeout_setting(args)
-    try:
-        isolate = isolation(args.isolate, timeout, explicit)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    deadline = None if args.budget is None else header["started"] + 60.0 * args.budget
+def _audit(kernels: list[str], cases: list, options: RunOptions, header: dict) -> Report:
+    """The run (``audits.api.audit``: in this process, or with ``--jobs`` in its children) under a
+    progress bar on stderr; ``--resume`` onto another run's journal is a usage error."""
     failing = [0]
 
     def tick(kern: str, rec: dict) -> None:
         failing[0] += rec["verdict"] in FAILING
         bar.update(task, advance=1, failing=failing[0])
 
-    with progress(Console(stderr=True), quiet=args.quiet) as bar:
-        task = bar.add_task(f"{', '.join(kernels)} / {label}", total=len(cases) * len(kernels), failing=0)
+    label = f"{', '.join(kernels)} / {options.label}" + (f" ({options.jobs} jobs)" if options.jobs > 1 else "")
+    with progress(Console(stderr=True), quiet=options.quiet) as bar:
+        task = bar.add_task(label, total=len(cases) * len(kernels), failing=0)
         try:
-            return run_suites(
+            return audit(
                 kernels,
                 cases,
-                device=device,
-                out_dir=args.out,
-                thresholds=th,
-                suite=label,
-                seed=args.seed,
-                resume=args.resume,
-                exitfirst=args.exitfirst,
-                isolate=isolate,
+                options,
+                header=header["report"],
+                coverage=header["coverage"],
                 progress=tick,
-                backward=_backward_options(args),
-                per_sequence=args.per_sequence,
-                timeout=timeout,
-                deadline=deadline,
-                stopped=stopped,
-                journal_extra={"report": header["report"], "coverage": _kept_bases(header["coverage"])},
+                started=header["started"],
             )
         except JournalMismatch as exc:
             raise UsageError(f"--resume refused: {exc}") from exc
 
 
-def _child_argv(args: argparse.Namespace, kernels: list[str], case_file: Path, label: str) -> list[str]:
-    """The ``run`` arguments each ``--jobs`` child gets: the parent's case list as a case file
-    (so the children see exactly the parent's cases, whatever defined them)."""
-    argv = [a for k in kernels for a in ("--kernel", k)]
-    argv += ["--case-file", str(case_file), "--label", label, "--device", args.device, "--quiet"]
-    argv += ["--thresholds", args.thresholds] if args.thresholds else []
-    argv += ["--resume"] if args.resume else []
-    argv += ["-x"] if args.exitfirst else []
-    argv += ["--budget", repr(args.budget)] if getattr(args, "budget", None) is not None else []
-    argv += [] if args.isolate is None else (["--isolate"] if args.isolate else ["--no-isolate"])
-    argv += [] if args.timeout is None else ["--timeout", repr(args.timeout)]
-    argv += ["--backward", "--repeat", str(args.repeat)] if args.backward else []
-    argv += ["--deterministic"] if args.deterministic else []
-    argv += ["--per-sequence"] if args.per_sequence else []
-    return argv
-
-
-def _backward_options(args: argparse.Namespace):
-    """``BackwardOptions`` of ``--backward`` / ``--repeat`` / ``--deterministic``, None without."""
-    from audits.engine.backward import BackwardOptions
-
-    return BackwardOptions(repeat=args.repeat, deterministic=args.deterministic) if args.backward else None
-
-
 def _check_backward_args(args: argparse.Namespace, th: dict) -> None:
     """--repeat and --deterministic need --backward; --backward needs [backward] thresholds."""
-    from audits.verdict.gate import ThresholdsError, require_backward
-
     if not args.backward:
         if args.repeat is not None or args.deterministic:
             raise UsageError("--repeat and --deterministic apply to gradients: add --backward")
@@ -180,129 +142,9 @@ def _check_backward_args(args: argparse.Namespace, th: dict) -> None:
         raise UsageError(str(exc)) from exc
 
 
-def _run_jobs(args, kernels, cases, label, stopped: dict) -> dict[str, list[dict]]:
-    """``run --jobs N``: N child processes ``run --shard I/N --shard-by key`` (each compiles
-    only its own compile keys, so JIT compilation runs N-wide), job I pinned to GPU I mod G of
-    the G GPUs (``--gpus``, default all visible; ``audits.common.gpu_list``) on CUDA, journals
-    under OUT/jobs/I/, logs in OUT/jobs/I/log.txt; returns each kernel's finished records in
-    case order.  Each job runs its own cases in ``run_order``: at any moment the jobs' prefixes
-    together span the suite's axes.  Ctrl-C (to this process, or to the terminal's whole group)
-    reaches every job, which writes its partial report; ``stopped["reason"]`` says why cases
-    are missing ("interrupted", "budget", "exitfirst", "unfinished")."""
-    import json
-    import os
-    import subprocess
-    import time
-
-    from rich.console import Console
-
-    from audits.common import atomic_write, gpu_list, pinned_env
-    from audits.engine.evaluate import FAILING, kernel_dir
-    from audits.engine.journal import read_records
-
-    n, jobs, several = args.jobs, Path(args.out) / "jobs", len(kernels) > 1
-    atomic_write(jobs / "cases.json", json.dumps([c.as_dict() for c in cases]) + "\n")
-    argv = _child_argv(args, kernels, jobs / "cases.json", label)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    gpus = gpu_list(args.gpus) if args.device == "cuda" or args.gpus else []
-    journals = [kernel_dir(jobs / str(i), k, several) / "journal.jsonl" for i in range(n) for k in kernels]
-    procs = []
-    try:
-        for i in range(n):
-            d = jobs / str(i)
-            d.mkdir(parents=True, exist_ok=True)
-            with open(d / "log.txt", "a") as log:
-                cmd = [sys.executable, "-m", "audits", "run", *argv, "--shard", f"{i}/{n}", "--shard-by", "key"]
-                cmd += ["--out", str(d)]
-                # a session of its own: a terminal's Ctrl-C reaches this process only, which passes it on
-                # once (_interrupt_jobs), so that no job is interrupted again while it writes its report
-                procs.append(
-                    subprocess.Popen(
-                        cmd, stdout=log, stderr=subprocess.STDOUT, env=pinned_env(env, gpus, i), start_new_session=True
-                    )
-                )
-        with progress(Console(stderr=True), quiet=args.quiet) as bar:
-            task = bar.add_task(f"{', '.join(kernels)} / {label} ({n} jobs)", total=len(cases) * len(kernels))
-            try:
-                while any(p.poll() is None for p in procs):
-                    time.sleep(1.0)
-                    done = [r for j in journals for r in read_records(j).values()]
-                    bar.update(task, completed=len(done), failing=sum(r["verdict"] in FAILING for r in done))
-            except KeyboardInterrupt:
-                stopped["reason"] = "interrupted"
-                _interrupt_jobs(procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-    _check_jobs(procs, jobs)
-    order = {c.name: i for i, c in enumerate(cases)}
-    runs = {}
-    for k in kernels:
-        recs, src = {}, {}
-        for i in range(n):
-            got = read_records(kernel_dir(jobs / str(i), k, several) / "journal.jsonl")
-            recs.update(got)
-            src.update(dict.fromkeys(got, kernel_dir(jobs / str(i), k, several)))
-        runs[k] = sorted((r for r in recs.values() if r["case"] in order), key=lambda r: order[r["case"]])
-        _gather_maps(runs[k], src, kernel_dir(Path(args.out), k, several))
-    if "reason" not in stopped and any(len(r) < len(cases) for r in runs.values()):
-        budget = args.budget is not None and any(p.returncode == EXIT_INCOMPLETE for p in procs)
-        stopped["reason"] = "budget" if budget else "exitfirst" if args.exitfirst else "unfinished"
-    return runs
-
-
-def _gather_maps(records: list[dict], src: dict, dest: Path) -> None:
-    """Each record's error map (``maps/<case>.npz``, written by the job that ran it, under ``src``
-    [case]) copied to ``dest``, the parent's report folder, where the record's relative path points
-    (copied, not moved: a ``--resume`` of the jobs keeps its own)."""
-    import shutil
-
-    for r in records:
-        rel = r.get("error_map")
-        if rel and (src[r["case"]] / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src[r["case"]] / rel, dest / rel)
-
-
-def _interrupt_jobs(procs) -> None:
-    """Ctrl-C reached this process: pass it to every job still running (a job stops at its case
-    boundary and writes its partial report) and give them 30 s to do so."""
-    import signal
-    import subprocess
-
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _check_jobs(procs, jobs: Path) -> None:
-    """Stop with exit 2 when a job refused its work (a usage or environment error, e.g. a
-    ``--resume`` onto another run's journal): its journal's records are not this run's, so no
-    report may be built from them.  A job that died otherwise keeps its finished records (its
-    journal header was checked); the cases it left are reported as unfinished."""
-    for i, p in enumerate(procs):
-        if p.returncode in (0, 1, EXIT_INCOMPLETE, EXIT_INTERRUPTED):  # passed, failed, stopped with a report
-            continue
-        log = jobs / str(i) / "log.txt"
-        if p.returncode == EXIT_USAGE:
-            lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-            raise UsageError(f"job {i} refused to run: {lines[-1] if lines else '(empty log)'} (log: {log})")
-        print(f"job {i} exited with code {p.returncode}; see {log}", file=sys.stderr)
-
-
 def _print_failing(kern: str, records: list[dict]) -> None:
     """The failing cases with their reasons and reproducers, on stdout: cases failing for the
     same reason as one entry (its first case, "(xN cases)"), up to ``SHOW_FAILING`` entries."""
-    from audits.engine.evaluate import FAILING
-    from audits.report.build import collapse_reasons
-
     bad = collapse_reasons([r for r in records if r["verdict"] in FAILING])
     for r, n in bad[:SHOW_FAILING]:
         also = f" (x{n} cases; the others in the report)" if n > 1 else ""
@@ -313,25 +155,13 @@ def _print_failing(kern: str, records: list[dict]) -> None:
         print(f"  ... and {more} more failing cases ({len(bad) - SHOW_FAILING} other reasons) in the report")
 
 
-def _run_header(args, device, th) -> dict:
-    """What every report of this run records besides its cases (command, time, environment,
-    thresholds), fixed before the first case: the journals' headers keep it too, so that a
-    journal read directly (``show``/``gate``/``summary`` on journal.jsonl) gives the report's view."""
-    import json
-    import time
-
-    from audits.engine.journal import package_version
-
-    env = {**_environment(device), "fa4_audit": package_version()}  # merge refuses shards of other versions
-    report = {
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": "fa4-audit " + " ".join(shlex.quote(a) for a in args.argv),
-        "device": str(device),
-        "environment": env,
-        "thresholds": th,
-        "shard": args.shard,
-    }
-    report = json.loads(json.dumps(report, default=str))  # as a journal line holds it (a TOML date as text)
+def _run_header(args: argparse.Namespace, device: torch.device) -> dict:
+    """What every report of this run records besides its cases (``report``: created, command,
+    environment with this package's version, which merge compares), fixed before the first case,
+    and when it ``started`` (``--budget`` counts from it): the journals' headers keep it too, so
+    that a journal read directly (``show``/``gate``/``summary`` on journal.jsonl) gives the report's view."""
+    report = report_header(args.argv, device=device)
+    report["environment"]["fa4_audit"] = package_version()  # merge refuses shards of other versions
     return {"started": time.monotonic(), "report": report}
 
 
@@ -340,11 +170,7 @@ def _coverage_bases(args: argparse.Namespace, kernels: list[str]) -> dict[str, d
     ``--domain`` file, and its architecture (``fn.fa4_audit_arch``).  With
     ``--require-coverage``, a section that cannot be judged for a kernel (head dims unrestricted,
     no architecture) is a usage error before any case runs, naming the kernel and what to declare."""
-    from audits.kernels import get_kernel
-    from audits.suites.selection import kernels_domains
-    from audits.verdict.coverage import arch_of, unjudgeable
-
-    own = kernels_domains(kernels, args.domain)[1]
+    own = args.kernel_domains  # narrowed by the --domain file, resolved once by the case selection
     bases = {}
     for kern in kernels:
         try:
@@ -358,17 +184,9 @@ def _coverage_bases(args: argparse.Namespace, kernels: list[str]) -> dict[str, d
     return bases
 
 
-def _kept_bases(bases: dict[str, dict]) -> dict[str, dict]:
-    """The coverage bases as the journal's header keeps them (a report read from the journal
-    computes its coverage on them: ``audits.report.build.report_from_journal``)."""
-    return {k: {"domain": b["domain"].as_dict(), "arch": b["arch"]} for k, b in bases.items()}
-
-
 def _require_coverage(args: argparse.Namespace, kern: str, rep: dict) -> bool:
     """``--require-coverage``: what the report's coverage missed of the sections required, into
     the coverage (``required``) and on stdout; whether the requirement was met."""
-    from audits.verdict.coverage import missed
-
     gone = missed(rep["coverage"], require=args.require_coverage)
     rep["coverage"]["required"] = {"require": args.require_coverage, "missed": gone, "met": not gone}
     if gone:
@@ -378,43 +196,30 @@ def _require_coverage(args: argparse.Namespace, kern: str, rep: dict) -> bool:
     return not gone
 
 
-#: what a run that stopped early says on stderr, by ``stopped`` reason
+#: what a run that stopped early says on stderr, by its ``StopReason``
 _STOP_ADVICE = {
-    "interrupted": "interrupted (Ctrl-C)",
-    "budget": "the --budget of {budget:g} minutes was spent (no case starts after it)",
-    "exitfirst": "-x: stopped at the first failing case",
-    "unfinished": "cases did not finish (see OUT/jobs/*/log.txt)",
+    StopReason.INTERRUPTED: "interrupted (Ctrl-C)",
+    StopReason.BUDGET: "the --budget of {budget:g} minutes was spent (no case starts after it)",
+    StopReason.EXITFIRST: "-x: stopped at the first failing case",
+    StopReason.UNFINISHED: "cases did not finish (see OUT/jobs/*/log.txt)",
 }
 
 
-def _report_runs(args, runs, cases, label, th, device, header: dict, stopped: str | None) -> int:
-    """Write each kernel's report (partial when cases were not run: ``stopped`` says why),
-    print its verdicts and failing cases; the exit code (``report.exit_code``; 130 for an
-    interrupted run in which nothing failed)."""
-    from audits.engine.evaluate import kernel_dir
-    from audits.report.build import build_report, exit_code, summary_line, write_report
-    from audits.verdict.coverage import coverage_summary
-
+def _report_runs(args: argparse.Namespace, report: Report) -> int:
+    """Write each kernel's report (partial when cases were not run: ``report.stopped`` says why),
+    print its verdicts and failing cases; the exit code (``report.exit_code``; 1 for a
+    ``--require-coverage`` missed)."""
     code = 0
-    for kern, records in runs.items():
-        missing = len(cases) - len(records)
-        rep = build_report(
-            kernel=kern,
-            suite=label,
-            seed=args.seed,
-            records=records,
-            selected=len(cases),
-            stopped=(stopped or "unfinished") if missing else None,
-            coverage_basis=header["coverage"][kern],
-            backward=args.backward,
-            **header["report"],
-        )
+    several = len(report.reports) > 1
+    for kern, rep in report.reports.items():
+        records = rep["cases"]
+        missing = report.selected - len(records)
         if getattr(args, "shard_order", None):
             rep["shard_order"] = {r["case"]: args.shard_order[r["case"]] for r in records}
         if getattr(args, "domain_info", None):
             rep["domain"] = args.domain_info  # the domain the suite was built in, its coverage
         met = _require_coverage(args, kern, rep) if args.require_coverage else True
-        out = kernel_dir(args.out, kern, len(runs) > 1)
+        out = kernel_dir(args.out, kern, several)
         paths = write_report(rep, out, maps=args.maps)
         print(f"{kern}: {summary_line(rep)}; report: {paths['md']}")
         print(f"{kern}: coverage: {coverage_summary(rep['coverage'])} (fa4-audit coverage {shlex.quote(str(out))})")
@@ -426,18 +231,16 @@ def _report_runs(args, runs, cases, label, th, device, header: dict, stopped: st
         if missing:
             why = _STOP_ADVICE[rep["summary"]["stopped"]].format(budget=args.budget or 0)
             print(
-                f"{kern}: {why}: {len(records)} of {len(cases)} selected cases run, {missing} not run "
+                f"{kern}: {why}: {len(records)} of {report.selected} selected cases run, {missing} not run "
                 "(not checked); the report is partial. --resume continues the run",
                 file=sys.stderr,
             )
-    if stopped == "interrupted" and code != 1:
+    if report.stopped == StopReason.INTERRUPTED and code != 1:
         return EXIT_INTERRUPTED
     return code
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from audits.common import finishing
-    from audits.verdict.gate import ThresholdsError, load_thresholds
 
     if args.jobs < 1:
         raise UsageError(f"--jobs {args.jobs}: expected a positive number of processes")
@@ -453,7 +256,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--resume continues the run in OUT, --overwrite replaces it: pass one of them")
     if args.budget is not None and not 0 < args.budget < float("inf"):
         raise UsageError(f"--budget {args.budget:g}: expected a positive number of minutes")
-    kernels = usable_kernels(args.kernel)
+    kernels = usable_kernels(args.kernel, domains=False)  # the case selection resolves them next
     cases, label = _select_cases(args)
     label = args.label or label
     try:
@@ -461,25 +264,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ThresholdsError as exc:
         raise UsageError(str(exc)) from exc
     _check_backward_args(args, th)
+    options = run_options_from_args(args, thresholds=th, label=label)
     bases = _coverage_bases(args, kernels)
     device = _device(args.device)
     _prepare_out(args)
-    header, stopped = {**_run_header(args, device, th), "coverage": bases}, {}
-    if args.jobs > 1:
-        runs = _run_jobs(args, kernels, cases, label, stopped)
-    else:
-        runs = _run_here(args, kernels, cases, label, th, device, header, stopped)
+    header = {**_run_header(args, device), "coverage": bases}
+    report = _audit(kernels, cases, options, header)
     with finishing("the report"):  # every case run is in the report, even when Ctrl-C comes now
-        return _report_runs(args, runs, cases, label, th, device, header, stopped.get("reason"))
+        return _report_runs(args, report)
 
 
 def register(sub) -> None:
     """Add ``run`` to the ``fa4-audit`` parser."""
-    from audits.engine.worker import RUN_DEFAULT_NOTE, add_timeout_argument
-    from audits.report.maps import DEFAULT_MAPS
-    from audits.suites.selection import add_case_arguments
-    from audits.verdict.coverage import REQUIRE
-
     r = sub.add_parser(
         "run",
         help="audit a kernel on a suite or given cases: FP64 reference, metrics, bounds, verdicts, report",
@@ -496,7 +292,7 @@ def register(sub) -> None:
         "module:attr or path/to/file.py:fn; repeat to audit several kernels on shared inputs and references",
     )
     add_case_arguments(r, default_suite="smoke")
-    r.add_argument("--label", default=None, help=argparse.SUPPRESS)  # the parent's label, for --jobs children
+    r.add_argument("--label", default=None, help=argparse.SUPPRESS)  # the reports' suite label (hidden)
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernels run (default cpu)")
     r.add_argument("--out", default="reports/run-latest", help="report directory (default reports/run-latest)")
     r.add_argument(

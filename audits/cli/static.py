@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
+import importlib
+import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
+from pathlib import Path
 
 import torch
+from rich.console import Console
 
+from audits.checks.static import backward as static_backward
+from audits.checks.static import core
+from audits.checks.static.report import backward_markdown, static_markdown
 from audits.common import EXIT_FAIL, EXIT_OK, EXIT_USAGE, UsageError, atomic_write, gpu_list, progress
+from audits.report.header import command_line, now
 
 
 def _production_versions() -> dict | None:
     """Versions of the production packages; None (after saying why on stderr) when not importable."""
     try:
-        import importlib
-        from importlib.metadata import version
-
         versions = {"flash-attn-4": version("flash-attn-4"), "nvidia-cutlass-dsl": version("nvidia-cutlass-dsl")}
         importlib.import_module("flash_attn.cute")  # importable, not just installed
     except Exception as exc:
@@ -35,14 +41,11 @@ def _audit_groups(
     """Compile and audit (``audit``: ``core.audit_group`` or ``backward.audit_backward_group``)
     every group, ``jobs`` at once, group i's compile on GPU ``gpus[i % len(gpus)]`` when compiling
     on CUDA over several GPUs; records in suite order (StaticError propagates)."""
-    from rich.console import Console
-
     console = Console(stderr=True)
     with progress(console, quiet=quiet) as bar:
         task = bar.add_task(f"static sm_100a / {len(groups)} compile groups", total=len(groups))
-        # each compile is its own process: threads are enough to run --jobs of them at once
-        from concurrent.futures import ThreadPoolExecutor
 
+        # each compile is its own process: threads are enough to run --jobs of them at once
         def one(i, group):
             gpu = gpus[i % len(gpus)] if gpus and not no_driver else None
             rec = audit(group[0], group[1], ptx_dir=ptx_dir, no_driver=no_driver, gpu=gpu)
@@ -71,14 +74,10 @@ def _print_outcome(counts: dict, records: list[dict], md) -> int:
 def _groups_and_audit(cases: list, backward: bool) -> tuple[list, object, dict]:
     """The compile groups, the per-group audit and the report's name / schema / extra summary."""
     if backward:
-        from audits.checks.static.backward import audit_backward_group, backward_groups, is_fp8
-
-        extra = {"fp8_cases_not_audited": sum(map(is_fp8, cases))}  # production has no fp8 backward
+        extra = {"fp8_cases_not_audited": sum(map(static_backward.is_fp8, cases))}  # production has no fp8 backward
         meta = {"name": "static-backward", "schema": "fa4-audit/static-backward/1", "extra": extra}
-        return backward_groups(cases), audit_backward_group, meta
-    from audits.checks.static.core import audit_group, static_groups
-
-    return static_groups(cases), audit_group, {"name": "static", "schema": "fa4-audit/static/1", "extra": {}}
+        return static_backward.backward_groups(cases), static_backward.audit_backward_group, meta
+    return core.static_groups(cases), core.audit_group, {"name": "static", "schema": "fa4-audit/static/1", "extra": {}}
 
 
 def _check_environment(args: argparse.Namespace) -> dict | None:
@@ -97,18 +96,14 @@ def _check_environment(args: argparse.Namespace) -> dict | None:
 
 
 def cmd_static(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from audits.checks.static.core import StaticError
-    from audits.suites.selection import select_cases
+    from audits.cli.options import selection_from_args
 
     if args.arch != "sm_100a":
         raise UsageError(
             f"--arch {args.arch!r}: only sm_100a (the Blackwell kernels FA4Numerics.sm100 and fa4.model_bwd model) "
             "is audited"
         )
-    sel = select_cases(args)  # static runs no kernel: suites within the --domain file alone
+    sel = selection_from_args(args)  # static runs no kernel: suites within the --domain file alone
     groups, audit, meta = _groups_and_audit(sel.cases, args.backward)
     if not groups:
         why = "fp8 or varlen cases (production has no fp8 backward)" if args.backward else "varlen cases"
@@ -132,7 +127,7 @@ def cmd_static(args: argparse.Namespace) -> int:
             quiet=args.quiet,
             gpus=gpu_list(args.gpus) if args.jobs > 1 and not no_driver else [],
         )
-    except StaticError as exc:
+    except core.StaticError as exc:
         print(f"fa4-audit static: {exc}", file=sys.stderr)
         return EXIT_USAGE
     counts = {v: sum(r["verdict"] == v for r in records) for v in ("match", "diverged", "skipped")}
@@ -142,98 +137,20 @@ def cmd_static(args: argparse.Namespace) -> int:
         "suite": sel.label,
         "versions": versions,
         "compile_on": args.compile_on,
-        "command": "fa4-audit " + " ".join(args.argv),
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": command_line(args.argv),
+        "created": now(),
         "summary": {**counts, **meta["extra"]},
         "groups": records,
     }
     atomic_write(out / f"{meta['name']}.json", json.dumps(report, separators=(",", ":")) + "\n")
-    markdown = _backward_markdown if args.backward else _static_markdown
+    markdown = backward_markdown if args.backward else static_markdown
     atomic_write(out / f"{meta['name']}.md", markdown(report))
     return _print_outcome(counts, records, out / f"{meta['name']}.md")
 
 
-def _markdown_head(rep: dict, title: str) -> list[str]:
-    """Title, command, versions, the summary line and the divergences table."""
-    s = rep["summary"]
-    L = [
-        f"# fa4-audit static: {title}",
-        "",
-        f"`{rep['command']}` on {rep['created']}; flash-attn-4 {rep['versions']['flash-attn-4']}, "
-        f"nvidia-cutlass-dsl {rep['versions']['nvidia-cutlass-dsl']}; compiled on {rep['compile_on']}.",
-        "",
-        f"{s['match']} compile groups match, {s['diverged']} diverged, {s['skipped']} skipped "
-        "(production refuses the configuration)"
-        + (
-            f"; {s['fp8_cases_not_audited']} fp8 cases not audited (no fp8 backward)."
-            if "fp8_cases_not_audited" in s
-            else "."
-        ),
-        "",
-    ]
-    bad = [r for r in rep["groups"] if r["verdict"] == "diverged"]
-    if bad:
-        L += ["## Divergences", "", "| group | fact | production | model |", "|---|---|---|---|"]
-        L += [
-            f"| {r['group']} | {d['fact']} | `{d['production']}` | `{d['model']}` |"
-            for r in bad
-            for d in r["differences"]
-        ]
-        L.append("")
-    return L
-
-
-def _static_markdown(rep: dict) -> str:
-    L = _markdown_head(rep, "production SM100 forward PTX against FA4Numerics.sm100")
-    L += [
-        "## Compile groups",
-        "",
-        "| group | cases | verdict | 2-CTA | emulated/step | degree | threshold | max_offset | P convert "
-        "| ex2 hw | steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rep["groups"]:
-        if r["verdict"] == "skipped":
-            L.append(f"| {r['group']} | {r['cases']} | skipped: {r['reason'][:80]} | | | | | | | | |")
-            continue
-        f = r["facts"]
-        L.append(
-            f"| {r['group']} | {r['cases']} | {r['verdict']} | {r['production'].get('use_2cta_instrs')} "
-            f"| {f['exp2.emulated_per_step']:g}/{r['production'].get('n_block_size')} "
-            f"| {f['exp2.poly_degree']} | {f['rescale.threshold']} | {f['max_offset']} "
-            f"| {', '.join(f['p_convert'])} | {sum(f['exp2.hardware'].values())} | {f['softmax.steps']} |"
-        )
-    return "\n".join(L) + "\n"
-
-
-def _backward_markdown(rep: dict) -> str:
-    L = _markdown_head(rep, "production SM100 backward PTX against the backward model (fa4.model_bwd)")
-    L += [
-        "## Compile groups",
-        "",
-        "| group | cases | verdict | main kernel | tiles (m, n, dQ keys) | ex2 hw | P / dS convert | out convert "
-        "| f32 reduce targets | tanh | compiled |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rep["groups"]:
-        if r["verdict"] == "skipped":
-            why = r["reason"].rsplit("): ", 1)[-1][:110]  # the refusal's own message
-            L.append(f"| {r['group']} | {r['cases']} | skipped: {why} | | | | | | | | |")
-            continue
-        f = r["facts"]
-        t, ex2 = f["tiles"], ", ".join(f"{k} x{n}" for k, n in f["exp2.hardware"].items())
-        L.append(
-            f"| {r['group']} | {r['cases']} | {r['verdict']} | {r['kernel_class']} "
-            f"| {t['tile_m']}, {t['tile_n']}, {t['dq_keys']} | {ex2} "
-            f"| {', '.join(f['p_convert'])} / {', '.join(f['ds_convert'])} | {', '.join(f['out_convert']) or '-'} "
-            f"| {f['reduce.targets']} | {f['tanh']} | {r['compiled']} |"
-        )
-    return "\n".join(L) + "\n"
-
-
 def register(sub) -> None:
     """Add this audit's subcommands to the ``fa4-audit`` parser."""
-    from audits.suites.selection import add_case_arguments
+    from audits.cli.options import add_case_arguments
 
     st = sub.add_parser(
         "static",

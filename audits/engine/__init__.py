@@ -1,2 +1,4 @@
-"""The engine: evaluates cases on kernels (``evaluate``), in worker processes (``worker``), with a
-journal that survives a crash (``journal``) and shards across processes and GPUs (``shards``)."""
+"""The engine: one run (``audit``) under its options (``options``), evaluating cases on kernels
+(``evaluate``), each kernel in this process or a worker process (``worker``), with a journal that
+survives a crash (``journal``), spread over ``--jobs`` child processes (``jobs``, ``child``) and
+sharded across processes and GPUs (``shards``); why a run stopped early (``stop``)."""

@@ -28,8 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
+from audits.engine.failures import failure_reason
 from audits.suites.cases import Case
+from audits.suites.inputs import make_grad_output, make_inputs
+from fa4.production import refusal_of
+from numerics.backward_bound import backward_error_bound
 from numerics.fp import bit_view, format_of, ulp_distance, ulp_of
+from numerics.grad_reference import attention_grad_reference, attention_lowprec_grads, exact_grad_elements
 from numerics.metrics import bound_check, fa_floor, output_errors, ulp_diff_histogram
 from numerics.reference import call_visibility
 
@@ -68,7 +73,6 @@ def _refused(exc: BaseException, fn) -> str | None:
     rules = getattr(fn, "fa4_audit_refusals", None)
     if rules is None:
         return str(exc) if isinstance(exc, NotImplementedError) else None
-    from fa4.production import refusal_of
 
     rule = refusal_of(exc, rules)
     return None if rule is None else f"production refuses this configuration ({rule.source}): {exc}"
@@ -98,8 +102,6 @@ def grad_call(fn, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dic
         why = _refused(exc, fn)
         if why is not None:
             return {"status": "skipped", "reason": f"backward not supported: {why}"}, None
-        from audits.engine.worker import failure_reason
-
         cause, why = failure_reason(exc, "backward")  # out-of-memory said as such
         return {"status": "error", "reason": why, "cause": cause, "traceback": traceback.format_exc(limit=3)}, None
     lse = lse.detach() if isinstance(lse, torch.Tensor) else None
@@ -203,8 +205,6 @@ def _certify(x: dict, do: torch.Tensor, ref: dict, case: Case) -> dict:
     gradient: max |FP64 - exact| / max |FP64 gradient| over the whole tensor — the scale its
     errors are judged at; an element's own size is no scale where dP - D cancels (a peaked row's
     dQ is ~0 while its terms are not)."""
-    from numerics.grad_reference import exact_grad_elements
-
     b, hk, g = case.batch - 1, case.heads_kv - 1, case.heads_q // case.heads_kv
     seen = _call_vis(case, x["kw"])[b, hk * g : (hk + 1) * g].sum((0, 1))  # (head, row) pairs of kv head hk per key
     j = int(torch.where(seen > 0, seen, 1 << 30).argmin())
@@ -234,9 +234,6 @@ def case_references(case: Case, device: str) -> tuple:
     certification: they depend on the inputs and dO only (``make_inputs``,
     ``make_grad_output``), not on the kernel.  Public: the engine clears its cache when the
     audit's FP64 work runs out of GPU memory."""
-    from audits.suites.inputs import make_grad_output, make_inputs
-    from numerics.grad_reference import attention_grad_reference, attention_lowprec_grads
-
     x = make_inputs(case, device=device)
     do, _ = make_grad_output(case, device=device)
     ref = attention_grad_reference(x["q"], x["k"], x["v"], do, **x["kw"])
@@ -251,8 +248,6 @@ def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, 
     held to (FA4's own, or generic flash-attention numerics for a peer) and its kind,
     ``(nm, "fa4" | "peer")``.  ``keep`` (an ``audits.verdict.diagnosis.CaseTensors``): receives
     the gradients, their FP64 references and bounds, which a failing verdict is localized with."""
-    from numerics.backward_bound import backward_error_bound
-
     out, lse, runs = result
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
     ref, low, cert = case_references(case, str(q.device))

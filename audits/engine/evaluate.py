@@ -3,11 +3,11 @@
 metrics, the per-element bound, a verdict per case.
 
 Every finished case is appended to ``OUT/journal.jsonl`` (flushed and fsynced) so that
-``resume=True`` continues after a crash, a kill or Ctrl-C without redoing finished cases.
+``RunOptions(resume=True)`` continues after a crash, a kill or Ctrl-C without redoing finished cases.
 Cases run in a stratified order (``audits.engine.shards.run_order``), so that any prefix of a
 run spans the suite's axes; JIT kernels are cached per compile key, so each variant still
 compiles once per process.  A run stops early, cleanly, at Ctrl-C, at ``deadline`` (``run
---budget``) or at the first failure (``-x``), saying why in ``stopped``.
+--budget``) or at the first failure (``-x``), saying why (``Runs.stopped``, a ``StopReason``).
 :func:`shard_cases` cuts a deterministic 1/n slice balanced by expected cost.  Failing cases get a reproducer:
 their inputs saved under ``OUT/repro/`` and a one-line command in the report.
 
@@ -23,34 +23,35 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from audits.engine import journal
-from audits.engine.backward import BackwardOptions, analyse_backward, case_references, grad_call
+from audits.engine.backward import BackwardOptions, analyse_backward, case_references
+from audits.engine.options import RunOptions
 from audits.engine.shards import run_order
+from audits.engine.stop import StopReason
 from audits.engine.worker import (
-    DEFAULT_TIMEOUT_S,
-    Isolated,
+    KernelCalls,
     KernelTimeout,
     WorkerCrashed,
+    as_calls,
     failure_reason,
+    open_kernel,
     traceback_of,
 )
 from audits.kernels import (
-    KERNELS,
-    VARLEN_KERNELS,
     claims_nonfinite_inputs,
     contract_error,
     fa4_arch,
     fa4_varlen_numerics,
     fa4_varlen_splits,
-    get_kernel,
     kernel_domain,
-    per_sequence,
     varlen_contract_error,
 )
 from audits.report.repro import reproducer
@@ -63,7 +64,7 @@ from numerics.forward_bound import forward_error_bound
 from numerics.metrics import bound_check, fa_floor, lse_errors, output_errors
 from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
 
-__all__ = ["evaluate_case", "run_suite", "run_suites", "kernel_dir", "shard_cases", "FAILING"]
+__all__ = ["evaluate_case", "run_suite", "run_suites", "Runs", "kernel_dir", "shard_cases", "is_audit_error", "FAILING"]
 
 
 def shard_cases(cases: list[Case], index: int, count: int, *, by: str = "cost") -> list[Case]:
@@ -135,8 +136,6 @@ def _domain(q, k, v, case: Case, nm) -> str | None:
     """Why these inputs lie outside the float32 range the kernel's design covers (the headroom
     analysis of ``numerics.bounds``), or None: logits |q.k| beyond FLT_MAX, or P.V sums up to
     seqlen_k * P_max * max|V| beyond it, P_max = 2**(threshold + max_offset)."""
-    import math
-
     fin = lambda t: t.double()[torch.isfinite(t.double())]
     qa, ka, va = (fin(t).abs().max().item() if fin(t).numel() else 0.0 for t in (q, k, v))
     flt = 3.4028234663852886e38
@@ -151,7 +150,7 @@ def _domain(q, k, v, case: Case, nm) -> str | None:
 def _peer_numerics(q: torch.Tensor):
     """Generic flash-attention numerics for kernels that do not implement FA4's (thresholds
     ``peer_bound``): float32 softmax, hardware-class exp2, P rounded to the input dtype."""
-    from fa4.model import FA4Numerics
+    from fa4.model import FA4Numerics  # lazy: fa4.model loads numba (~0.2 s)
 
     return FA4Numerics(
         arch="sm90", tile_m=128, tile_n=128, exp2="hardware", rescale_threshold=0.0, max_offset=0, p_dtype=q.dtype
@@ -166,7 +165,7 @@ def _fa4_numerics(kernel: str, x: dict, case: Case):
     arch = fa4_arch(kernel)
     if arch is None:
         return None
-    from fa4.model import FA4Numerics
+    from fa4.model import FA4Numerics  # lazy: numba
 
     kw = x["kw"]
     return FA4Numerics.for_call(
@@ -287,7 +286,7 @@ def _sequence(x: dict, i: int) -> tuple:
         if x["kw"].get(n) is not None
     }
     if mods:  # the sequence's mods as the varlen entry hands them: batch_idx = i (fa4.varlen.sequence_mods)
-        from fa4.varlen import sequence_mods
+        from fa4.varlen import sequence_mods  # lazy: numba
 
         kw.update(sequence_mods(i, **mods))
     if k.shape[1] == 0:
@@ -333,7 +332,7 @@ def _split_keywords(case: Case, splits: int) -> dict:
     GQA); none for an unsplit sequence."""
     if splits == 1:
         return {}
-    from fa4.varlen import packs_gqa
+    from fa4.varlen import packs_gqa  # lazy: numba
 
     return {"num_splits": splits, "pack_gqa": packs_gqa(case.pack_gqa, case.heads_q, case.heads_kv)}
 
@@ -414,20 +413,6 @@ def _varlen_record(case: Case, per_seq: bool) -> dict:
     }
 
 
-def _varlen_entry(kernel: str, fn: Callable, per_seq: bool) -> tuple[Callable | None, str | None]:
-    """(the callable that runs a varlen case, "varlen" | "per-sequence"), or (None, None): the
-    kernel's varlen entry (a built-in's, or ``fn`` itself when it declares the varlen contract),
-    else with ``per_seq`` the fixed-length ``fn`` once per sequence."""
-    if isinstance(fn, Isolated):
-        return fn.varlen_entry(per_seq)
-    entry = fn if getattr(fn, "fa4_audit_contract", None) == "varlen" else None
-    if entry is None and kernel in VARLEN_KERNELS and KERNELS.get(kernel) is fn:
-        entry = VARLEN_KERNELS[kernel]
-    if entry is not None:
-        return entry, "varlen"
-    return (per_sequence(fn), "per-sequence") if per_seq else (None, None)
-
-
 def _no_varlen_entry(kernel: str) -> str:
     return (
         f"{kernel} is a fixed-length kernel with no varlen entry (a kernel declares the varlen contract with "
@@ -437,13 +422,13 @@ def _no_varlen_entry(kernel: str) -> str:
 
 
 def _backward(
-    kernel: str, fn: Callable, case: Case, x: dict, device: torch.device, opts: BackwardOptions, keep: CaseTensors
+    kernel: str, calls: KernelCalls, case: Case, x: dict, device: torch.device, opts: BackwardOptions, keep: CaseTensors
 ) -> dict:
     """The case's backward half (``audits.engine.backward``): a seeded dO, the kernel's
     gradients, their measurements (the tensors into ``keep``); an OOM in the audit's own FP64
     work is the case's error."""
     do, fam = make_grad_output(case, device=device)
-    status, res = fn.grad(x, do, opts, call=grad_call) if isinstance(fn, Isolated) else grad_call(fn, x, do, opts)
+    status, res = calls.grad(x, do, opts)
     b = {**status, "do_family": fam, "repeat": opts.repeat, "deterministic": opts.deterministic}
     if res is None:
         return b
@@ -462,7 +447,7 @@ def _backward(
 
 def evaluate_case(
     kernel: str,
-    fn: Callable,
+    fn: Callable | KernelCalls,
     case: Case,
     device: torch.device,
     thresholds: dict,
@@ -473,7 +458,8 @@ def evaluate_case(
     error_map: dict | None = None,
 ) -> dict:
     """Measurements and verdict of one case (a JSON-able dict); with ``backward``, its gradients
-    too (``rec["backward"]``).  A failing case gets ``rec["diagnosis"]``, where its violations
+    too (``rec["backward"]``).  ``fn``: the kernel (``audits.engine.worker.KernelCalls``, or a plain
+    callable called in this process).  A failing case gets ``rec["diagnosis"]``, where its violations
     lie (``audits.verdict.diagnosis``, from the tensors kept until the verdict); its error-map
     data goes into ``error_map["map"]`` when given (``ErrorMap``: the caller writes the file).
     ``domain`` (``audits.suites.domain.Domain``, the kernel's declared one): a case outside it is
@@ -482,13 +468,14 @@ def evaluate_case(
     is ``skipped`` (the reason names ``--per-sequence``)."""
     rec = {"case": case.name, "config": case.as_dict(), "family": case.family, "seed": case.seed}
     t0 = time.perf_counter()
+    calls = fn = as_calls(kernel, fn)
     if case.varlen:
         rec["varlen"] = _varlen_record(case, per_sequence)
     why = domain.refusal(case) if domain is not None else None
     if why is not None:  # never called: the kernel said up front it does not support this
         return _skipped(rec, f"outside the kernel's declared domain: {why}", t0)
     if case.varlen:
-        fn, rec["varlen"]["entry"] = _varlen_entry(kernel, fn, per_sequence)
+        fn, rec["varlen"]["entry"] = calls.varlen_entry(per_sequence)
         if fn is None:
             return _skipped(rec, _no_varlen_entry(kernel), t0)
     try:
@@ -513,7 +500,7 @@ def evaluate_case(
         if case.varlen:
             rec["backward"] = dict(_VARLEN_BACKWARD)
         else:
-            rec["backward"] = _backward(kernel, fn, case, x, device, backward, keep)
+            rec["backward"] = _backward(kernel, calls, case, x, device, backward, keep)
         if rec["backward"].get("audit_error"):
             rec["audit_error"] = True
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
@@ -544,9 +531,9 @@ def _skipped(rec: dict, reason: str, t0: float) -> dict:
     return rec
 
 
-def run_suite(kernel: str, cases: list[Case], **kw) -> list[dict]:
+def run_suite(kernel: str, cases: list[Case], options: RunOptions, **kw) -> list[dict]:
     """:func:`run_suites` for one kernel: its records in suite order."""
-    return run_suites([kernel], cases, **kw)[kernel]
+    return run_suites([kernel], cases, options, **kw)[kernel]
 
 
 def kernel_dir(out_dir: str | Path, kernel: str, several: bool) -> Path:
@@ -555,80 +542,67 @@ def kernel_dir(out_dir: str | Path, kernel: str, several: bool) -> Path:
     return Path(out_dir) / kernel.replace(":", ".").replace("/", "_") if several else Path(out_dir)
 
 
+class Runs(dict):
+    """Each kernel's records in suite order (a dict, kernel -> records), and ``stopped``: why the
+    run ended before its last case (a :class:`StopReason`), None when it did not."""
+
+    def __init__(self, records: dict, stopped: StopReason | None = None):
+        super().__init__(records)
+        self.stopped = stopped
+
+
 def run_suites(
     kernels: list[str],
     cases: list[Case],
+    options: RunOptions,
     *,
-    device: torch.device,
-    out_dir: str | Path,
-    thresholds: dict,
-    suite: str = "cases",
-    seed: int = 0,
-    resume: bool = False,
-    exitfirst: bool = False,
-    isolate: bool | Callable[[str], bool] = False,
     progress: Callable[[str, dict], None] | None = None,
-    backward: BackwardOptions | None = None,
-    per_sequence: bool = False,
-    timeout: float | None = DEFAULT_TIMEOUT_S,
     deadline: float | None = None,
-    stopped: dict | None = None,
     journal_extra: dict | None = None,
-) -> dict[str, list[dict]]:
-    """Evaluate ``cases`` (in :func:`audits.engine.shards.run_order`) for every kernel; journal each record under
-    :func:`kernel_dir`; return each kernel's records in suite order.  The kernels take turns
-    case by case, so a case's inputs and FP64 reference are computed once for all of them; a
-    case outside a kernel's declared domain (``audits.kernels.kernel_domain``) is skipped for
-    that kernel without a call.
-    ``resume``: keep the finished records of a journal written by this same run (kernel, suite,
-    seed, thresholds, cases: ``journal.JournalMismatch`` otherwise).  ``isolate`` (a bool or a
-    predicate on the kernel name): evaluate in a worker process (``audits.engine.worker``), where
-    a crash becomes the case's verdict, and a call past ``timeout`` seconds (None: no limit) the
-    verdict ``timeout``.  ``backward``: audit the gradients too (``audits.engine.backward``).
-    ``per_sequence``: a fixed-length kernel runs varlen cases one sequence at a time (else they
-    are skipped for it); a resumed record made otherwise is redone.
-    ``deadline`` (a ``time.monotonic()`` value, ``run --budget``): no case starts after it.
-    ``stopped``: a dict the caller reads afterwards; ``stopped["reason"]`` becomes "interrupted"
-    (Ctrl-C: caught here, the workers killed, the records so far returned), "budget" or
-    "exitfirst" when the run ended before its last case; without it, KeyboardInterrupt
-    propagates after the journals hold what finished.  ``journal_extra``: fields added to a new
-    journal's header (the command, the environment: what a report built from the journal shows)."""
+    catch_interrupt: bool = False,
+) -> Runs:
+    """Evaluate ``cases`` (in :func:`audits.engine.shards.run_order`) for every kernel under
+    ``options`` (``audits.engine.options.RunOptions``); journal each record under :func:`kernel_dir`
+    of ``options.out``; return each kernel's records in suite order.  The kernels take turns case
+    by case, so a case's inputs and FP64 reference are computed once for all of them; a case
+    outside a kernel's declared domain (``audits.kernels.kernel_domain``) is skipped for that
+    kernel without a call.
+    ``options.resume``: keep the finished records of a journal written by this same run (kernel,
+    label, seed, thresholds, cases: ``journal.JournalMismatch`` otherwise).  Kernels run in a
+    worker process as ``options.isolation()`` says (``audits.engine.worker``), where a crash
+    becomes the case's verdict, and a call past ``options.timeout`` seconds the verdict
+    ``timeout``.  ``options.backward``: audit the gradients too (``audits.engine.backward``).
+    ``options.per_sequence``: a fixed-length kernel runs varlen cases one sequence at a time (else
+    they are skipped for it); a resumed record made otherwise is redone.
+    ``progress(kernel, record)`` is called after each record.  ``deadline`` (a ``time.monotonic()``
+    value, ``run --budget``): no case starts after it.  The result's ``stopped`` says why the run
+    ended early (budget, exitfirst; interrupted: Ctrl-C with ``catch_interrupt``, the workers
+    killed and the records so far returned; without it, KeyboardInterrupt propagates after the
+    journals hold what finished).  ``journal_extra``: fields added to a new journal's header (the
+    command, the environment: what a report built from the journal shows)."""
+    device = options.torch_device
+    isolate = options.isolation()
     state = {}
-    run = {
-        "suite": suite,
-        "seed": seed,
-        "resume": resume,
-        "several": len(kernels) > 1,
-        "backward": backward,
-        "per_sequence": per_sequence,
-        "extra": journal_extra or {},
-        "timeout": timeout,
-    }
     for kern in kernels:
-        state[kern] = _kernel_state(kern, cases, device, out_dir, thresholds, run)
+        state[kern] = _kernel_state(kern, cases, options, len(kernels) > 1, journal_extra or {})
         iso = isolate(kern) if callable(isolate) else isolate
-        state[kern]["iso"] = Isolated(kern, device, timeout=timeout) if iso else None
-        state[kern]["fn"] = state[kern]["iso"] or get_kernel(kern)
+        state[kern]["calls"] = open_kernel(kern, device, isolated=iso, timeout=options.timeout)
         state[kern]["domain"] = kernel_domain(kern)  # resolved once, here: --jobs children decide alike
     order = run_order(cases)
     why = None
     try:
-        why = _loop(order, cases, state, device, thresholds, progress, exitfirst, backward, deadline)
+        why = _loop(order, cases, state, options, progress, deadline)
     except KeyboardInterrupt:
-        why = "interrupted"
+        why = StopReason.INTERRUPTED
         _quiet_fd_handover()
-        for st in state.values():  # the worker is out of the terminal's reach (its own session): end its call now
-            if st["iso"] is not None:
-                st["iso"].kill()
-        if stopped is None:
+        for st in state.values():  # a worker is out of the terminal's reach (its own session): end its call now
+            st["calls"].kill()
+        if not catch_interrupt:
             raise
     finally:
         for st in state.values():
-            if st["iso"] is not None:
-                st["iso"].close()
-    if stopped is not None:
-        stopped["reason"] = why
-    return {kern: [st["records"][i] for i in sorted(st["records"])] for kern, st in state.items()}
+            st["calls"].close()
+    return Runs({kern: [st["records"][i] for i in sorted(st["records"])] for kern, st in state.items()}, why)
 
 
 def _quiet_fd_handover() -> None:
@@ -636,14 +610,11 @@ def _quiet_fd_handover() -> None:
     memory from this process (``multiprocessing.resource_sharer``, how torch passes tensors
     through a pipe) makes that helper thread print a ``ConnectionResetError`` traceback.  The
     worker was killed on purpose; that traceback, and only it, is dropped from then on."""
-    import sys
-    import traceback as tb_
-
     hook = sys.excepthook
 
     def quiet(kind, value, tb):
         if issubclass(kind, (ConnectionError, EOFError)) and any(
-            "resource_sharer" in f.filename for f, _ in tb_.walk_tb(tb)
+            "resource_sharer" in f.filename for f, _ in traceback.walk_tb(tb)
         ):
             return
         hook(kind, value, tb)
@@ -651,29 +622,35 @@ def _quiet_fd_handover() -> None:
     sys.excepthook = quiet
 
 
-def _kernel_state(kern, cases, device, out_dir, thresholds, run: dict) -> dict:
+def _kernel_state(kern: str, cases: list[Case], options: RunOptions, several: bool, extra: dict) -> dict:
     """A kernel's output directory and journal: resumed (its header checked) or started afresh."""
-    out = kernel_dir(out_dir, kern, run["several"])
+    out = kernel_dir(options.out, kern, several)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "journal.jsonl"
-    bwd = run["backward"]
+    bwd, th = options.backward, options.thresholds
     ident = journal.run_identity(
-        kernel=kern, suite=run["suite"], seed=run["seed"], thresholds=thresholds, cases=cases, backward=bwd
+        kernel=kern, suite=options.label, seed=options.seed, thresholds=th, cases=cases, backward=bwd
     )
-    if run["resume"]:
+    if options.resume:
         journal.check_header(path, ident)
     elif path.exists():
         path.unlink()
     if not path.exists():
-        journal.append(path, {**ident, **run["extra"]})  # extras are not identity: check_header ignores them
-    done = journal.read_records(path) if run["resume"] else {}
-    per_seq = run["per_sequence"]
+        journal.append(path, {**ident, **extra})  # extras are not identity: check_header ignores them
+    done = journal.read_records(path) if options.resume else {}
+    per_seq = options.per_sequence
     # the audit's own failures are redone, and varlen records of a run with another --per-sequence
     done = {n: r for n, r in done.items() if not is_audit_error(r) and _same_entry(r, per_seq)}
-    th_path = thresholds.get("path")
 
     def repro(c: Case) -> str:
-        cmd = reproducer(kern, c, device=device.type, thresholds_path=th_path, backward=bwd, timeout=run["timeout"])
+        cmd = reproducer(
+            kern,
+            c,
+            device=options.torch_device.type,
+            thresholds_path=th.get("path"),
+            backward=bwd,
+            timeout=options.timeout,
+        )
         return cmd + " --per-sequence" if per_seq and c.varlen else cmd
 
     return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro, "per_sequence": per_seq}
@@ -689,7 +666,7 @@ def is_audit_error(rec: dict) -> bool:
     """Whether a journal record failed on the audit's side (its FP64 work ran out of GPU
     memory), not the kernel's; records written before the flag existed get it from
     ``audits.report.schema.upgrade_case`` (the one reader of old message text).
-    Public: ``benchmarks/release_state_from_reports.py`` leaves such records out as ``--resume`` does."""
+    Public: ``benchmarks/maintenance/release_state_from_reports.py`` leaves such records out as ``--resume`` does."""
     return bool(upgrade_case(dict(rec)).get("audit_error"))
 
 
@@ -704,21 +681,22 @@ def _save_inputs(st: dict, c: Case) -> str:
     return f"repro/{c.name}.pt"
 
 
-def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward, deadline) -> str | None:
-    """Run the cases in ``order``; why it stopped early ("budget", "exitfirst"), or None."""
+def _loop(order, cases, state, options: RunOptions, progress, deadline) -> StopReason | None:
+    """Run the cases in ``order``; why it stopped early (budget, exitfirst), or None."""
+    device, backward, thresholds = options.torch_device, options.backward, options.thresholds
     for n, i in enumerate(order):
         c = cases[i]
         stop = False
         fresh = any(c.name not in st["done"] for st in state.values())
         if fresh and deadline is not None and time.monotonic() >= deadline:
-            return "budget"  # resumed records cost nothing: the budget stops only new work
+            return StopReason.BUDGET  # resumed records cost nothing: the budget stops only new work
         for kern, st in state.items():
             if c.name in st["done"]:
                 rec = {**st["done"][c.name], "resumed": True}
             else:
                 emap = {}
                 rec = evaluate_case(
-                    kern, st["fn"], c, device, thresholds, backward, st["domain"], st["per_sequence"], error_map=emap
+                    kern, st["calls"], c, device, thresholds, backward, st["domain"], st["per_sequence"], error_map=emap
                 )
                 rec["repro"] = st["repro"](c)
                 if rec["verdict"] in FAILING:
@@ -733,7 +711,7 @@ def _loop(order, cases, state, device, thresholds, progress, exitfirst, backward
                 torch.cuda.empty_cache()  # give the FP64 intermediates back: parallel jobs share the GPU
             if progress is not None:
                 progress(kern, rec)
-            stop |= exitfirst and rec["verdict"] in FAILING
+            stop |= options.exitfirst and rec["verdict"] in FAILING
         if stop:
-            return "exitfirst" if n + 1 < len(order) else None
+            return StopReason.EXITFIRST if n + 1 < len(order) else None
     return None

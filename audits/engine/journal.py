@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from audits.report.schema import upgrade_case
 
 __all__ = [
     "SCHEMA",
@@ -43,8 +46,6 @@ def _digest(obj) -> str:
 
 def package_version() -> str:
     """The installed fa4-audit's version; "unknown" run from a source tree never installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("fa4-audit")
     except PackageNotFoundError:
@@ -106,8 +107,6 @@ def read_records(path: Path) -> dict[str, dict]:
 def read_ordered(path: Path, *, ordered: bool = True) -> list[dict]:
     """The finished records (as :func:`read_records`) in the run's case order (by :data:`AT`;
     records written without it, by an older fa4-audit, after those with it, in journal order)."""
-    from audits.report.schema import upgrade_case
-
     recs = {r["case"]: r for r in _lines(path) if isinstance(r, dict) and "case" in r}
     out = list(recs.values())
     if ordered:

@@ -21,9 +21,18 @@ import hashlib
 import os
 from collections.abc import Callable, Mapping
 
+import numpy as np
+
 __all__ = [
-    "SLURM", "K8S_INDEX", "SHARDS_ENV", "ShardEnvError", "parse_shard", "shard_from_env", "STRATA", "run_order",
-]  # fmt: skip
+    "SLURM",
+    "K8S_INDEX",
+    "SHARDS_ENV",
+    "ShardEnvError",
+    "parse_shard",
+    "shard_from_env",
+    "STRATA",
+    "run_order",
+]
 
 #: the Slurm array variables ``--shard auto`` reads
 SLURM = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_COUNT")
@@ -176,8 +185,6 @@ def run_order(cases: list) -> list[int]:
     Interleaving configurations costs no compiles: JIT kernels are cached per compile key in the
     process, and each ``--jobs`` process still holds whole compile keys (``shard_cases``
     ``by="key"``); only the compiles move to the front of the run."""
-    import numpy as np
-
     n = len(cases)
     if n <= 1:
         return list(range(n))

@@ -7,9 +7,9 @@ stay in the parent.  What can go wrong in a call, and what the caller sees:
 
 * the kernel raises: the exception comes back and is raised in the parent, the worker keeps
   running.  One that cannot cross the pipe (it holds a module, a lock, a CUDA stream: torch
-  inductor's ``InductorError``) comes back as a :class:`RemoteError` holding its type name,
-  message and formatted traceback.  :func:`failure_reason` words either, with memory
-  exhaustion (``torch.OutOfMemoryError``, ``MemoryError``) named as such.
+  inductor's ``InductorError``) comes back as a ``RemoteError`` holding its type name,
+  message and formatted traceback.  ``failure_reason`` (``audits.engine.failures``) words
+  either, with memory exhaustion (``torch.OutOfMemoryError``, ``MemoryError``) named as such.
 * the call passes its time limit: the worker's process group is killed (a kernel busy in C or
   in Python, and any process it started, dies with it) and :class:`KernelTimeout` is raised.
 * the worker dies (a segfault, an abort, a CUDA error that poisons the context, the host's
@@ -20,26 +20,46 @@ warming up (started while the current one works), so a kernel that hangs on ever
 about one time limit per case, not a time limit plus a torch import, once a spawn takes less than
 the limit.
 
-:func:`add_timeout_argument` gives ``run``, ``invariance``, ``fuzz`` and ``fidelity`` the same
-``--timeout``; :func:`timeout_setting` reads it back.
+:class:`InProcess` is the same interface (:class:`KernelCalls`) for a kernel called in the audit's own
+process, so that the engine calls either alike (:func:`open_kernel`, :func:`as_calls`).
 """
 
 from __future__ import annotations
 
-import argparse
+import multiprocessing as mp
 import os
 import pickle
 import signal
 import traceback
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from audits.engine.backward import grad_call
+from audits.engine.failures import RemoteError, RemoteRefusal, error_kind, failure_reason, traceback_of
+from audits.kernels import KERNELS, VARLEN_KERNELS, get_kernel, get_varlen_kernel, per_sequence
+
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "STARTUP_LIMIT_S", "RUN_DEFAULT_NOTE", "IN_PROCESS_NOTE", "Isolated", "KernelTimeout",
-    "WorkerCrashed", "RemoteError", "RemoteRefusal", "add_timeout_argument", "timeout_setting", "isolation",
-    "isolated_by_default", "failure_reason", "traceback_of", "death_reason", "to_device", "serve",
-]  # fmt: skip
+    "DEFAULT_TIMEOUT_S",
+    "STARTUP_LIMIT_S",
+    "KernelCalls",
+    "Isolated",
+    "InProcess",
+    "open_kernel",
+    "as_calls",
+    "KernelTimeout",
+    "WorkerCrashed",
+    "RemoteError",
+    "RemoteRefusal",
+    "isolation",
+    "isolated_by_default",
+    "failure_reason",
+    "traceback_of",
+    "death_reason",
+    "to_device",
+    "serve",
+]
 
 #: the default limit of one kernel call (forward, or the backward half), in seconds.  A call may
 #: include JIT compilation: a CuTe-DSL compile of one production variant took 5.3-20.2 s on the
@@ -59,106 +79,6 @@ class WorkerCrashed(RuntimeError):
 
 class KernelTimeout(RuntimeError):
     """A kernel call did not return within its time limit; its worker was killed."""
-
-
-class RemoteError(Exception):
-    """An exception the kernel raised in the worker that could not be sent back as itself (it
-    does not pickle): its type's name, message and formatted traceback, as the worker saw them."""
-
-    def __init__(self, info: dict):
-        super().__init__(info["message"])
-        self.type_name, self.qualified_type = info["name"], info["type"]
-        self.message, self.worker_traceback, self.kind = info["message"], info["traceback"], info["kind"]
-
-    def __reduce__(self):
-        return (type(self), (self._info(),))
-
-    def _info(self) -> dict:
-        return {
-            "name": self.type_name,
-            "type": self.qualified_type,
-            "message": self.message,
-            "traceback": self.worker_traceback,
-            "kind": self.kind,
-        }
-
-
-class RemoteRefusal(RemoteError, NotImplementedError):
-    """A :class:`RemoteError` whose exception was a ``NotImplementedError`` (a refusal)."""
-
-
-def _kind(exc: BaseException) -> str | None:
-    """What a kernel's exception means beyond its message: "gpu-oom", "host-oom", "refusal"."""
-    if isinstance(exc, RemoteError):
-        return exc.kind
-    if isinstance(exc, torch.OutOfMemoryError):  # torch.cuda.OutOfMemoryError is the same class
-        return "gpu-oom"
-    if isinstance(exc, MemoryError):
-        return "host-oom"
-    return "refusal" if isinstance(exc, NotImplementedError) else None
-
-
-def failure_reason(exc: BaseException, what: str = "kernel") -> tuple[str, str]:
-    """(cause, reason) of an exception a kernel call raised: cause "out-of-memory" with a reason
-    that says so for ``torch.OutOfMemoryError`` (also ``torch.cuda.OutOfMemoryError``) and
-    ``MemoryError``, else "exception" with "``what`` raised Type: message"; an exception that
-    came back from a worker as a :class:`RemoteError` reads as the original type."""
-    name = exc.type_name if isinstance(exc, RemoteError) else type(exc).__name__
-    msg = str(exc)
-    kind = _kind(exc)
-    if kind == "gpu-oom":
-        first = msg.strip().splitlines()[0] if msg.strip() else ""
-        return "out-of-memory", f"{what} ran out of GPU memory ({name}): {first}"
-    if kind == "host-oom":
-        return "out-of-memory", f"{what} ran out of host memory ({name}): {msg or 'no message'}"
-    return "exception", f"{what} raised {name}: {msg}"
-
-
-def traceback_of(exc: BaseException, limit: int = 3) -> str:
-    """The formatted traceback of ``exc``: the worker's, for an exception raised there (the
-    parent's frames say only that the pipe delivered it)."""
-    return getattr(exc, "worker_traceback", None) or "".join(traceback.format_exception(exc, limit=limit))
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0: no limit)") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds >= 0 (0: no limit)")
-    return v
-
-
-#: ``--timeout``'s default, in the words of the subcommands whose kernels run in a worker without it
-RUN_DEFAULT_NOTE = (
-    f"Default {DEFAULT_TIMEOUT_S:g} s (room for a CuTe-DSL compile, docs/runner.md) for the kernels that run in a "
-    "worker anyway (fa4 and user kernels, or all with --isolate); given, every kernel runs in a worker."
-)
-#: ... and of those whose kernels run in the audit's own process without it
-IN_PROCESS_NOTE = "Given (above 0), the kernels run in a worker process; without it, in this process, with no limit."
-
-
-def add_timeout_argument(parser: argparse.ArgumentParser, *, note: str) -> None:
-    """``--timeout SECONDS`` on a subcommand, the same everywhere: ``note`` (:data:`RUN_DEFAULT_NOTE`
-    or :data:`IN_PROCESS_NOTE`) says where its kernels run without it, and so what the default is."""
-    parser.add_argument(
-        "--timeout",
-        type=_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="time limit of each kernel call, forward and backward separately (0: no limit): a call past it kills "
-        f"the kernel's worker process, the case's verdict is timeout and the run goes on with a fresh worker. {note}",
-    )
-
-
-def timeout_setting(args: argparse.Namespace) -> tuple[float | None, bool]:
-    """(the limit in seconds or None for no limit, whether ``--timeout`` was given): given and
-    above 0, every kernel runs in a worker so that it can be stopped."""
-    given = getattr(args, "timeout", None)
-    if given is None:
-        return DEFAULT_TIMEOUT_S, False
-    return (given or None), True
 
 
 def isolated_by_default(kernel: str) -> bool:
@@ -199,8 +119,6 @@ def to_device(x, device):
 def _entry_of(kernel: str, entry: str | None) -> Callable:
     """The kernel's callable for ``entry``: None the fixed-length one, "varlen" its varlen
     entry, "per-sequence" the fixed-length one once per sequence."""
-    from audits.kernels import get_kernel, get_varlen_kernel, per_sequence
-
     if entry == "varlen":
         return get_varlen_kernel(kernel)
     return per_sequence(get_kernel(kernel)) if entry == "per-sequence" else get_kernel(kernel)
@@ -219,7 +137,7 @@ def _exception_reply(exc: BaseException) -> tuple:
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": msg,
         "traceback": "".join(traceback.format_exception(exc)),
-        "kind": _kind(exc),
+        "kind": error_kind(exc),
     }
     try:
         pickle.loads(pickle.dumps(exc))
@@ -363,8 +281,6 @@ class Isolated:
     parent (and its caches)."""
 
     def __init__(self, kernel: str, device: torch.device | str, *, timeout: float | None = None):
-        import multiprocessing as mp
-
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout {timeout!r}: expected seconds > 0, or None for no limit")
         self.ctx = mp.get_context("spawn")
@@ -442,19 +358,16 @@ class Isolated:
     def varlen_entry(self, per_seq: bool) -> tuple[Callable | None, str | None]:
         """``audits.engine.evaluate``'s varlen entry in the worker: the kernel's varlen entry,
         else (``per_seq``) the fixed-length kernel once per sequence, else (None, None)."""
-        from audits.kernels import get_varlen_kernel
-
         entry = "varlen" if get_varlen_kernel(self.kernel) is not None else "per-sequence" if per_seq else None
         if entry is None:
             return None, None
         return self.entry(entry), entry
 
-    def grad(self, x: dict, do: torch.Tensor, opts, *, call: Callable) -> tuple[dict, tuple | None]:
-        """``call(kernel, x, do, opts)`` in the worker (``audits.engine.backward.grad_call``: the
-        backward half, which returns a status and never raises); a crash or a timeout there is
-        the case's backward status."""
+    def grad(self, x: dict, do: torch.Tensor, opts) -> tuple[dict, tuple | None]:
+        """The backward half in the worker (``audits.engine.backward.grad_call``, which returns a
+        status and never raises); a crash or a timeout there is the case's backward status."""
         try:
-            return self._ask(x["q"], x["k"], x["v"], x["kw"], (do.cpu(), opts, call))
+            return self._ask(x["q"], x["k"], x["v"], x["kw"], (do.cpu(), opts, grad_call))
         except WorkerCrashed as exc:
             return {"status": "crash", "reason": str(exc)}, None
         except KernelTimeout as exc:
@@ -473,3 +386,62 @@ class Isolated:
             if w is not None:
                 w.close()
         self.current = self.spare = None
+
+
+@runtime_checkable
+class KernelCalls(Protocol):
+    """What the engine calls a kernel through, wherever it runs (:class:`InProcess`, :class:`Isolated`):
+    the forward call, the backward half (``audits.engine.backward.grad_call``'s status and result),
+    the entry for varlen cases, and the end of the kernel's process (nothing for one in this process)."""
+
+    def __call__(self, q, k, v, *, return_lse=True, **kw): ...
+
+    def grad(self, x: dict, do: torch.Tensor, opts) -> tuple[dict, tuple | None]: ...
+
+    def varlen_entry(self, per_seq: bool) -> tuple[Callable | None, str | None]: ...
+
+    def kill(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InProcess:
+    """A kernel called in the audit's own process, through :class:`KernelCalls`."""
+
+    def __init__(self, kernel: str, fn: Callable):
+        self.kernel, self.fn = kernel, fn
+
+    def __call__(self, q, k, v, *, return_lse=True, **kw):
+        return self.fn(q, k, v, return_lse=return_lse, **kw)
+
+    def grad(self, x: dict, do: torch.Tensor, opts) -> tuple[dict, tuple | None]:
+        return grad_call(self.fn, x, do, opts)
+
+    def varlen_entry(self, per_seq: bool) -> tuple[Callable | None, str | None]:
+        """(the callable that runs a varlen case, "varlen" | "per-sequence"), or (None, None): the
+        kernel's varlen entry (a built-in's, or the kernel itself when it declares the varlen
+        contract), else with ``per_seq`` the fixed-length kernel once per sequence."""
+        fn = self.fn
+        entry = fn if getattr(fn, "fa4_audit_contract", None) == "varlen" else None
+        if entry is None and self.kernel in VARLEN_KERNELS and KERNELS.get(self.kernel) is fn:
+            entry = VARLEN_KERNELS[self.kernel]
+        if entry is not None:
+            return entry, "varlen"
+        return (per_sequence(fn), "per-sequence") if per_seq else (None, None)
+
+    def kill(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_kernel(kernel: str, device: torch.device | str, *, isolated: bool, timeout: float | None) -> KernelCalls:
+    """Kernel ``kernel`` in a worker process with ``timeout`` seconds per call (``isolated``), else
+    in this process."""
+    return Isolated(kernel, device, timeout=timeout) if isolated else InProcess(kernel, get_kernel(kernel))
+
+
+def as_calls(kernel: str, fn: Callable | KernelCalls) -> KernelCalls:
+    """``fn`` as :class:`KernelCalls`: itself when it is one, else the plain callable called in this process."""
+    return fn if isinstance(fn, KernelCalls) else InProcess(kernel, fn)

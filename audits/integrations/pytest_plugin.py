@@ -10,7 +10,7 @@ fails the test with the failing cases, their reasons and reproducers; it returns
 Under pytest-xdist (``pytest -n N``) every test that uses the fixture runs once per worker, each
 instance auditing its shard ``I/N`` of the cases (``shard_cases``, balanced by cost), so the
 workers share one audit; at the end of the session the controller merges the shards into one
-report per test (``fa4-audit merge``), named in the terminal summary.
+report per test (``audits.report.merge``, as ``fa4-audit merge``), named in the terminal summary.
 
 The entry point loads this module into every pytest run of the environment, so loading it has
 no side effect: it imports nothing heavy (torch, numpy and the audit modules are imported by the
@@ -30,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,10 +56,12 @@ def fa4_audit(tmp_path, tmp_path_factory, fa4_audit_shard, request):
     """Callable ``(kernel, *, suite="smoke", case="*", device="cpu", thresholds=None,
     isolate=False, backward=False, repeat=2, deterministic=False) -> report dict``; fails the
     calling test when any case fails.  ``backward``: audit the gradients too (``run --backward``)."""
-    import torch
-
-    from audits.engine.evaluate import FAILING, run_suite
-    from audits.report.build import build_report, exit_code, summary_line, write_report
+    # imported here, not at the top: loading the plugin must stay light (module doc)
+    from audits.api import RunOptions, StopReason
+    from audits.api import audit as run_audit
+    from audits.engine.backward import BackwardOptions
+    from audits.engine.evaluate import FAILING, shard_cases
+    from audits.report.build import summary_line, write_report
     from audits.verdict.gate import load_thresholds
 
     def audit(
@@ -73,44 +76,30 @@ def fa4_audit(tmp_path, tmp_path_factory, fa4_audit_shard, request):
         repeat: int = 2,
         deterministic: bool = False,
     ) -> dict:
-        from audits.engine.backward import BackwardOptions
-
         cases = [c for c in _cases(kernel, suite) if fnmatch.fnmatch(c.name, case)]
         if fa4_audit_shard is not None:
-            from audits.engine.evaluate import shard_cases
-
             i, n = (int(x) for x in fa4_audit_shard.split("/"))
             cases = shard_cases(cases, i, n, by="cost")
-        th = load_thresholds(thresholds)
         out = tmp_path / f"fa4-audit-{Path(suite).stem}"
-        bwd = BackwardOptions(repeat=repeat, deterministic=deterministic) if backward else None
-        records = run_suite(
-            kernel,
-            cases,
-            device=torch.device(device),
-            out_dir=out,
-            thresholds=th,
-            suite=suite,
-            isolate=isolate,
-            backward=bwd,
-        )
-        rep = build_report(
-            kernel=kernel,
-            suite=suite,
-            seed=0,
+        options = RunOptions(
             device=device,
-            environment={},
-            thresholds=th,
-            records=records,
-            command=f"fa4_audit({kernel!r}, suite={suite!r}, case={case!r})",
-            created="",
+            out=out,
+            thresholds=load_thresholds(thresholds),
+            label=suite,
+            isolate=isolate,
+            backward=BackwardOptions(repeat=repeat, deterministic=deterministic) if backward else None,
             shard=fa4_audit_shard,
         )
+        header = {"command": f"fa4_audit({kernel!r}, suite={suite!r}, case={case!r})", "created": "", "environment": {}}
+        result = run_audit(kernel, cases, options, header=header)
+        if result.stopped == StopReason.INTERRUPTED:  # Ctrl-C ends the test session, as it would without the audit
+            raise KeyboardInterrupt
+        rep = result.reports[kernel]
         paths = write_report(rep, out)
         if fa4_audit_shard is not None:  # for the controller's merge at the session's end
             _keep_shard(request, tmp_path_factory, paths["json"], fa4_audit_shard)
-        if exit_code(rep):
-            bad = [r for r in records if r["verdict"] in FAILING]
+        if result.exit_code:
+            bad = [r for r in rep["cases"] if r["verdict"] in FAILING]
             lines = [
                 f"  {r['verdict']}: {r['case']}: {'; '.join(x for x in r['reasons'] if x)}\n    reproduce: {r['repro']}"
                 for r in bad[:10]
@@ -203,8 +192,6 @@ def _keep_shard(request, tmp_path_factory, report: Path, shard: str) -> None:
     without the shard parameter), under the parent of this worker's temporary root (xdist makes
     each worker's root a folder of the controller's, ``popen-gwN``); the folder goes back to the
     controller in the worker's ``workeroutput``."""
-    import shutil
-
     root = tmp_path_factory.getbasetemp().parent / "fa4-audit-shards"
     test = re.sub(r"\[shard\d+of\d+\]$", "", request.node.nodeid)
     d = root / re.sub(r"[^A-Za-z0-9_.-]+", "_", test)
@@ -224,7 +211,7 @@ def pytest_testnodedown(node, error):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """On the xdist controller: merge each test's shard reports into one (``fa4-audit merge``)."""
+    """On the xdist controller: merge each test's shard reports into one (``audits.report.merge``)."""
     config = session.config
     if hasattr(config, "workerinput") or not config.stash.get(_SHARD_ROOTS, None):
         return
@@ -232,17 +219,16 @@ def pytest_sessionfinish(session, exitstatus):
     for root in sorted(Path(r) for r in config.stash[_SHARD_ROOTS]):
         for d in sorted(p for p in root.glob("*") if p.is_dir()):
             tests.setdefault(d.name, []).append(d)
+    from audits.report.header import command_line
+    from audits.report.merge import merge_files  # here, not at the top: the plugin loads light (module doc)
+
     merged = []
     for dirs in tests.values():
-        import argparse
-
-        from audits.cli.reports import cmd_merge
-
         shards = sorted(str(p) for d in dirs for p in d.glob("shard-*.json"))
         out = dirs[0] / "merged"
-        argv = ["merge", *shards, "--out", str(out)]
-        cmd_merge(argparse.Namespace(reports=shards, out=str(out), argv=argv))
-        merged.append(out / "report.md")
+        rep, paths = merge_files(shards, out, command=command_line(["merge", *shards, "--out", str(out)]))
+        print(f"merged {len(shards)} reports, {len(rep['cases'])} cases: {paths['md']}")
+        merged.append(paths["md"])
     config.stash[_MERGED] = merged
 
 
@@ -255,10 +241,11 @@ def _cases(kernel: str, suite: str) -> list:
     """The suite's cases as ``fa4-audit run`` builds them for this one kernel: a named suite
     (or a suite file, ``audits.suites.suite_file``) within the kernel's declared domain."""
     from audits.kernels import kernel_domain
-    from audits.suites.domain import Domain, named_suite_within
+    from audits.suites.cases import build_suite
+    from audits.suites.domain import Domain
     from audits.suites.suite_file import build, is_suite_file, load
 
     d = kernel_domain(kernel)
     if is_suite_file(suite):  # its [[case]]s outside the domain stay: the engine skips them, with the reason
         return build(load(suite), d, cases_in=Domain())["cases"]
-    return named_suite_within(suite, d)["cases"]
+    return build_suite(suite, d)["cases"]

@@ -1,42 +1,45 @@
 """The audit report: JSON (schema ``fa4-audit/report/2``, docs/design.md), Markdown, JUnit XML
-(HTML: ``report_html``), and its validation when read back."""
+(HTML: ``audits.report.html``); a report read back is checked and upgraded by ``audits.report.schema``."""
 
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from audits.common import atomic_write
-from audits.report import schema as _schema
+from audits.common import EXIT_INCOMPLETE, atomic_write
+from audits.engine import journal
+from audits.engine.stop import StopReason
 from audits.report.html import case_cells, grad_cells, render_html
 from audits.report.maps import DEFAULT_MAPS, html_figures, write_maps
+from audits.report.records import FAILING, VERDICTS, CaseRecord
+from audits.report.schema import SCHEMA, ReportError, journal_basis, validate_report
 from audits.suites.domain import Domain
-from audits.verdict.coverage import coverage_lines
+from audits.verdict.coverage import basis_of, coverage_from_basis, coverage_lines
 from audits.verdict.gate import backward_verdict
 from audits.verdict.separators import separator_text, separators, where_lines
 
 __all__ = [
-    "SCHEMA", "build_report", "write_report", "exit_code", "summary_line", "validate_report", "ReportError",
-    "partial_line", "run_counts", "collapse_reasons", "report_from_journal", "STOPPED",
-]  # fmt: skip
+    "SCHEMA",
+    "build_report",
+    "write_report",
+    "exit_code",
+    "summary_line",
+    "validate_report",
+    "ReportError",
+    "partial_line",
+    "run_counts",
+    "collapse_reasons",
+    "report_from_journal",
+    "STOPPED",
+]
 
-SCHEMA = "fa4-audit/report/2"
-#: schemas ``validate_report`` reads: 2 adds the gradients of ``run --backward`` (a case's
-#: ``backward``, the summary's ``backward``); a version-1 report is a version-2 report without them
-READABLE = (SCHEMA, "fa4-audit/report/1")
-VERDICTS = _schema.VERDICTS  # every view counts these; FAILING of them fail a run
 MD_ALL_CASES = 200  # report.md lists every case up to this many
 #: why a run ended before its last selected case (the summary's ``stopped``), in words
-STOPPED = {
-    "interrupted": "interrupted (Ctrl-C)",
-    "budget": "the --budget ran out",
-    "exitfirst": "stopped at the first failing case (-x)",
-    "unfinished": "cases did not finish (a job died)",
-    "journal": "read from its journal: the run was stopped, or is still going",
-}
+STOPPED = {reason: reason.words for reason in StopReason}
 
 
-def _worst(records: list[dict], path: tuple[str, str]) -> dict | None:
+def _worst(records: list[CaseRecord], path: tuple[str, str]) -> dict | None:
     best = None
     for r in records:
         v = r.get(path[0], {}) or {}
@@ -54,7 +57,7 @@ def build_report(
     device: str,
     environment: dict,
     thresholds: dict,
-    records: list[dict],
+    records: list[CaseRecord],
     command: str,
     created: str,
     shard: str | None,
@@ -110,11 +113,9 @@ def build_report(
     return rep
 
 
-def _coverage(kernel: str, records: list[dict], basis: dict | None, backward: bool | None) -> dict:
+def _coverage(kernel: str, records: list[CaseRecord], basis: dict | None, backward: bool | None) -> dict:
     """The report's ``coverage`` (``audits.verdict.coverage``); ``{"absent": why}`` when the basis cannot
     be had (a kernel that does not load here, a malformed declaration)."""
-    from audits.verdict.coverage import basis_of, coverage_from_basis
-
     if basis is None:
         try:
             basis = basis_of(kernel)
@@ -123,7 +124,7 @@ def _coverage(kernel: str, records: list[dict], basis: dict | None, backward: bo
     return coverage_from_basis(basis, records=records, backward=backward)
 
 
-def _backward_summary(records: list[dict]) -> dict | None:
+def _backward_summary(records: list[CaseRecord]) -> dict | None:
     """What ``run --backward`` adds to the summary (None without it): cases whose gradients ran,
     per gradient the worst max |err| and err/bound, and the run-to-run spread over all cases
     (elements differing between backward runs on the same inputs, worst ULP distance)."""
@@ -148,8 +149,8 @@ def _backward_summary(records: list[dict]) -> dict | None:
 
 
 def run_counts(report: dict) -> tuple[int, int, int]:
-    """(selected, run, not run) cases of a report; a report written before partial reports
-    existed ran what it selected."""
+    """(selected, run, not run) cases of a report; a summary without the partial counts ran
+    what it selected (a report read is given them: ``audits.report.schema.upgrade_report``)."""
     s = report["summary"]
     run = s.get("run", s["cases"])
     selected = s.get("selected", run)
@@ -160,11 +161,9 @@ def exit_code(report: dict) -> int:
     """1 when a case failed, errored, crashed (or timed out); else 3 (``EXIT_INCOMPLETE``) for a
     partial report, whose unrun cases were not checked; else 1 when no case was evaluated (a run
     that compared nothing checked nothing); else 0.  Never 0 for what was not checked."""
-    from audits.common import EXIT_INCOMPLETE
-
     c = report["summary"]["verdicts"]
     evaluated = c["pass"] + c["warn"] + c["fail"]
-    if sum(c.get(v, 0) for v in _schema.FAILING):
+    if sum(c.get(v, 0) for v in FAILING):
         return 1
     if run_counts(report)[2] > 0:
         return EXIT_INCOMPLETE
@@ -186,17 +185,11 @@ def report_from_journal(path) -> dict:
     point (its header keeps the run's command, environment and thresholds; cases in suite
     order): partial (``stopped`` "journal") while cases are missing, so that a run that was
     killed, or is still going, can be read; :class:`ReportError` when ``path`` is no journal."""
-    from audits.engine import journal
-    from audits.verdict.coverage import legacy_basis
-
     head = journal.read_header(Path(path))
     if head is None:
         raise ReportError(f"{path}: not a journal of fa4-audit run (no {journal.SCHEMA} header line)")
     extra = head.get("report") or {}
     records = journal.read_ordered(Path(path))
-    basis = _journal_basis(head, extra)
-    if basis is None:  # a journal written before coverage: from what it holds, as an old report
-        basis = legacy_basis({"kernel": head["kernel"], "environment": extra.get("environment") or {}})
     return build_report(
         kernel=head["kernel"],
         suite=head["suite"],
@@ -209,22 +202,13 @@ def report_from_journal(path) -> dict:
         created=extra.get("created", "unknown"),
         shard=extra.get("shard"),
         selected=head.get("n_cases"),
-        stopped="journal",
-        coverage_basis=basis,
+        stopped=StopReason.JOURNAL,
+        coverage_basis=journal_basis(head),
         backward=head.get("backward") is not None,
     )
 
 
-def _journal_basis(head: dict, extra: dict) -> dict | None:
-    """The coverage basis a run kept in its journal's header (``coverage``: per kernel, the
-    domain and architecture), None when it kept none."""
-    from audits.verdict.coverage import basis_of_coverage
-
-    kept = (head.get("coverage") or {}).get(head["kernel"])
-    return basis_of_coverage({"domain": kept.get("domain"), "arch": kept.get("arch")}) if kept else None
-
-
-def collapse_reasons(records: list[dict]) -> list[tuple[dict, int]]:
+def collapse_reasons(records: list[CaseRecord]) -> list[tuple[CaseRecord, int]]:
     """Records grouped by (verdict, reasons): the first record of each group and the group's
     size, in order of first appearance, so that a console shows a reason repeated over many
     cases once, with its count."""
@@ -269,54 +253,6 @@ def _gradients_part(report: dict) -> str:
 
 #: the unrestricted domain, against which a report's declared one is shown
 _UNRESTRICTED = Domain()
-
-
-class ReportError(ValueError):
-    """A file that is not a valid fa4-audit report; the message names the field."""
-
-
-#: Case fields younger than the report schema (the varlen ones, docs/varlen.md; the mods,
-#: docs/mods.md, which ``Case.as_dict`` leaves out when unset): a report written before them holds
-#: fixed-length cases without mods only, for which they take their defaults
-_LATER_FIELDS = ("seqlens", "seqused_k", "page_size", "num_splits", "pack_gqa", "score_mod", "mask_mod", "block_sparse")
-
-
-def validate_report(rep, where: str) -> dict:
-    """``rep`` if it is a report of a ``READABLE`` schema, checked field by field against
-    ``audits.report.schema`` (top level, summary, every case and its config), else
-    :class:`ReportError` naming ``where``, the path to the field and what was expected.  A report
-    written before separators gets its ``diagnosis`` computed from its cases
-    (``audits.verdict.separators``), as ``upgrade_report`` gives it its coverage."""
-    from dataclasses import fields
-
-    from audits.report.schema import CASE, REPORT, check
-    from audits.suites.cases import Case, case_from_dict
-
-    CASE_FIELDS = [f.name for f in fields(Case)]
-
-    if not isinstance(rep, dict):
-        raise ReportError(f"{where}: not a report (a JSON {type(rep).__name__}, expected an object)")
-    if rep.get("schema") not in READABLE:
-        raise ReportError(f"{where}: schema {rep.get('schema')!r} is not one of {', '.join(READABLE)}")
-    _schema.upgrade_report(rep)  # fields younger than the file, from what it holds (the one place)
-    if err := check(rep, REPORT, "report"):
-        raise ReportError(f"{where}: {err}")
-    for i, c in enumerate(rep["cases"]):
-        if err := check(c, CASE, f"cases[{i}]"):
-            raise ReportError(f"{where}: {err}")
-        if c["verdict"] not in VERDICTS:
-            raise ReportError(f"{where}: case {c['case']} has verdict {c['verdict']!r}; known: {', '.join(VERDICTS)}")
-        missing = [k for k in CASE_FIELDS if k not in c["config"] and k not in _LATER_FIELDS]
-        if missing:
-            lacks = ", ".join(missing)
-            raise ReportError(f"{where}: cases[{i}].config lacks {lacks} (a report holds every Case field)")
-        try:
-            case_from_dict(c["config"], where=f"cases[{i}].config")
-        except ValueError as exc:
-            raise ReportError(f"{where}: {exc}") from exc
-    if "diagnosis" not in rep:  # a report written before separators: from its cases, now that they are checked
-        rep["diagnosis"] = separators(rep["cases"], arch=(rep["coverage"] or {}).get("arch"))
-    return rep
 
 
 def _domain_lines(info: dict | None) -> list[str]:
@@ -391,7 +327,7 @@ def _markdown(rep: dict) -> str:
             L.append(f"| {r['case']} | {r['verdict']} | {g['grads']} | {g['grad_tightness']} | {g['spread']} |")
     L += _diagnosis_markdown(rep)
     L += ["", "## Coverage", "", "```", *coverage_lines(rep.get("coverage")), "```"]
-    fails = [r for r in rep["cases"] if r["verdict"] in _schema.FAILING]
+    fails = [r for r in rep["cases"] if r["verdict"] in FAILING]
     if fails:
         L += ["", "## Reproduce", ""]
         L += [
@@ -410,7 +346,7 @@ def _diagnosis_markdown(rep: dict) -> list[str]:
     if head:
         L += ["", "## Separators", "", head + ("." if not rules else ":"), ""]
         L += [f"- `{rule}`" + (f": {detail}" if detail else "") for rule, detail in rules]
-    where = [(r, lines) for r in rep["cases"] if r["verdict"] in _schema.FAILING and (lines := where_lines(r))]
+    where = [(r, lines) for r in rep["cases"] if r["verdict"] in FAILING and (lines := where_lines(r))]
     if where:
         L += ["", "## Where the failing cases fail", ""]
         for r, lines in where:
@@ -421,8 +357,6 @@ def _diagnosis_markdown(rep: dict) -> list[str]:
 def _junit(rep: dict) -> str:
     """JUnit XML for CI systems: one testcase per case; fail as a failure, error/crash/timeout as
     errors (their ``type`` the verdict), skipped as skipped, warnings in system-out."""
-    import xml.etree.ElementTree as ET
-
     c = rep["summary"]["verdicts"]
     suite = ET.Element(
         "testsuite",

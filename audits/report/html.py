@@ -9,7 +9,8 @@ import io
 import math
 from collections import defaultdict
 
-from audits.report.schema import FAILING
+from audits.report.records import FAILING, CaseRecord
+from audits.verdict.coverage import DIRECTIONS, coverage_lines, missed_text, pairs_text
 from audits.verdict.gate import ungated_figures
 from audits.verdict.separators import separator_text, where_lines
 
@@ -28,7 +29,7 @@ def _informational(cell: str, why: str | None) -> str:
     return cell if why is None or cell == "—" else f"{cell} (informational: {why})"
 
 
-def case_cells(r: dict, *, thresholds: dict | None = None) -> dict[str, str]:
+def case_cells(r: CaseRecord, *, thresholds: dict | None = None) -> dict[str, str]:
     """The per-case figures every view shows (Markdown, HTML, ``fa4-audit show``), formatted;
     with the report's ``thresholds``, a figure they do not gate says so (an err/bound of 3.63 on a
     passing case is otherwise read as a missed failure)."""
@@ -45,7 +46,7 @@ def case_cells(r: dict, *, thresholds: dict | None = None) -> dict[str, str]:
     }
 
 
-def grad_cells(r: dict, *, thresholds: dict | None = None) -> dict[str, str]:
+def grad_cells(r: CaseRecord, *, thresholds: dict | None = None) -> dict[str, str]:
     """The backward figures (``run --backward``): per gradient max |err| against FP64, the worst
     error/bound over the gradients (marked informational where ``thresholds`` do not gate it), and
     the run-to-run spread (elements differing, worst ULPs); "—" where the case had no backward
@@ -76,6 +77,7 @@ def _svg(fig) -> str:
 
 
 def _plots(cases: list[dict]) -> str:
+    # lazy: matplotlib takes a quarter second to import, paid only where a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,7 +115,7 @@ def _plots(cases: list[dict]) -> str:
     return svg
 
 
-def _row(r: dict, thresholds: dict | None = None) -> str:
+def _row(r: CaseRecord, thresholds: dict | None = None) -> str:
     c = case_cells(r, thresholds=thresholds)
     cells = "".join(
         f"<td>{x}</td>" for x in (html.escape(r["case"]), r["verdict"], c["max_abs"], c["rel_l2"], c["lse"])
@@ -158,8 +160,6 @@ def _separators(diag: dict | None) -> str:
 def _coverage(cov: dict | None) -> str:
     """The coverage section (``audits.verdict.coverage``): head dims accepted, covered and missed per
     direction, then each code-path class with the case that covered it in each direction."""
-    from audits.verdict.coverage import DIRECTIONS, coverage_lines, missed_text, pairs_text
-
     if not isinstance(cov, dict) or "absent" in cov:
         return f"<h2>Coverage</h2><p>{html.escape(coverage_lines(cov)[0])}</p>"
     h, judged = cov["head_dims"], cov["directions"]

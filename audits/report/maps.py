@@ -39,7 +39,9 @@ import numpy as np
 import torch
 
 from audits.common import atomic_write
-from audits.report.schema import FAILING
+from audits.report.records import FAILING
+from fa4.mods import build_mods
+from numerics.mods import visibility as mod_visibility
 from numerics.reference import effective_window, visible_key_range, visible_mask
 
 __all__ = ["DEFAULT_MAPS", "render", "write_maps", "html_figures", "map_meta", "visibility", "FORMATS"]
@@ -173,9 +175,6 @@ def _mod_mask(config: dict, batch: int, heads, *, rows: np.ndarray, keys: np.nda
     The mods are rebuilt from the case as the run built them (``fa4.mods.build_mods``, the recipe
     of ``audits.suites.inputs``; the score_mod left out: it hides no key): at the call's batch and
     lengths, so for a varlen case with the sequence as the batch index and its largest lengths."""
-    from fa4.mods import build_mods
-    from numerics.mods import visibility as mod_visibility
-
     nb, hq, lq, lk = (int(config[k]) for k in ("batch", "heads_q", "seqlen_q", "seqlen_k"))
     block = tuple(int(x) for x in config.get("block_sparse") or ())
     mods = build_mods(
@@ -240,6 +239,7 @@ def _mask_names(config: dict) -> tuple[str, ...]:
 
 def _colours():
     """The colour map (log10 of the ratio, centred at 0 = the bound) and the legend's colours."""
+    # lazy: matplotlib takes a quarter second to import, paid only where a figure is drawn
     from matplotlib.colors import LinearSegmentedColormap, ListedColormap
 
     below = LinearSegmentedColormap.from_list("below", _BELOW)(np.linspace(0, 1, 128))
@@ -298,6 +298,7 @@ def _mask_panel(ax, *, meta: dict, panel: dict, ratios: np.ndarray) -> set[int]:
     """The case's mask beside one panel, with the tile grid, the mask's edges and the panel's
     violating rows (or keys) as red bands; its vertical axis is the panel's row axis.  The
     mask categories drawn (indices into ``_MASK_COLOURS``)."""
+    # lazy: matplotlib takes a quarter second to import, paid only where a figure is drawn
     from matplotlib.colors import ListedColormap
 
     config = meta["config"]
@@ -423,6 +424,7 @@ def render(npz_path: str | Path, *, fmt: str = "png", tensor: str | None = None)
 
 def _save(fig, fmt: str) -> bytes:
     """PNG or SVG bytes of ``fig``; SVG text as text (searchable, smaller), no date (reproducible)."""
+    # lazy: matplotlib takes a quarter second to import, paid only where a figure is drawn
     import matplotlib
 
     buf = io.BytesIO()
@@ -440,6 +442,7 @@ def _ticks(lo: float, hi: float) -> list[int]:
 
 def _figure(npz_path: str | Path, *, tensor: str | None):
     """The figure ``render`` saves (tests read its axes' positions)."""
+    # lazy: matplotlib takes a quarter second to import, paid only where a figure is drawn
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.figure import Figure

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 from audits.engine.worker import DEFAULT_TIMEOUT_S
 from audits.kernels import portable_spec
 from audits.suites.cases import Case
+from audits.verdict.gate import DEFAULT_THRESHOLDS
 
 __all__ = ["reproducer", "REPRO_OUT"]
 
@@ -31,13 +33,9 @@ def reproducer(
     (``--overwrite`` into ``fa4-audit-repro/``); ``backward``: the run's ``BackwardOptions``;
     ``timeout``: the run's per-call limit (None: none), carried when it is not the default, so
     that a case that timed out times out again after the same limit, not after the default's."""
-    from audits.verdict.gate import DEFAULT_THRESHOLDS
-
     cfg = json.dumps(case.as_dict(), separators=(",", ":"))
     cmd = ["fa4-audit", "run", "--kernel", portable_spec(kernel), "--config", cfg, "--device", str(device)]
     if thresholds_path and str(thresholds_path) != str(DEFAULT_THRESHOLDS):
-        from pathlib import Path
-
         cmd += ["--thresholds", str(Path(thresholds_path).resolve())]
     if backward is not None:  # audits.engine.backward.BackwardOptions
         cmd += ["--backward", "--repeat", str(backward.repeat)]

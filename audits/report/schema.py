@@ -1,5 +1,7 @@
 """The report's shape, declared: every field that ``show``, ``gate``, ``diff``, ``merge`` and
-``summary`` read, with its type, checked before any of them reads it.  A file that fails is a
+``summary`` read, with its type, checked before any of them reads it; and every upgrade of
+what older versions wrote (:func:`validate_report` applies them when a report or a journal is
+read, so that the readers assume this version's shape).  A file that fails is a
 usage error (exit 2) naming the path to the bad field (``cases[3].out.max_abs``), what it held
 and what is expected, never a ``KeyError`` traceback (exit 1 would mean "check failed").
 
@@ -10,26 +12,51 @@ applies only when another field has a given value)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 from typing import Any
 
+from audits.kernels import KERNELS, arch_of_capability
+from audits.report.records import FAILING, LATER_VERDICTS, OUT_OF_DOMAIN_KINDS, VERDICTS
+from audits.suites.cases import Case, case_from_dict
+from audits.suites.domain import Domain, DomainError
+from audits.verdict.coverage import basis_of_coverage, coverage_from_basis
+from audits.verdict.separators import separators
+
 __all__ = [
-    "Opt", "Each", "When", "check", "REPORT", "CASE", "VERDICTS", "LATER_VERDICTS", "FAILING", "OUT_OF_DOMAIN_KINDS",
-    "upgrade_case", "upgrade_report", "COVERAGE", "DIAGNOSIS",
-]  # fmt: skip
+    "Opt",
+    "Each",
+    "When",
+    "check",
+    "REPORT",
+    "CASE",
+    "VERDICTS",
+    "LATER_VERDICTS",
+    "FAILING",
+    "OUT_OF_DOMAIN_KINDS",
+    "upgrade_case",
+    "upgrade_report",
+    "upgrade",
+    "upgrade_thresholds",
+    "coverage_basis",
+    "journal_basis",
+    "COVERAGE",
+    "DIAGNOSIS",
+    "SCHEMA",
+    "READABLE",
+    "ReportError",
+    "validate_report",
+]
 
 NUM = (int, float)
+SCHEMA = "fa4-audit/report/2"
+#: schemas ``validate_report`` reads: 2 adds the gradients of ``run --backward`` (a case's
+#: ``backward``, the summary's ``backward``); a version-1 report is a version-2 report without them
+READABLE = (SCHEMA, "fa4-audit/report/1")
 
-#: a case's verdicts (``audits.verdict.gate``), in the order reports count them
-VERDICTS = ("pass", "warn", "fail", "error", "crash", "timeout", "skipped", "out-of-domain")
-#: verdicts younger than the first reports: a report without their counts had none of them
-LATER_VERDICTS = ("timeout",)
-#: the verdicts that fail a run (and get their inputs saved for reproduction)
-FAILING = ("fail", "error", "crash", "timeout")
-#: a case record's ``out_of_domain_kind``, beside its ``out_of_domain`` message: the inputs pass
-#: float32's range by the kernel design's headroom analysis, or hold NaN/inf that the kernel
-#: claims no semantics for (``audits.kernels.claims_nonfinite_inputs``)
-OUT_OF_DOMAIN_KINDS = ("float32-range", "nonfinite-inputs")
+
+class ReportError(ValueError):
+    """A file that is not a valid fa4-audit report; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +192,51 @@ REPORT = {
 }  # fmt: skip
 
 
-# ---- records written before a field existed, upgraded where they are read ------------------
+# ---- reading a report: every upgrade of what older versions wrote, in this one place ---------
+
+
+#: Case fields younger than the report schema (the varlen ones, docs/varlen.md; the mods,
+#: docs/mods.md, which ``Case.as_dict`` leaves out when unset): a report written before them holds
+#: fixed-length cases without mods only, for which they take their defaults
+_LATER_FIELDS = ("seqlens", "seqused_k", "page_size", "num_splits", "pack_gqa", "score_mod", "mask_mod", "block_sparse")
+_CASE_FIELDS = [f.name for f in fields(Case)]
+
+
+def validate_report(rep, where: str) -> dict:
+    """``rep`` if it is a report of a ``READABLE`` schema, upgraded to this version's shape
+    (:func:`upgrade`) and checked field by field (top level, summary, every case and its config),
+    else :class:`ReportError` naming ``where``, the path to the field and what was expected."""
+    if not isinstance(rep, dict):
+        raise ReportError(f"{where}: not a report (a JSON {type(rep).__name__}, expected an object)")
+    if rep.get("schema") not in READABLE:
+        raise ReportError(f"{where}: schema {rep.get('schema')!r} is not one of {', '.join(READABLE)}")
+    upgrade_report(rep)  # fields younger than the file, from what it holds
+    if err := check(rep, REPORT, "report"):
+        raise ReportError(f"{where}: {err}")
+    for i, c in enumerate(rep["cases"]):
+        if err := check(c, CASE, f"cases[{i}]"):
+            raise ReportError(f"{where}: {err}")
+        if c["verdict"] not in VERDICTS:
+            raise ReportError(f"{where}: case {c['case']} has verdict {c['verdict']!r}; known: {', '.join(VERDICTS)}")
+        missing = [k for k in _CASE_FIELDS if k not in c["config"] and k not in _LATER_FIELDS]
+        if missing:
+            lacks = ", ".join(missing)
+            raise ReportError(f"{where}: cases[{i}].config lacks {lacks} (a report holds every Case field)")
+        try:
+            case_from_dict(c["config"], where=f"cases[{i}].config")
+        except ValueError as exc:
+            raise ReportError(f"{where}: {exc}") from exc
+    return upgrade(rep)
+
+
+def upgrade(rep: dict) -> dict:
+    """A checked report (or one built from a journal) as this version writes it, in place: the
+    fields of :func:`upgrade_report`, and a report written before separators gets its
+    ``diagnosis`` computed from its cases (``audits.verdict.separators``).  Idempotent."""
+    upgrade_report(rep)
+    if "diagnosis" not in rep:
+        rep["diagnosis"] = separators(rep["cases"], arch=(rep["coverage"] or {}).get("arch"))
+    return rep
 
 
 def upgrade_case(rec: dict) -> dict:
@@ -192,18 +263,24 @@ def upgrade_case(rec: dict) -> dict:
 
 
 def upgrade_report(rep: dict) -> dict:
-    """A report (or a partial one) as this version writes it, in place: its summary counts the
-    verdicts younger than it (:data:`LATER_VERDICTS`: 0, there were none), every case record
-    is upgraded (:func:`upgrade_case`), and a report written before coverage gets its
-    ``coverage`` computed from its cases (``audits.verdict.coverage.legacy_basis``: the domain it recorded,
-    the architecture of a built-in kernel by name or of the GPU it ran on; its notes say so).
-    Any other count missing stays missing, for the schema check to name."""
+    """A report (or a partial one) as this version writes it, in place, before its check: its
+    summary counts the verdicts younger than it (:data:`LATER_VERDICTS`: 0, there were none) and,
+    written before partial reports, says it ran what it selected; every case record is upgraded
+    (:func:`upgrade_case`), and a report written before coverage gets its ``coverage`` computed
+    from its cases (:func:`_legacy_basis`: the domain it recorded, the
+    architecture of a built-in kernel by name or of the GPU it ran on; its notes say so).  Any
+    other count missing stays missing, for the schema check to name."""
     if not isinstance(rep, dict):
         return rep
-    counts = (rep.get("summary") or {}).get("verdicts") if isinstance(rep.get("summary"), dict) else None
+    summary = rep.get("summary") if isinstance(rep.get("summary"), dict) else {}
+    counts = summary.get("verdicts")
     if isinstance(counts, dict):
         for v in LATER_VERDICTS:
             counts.setdefault(v, 0)
+    if isinstance(summary.get("cases"), int) and "run" not in summary:
+        summary["run"] = summary["cases"]
+    if "run" in summary and "selected" not in summary:
+        summary["selected"] = summary["run"]
     cases = rep.get("cases") if isinstance(rep.get("cases"), list) else []
     for c in cases:
         upgrade_case(c)
@@ -212,16 +289,70 @@ def upgrade_report(rep: dict) -> dict:
     return rep
 
 
+def upgrade_thresholds(th: dict) -> dict:
+    """The thresholds a report records (``report["thresholds"]``) with the keys added since in
+    the values that reproduce how it was judged: ``[lse] rel`` 0 (the ceiling was ``max_abs``
+    alone) and ``[policy] lse_missing`` "warn" (its records of then carry no ``lse_returned``,
+    which the policy reads).  A copy; ``th`` is left as recorded."""
+    out = {**th}
+    if isinstance(th.get("lse"), dict):
+        out["lse"] = {"rel": 0.0, **th["lse"]}
+    if isinstance(th.get("policy"), dict):
+        out["policy"] = {"lse_missing": "warn", **th["policy"]}
+    return out
+
+
+def coverage_basis(rep: dict) -> dict:
+    """The basis a read report's coverage was computed on (``audits.verdict.coverage``), to
+    recompute it over other records (a re-judged or merged report); for a coverage that cannot be
+    read, the one a report written before coverage has (:func:`_legacy_basis`)."""
+    return basis_of_coverage(rep.get("coverage")) or _legacy_basis(rep)
+
+
+def journal_basis(head: dict) -> dict:
+    """The coverage basis of a run's journal (``audits.engine.journal``: its header line): the
+    domain and architecture the run kept in it (``coverage``, per kernel), or for a journal written
+    before coverage the one an old report has, from what it holds (:func:`_legacy_basis`)."""
+    kept = (head.get("coverage") or {}).get(head["kernel"])
+    if kept and (basis := basis_of_coverage({"domain": kept.get("domain"), "arch": kept.get("arch")})):
+        return basis
+    extra = head.get("report") or {}
+    return _legacy_basis({"kernel": head["kernel"], "environment": extra.get("environment") or {}})
+
+
 def _legacy_coverage(rep: dict, cases: list) -> dict:
     """The coverage of a report written before coverage, from its cases; ``{"absent": why}``
     when it holds none, or they cannot be read (the schema check then names the bad field)."""
-    from audits.verdict.coverage import coverage_from_basis, legacy_basis
-
     if not cases:
         return {"absent": "the report predates coverage and holds no case"}
     try:
-        return coverage_from_basis(legacy_basis(rep), records=cases)
+        return coverage_from_basis(_legacy_basis(rep), records=cases)
     except Exception as exc:  # noqa: BLE001 - a malformed old report: its fields are named by the schema check
         return {
             "absent": f"the report predates coverage, and its cases could not be read ({type(exc).__name__}: {exc})"
         }
+
+
+def _legacy_basis(rep: dict) -> dict:
+    """The basis of a report (or journal) written before coverage existed, read from what it
+    holds, no kernel loaded: the domain it recorded (``rep["domain"]``: the kernel's own, else
+    the one its suite was built in; else unrestricted), the architecture of a built-in model by
+    name, production's from the compute capability in its environment (the GPU it ran on).
+    ``"legacy"`` says how, for the coverage's notes."""
+    info = rep.get("domain") if isinstance(rep.get("domain"), dict) else {}
+    kern = rep.get("kernel")
+    d = ((info.get("kernels") or {}).get(kern) or {}).get("domain") or info.get("domain")
+    how = ["computed when read: the report predates coverage"]
+    try:
+        domain = Domain.from_dict(d, where="the report's domain") if isinstance(d, dict) else Domain()
+    except DomainError:
+        domain = Domain()
+        d = None
+    how.append("domain as the report recorded it" if isinstance(d, dict) else "no domain recorded: unrestricted")
+    arch = None
+    if kern == "fa4":  # audits.common records "sm_{major}{minor}"
+        cc = re.fullmatch(r"sm_(\d+)\d", str((rep.get("environment") or {}).get("compute_capability", "")))
+        arch = arch_of_capability(int(cc.group(1))) if cc else None
+    elif kern in KERNELS:
+        arch = getattr(KERNELS[kern], "fa4_audit_arch", None)
+    return {"domain": domain, "arch": arch if isinstance(arch, str) else None, "legacy": "; ".join(how)}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from audits.verdict.separators import separator_text, separators
+
 #: what ``--by`` accepts: Case fields, plus mask (none / causal / local) and heads (MHA / GQA / MQA)
 GROUP_FIELDS = ("mask", "heads", "dtype", "d", "dv", "softcap", "sink", "layout", "family", "seqlen_q", "seqlen_k")
 
@@ -127,8 +129,6 @@ def separators_markdown(reports: list[dict], *, labels: list[str] | None = None)
     that tell its failing cases from its passing ones, so that reports of several kernels on one
     suite show whether they fail on the same cases; the report's ``diagnosis``, computed from its
     cases when it has none (a report dict not read through the schema)."""
-    from audits.verdict.separators import separator_text, separators
-
     labels = labels or [rep["kernel"] for rep in reports]
     L = ["", "## Separators", ""]
     for rep, label in zip(reports, labels, strict=True):
@@ -146,6 +146,7 @@ def plot_errors(
 ) -> None:
     """Worst max |out - ref| per seqlen_k for each kernel, on ``dtype`` cases with finite
     inputs in the kernel's domain (SVG)."""
+    # lazy: matplotlib takes a quarter second to import, paid only where a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")

@@ -19,7 +19,7 @@ ranges, and lists mixing them (:class:`HeadDims`, :data:`HEAD_DIM_FORMS`): produ
 256, [64, 512], 512]``.  Head dims are one set for every dtype: what depends on the dtype
 (production SM100's fp8 alignment of 16) stays a run-time refusal.  ``seqlen_q_multiple`` /
 ``seqlen_k_multiple`` constrain the two lengths apart (``seqlen_multiple``: both).  ``mods``: the
-kinds of the programmable surface the kernel takes (``audits.suites.cases.MOD_KINDS``: "score_mod",
+kinds of the programmable surface the kernel takes (``audits.suites.case.MOD_KINDS``: "score_mod",
 "mask_mod", "block_sparse", "aux_scalars"; ``docs/mods.md``).  In a kernel's own declaration (:func:`domain_of`)
 an absent ``mods`` means *none*, unlike every other key: a kernel that does not say it takes a
 score_mod has its mod cases skipped as outside its domain (and left out of the suites built for
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from audits.common import read_toml
-from audits.suites.cases import DTYPES, LAYOUTS, MOD_KINDS, Case
+from audits.suites.case import DTYPES, LAYOUTS, MOD_KINDS, Case
 
-__all__ = ["Domain", "DomainError", "HeadDims", "HEAD_DIM_FORMS", "domain_of"]
+__all__ = ["Domain", "DomainError", "HeadDims", "HEAD_DIM_FORMS", "domain_of", "seqlens_within"]
 
 _BOOL_KEYS = ("equal_seqlens", "causal", "local", "softcap", "sink", "gqa", "backward", "deterministic")
 _MULTIPLE_KEYS = ("seqlen_q_multiple", "seqlen_k_multiple")
@@ -293,7 +293,7 @@ class Domain:
     equal_seqlens: seqlen_q == seqlen_k; min_seqlen / max_seqlen: bounds on both lengths;
     causal, local (windows), softcap, sink (a learnable sink), gqa (heads_q > heads_kv):
     supported or not; backward, deterministic: whether ``run --backward`` / ``--deterministic``
-    apply; mods: the mod kinds supported (:data:`audits.suites.cases.MOD_KINDS`; None = any, () = none:
+    apply; mods: the mod kinds supported (:data:`audits.suites.case.MOD_KINDS`; None = any, () = none:
     a kernel's declaration without the key reads as none, :func:`domain_of`)."""
 
     dtypes: tuple[str, ...] | None = None
@@ -320,8 +320,13 @@ class Domain:
         if self.mods is not None:
             object.__setattr__(self, "mods", _mod_kinds(self.mods, where="Domain(mods=...)"))
 
+    def unrestricted_but_mods(self) -> bool:
+        """Whether the domain restricts no case but by its mod kinds (``backward`` and
+        ``deterministic`` choose no case): a named suite is then built as it is defined."""
+        return dataclasses.replace(self, backward=True, deterministic=True, mods=None) == Domain()
+
     def takes(self, kind: str) -> bool:
-        """Whether the domain takes the mod kind ``kind`` (one of :data:`audits.suites.cases.MOD_KINDS`)."""
+        """Whether the domain takes the mod kind ``kind`` (one of :data:`audits.suites.case.MOD_KINDS`)."""
         return self.mods is None or kind in self.mods
 
     @property
@@ -519,7 +524,7 @@ def _value(key: str, v, where: str):
 
 
 def _mod_kinds(v, *, where: str) -> tuple[str, ...]:
-    """A declared ``mods`` value: a list (possibly empty: none) of :data:`audits.suites.cases.MOD_KINDS`,
+    """A declared ``mods`` value: a list (possibly empty: none) of :data:`audits.suites.case.MOD_KINDS`,
     returned in MOD_KINDS' order without repeats; :class:`DomainError` naming the accepted kinds."""
     if not isinstance(v, (list, tuple)) or any(not isinstance(x, str) or x not in MOD_KINDS for x in v):
         raise DomainError(
@@ -590,303 +595,3 @@ def _partial_blocks(d: Domain, lengths: list[int], hi: int) -> list[tuple[int, i
             if max(d.min_seqlen, 1) <= x <= hi:
                 out.append((x, n) if qm < km else (n, x))
     return out
-
-
-#: a domain listing more (d, dv) pairs than this (a range written out, as production's SM100
-#: head dims 8..128) has its head-dim axis sampled at the suite's own head dims
-_HEAD_DIM_AXIS_MAX = 16
-
-
-def _head_dim_axis(d: Domain, base_ds: list[int]) -> list[tuple[int, int]]:
-    """The head-dim axis: the accepted pairs, or for a long list, per head dim of the suite
-    ``(d, d)`` if listed, else the first listed pair with that d (production's (192, 128) for
-    the (192, 192) it refuses)."""
-    pairs = d.head_dim_pairs()
-    if pairs is None:
-        return [(x, x) for x in base_ds]
-    if len(pairs) <= _HEAD_DIM_AXIS_MAX:
-        return list(pairs)
-    picked = []
-    for x in base_ds:
-        same = [p for p in pairs if p[0] == x]
-        if same:
-            picked.append((x, x) if (x, x) in same else same[0])
-    return picked or list(pairs[:_HEAD_DIM_AXIS_MAX])
-
-
-def axes_within(d: Domain, base: dict | None = None) -> dict[str, list]:
-    """The release axes (``audits.suites.cases.RELEASE_AXES``) restricted to what the domain supports;
-    head dims as (d, dv) pairs."""
-    from audits.suites.cases import RELEASE_AXES
-
-    base = base or RELEASE_AXES
-    return {
-        "dtype": list(d.dtypes) if d.dtypes else list(base["dtype"]),
-        "d": _head_dim_axis(d, list(base["d"])),
-        "mask": ["none"] + ["causal"] * d.causal + ["local"] * d.local,
-        "softcap": [0.0] + [15.0] * d.softcap,
-        "sink": [False] + [True] * d.sink,
-        "heads": [h for h in base["heads"] if d.gqa or h[0] == h[1]],
-        "seqlens": seqlens_within(d, list(base["seqlens"])),
-        "layout": list(d.layouts) if d.layouts else list(base["layout"]),
-    }
-
-
-def case_within(d: Domain, row: dict, family: str, seed: int) -> tuple[Case | None, str | None]:
-    """The release case of ``row`` for ``family`` (``audits.suites.cases.release_case``, head dims from
-    the row's pair), or why the family cannot be placed in the domain.  Public: suite files
-    (``audits.suites.suite_file``) place their rows with it, as the named suites do."""
-    from audits.suites.cases import release_case
-
-    dd, dv = row["d"]
-    case = dataclasses.replace(release_case({**row, "d": dd}, family, seed), dv=dv)
-    why = d.refusal(case)
-    return (case, None) if why is None else (None, why)
-
-
-def release_within(d: Domain, *, seeds: tuple[int, ...] = (0,), extra_pairs: list | None = None) -> dict:
-    """``release`` built over the domain, not filtered: the pairwise covering array of the
-    supported axis values (:func:`axes_within`) times every input family.  Returns ``{"cases",
-    "axes", "pairs_covered", "not_applicable": {family: reason}}`` — a family none of whose cases
-    fits the domain (``nan_inf_masked`` needs keys no query sees: a left window and unequal
-    lengths) is listed with the reason, never a case outside the domain.  Then release's varlen
-    cases that lie inside the domain (:func:`_varlen_within`), and the code-path class cases
-    (``audits.suites.cases.class_cases``) that lie inside it, and the ``mods`` suite within it
-    (:func:`mods_within`)."""
-    from audits.suites.cases import class_cases, pairwise, release_varlen
-    from audits.suites.inputs import FAMILIES
-
-    axes = axes_within(d)
-    if extra_pairs:
-        axes["seqlens"] = list(dict.fromkeys(axes["seqlens"] + seqlens_within(d, list(extra_pairs))))
-    rows = pairwise(axes)
-    cases, missing = [], {}
-    for f in FAMILIES:
-        placed = [case_within(d, r, f, s) for s in seeds for r in rows]
-        ok = [c for c, _ in placed if c is not None]
-        if not ok:
-            need = " (it needs keys no query sees: a left window short of them)" if f == "nan_inf_masked" else ""
-            missing[f] = f"no case of family {f} fits the domain{need}; e.g. {next(why for _, why in placed)}"
-        cases += ok
-    cases += _varlen_within(d, release_varlen(seeds))
-    cases += [c for c in class_cases() if d.refusal(c) is None]
-    cases += mods_within(d)["cases"]
-    return {
-        "cases": list(dict.fromkeys(cases)),
-        "axes": axes,
-        "pairs_covered": _pairs_covered(axes),
-        "not_applicable": missing,
-    }
-
-
-def _pairs_covered(axes: dict) -> int:
-    """How many pairs of values of two different axes a covering array over ``axes`` covers."""
-    names = list(axes)
-    return sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
-
-
-def _varlen_within(d: Domain, cases: list[Case]) -> list[Case]:
-    """A suite's varlen cases (``audits.suites.cases.smoke_varlen``, ``release_varlen``) that lie inside
-    the domain, as they are: their sequences' lengths are the serving mix, not axis values."""
-    return [c for c in cases if d.refusal(c) is None]
-
-
-def _smoke_case_within(d: Domain, row: dict, family: str) -> tuple[Case | None, str | None]:
-    """:func:`case_within` for smoke, which leaves bf16 ``near_max`` out as ``smoke_suite``
-    does: V ~ 3.4e38 makes P.V overflow float32 in any float32-accumulating kernel."""
-    if family == "near_max" and row["dtype"] == "bfloat16":
-        return None, "smoke leaves bfloat16 near_max out (P.V overflows float32 in every kernel)"
-    return case_within(d, row, family, 0)
-
-
-def mask_kind(case: Case) -> str:
-    """The mask kind of ``case``: ``"causal"``, ``"local"`` (a window) or ``"none"``."""
-    return "causal" if case.causal else "local" if case.local else "none"
-
-
-def smoke_within(d: Domain) -> dict:
-    """``smoke`` over the domain: the pairwise rows of its axes with short lengths (up to five
-    blocks), each input family on one row (families and rows taken in turn until both are used
-    up), and each non-finite family again on a row of every mask kind it applies to
-    (``audits.suites.cases.NONFINITE_MASKS``) that the domain supports and it has no case of yet (a NaN
-    key beyond the causal diagonal is another test than one in an unmasked row),
-    as :func:`release_within` reports them, then smoke's varlen cases inside the domain.  The
-    unrestricted domain gives smoke itself."""
-    from audits.suites.cases import NONFINITE_MASKS, pairwise, smoke_mods, smoke_suite, smoke_varlen, varlen_mods
-    from audits.suites.inputs import FAMILIES
-
-    if _unrestricted_but_mods(d):
-        return {"cases": _with_mods(d, smoke_suite()), "axes": None, "pairs_covered": None, "not_applicable": {}}
-    short = dataclasses.replace(d, max_seqlen=min(d.max_seqlen or 1 << 30, max(3 * d.seqlen_multiple, 256)))
-    axes = {**axes_within(d), "seqlens": seqlens_within(short, [(64, 128), (130, 70), (200, 300), (256, 256)])}
-    rows, fams = pairwise(axes), list(FAMILIES)
-    cases, missing = [], {}
-    for i in range(max(len(rows), len(fams))):
-        f = fams[i % len(fams)]
-        tries = [_smoke_case_within(d, rows[(i + j) % len(rows)], f) for j in range(len(rows))]
-        case = next((c for c, _ in tries if c is not None), None)
-        if case is None:
-            missing.setdefault(f, f"no case of family {f} fits the domain; e.g. {tries[0][1]}")
-        else:
-            cases.append(case)
-    for f, kinds in NONFINITE_MASKS.items():
-        for m in (k for k in kinds if k in axes["mask"]):
-            if any(c.family == f and mask_kind(c) == m for c in cases):
-                continue
-            tries = (_smoke_case_within(d, r, f) for r in rows if r["mask"] == m)
-            case = next((c for c, _ in tries if c is not None and mask_kind(c) == m), None)
-            cases += [case] if case is not None else []
-    cases += _varlen_within(d, smoke_varlen())
-    cases += mods_within(d, smoke_mods() + varlen_mods(smoke=True))["cases"]
-    return {
-        "cases": list(dict.fromkeys(cases)),
-        "axes": axes,
-        "pairs_covered": _pairs_covered(axes),
-        "not_applicable": missing,
-    }
-
-
-_SIXTEEN_BIT = ("bfloat16", "float16")
-
-
-def sweep_head_dims(d: Domain) -> list[tuple[int, int]]:
-    """The head dims the ``head-dims`` sweep takes in ``d``: per accepted d, (d, d) when the
-    domain accepts it, else every accepted pair with that d (production SM100's (192, 128));
-    production SM90's (d, d) for d in 8..256 step 8 when head dims are unrestricted."""
-    from audits.suites.cases import SM90_HEAD_DIMS
-
-    pairs = d.head_dim_pairs()
-    if pairs is None:  # production SM90's, every multiple of 8 in 8..256 (interface.py, _validate_head_dims)
-        return [(x, x) for x in SM90_HEAD_DIMS]
-    out = []
-    for x in dict.fromkeys(p[0] for p in pairs):
-        out += [(x, x)] if d.accepts_head_dims(x, x) else [p for p in pairs if p[0] == x]
-    return out
-
-
-def _fit(d: Domain, case: Case) -> tuple[Case | None, str | None]:
-    """``case`` moved into ``d`` along the axes it does not sweep (lengths to the domain's own,
-    equal heads without GQA, a declared layout), or why it still lies outside."""
-    if d.refusal(case) is None:
-        return case, None
-    if case.varlen:  # a varlen case's lengths are the serving mix, not an axis value (_varlen_within)
-        return None, d.refusal(case)
-    sq, sk = next(iter(seqlens_within(d, [(case.seqlen_q, case.seqlen_k)])), (case.seqlen_q, case.seqlen_k))
-    layout = case.layout if d.layouts is None or case.layout in d.layouts else d.layouts[0]
-    moved = dataclasses.replace(
-        case, seqlen_q=sq, seqlen_k=sk, layout=layout, heads_kv=case.heads_kv if d.gqa else case.heads_q
-    )
-    why = d.refusal(moved)
-    return (moved, None) if why is None else (None, why)
-
-
-def head_dims_within(d: Domain) -> dict:
-    """The ``head-dims`` suite over the domain: ``audits.suites.cases.head_dim_sweep`` at
-    :func:`sweep_head_dims`, on the domain's 16-bit dtypes, unmasked and (if supported) causal,
-    each case moved into the domain where its lengths, heads or layout are not (:func:`_fit`)."""
-    from audits.suites.cases import head_dim_sweep
-
-    axes = {
-        "d": sweep_head_dims(d),
-        "dtype": [t for t in (d.dtypes or _SIXTEEN_BIT) if t in _SIXTEEN_BIT],
-        "mask": ["none"] + ["causal"] * d.causal,
-    }
-    if not axes["dtype"]:
-        why = f"the head-dim sweep runs bfloat16 and float16; the domain's dtypes are {d.dtypes}"
-        return {"cases": [], "axes": axes, "pairs_covered": 0, "not_applicable": {"head-dims": why}}
-    placed = [
-        _fit(d, c) for c in head_dim_sweep(pairs=axes["d"], dtypes=tuple(axes["dtype"]), masks=tuple(axes["mask"]))
-    ]
-    cases = [c for c, _ in placed if c is not None]
-    missing = {}
-    if len(cases) < len(placed):
-        why = next(w for _, w in placed if w is not None)
-        missing["head-dims"] = (
-            f"{len(placed) - len(cases)} of the sweep's {len(placed)} cases fit no length, head or layout "
-            f"of the domain; e.g. {why}"
-        )
-    return {
-        "cases": list(dict.fromkeys(cases)),
-        "axes": axes,
-        "pairs_covered": _pairs_covered(axes),
-        "not_applicable": missing,
-    }
-
-
-def named_suite_within(name: str, d: Domain) -> dict:
-    """:func:`suite_within`, or the named suite itself (as it is defined in ``audits.suites.cases``)
-    when ``d`` restricts no case (``backward`` and ``deterministic`` choose no case)."""
-    from audits.suites.cases import suite
-
-    if _unrestricted_but_mods(d):
-        return {"cases": _with_mods(d, suite(name)), "axes": None, "pairs_covered": None, "not_applicable": {}}
-    return suite_within(name, d)
-
-
-def _unrestricted_but_mods(d: Domain) -> bool:
-    """Whether ``d`` restricts no case but by its mod kinds (``backward`` and ``deterministic``
-    choose no case)."""
-    return dataclasses.replace(d, backward=True, deterministic=True, mods=None) == Domain()
-
-
-def _with_mods(d: Domain, cases: list[Case]) -> list[Case]:
-    """``cases`` without the mod cases whose kinds ``d`` does not declare: a suite built for a
-    kernel has a mod case only where its domain takes the mod (never one to skip)."""
-    return [c for c in cases if all(d.takes(k) for k in c.mods)]
-
-
-def mods_within(d: Domain, cases: list[Case] | None = None) -> dict:
-    """The ``mods`` suite (``audits.suites.cases.mods_suite``; or ``cases``, mod cases of another suite)
-    over the domain: nothing when it declares no mod kind; else each case whose kinds it takes,
-    moved into it along the axes a mod case does not test (lengths, heads, layout: :func:`_fit`;
-    a dtype or head dim outside it is not moved).  A case that still lies outside is left out
-    and counted under ``not_applicable["mods"]`` with the first reason."""
-    from audits.suites.cases import mods_suite
-
-    cases = mods_suite() if cases is None else cases
-    if d.mods == ():
-        why = (
-            "the domain declares no mod kinds (mods = [], or absent in a kernel's declaration): mod cases run only "
-            "where the kernel takes them"
-        )
-        return {"cases": [], "axes": None, "pairs_covered": None, "not_applicable": {"mods": why}}
-    placed = [_fit(d, c) for c in _with_mods(d, cases)]
-    kept = [c for c, _ in placed if c is not None]
-    missing = {}
-    if len(kept) < len(placed):
-        why = next(w for _, w in placed if w is not None)
-        n = len(placed) - len(kept)
-        missing["mods"] = f"{n} of {len(placed)} mod cases fit no length, head or layout of the domain; e.g. {why}"
-    return {"cases": list(dict.fromkeys(kept)), "axes": None, "pairs_covered": None, "not_applicable": missing}
-
-
-def suite_within(name: str, d: Domain) -> dict:
-    """A named suite built over the domain (``smoke``, ``release``, ``head-dims``, ``mods``,
-    ``nightly``: release's over three seeds and long lengths, plus the head-dim sweep); a fixed
-    list (``fidelity``) filtered to it."""
-    if name == "smoke":
-        return smoke_within(d)
-    if name == "release":
-        return release_within(d)
-    if name == "head-dims":
-        return head_dims_within(d)
-    if name == "mods":
-        return mods_within(d)
-    if name == "nightly":
-        built = release_within(d, seeds=(0, 1, 2), extra_pairs=[(16384, 16384), (2048, 32768), (32768, 32768)])
-        sweep = head_dims_within(d)
-        return {
-            **built,
-            "cases": list(dict.fromkeys(built["cases"] + sweep["cases"])),
-            "not_applicable": {**built["not_applicable"], **sweep["not_applicable"]},
-        }
-    from audits.suites.cases import SUITES, suite
-
-    if name in SUITES:  # a fixed list (fidelity's): its cases inside the domain, none made
-        return {
-            "cases": [c for c in suite(name) if d.refusal(c) is None],
-            "axes": None,
-            "pairs_covered": None,
-            "not_applicable": {},
-        }
-    raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}")

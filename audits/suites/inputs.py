@@ -18,15 +18,33 @@ import copyreg
 import math
 import pickle
 import weakref
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from fa4.mods import build_mods
+from numerics.fp import format_of
+from numerics.mod_library import RELBIAS_SPAN
+from numerics.mods import BlockSparse, MaskMod, ScoreMod, bind_aux_scalars, block_sparse_from_mask, visibility
+from numerics.reference import apply_score_mod, call_visibility, visible_mask
+
 __all__ = [
-    "Family", "FAMILIES", "SINK_PLACES", "TILE_STEPS_LOG2", "make_inputs", "DO_FAMILIES", "make_grad_output",
-    "NotApplicable", "make_varlen_inputs", "page_table", "paged", "saveable_kw", "rebuild_mod",
-]  # fmt: skip
+    "Family",
+    "FAMILIES",
+    "SINK_PLACES",
+    "TILE_STEPS_LOG2",
+    "make_inputs",
+    "DO_FAMILIES",
+    "make_grad_output",
+    "NotApplicable",
+    "make_varlen_inputs",
+    "page_table",
+    "paged",
+    "saveable_kw",
+    "rebuild_mod",
+]
 
 
 class NotApplicable(ValueError):
@@ -146,7 +164,6 @@ def _huge(sq, sk, sv, case, g):
 
 
 def _near_max(sq, sk, sv, case, g):
-    from numerics.fp import format_of
 
     m = format_of(case.dtype).max
     q, k, v = _normal(sq, sk, sv, case, g)
@@ -154,7 +171,6 @@ def _near_max(sq, sk, sv, case, g):
 
 
 def _subnormal(sq, sk, sv, case, g):
-    from numerics.fp import format_of
 
     f = format_of(case.dtype)
     tiny = f.smallest_subnormal
@@ -300,8 +316,6 @@ def _mods(case, v: torch.Tensor, device) -> dict:
       (:func:`_seen_by_all`); a mask_mod (or block sparsity) that hides it from some query makes a
       correct tiled kernel's 0 * inf in P V a NaN the reference does not have — the family would
       then fail correct kernels, so it is not applicable there."""
-    from fa4.mods import build_mods
-    from numerics.mod_library import RELBIAS_SPAN
 
     if case.score_mod == "relbias" and max(case.seqlen_q, case.seqlen_k) > RELBIAS_SPAN:
         raise NotApplicable(
@@ -336,7 +350,6 @@ def rebuild_mod(key: str, recipe: dict):
     """The library mod ``key`` ("score_mod" / "mask_mod") of ``fa4.mods.build_mods(**recipe)``,
     on the CPU (a mod holds no tensor: it reads the call's aux tensors, which travel apart).
     Public: what a pickled library mod unpickles by (:func:`_reduce_mod`)."""
-    from fa4.mods import build_mods
 
     return build_mods(**recipe, device="cpu")[key]
 
@@ -350,7 +363,6 @@ def _reduce_mod(mod):
 
 
 def _register_reducers() -> None:
-    from numerics.mods import MaskMod, ScoreMod
 
     for cls in (ScoreMod, MaskMod):
         copyreg.pickle(cls, _reduce_mod)
@@ -362,8 +374,6 @@ _register_reducers()
 def _inf_key_seen_by_all(case, v: torch.Tensor, mods: dict) -> None:
     """:class:`NotApplicable` unless every query row that sees some key under the flags and the
     mods sees the key ``nan_inf_visible`` put inf in V at (a row seeing no key has no P V)."""
-    from numerics.mods import visibility
-    from numerics.reference import visible_mask
 
     keys = torch.isinf(v).flatten(2).any(-1).any(0).nonzero().flatten().cpu()
     flags = visible_mask(case.seqlen_q, case.seqlen_k, causal=case.causal, window_size=tuple(case.window))
@@ -394,7 +404,6 @@ def _cpu_blocks(bs):
     """A ``numerics.mods.BlockSparse`` with its block masks on the CPU (None stays None)."""
     if bs is None:
         return None
-    from dataclasses import replace
 
     return replace(bs, full=bs.full.cpu(), partial=bs.partial.cpu())
 
@@ -403,7 +412,6 @@ def saveable_kw(kw: dict) -> dict:
     """The call's keywords in a form ``torch.save`` writes without pickling code: a mod object
     (its reference form is a closure) by its name, block sparsity as its block masks and size,
     tensors as they are.  The case (``Case.as_dict``, saved beside) rebuilds the mods themselves."""
-    from numerics.mods import BlockSparse, MaskMod, ScoreMod
 
     out = {}
     for key, val in kw.items():
@@ -435,16 +443,11 @@ def _head_max_logits(q: torch.Tensor, k: torch.Tensor, case) -> torch.Tensor:
     ``numerics.mods.bind_aux_scalars``), so that the sink sits where ``SINK_PLACES``
     says against what the kernel sees — against the flag-masked raw logits, a mask_mod hiding
     the largest key or a bias shifting every logit would move it off its place."""
-    from numerics.mods import bind_aux_scalars
-    from numerics.reference import apply_score_mod, call_visibility
 
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     mods: dict = {}
     if case.score_mod or case.mask_mod or case.block_sparse:
-        from fa4.mods import build_mods
-        from numerics.mod_library import RELBIAS_SPAN
-
         if case.score_mod == "relbias" and max(sq, sk) > RELBIAS_SPAN:  # _mods refuses it too, after the sink
             raise NotApplicable(
                 f"score_mod relbias covers sequences up to {RELBIAS_SPAN} tokens (its bucket table); the case has "
@@ -530,7 +533,6 @@ def grad_output_family(case) -> str:
     """The dO family of a case: fixed for a few input families (``_DO_FOR``), else chosen by a
     stable hash of the input family's name, so that a suite covering every input family covers
     every dO family too."""
-    import zlib
 
     return _DO_FOR.get(case.family) or list(DO_FAMILIES)[zlib.crc32(case.family.encode()) % len(DO_FAMILIES)]
 
@@ -569,7 +571,6 @@ def _varlen_mods(case, device) -> dict:
     mod's blocks over its rows and used keys, as sequence i sees the mod
     (``numerics.mods.block_sparse_from_mask`` of ``fa4.varlen.sequence_mods(i)``'s mask; None for a
     sequence without queries or keys), each holding the call's mask mod (``fa4.varlen.varlen_block_sparse``)."""
-    from dataclasses import replace
 
     if case.family == "nan_inf_visible" and (case.mask_mod or case.block_sparse):
         raise NotApplicable(
@@ -578,8 +579,7 @@ def _varlen_mods(case, device) -> dict:
         )
     mods = _mods(replace(case, block_sparse=()), None, device)
     if case.block_sparse:
-        from fa4.varlen import sequence_mods
-        from numerics.mods import block_sparse_from_mask
+        from fa4.varlen import sequence_mods  # lazy: fa4.varlen loads fa4.model (numba)
 
         mm, bq, bk, per = mods["mask_mod"], *case.block_sparse, []
         for i, (sq, _) in enumerate(case.seqlens):
@@ -606,7 +606,6 @@ def _varlen_mods(case, device) -> dict:
 def _sequence_case(case, i: int, sq: int, sk: int):
     """Sequence ``i`` of a varlen case as a batch-1 fixed-length case (its own seed), at least
     one row and key long so that every family can draw (sliced back to the length after)."""
-    from dataclasses import replace
 
     return replace(
         case,
@@ -667,8 +666,6 @@ def make_varlen_inputs(case, *, device: str | torch.device = "cpu") -> dict:
         qs.append(q), ks.append(k), vs.append(v)
         parts.append(tuple(t.unsqueeze(0).to(device) for t in (q, k[:used], v[:used])))
         if case.sink and sink is None:
-            from dataclasses import replace
-
             sink = _sink(x["q"], x["k"], replace(sub, sink=True), g)
     cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0).tolist()), dtype=torch.int32)
     kw = {"causal": case.causal, "window_size": tuple(case.window), "softcap": case.softcap}

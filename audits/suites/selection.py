@@ -1,9 +1,8 @@
 """One way to choose cases, for every subcommand that takes them (``run``, ``invariance``,
 ``static``, ``fidelity``): the same options, the same rules, the same error messages.
 
-:func:`add_case_arguments` adds the options to a subcommand's parser, with that subcommand's
-default suite; :func:`select_cases` turns the parsed options into the cases and the label the
-reports carry.  The rules:
+:func:`select_cases` turns the selection (``audits.cli.options`` reads it from the command line)
+into the cases and the label the reports carry.  The rules:
 
 - ``--suite NAME`` (a named suite of ``audits.suites.cases.SUITES``) or ``--suite FILE.toml`` (a suite
   file, ``audits.suites.suite_file``); absent: the subcommand's default suite.  An unknown name is a
@@ -23,132 +22,106 @@ Run-specific slicing (``run --shard``) is applied by ``audits.cli.run`` on top.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import fnmatch
 import functools
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from audits.common import UsageError
+from audits.kernels import kernel_domain
+from audits.suites.case import case_from_json, cases_from_file
+from audits.suites.cases import SUITES, build_suite, fidelity_cases, suite
+from audits.suites.domain import Domain, DomainError
+from audits.suites.suite_file import build, is_suite_file, load
 
-__all__ = ["CASE_OPTIONS", "Selection", "add_case_arguments", "select_cases", "kernels_domains"]
-
-#: the options :func:`add_case_arguments` adds; every subcommand that takes cases has them all
-CASE_OPTIONS = ("--suite", "--config", "--case-file", "--case", "--domain", "--seed")
+__all__ = ["Selection", "select_cases", "kernels_domains", "read_domain"]
 
 
 @dataclass(frozen=True)
 class Selection:
     """The selected cases, the label the reports carry (the suite's name, ``config``, the case
-    files' names), and the domain the suite was built in (the report's ``domain``; None when
-    no domain restricted it)."""
+    files' names), the domain the suite was built in (the report's ``domain``; None when no
+    domain restricted it), the ``--domain`` file's domain (None: none given) and each kernel's
+    declared domain narrowed by it (resolved once for the run: the coverage bases reuse them)."""
 
     cases: list
     label: str
     domain_info: dict | None = None
+    narrowing: Domain | None = None
+    kernel_domains: dict[str, Domain] = field(default_factory=dict)
 
 
-def add_case_arguments(parser: argparse.ArgumentParser, *, default_suite: str = "smoke") -> None:
-    """Add :data:`CASE_OPTIONS` to a subcommand's ``parser``, ``default_suite`` being what it
-    audits when no case is given: every subcommand then accepts the same selection."""
-    from audits.suites.cases import SUITES
-
-    g = parser.add_argument_group("case selection (the same for run, invariance, static and fidelity)")
-    g.add_argument(
-        "--suite",
-        default=None,
-        metavar="NAME|FILE.toml",
-        help=f"a named suite ({', '.join(SUITES)}; default {default_suite}) or a suite file FILE.toml "
-        "(docs/runner.md, 'Suite files'); not with --config or --case-file",
-    )
-    g.add_argument(
-        "--config",
-        action="append",
-        default=None,
-        metavar="JSON",
-        help='a case as JSON (audits.suites.cases.Case fields, absent = default), e.g. \'{"d": 64, "causal": true}\'; '
-        "repeatable",
-    )
-    g.add_argument(
-        "--case-file",
-        action="append",
-        default=None,
-        metavar="FILE",
-        help="a file of cases: a JSON list, JSON lines, or a report.json (its cases); repeatable",
-    )
-    g.add_argument(
-        "--case",
-        default=None,
-        metavar="GLOB",
-        help="keep the cases whose name (or fidelity label, e.g. d128_softcap) matches GLOB, e.g. '*causal*'",
-    )
-    g.add_argument(
-        "--domain",
-        default=None,
-        metavar="FILE.toml",
-        help="a TOML file of domain keys (audits/suites/domain.py) narrowing what the kernels declare: suites are "
-        "built within it, given cases outside it are not run",
-    )
-    g.add_argument("--seed", type=int, default=0, metavar="N", help="added to every case's seed (default 0)")
-    parser.set_defaults(default_suite=default_suite)
-
-
-def kernels_domains(kernels: Sequence[str], domain_file: str | None) -> tuple:
-    """(the ``--domain`` file's domain, each kernel's declared domain narrowed by it, the domain
-    to build in): several kernels' union (``Domain.widen``), one kernel's own, or with no kernel
-    (``static``) the file's.  The union, not the intersection: kernels are compared case by case
-    on one suite, and none loses the cases only it supports; each skips the cases outside its
-    own domain (``audits.engine.evaluate``, ``audits.checks.invariance.core``)."""
-    from audits.kernels import kernel_domain
-    from audits.suites.domain import Domain, DomainError
-
+def read_domain(path: str | Path) -> Domain:
+    """The domain of a ``--domain`` file; a :class:`UsageError` naming the option and the file."""
     try:
-        narrow = Domain.from_toml(domain_file) if domain_file else Domain()
+        return Domain.from_toml(path)
     except DomainError as exc:
         raise UsageError(f"--domain: {exc}") from exc
+
+
+def kernels_domains(kernels: Sequence[str], narrow: Domain | None = None) -> tuple[dict[str, Domain], Domain]:
+    """(each kernel's declared domain narrowed by ``narrow``, the ``--domain`` file's domain; the
+    domain to build in): several kernels' union (``Domain.widen``), one kernel's own, or with no
+    kernel (``static``) ``narrow``'s.  The union, not the intersection: kernels are compared case
+    by case on one suite, and none loses the cases only it supports; each skips the cases outside
+    its own domain (``audits.engine.evaluate``, ``audits.checks.invariance.core``)."""
+    narrow = Domain() if narrow is None else narrow
     try:
         own = {kern: kernel_domain(kern).narrow(narrow) for kern in dict.fromkeys(kernels)}
     except ValueError as exc:  # a kernel that cannot be loaded, or a malformed declaration: its own message
         raise UsageError(str(exc)) from exc
-    return narrow, own, functools.reduce(Domain.widen, own.values()) if own else narrow
+    return own, functools.reduce(Domain.widen, own.values()) if own else narrow
 
 
-def select_cases(args: argparse.Namespace, *, kernels: Sequence[str] = ()) -> Selection:
-    """The cases the options of :func:`add_case_arguments` select (module doc: the rules), the
-    suites built within ``kernels``' declared domains; an attribute absent from ``args`` counts
-    as not given.  Every mistake is a :class:`UsageError` naming the option and the value."""
-    get = lambda name: getattr(args, name, None)
-    if get("suite") is not None and (get("config") or get("case_file")):
+def select_cases(
+    *,
+    suite: str | None = None,
+    default_suite: str = "smoke",
+    configs: Sequence[str] = (),
+    case_files: Sequence[str] = (),
+    case_glob: str | None = None,
+    domain: Domain | str | Path | None = None,
+    seed: int = 0,
+    kernels: Sequence[str] = (),
+) -> Selection:
+    """The cases selected (module doc: the rules): ``suite`` (a named suite or a suite file;
+    None: ``default_suite``) or the given ``configs`` (JSON texts) and ``case_files``, built
+    within ``kernels``' declared domains narrowed by ``domain`` (a Domain, or a ``--domain``
+    file's path, read here once); ``seed`` added to every case's seed; ``case_glob`` keeping the
+    cases whose name or fidelity label matches.  Every mistake is a :class:`UsageError` naming
+    the option and the value."""
+    if suite is not None and (configs or case_files):
         raise UsageError("--suite cannot be combined with --config or --case-file: they give the cases themselves")
-    narrow, own, d = kernels_domains(kernels, get("domain"))
+    narrow = domain if domain is None or isinstance(domain, Domain) else read_domain(domain)
+    own, d = kernels_domains(kernels, narrow)
+    narrow = Domain() if narrow is None else narrow
     try:
-        if get("config") or get("case_file"):
-            sel = _given(get("config") or [], get("case_file") or [], narrow)
+        if configs or case_files:
+            sel = _given(list(configs), list(case_files), narrow)
         else:
-            sel = _suite(get("suite") or get("default_suite") or "smoke", narrow, own, d)
+            sel = _suite(suite or default_suite or "smoke", narrow, own, d)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     cases = sel.cases
-    if get("seed"):
-        cases = [dataclasses.replace(c, seed=c.seed + args.seed) for c in cases]
-    if get("case"):
+    if seed:
+        cases = [dataclasses.replace(c, seed=c.seed + seed) for c in cases]
+    if case_glob:
         labels = _fidelity_labels()
-        glob = args.case
-        cases = [c for c in cases if fnmatch.fnmatch(c.name, glob) or fnmatch.fnmatch(labels.get(c, ""), glob)]
+        cases = [
+            c for c in cases if fnmatch.fnmatch(c.name, case_glob) or fnmatch.fnmatch(labels.get(c, ""), case_glob)
+        ]
         if not cases:
-            raise UsageError(f"--case {glob!r} matches no case of {sel.label!r}")
+            raise UsageError(f"--case {case_glob!r} matches no case of {sel.label!r}")
     if not cases:
         raise UsageError(f"the selection {sel.label!r} holds no case")
-    return dataclasses.replace(sel, cases=cases)
+    return dataclasses.replace(sel, cases=cases, narrowing=None if domain is None else narrow, kernel_domains=own)
 
 
 @functools.cache
 def _fidelity_labels() -> dict:
-    from audits.suites.cases import fidelity_cases
-
     return {c: label for label, c in fidelity_cases().items()}
 
 
@@ -159,8 +132,6 @@ def _say(msg: str) -> None:
 def _given(configs: list[str], files: list[str], narrow) -> Selection:
     """``--config`` and ``--case-file`` cases (in order, each once), those outside the
     ``--domain`` file left out and said."""
-    from audits.suites.cases import case_from_json, cases_from_file
-
     cases = [case_from_json(text, where=f"--config #{i + 1}") for i, text in enumerate(configs)]
     for path in files:
         cases += cases_from_file(path)
@@ -179,18 +150,13 @@ def _given(configs: list[str], files: list[str], narrow) -> Selection:
 
 def _suite(name: str, narrow, own: dict, d) -> Selection:
     """A named suite or a suite file, built within ``d``."""
-    from audits.suites.cases import SUITES, suite
-    from audits.suites.suite_file import is_suite_file
-
     if is_suite_file(name):
         return _suite_file(name, narrow, own, d)
     if name not in SUITES:
         suite(name)  # its ValueError names the known suites
-    from audits.suites.domain import Domain, named_suite_within
-
     if d == Domain() and all(x == Domain() for x in own.values()):
         return Selection(suite(name), name)
-    built = named_suite_within(name, d)
+    built = build_suite(name, d)
     info = _domain_info(own, d, built, name)
     if built["axes"] is None and d != Domain():  # a fixed list (fidelity's) filtered, not built: say what it lost
         whole, kept = suite(name), set(built["cases"])
@@ -232,9 +198,6 @@ def _suite_file(path: str, narrow, own: dict, d) -> Selection:
     ``d`` as a named suite is, and its ``[[case]]`` s as given: one outside a kernel's declared
     domain is that kernel's ``skipped`` case with the reason, one outside the ``--domain`` file
     is not run; both said on stderr (and in the report's ``domain``)."""
-    from audits.suites.domain import Domain
-    from audits.suites.suite_file import build, load
-
     sf = load(path)
     built = build(sf, d, cases_in=narrow)
     info = _domain_info(own, d, built, sf.name)  # says which families do not apply, restricted or not

@@ -116,10 +116,27 @@ from numerics.forward_bound import MUFU, UNIT_ROUNDOFF
 from numerics.mods import BlockSparse, MaskMod, ScoreMod, block_sparse_from_mask
 
 __all__ = [
-    "SCORE_OPS", "TANH_ABS", "ETA", "ScoreOp", "compose_score_mod", "score_spec", "parse_score_spec",
-    "score_mod_from_spec", "random_mask", "mask_mod_of", "mask_cute_form", "cute_forms", "score_ops", "score_mods",
-    "mask_mods", "block_sparse_mods", "SCALE_RANGE", "CAP_RANGE", "RELPOS_RANGE", "HBIAS_STD",
-]  # fmt: skip
+    "SCORE_OPS",
+    "TANH_ABS",
+    "ETA",
+    "ScoreOp",
+    "compose_score_mod",
+    "score_spec",
+    "parse_score_spec",
+    "score_mod_from_spec",
+    "random_mask",
+    "mask_mod_of",
+    "mask_cute_form",
+    "cute_forms",
+    "score_ops",
+    "score_mods",
+    "mask_mods",
+    "block_sparse_mods",
+    "SCALE_RANGE",
+    "CAP_RANGE",
+    "RELPOS_RANGE",
+    "HBIAS_STD",
+]
 
 SCORE_OPS = ("scale", "hbias", "relpos", "tanh")
 #: MUFU.TANH's absolute error (numerics.forward_bound.MUFU, measured on the H200)

@@ -2,11 +2,11 @@
 example: examples/suite.toml).
 
 A suite file names its suite (``name``, default the file's stem) and gives its cases as explicit
-``[[case]]`` tables (``Case`` fields, absent = defaults, checked by ``audits.suites.cases.case_from_dict``)
+``[[case]]`` tables (``Case`` fields, absent = defaults, checked by ``audits.suites.case.case_from_dict``)
 and/or an ``[axes]`` table of values per axis of the release generator (absent axis: the Case
 default), plus ``families`` (default all) and ``seeds`` (default [0]).  The axes' cases are
-release's: the pairwise covering array of the values (``audits.suites.cases.pairwise``), each row made
-a case per family and seed by ``audits.suites.domain.case_within`` (``audits.suites.cases.release_case``),
+release's: the pairwise covering array of the values (``audits.suites.axes.pairwise``), each row made
+a case per family and seed by ``audits.suites.axes.case_within`` (``audits.suites.axes.release_case``),
 within the kernels' declared domain.  :func:`load` checks every key and value (``ValueError``
 naming the file, the key, the value and what is accepted); :func:`build` makes the cases.
 """
@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from audits.common import read_toml
-from audits.suites.cases import DTYPES, LAYOUTS, Case, case_from_dict, pairwise
-from audits.suites.domain import Domain, axes_within, case_within, seqlens_within
+from audits.suites.axes import axes_within, case_within, pairs_covered, pairwise
+from audits.suites.case import DTYPES, LAYOUTS, Case, case_from_dict
+from audits.suites.cases import SUITES
+from audits.suites.domain import Domain, seqlens_within
+from audits.suites.inputs import FAMILIES
 
 __all__ = ["SuiteFile", "load", "build", "is_suite_file", "AXES"]
 
@@ -37,7 +40,7 @@ DEFAULT_AXES = {
     "layout": (_C.layout,),
 }
 AXES = tuple(DEFAULT_AXES)
-#: a file's axis name -> the generator's row key (``audits.suites.domain.axes_within``)
+#: a file's axis name -> the generator's row key (``audits.suites.axes.axes_within``)
 _ROW_KEY = {"head_dims": "d"}
 #: the Domain fields that judge each axis (the others left unrestricted when probing one value)
 _JUDGED_BY = {
@@ -64,8 +67,6 @@ class SuiteFile:
 
 def is_suite_file(suite: str) -> bool:
     """Whether ``--suite`` names a file (``.toml``, or an existing file) rather than a named suite."""
-    from audits.suites.cases import SUITES
-
     return suite not in SUITES and (suite.endswith(".toml") or Path(suite).is_file())
 
 
@@ -76,8 +77,6 @@ def _pair(v) -> tuple[int, int] | None:
 
 def _check_value(key: str, v):
     """One value of ``[axes]`` key ``key``, normalised; None when not accepted."""
-    from audits.suites.inputs import FAMILIES
-
     if key in ("head_dims", "seqlens"):
         return _pair(v)
     if key == "heads":
@@ -99,8 +98,6 @@ def _check_value(key: str, v):
 
 
 def _accepted(key: str) -> str:
-    from audits.suites.inputs import FAMILIES
-
     return {
         "dtype": ", ".join(DTYPES),
         "layout": ", ".join(LAYOUTS),
@@ -117,8 +114,6 @@ def _accepted(key: str) -> str:
 
 def _axes(table, where: str) -> tuple[dict, tuple[str, ...], tuple[int, ...]]:
     """The ``[axes]`` table checked: (axes, families, seeds)."""
-    from audits.suites.inputs import FAMILIES
-
     if not isinstance(table, dict):
         raise ValueError(f"{where}: axes = {table!r}: expected an [axes] table")
     unknown = sorted(set(table) - set(_AXES_KEYS))
@@ -190,7 +185,7 @@ def build(sf: SuiteFile, d: Domain | None = None, *, cases_in: Domain | None = N
     """The suite file's cases: its ``[[case]]`` s that ``cases_in`` (default ``d``) admits, then
     release's generator over its axes within the domain ``d`` (None: unrestricted) — each axis
     restricted to the values ``d`` admits (one with none takes the domain's own, as release
-    builds them: ``audits.suites.domain.axes_within``), the pairwise covering array of them, a case per
+    builds them: ``audits.suites.axes.axes_within``), the pairwise covering array of them, a case per
     row, family and seed that fits.  Returns ``{"cases", "axes", "pairs_covered", "not_applicable": {family:
     reason}, "skipped": [{"case", "reason"}], "restricted": {axis: what was dropped, why}}``."""
     d = d or Domain()
@@ -216,7 +211,6 @@ def build(sf: SuiteFile, d: Domain | None = None, *, cases_in: Domain | None = N
             if not ok:
                 built["not_applicable"][f] = f"no case of family {f} fits the domain; e.g. {placed[0][1]}"
             cases += ok
-        names = list(axes)
         built["axes"] = {("head_dims" if k == "d" else k): v for k, v in axes.items()}
-        built["pairs_covered"] = sum(len(axes[a]) * len(axes[b]) for i, a in enumerate(names) for b in names[i + 1 :])
+        built["pairs_covered"] = pairs_covered(axes)
     return {"cases": list(dict.fromkeys(cases)), **built}

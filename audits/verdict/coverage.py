@@ -13,13 +13,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 from collections.abc import Callable, Iterable, Sequence
 
+from audits.kernels import get_kernel, kernel_domain
+from audits.suites.cases import DTYPES, MOD_KINDS, SM90_HEAD_DIMS, case_from_dict
+from audits.suites.domain import Domain, DomainError
+from fa4.code_paths import Call, classes, classes_of
+
 __all__ = [
-    "DIRECTIONS", "REQUIRE", "coverage", "classes_ran", "arch_of", "basis_of", "legacy_basis", "coverage_from_basis",
-    "basis_of_coverage", "unjudgeable", "missed", "compact_ints", "pair_pieces", "format_pairs", "pairs_text",
-    "missed_text", "coverage_lines", "coverage_summary",
-]  # fmt: skip
+    "DIRECTIONS",
+    "REQUIRE",
+    "coverage",
+    "classes_ran",
+    "arch_of",
+    "basis_of",
+    "coverage_from_basis",
+    "basis_of_coverage",
+    "unjudgeable",
+    "missed",
+    "compact_ints",
+    "pair_pieces",
+    "format_pairs",
+    "pairs_text",
+    "missed_text",
+    "coverage_lines",
+    "coverage_summary",
+]
 
 DIRECTIONS = ("forward", "backward")
 #: what ``run --require-coverage`` takes: every gated section, or one of them
@@ -64,8 +84,6 @@ def _compared(rec: dict, direction: str) -> bool:
 
 def _features(domain) -> list[str]:
     """The feature values ``domain`` accepts (dtypes, masks, softcap, sink, GQA, its mod kinds)."""
-    from audits.suites.cases import DTYPES, MOD_KINDS
-
     out = [f"dtype={d}" for d in (domain.dtypes or DTYPES)] + ["mask=none"]
     out += ["mask=causal"] if domain.causal else []
     out += ["mask=local"] if domain.local else []
@@ -174,8 +192,6 @@ def classes_ran(*, rec: dict, case, arch: str, direction: str, cache: dict) -> t
     ``deterministic``; none for a varlen case run one fixed-length call per sequence
     (--per-sequence), which ran none of the varlen entry's code paths.  ``cache``: (call,
     direction) -> classes, shared across records (many cases share a call)."""
-    from fa4.code_paths import classes_of
-
     if (rec.get("varlen") or {}).get("entry") == "per-sequence":
         return ()
     det = direction == "backward" and bool((rec.get("backward") or {}).get("deterministic"))
@@ -187,8 +203,6 @@ def classes_ran(*, rec: dict, case, arch: str, direction: str, cache: dict) -> t
 
 def _scan(records: Sequence[dict], by_name: dict, directions: list[str], arch: str | None, notes: list[str]) -> dict:
     """What ``records`` covered, per section and direction: value -> the first case's name."""
-    from audits.suites.cases import case_from_dict
-
     got = {k: {d: {} for d in DIRECTIONS} for k in ("head_dims", "classes", "features")}
     seen: dict[tuple, tuple] = {}  # (call, direction) -> class names: many cases share a call
     bad = 0
@@ -219,8 +233,6 @@ def _class_entries(arch: str, domain, covered: dict) -> dict:
     """The classes of ``arch`` whose direction the domain has, each with the case that covered it
     per direction (``covered``: direction -> name -> case); one that no call inside the domain
     falls in (:func:`_reachable`) is listed under ``outside_domain``, not judged."""
-    from fa4.code_paths import classes
-
     out: dict[str, dict] = {}
     applicable = DIRECTIONS if domain.backward else ("forward",)
     reach = _reachable(arch, domain)
@@ -261,10 +273,6 @@ def _reachable(arch: str, domain) -> dict[str, set] | None:
     :data:`_MOD_BLOCKS`).  None (all reachable) for a domain that restricts none of these.  Only
     what the domain states is left out: lengths and the rest vary over shapes the domain is not
     asked about."""
-    import json
-
-    from audits.suites.cases import MOD_KINDS
-
     full = all(getattr(domain, k) for k in _TOGGLES) and all(domain.takes(k) for k in MOD_KINDS)
     if domain.head_dim_pairs() is None and full:
         return None
@@ -279,12 +287,6 @@ _MOD_BLOCKS = ((128, 128), (128, 64), (64, 128))
 
 @functools.cache
 def _reachable_cached(arch: str, domain_json: str) -> dict[str, set]:
-    import json
-
-    from audits.suites.cases import SM90_HEAD_DIMS
-    from audits.suites.domain import Domain
-    from fa4.code_paths import Call, classes_of
-
     dom = Domain.from_dict(json.loads(domain_json), where="coverage")
     pairs = dom.head_dim_pairs() or tuple(itertools.product(SM90_HEAD_DIMS, SM90_HEAD_DIMS))
     masks = [(False, False)] + [(True, False)] * dom.causal + [(False, True)] * dom.local
@@ -324,45 +326,13 @@ def _reachable_cached(arch: str, domain_json: str) -> dict[str, set]:
 def basis_of(kernel: str, *, domain=None) -> dict:
     """``{"domain": Domain, "arch": ...}`` of kernel ``kernel`` (a name or ``module:attr``): its
     declared domain (narrowed by ``domain``, a ``--domain`` file's, when given) and :func:`arch_of`."""
-    from audits.kernels import get_kernel, kernel_domain
-
     own = kernel_domain(kernel)
     return {"domain": own if domain is None else own.narrow(domain), "arch": arch_of(get_kernel(kernel))}
 
 
-def legacy_basis(rep: dict) -> dict:
-    """The basis of a report (or journal) written before coverage existed, read from what it
-    holds, no kernel loaded: the domain it recorded (``rep["domain"]``: the kernel's own, else
-    the one its suite was built in; else unrestricted), the architecture of a built-in model by
-    name, production's from the compute capability in its environment (the GPU it ran on).
-    ``"legacy"`` says how, for the coverage's notes."""
-    import re
-
-    from audits.kernels import KERNELS, arch_of_capability
-    from audits.suites.domain import Domain, DomainError
-
-    info = rep.get("domain") if isinstance(rep.get("domain"), dict) else {}
-    kern = rep.get("kernel")
-    d = ((info.get("kernels") or {}).get(kern) or {}).get("domain") or info.get("domain")
-    how = ["computed when read: the report predates coverage"]
-    try:
-        domain = Domain.from_dict(d, where="the report's domain") if isinstance(d, dict) else Domain()
-    except DomainError:
-        domain = Domain()
-        d = None
-    how.append("domain as the report recorded it" if isinstance(d, dict) else "no domain recorded: unrestricted")
-    arch = None
-    if kern == "fa4":  # audits.common records "sm_{major}{minor}"
-        cc = re.fullmatch(r"sm_(\d+)\d", str((rep.get("environment") or {}).get("compute_capability", "")))
-        arch = arch_of_capability(int(cc.group(1))) if cc else None
-    elif kern in KERNELS:
-        arch = getattr(KERNELS[kern], "fa4_audit_arch", None)
-    return {"domain": domain, "arch": arch if isinstance(arch, str) else None, "legacy": "; ".join(how)}
-
-
 def coverage_from_basis(basis: dict, *, records: Sequence[dict], backward: bool | None = None) -> dict:
     """:func:`coverage` of ``records`` (cases read from their configs) on a basis of
-    :func:`basis_of`, :func:`legacy_basis` or :func:`basis_of_coverage`; a basis ``{"absent":
+    :func:`basis_of`, :func:`basis_of_coverage` or ``audits.report.schema``'s of an old report; a basis ``{"absent":
     why}`` gives ``{"absent": why}``."""
     if "absent" in basis:
         return {"absent": basis["absent"]}
@@ -375,8 +345,6 @@ def coverage_from_basis(basis: dict, *, records: Sequence[dict], backward: bool 
 def basis_of_coverage(cov: dict | None) -> dict | None:
     """The basis a report's coverage was computed on (to recompute it over other records: a
     re-judged or merged report), None when there is none to read."""
-    from audits.suites.domain import Domain, DomainError
-
     if not isinstance(cov, dict):
         return None
     if "absent" in cov:

@@ -36,17 +36,39 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from audits.report.records import CaseRecord
 from audits.suites.cases import Case
 from audits.verdict.gate import bound_gated, fa_allowed, grad_fa_allowed, lse_allowed
+from fa4.code_paths import sm90_bwd_tile, sm90_fwd_tile
+from fa4.model_bwd import bwd_plan
 from numerics.reference import visible_mask
 
 __all__ = [
-    "AXES", "MASK_REGIONS", "TENSORS", "CRITERIA", "MIN_SHARE_OF_VIOLATIONS", "MAX_SHARE_OF_ELEMENTS", "MAX_CHANCE",
-    "MAX_PANELS", "MAX_PANEL_SIDE", "Concentration", "concentration", "Layout", "layout_of", "localize",
-    "CaseTensors", "ErrorMap", "diagnose", "save_map", "load_map", "forward_tiles", "backward_tiles",
-]  # fmt: skip
+    "AXES",
+    "MASK_REGIONS",
+    "TENSORS",
+    "CRITERIA",
+    "MIN_SHARE_OF_VIOLATIONS",
+    "MAX_SHARE_OF_ELEMENTS",
+    "MAX_CHANCE",
+    "MAX_PANELS",
+    "MAX_PANEL_SIDE",
+    "Concentration",
+    "concentration",
+    "Layout",
+    "layout_of",
+    "localize",
+    "CaseTensors",
+    "ErrorMap",
+    "diagnose",
+    "save_map",
+    "load_map",
+    "forward_tiles",
+    "backward_tiles",
+]
 
 AXES = ("batch", "head", "kv_head", "row", "row_tile", "col", "col_tile", "dim", "mask_region")
 #: ``mask_region`` labels: a row that sees no key; the last row tile when the rows do not fill it;
@@ -445,19 +467,13 @@ def forward_tiles(*, case: Case, numerics, kind: str) -> tuple[int, int]:
     (``fa4.code_paths.sm90_fwd_tile``), the tiles a flash-attention kernel most likely has."""
     if kind == "fa4" and numerics is not None:
         return numerics.tile_m, numerics.tile_n
-    from fa4.code_paths import sm90_fwd_tile
-
     return sm90_fwd_tile(d=case.d, dv=case.dv, causal=case.causal, local=case.local)
 
 
 def backward_tiles(*, case: Case, numerics, kind: str) -> tuple[int, int]:
     """(tile_m, tile_n) of the backward: an FA4 kernel's backward plan (``fa4.model_bwd.bwd_plan``
     of its numerics), else SM90's (``fa4.code_paths.sm90_bwd_tile``)."""
-    from fa4.code_paths import sm90_bwd_tile
-
     if kind == "fa4" and numerics is not None:
-        from fa4.model_bwd import bwd_plan
-
         try:
             plan = bwd_plan(numerics, case.d, case.dv, case.causal, case.local)
             return plan.tile_m, plan.tile_n
@@ -542,7 +558,7 @@ def _part(name, got, ref, crit: dict, den, err, lay: Layout, tiles) -> _Part:
     return _Part(name, c(mask), {k: v for k, v in counts.items() if v}, c(ratio), lay, tiles)
 
 
-def _forward_parts(rec: dict, th: dict, t: CaseTensors) -> list[_Part]:
+def _forward_parts(rec: CaseRecord, th: dict, t: CaseTensors) -> list[_Part]:
     """out and lse: the forward's gating criteria per element (module doc)."""
     case, fail_sem = t.case, th["policy"]["nan_swallowed"] == "fail"
     tiles = forward_tiles(case=case, numerics=t.numerics, kind=t.kind)
@@ -576,7 +592,7 @@ def _forward_parts(rec: dict, th: dict, t: CaseTensors) -> list[_Part]:
     return parts
 
 
-def _backward_parts(rec: dict, th: dict, t: CaseTensors) -> list[_Part]:
+def _backward_parts(rec: CaseRecord, th: dict, t: CaseTensors) -> list[_Part]:
     """dq, dk, dv, dsink: the backward's gating criteria per element, when its half gates."""
     b = rec.get("backward") or {}
     out_of_domain = b.get("out_of_domain") and not th["policy"]["claim_float32_overflow"]
@@ -703,8 +719,6 @@ def _panels(parts: list[_Part], case: Case, fwd_tiles: tuple[int, int]) -> Error
 def save_map(path: str | Path, *, error_map: ErrorMap) -> Path:
     """Write ``error_map`` as ``numpy.savez_compressed`` (docs/diagnosis.md: key "meta", a 0-d str
     array of JSON, and one float32 array per panel), creating the folder; returns the path."""
-    import numpy as np
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {k: np.asarray(v, dtype=np.float32) for k, v in error_map.arrays.items()}
@@ -715,8 +729,6 @@ def save_map(path: str | Path, *, error_map: ErrorMap) -> Path:
 
 def load_map(path: str | Path) -> ErrorMap:
     """An error map :func:`save_map` wrote (no pickles: the file may come from anywhere)."""
-    import numpy as np
-
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(str(z["meta"][()]))
         return ErrorMap(meta, {k: z[k] for k in z.files if k != "meta"})
@@ -725,7 +737,7 @@ def load_map(path: str | Path) -> ErrorMap:
 # ---- the entry point ------------------------------------------------------------------------------
 
 
-def diagnose(*, rec: dict, th: dict, tensors: CaseTensors | None) -> tuple[dict, ErrorMap | None]:
+def diagnose(*, rec: CaseRecord, th: dict, tensors: CaseTensors | None) -> tuple[dict, ErrorMap | None]:
     """(``rec["diagnosis"]``, its error map or None) of a judged case record ``rec`` and its kept
     ``tensors``: per tensor with violating elements ``{"violations", "elements", "criteria",
     "axes", "summary"}`` (docs/diagnosis.md); ``{}`` when the case did not run or nothing

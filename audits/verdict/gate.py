@@ -3,7 +3,9 @@
 Rules (docs/design.md, "Numerical conventions"): output and LSE are both checked, elementwise; a NaN
 or inf where the reference is finite fails; a finite value where the reference is NaN is a
 semantics deviation (warning or failure by policy); FA4 kernels must stay within the per-element
-forward-pass bound; FA's test criterion is a floor for every kernel.
+forward-pass bound; FA's test criterion is a floor for every kernel.  Each check returns what it
+found as typed records (:func:`findings`, ``audits.verdict.findings.Finding``); :func:`judge` gives
+the verdict, the worst of their severities, and the case's reasons, the findings in words.
 """
 
 from __future__ import annotations
@@ -11,12 +13,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from audits.common import read_toml
+from audits.report.records import CaseRecord
+from audits.verdict.findings import Finding, render
 
 __all__ = [
-    "DEFAULT_THRESHOLDS", "load_thresholds", "require_backward", "judge", "judge_against_baseline", "rejudge",
-    "ThresholdsError", "backward_verdict", "ungated_figures", "fa_allowed", "grad_fa_allowed", "lse_allowed",
+    "DEFAULT_THRESHOLDS",
+    "load_thresholds",
+    "require_backward",
+    "judge",
+    "judge_against_baseline",
+    "rejudge",
+    "ThresholdsError",
+    "backward_verdict",
+    "ungated_figures",
+    "fa_allowed",
+    "grad_fa_allowed",
+    "lse_allowed",
     "bound_gated",
-]  # fmt: skip
+    "findings",
+    "against_baseline",
+]
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
 _KEYS = {
@@ -120,20 +136,16 @@ _CAUSES = {
 }  # fmt: skip
 
 
-def _count(n: int, noun: tuple[str, str]) -> str:
-    """``1 output``, ``2,048 outputs``: ``noun`` is (singular, plural)."""
-    return f"{n:,} {noun[0] if n == 1 else noun[1]}"
-
-
-def _nonfinite(r: dict, noun: tuple[str, str], kind: str, th: dict, *, ref: str) -> list[tuple[str, str]]:
-    """Reasons for a tensor's non-finite mismatches (``numerics.metrics.output_errors`` /
-    ``lse_errors``: ``r``), in words a reader follows: how many elements, what the kernel returns
-    and what the FP64 reference (``ref``, e.g. "FP64 reference") holds there, and why the reference
-    is non-finite where its class says so (:data:`_CAUSES` of ``kind``: "out", "LSE", "grad").
-    Severity as ever: a non-finite value where the reference is finite fails; a differing value
-    where non-finite inputs make the reference NaN/inf is a semantics deviation (policy
-    ``nan_swallowed``); an LSE other than -inf where the reference is -inf fails.  A record without
-    the breakdown (written before it) gets the counts in plain words."""
+def _nonfinite(r: dict, noun: tuple[str, str], kind: str, th: dict, *, ref: str, quantity: str = "") -> list[Finding]:
+    """Findings of a tensor's non-finite mismatches (``numerics.metrics.output_errors`` /
+    ``lse_errors``: ``r``): how many elements, what the kernel returns and what the FP64 reference
+    (``ref``, e.g. "FP64 reference") holds there, and why the reference is non-finite where its
+    class says so (:data:`_CAUSES` of ``kind``: "out", "LSE", "grad").  Severity: a non-finite
+    value where the reference is finite fails; a differing value where non-finite inputs make the
+    reference NaN/inf is a semantics deviation (policy ``nan_swallowed``); an LSE other than -inf
+    where the reference is -inf fails.  A record without the breakdown gets the counts alone.
+    ``quantity``: the tensor (default ``kind``)."""
+    quantity = quantity or kind
     groups = [("fail", r["nonfinite_where_ref_finite"], {"finite"})]
     if kind == "LSE":  # -inf is the empty row's convention, its own check
         groups += [
@@ -148,38 +160,24 @@ def _nonfinite(r: dict, noun: tuple[str, str], kind: str, th: dict, *, ref: str)
     for i, (sev, n, refs) in enumerate(groups):
         if not n:
             continue
-        deviation = " — a semantics deviation" if i == 1 else ""
+        base = {"noun": noun, "ref": ref, "group": i}
         mine = [
             (k.split("|"), c)
             for k, c in pairs.items()
             if isinstance(c, int) and k.count("|") == 1 and k.split("|")[1] in refs
         ]
         if sum(c for _, c in mine) != n or any(g not in _HOLDS or v not in _HOLDS for (g, v), _ in mine):
-            found.append((sev, _plain(n, noun, kind, ref=ref, group=i) + deviation))
+            cause = _CAUSES["LSE"]["-inf"] if i == 2 else None
+            found.append(Finding(sev, "nonfinite", quantity, n, detail={**base, "holds": None, "cause": cause}))
             continue
-        for want in dict.fromkeys(v for (_, v), _ in mine):  # one reason per reference class, most first
-            got = [(_HOLDS[g], c) for (g, v), c in mine if v == want]
-            where = f"where the {ref} is {want}" + (f" ({_CAUSES[kind][want]})" if want in _CAUSES[kind] else "")
-            # several classes: "15,552 dv elements: the kernel returns a finite value (15,488), -inf (35) or +inf (29)"
-            each = [f"{h} ({c:,})" for h, c in got] if len(got) > 1 else [got[0][0]]
-            holds = each[0] if len(each) == 1 else f"{', '.join(each[:-1])} or {each[-1]}"
-            why = f"{_count(sum(c for _, c in got), noun)}: the kernel returns {holds} {where}"
-            found.append((sev, why + deviation))
+        for want in dict.fromkeys(v for (_, v), _ in mine):  # one finding per reference class, most first
+            got = tuple((_HOLDS[g], c) for (g, v), c in mine if v == want)
+            detail = {**base, "holds": got, "ref_class": want, "cause": _CAUSES[kind].get(want)}
+            found.append(Finding(sev, "nonfinite", quantity, sum(c for _, c in got), detail=detail))
     return found
 
 
-def _plain(n: int, noun: tuple[str, str], kind: str, *, ref: str, group: int) -> str:
-    """The reason of :func:`_nonfinite`'s group ``group`` (0: reference finite, 1: reference NaN
-    or inf, 2: LSE reference -inf) for a record without the per-class breakdown."""
-    if group == 0:
-        return f"{_count(n, noun)}: the kernel returns NaN or inf where the {ref} is finite"
-    if group == 2:
-        why = _CAUSES["LSE"]["-inf"]
-        return f"{_count(n, noun)}: the kernel returns other than -inf where the {ref} is -inf ({why})"
-    return f"{_count(n, noun)}: the kernel's value differs where NaN or inf inputs make the {ref} NaN or inf"
-
-
-def _semantics(m: dict, th: dict) -> list[tuple[str, str]]:
+def _semantics(m: CaseRecord, th: dict) -> list[Finding]:
     """Non-finite values against the reference: NaN/inf where it is finite fails; a finite
     value where non-finite inputs make it NaN/inf is a semantics deviation (policy); an LSE other
     than -inf on a row with no visible key fails (:func:`_nonfinite`)."""
@@ -195,7 +193,7 @@ def _bound_gated(kind: str | None, table: dict) -> bool:
     return table["bound"] if kind == "fa4" else table["peer_bound"]
 
 
-def bound_gated(*, m: dict, th: dict, backward: bool = False) -> bool:
+def bound_gated(*, m: CaseRecord, th: dict, backward: bool = False) -> bool:
     """Whether case record ``m``'s per-element bound gates it under ``th``: the forward's (its
     ``bound.kind``) or, with ``backward``, the gradients' (``backward.bound_kind``).  Public: the
     per-element localization (``audits.verdict.diagnosis``) counts a criterion only where it gates."""
@@ -204,22 +202,17 @@ def bound_gated(*, m: dict, th: dict, backward: bool = False) -> bool:
     return _bound_gated((m.get("bound") or {}).get("kind"), th["policy"])
 
 
-def _bound(m: dict, th: dict) -> list[tuple[str, str]]:
+def _bound(m: CaseRecord, th: dict) -> list[Finding]:
     """The per-element forward bound (FA4 numerics, or generic flash-attention numerics for peers)."""
     b = m.get("bound")
     applies = _bound_gated((b or {}).get("kind"), th["policy"])
     if b is None or not applies or not (b["violations"] or b["lse_violations"]):
         return []
-    return [
-        (
-            "fail",
-            f"{b['violations']} outputs and {b['lse_violations']} LSE values exceed the forward-pass bound "
-            f"(worst error/bound {b['tightness']:.3g}) — a bug in the kernel or in the analysis",
-        )
-    ]
+    detail = {"lse_violations": b["lse_violations"]}
+    return [Finding("fail", "bound", "out", b["violations"], b["tightness"], 1.0, detail)]
 
 
-def fa_allowed(*, m: dict, th: dict) -> float | None:
+def fa_allowed(*, m: CaseRecord, th: dict) -> float | None:
     """The largest |out - ref| FlashAttention's criterion allows case record ``m`` under ``th``
     (``fa_multiplier`` x PyTorch's error in the input dtype + 2 x the output's rounding), or None
     where the criterion does not gate the case (off, a dtype PyTorch does not compute in, not
@@ -231,15 +224,15 @@ def fa_allowed(*, m: dict, th: dict) -> float | None:
     return pol["fa_multiplier"] * fa["lowprec_max_abs"] + 2 * fa["rounding"]
 
 
-def _fa_criterion(m: dict, th: dict) -> list[tuple[str, str]]:
+def _fa_criterion(m: CaseRecord, th: dict) -> list[Finding]:
     """FlashAttention's own test criterion, a floor for the dtypes PyTorch computes in."""
     fa, allowed = m.get("fa_criterion"), fa_allowed(m=m, th=th)
     if allowed is None or fa["max_abs"] <= allowed:
         return []
-    return [("fail", f"FA criterion: max|out - ref| {fa['max_abs']:.3g} > allowed {allowed:.3g}")]
+    return [Finding("fail", "fa-criterion", "out", worst=fa["max_abs"], allowed=allowed)]
 
 
-def lse_allowed(*, m: dict, th: dict) -> float | None:
+def lse_allowed(*, m: CaseRecord, th: dict) -> float | None:
     """The largest |lse - lse_fp64| the [lse] ceiling allows case record ``m`` (``max_abs`` + ``rel``
     x its largest finite |reference LSE|), or None when the record has no measured LSE.  Public:
     the verdict and ``audits.verdict.diagnosis`` read the one rule."""
@@ -249,60 +242,47 @@ def lse_allowed(*, m: dict, th: dict) -> float | None:
     return th["lse"]["max_abs"] + th["lse"]["rel"] * lse.get("ref_max_abs", 0.0)
 
 
-def _lse(m: dict, th: dict) -> list[tuple[str, str]]:
+def _lse(m: CaseRecord, th: dict) -> list[Finding]:
     """The LSE: returned at all (policy ``lse_missing``), -inf on empty rows, within the ceiling."""
     lse = m.get("lse")
     if lse is None:
-        return (
-            [(th["policy"]["lse_missing"], "LSE not returned: not audited")] if m.get("lse_returned") is False else []
-        )
-    found = []  # an LSE other than -inf where the reference is -inf: _semantics
+        return [Finding(th["policy"]["lse_missing"], "lse-missing", "LSE")] if m.get("lse_returned") is False else []
+    # an LSE other than -inf where the reference is -inf: _semantics
     ref_max, allowed = lse.get("ref_max_abs", 0.0), lse_allowed(m=m, th=th)
-    if lse["max_abs"] > allowed:
-        found.append(
-            (
-                "fail",
-                f"LSE max |err| {lse['max_abs']:.3g} > allowed {allowed:.3g} (max_abs "
-                f"{th['lse']['max_abs']:g} + rel {th['lse']['rel']:g} * max|lse| {ref_max:.3g})",
-            )
-        )
-    return found
+    if lse["max_abs"] <= allowed:
+        return []
+    detail = {"max_abs": th["lse"]["max_abs"], "rel": th["lse"]["rel"], "ref_max": ref_max}
+    return [Finding("fail", "lse-ceiling", "LSE", worst=lse["max_abs"], allowed=allowed, detail=detail)]
 
 
-def _certified(m: dict, th: dict) -> list[tuple[str, str]]:
+def _certified(m: CaseRecord, th: dict) -> list[Finding]:
     """The FP64 reference itself, against the exact row."""
     cert, allowed = m.get("mpmath_max_abs"), th["reference"]["mpmath_max_abs"]
     if cert is None or cert <= allowed:
         return []
-    return [("fail", f"FP64 reference not certified: differs from the exact row by {cert:.3g} (allowed {allowed:g})")]
+    return [Finding("fail", "uncertified", "reference", worst=cert, allowed=allowed)]
 
 
 _CHECKS = (_semantics, _bound, _fa_criterion, _lse, _certified)
 _RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 3, "fail": 4, "error": 5, "timeout": 6, "crash": 7}
 
 
-def _grad_values(b: dict, th: dict) -> list[tuple[str, str]]:
+def _grad_values(b: dict, th: dict) -> list[Finding]:
     """Each gradient against its FP64 reference: non-finite values, the per-element backward
     bound (FA4 numerics; peers by policy), and what autograd failed to return."""
     bt, found = th["backward"], []
-    found += [("error", f"gradient contract: {why}") for why in b.get("contract", [])]
-    found += [("fail", f"autograd returned no {n}: the output does not depend on that input") for n in b["missing"]]
+    found += [Finding("error", "grad-contract", detail={"note": why}) for why in b.get("contract", [])]
+    found += [Finding("fail", "grad-missing", n) for n in b["missing"]]
     for n, g in b["grads"].items():
-        found += _nonfinite(g, (f"{n} element", f"{n} elements"), "grad", th, ref="FP64 gradient")
+        found += _nonfinite(g, (f"{n} element", f"{n} elements"), "grad", th, ref="FP64 gradient", quantity=n)
         bd = g.get("bound")
         applies = _bound_gated(b.get("bound_kind"), bt)
         if bd and applies and bd["violations"]:
-            found.append(
-                (
-                    "fail",
-                    f"{bd['violations']} {n} elements exceed the backward bound (worst error/bound "
-                    f"{bd['tightness']:.3g}) — a bug in the kernel or in the analysis",
-                )
-            )
+            found.append(Finding("fail", "grad-bound", n, bd["violations"], bd["tightness"], 1.0))
     return found
 
 
-def grad_fa_allowed(*, m: dict, grad: str, th: dict) -> float | list[float] | None:
+def grad_fa_allowed(*, m: CaseRecord, grad: str, th: dict) -> float | list[float] | None:
     """The largest |g - ref| FlashAttention's backward criterion allows gradient ``grad`` of case
     record ``m`` under ``th``: ``multiplier`` x PyTorch's error in the input dtype + 2 x rounding
     (+ ``softcap_abs`` with a softcap); for dsink, which FA checks per head, one value per head
@@ -321,102 +301,93 @@ def grad_fa_allowed(*, m: dict, grad: str, th: dict) -> float | list[float] | No
     return mult * fa["lowprec_max_abs"] + 2 * fa["rounding"] + extra
 
 
-def _grad_fa_criterion(b: dict, m: dict, th: dict) -> list[tuple[str, str]]:
+def _grad_fa_criterion(b: dict, m: CaseRecord, th: dict) -> list[Finding]:
     """FlashAttention's backward criterion per gradient, a floor for bf16 / fp16."""
     found = []
     for n, g in b["grads"].items():
         fa, allowed = g.get("fa_criterion"), grad_fa_allowed(m=m, grad=n, th=th)
         if allowed is None:
             continue
-        if n == "dsink":  # elementwise, 2 ULP of |ref| per head
+        if n == "dsink":  # elementwise, 2 ULP of |ref| per head: the first head off
             bad = [i for i, (e, a) in enumerate(zip(fa["errors"], allowed)) if e > a]
             if bad:
                 i = bad[0]
-                found.append(
-                    (
-                        "fail",
-                        f"FA criterion: dsink of {len(bad)} head(s) off, head {i}: "
-                        f"|err| {fa['errors'][i]:.3g} > allowed {allowed[i]:.3g}",
-                    )
-                )
+                found.append(Finding("fail", "fa-criterion", n, len(bad), fa["errors"][i], allowed[i], {"head": i}))
             continue
         if fa["max_abs"] > allowed:
-            found.append(("fail", f"FA criterion: max|{n} - ref| {fa['max_abs']:.3g} > allowed {allowed:.3g}"))
+            found.append(Finding("fail", "fa-criterion", n, worst=fa["max_abs"], allowed=allowed))
     return found
 
 
-def _grad_semantics(b: dict, th: dict) -> list[tuple[str, str]]:
+def _grad_semantics(b: dict, th: dict) -> list[Finding]:
     """Exact zeros, determinism under --deterministic, the FP64 gradients' certification."""
     z, found = b["zeros"], []
     for key, what in (("dk_unseen_nonzero", "dK"), ("dv_unseen_nonzero", "dV")):
         if z[key]:
-            found.append(("fail", f"{z[key]} {what} elements of the {z['unseen_keys']} unseen keys are not zero"))
+            found.append(Finding("fail", "unseen-nonzero", what, z[key], detail={"unseen": z["unseen_keys"]}))
     if z["dq_empty_nonzero"]:
-        bad = z["dq_empty_nonzero"]
-        found.append(("fail", f"{bad} dQ elements of the {z['empty_rows']} rows that see no key are not zero"))
+        rows = {"rows": z["empty_rows"]}
+        found.append(Finding("fail", "empty-row-nonzero", "dQ", z["dq_empty_nonzero"], detail=rows))
     if b.get("deterministic"):
         for n, sp in b.get("spread", {}).items():
             if sp["differing"]:
-                found.append(
-                    (
-                        "fail",
-                        f"deterministic=True: {sp['differing']} {n} elements differ between "
-                        f"backward runs (up to {sp['max_ulp']} ULP)",
-                    )
-                )
+                found.append(Finding("fail", "nondeterministic", n, sp["differing"], sp["max_ulp"], 0))
     for n, rel in b.get("certified", {}).items():
         if rel > th["backward"]["mpmath_max_rel"]:
-            found.append(
-                (
-                    "fail",
-                    f"FP64 {n} not certified: differs from the exact elements by {rel:.3g} relative "
-                    f"(allowed {th['backward']['mpmath_max_rel']:g})",
-                )
-            )
+            found.append(Finding("fail", "grad-uncertified", n, worst=rel, allowed=th["backward"]["mpmath_max_rel"]))
     return found
 
 
-def _backward(m: dict, th: dict) -> list[tuple[str, str]]:
+def _backward(m: CaseRecord, th: dict) -> list[Finding]:
     """The case's backward half (``audits.engine.backward``), when the run asked for it."""
     b = m.get("backward")
     if b is None:
         return []
     if b["status"] != "ran":
-        return [(b["status"], f"backward: {b.get('reason', '')}")]
+        return [Finding(b["status"], "backward", detail={"note": b.get("reason", "")})]
     require_backward(th)
     if b.get("out_of_domain") and not th["policy"]["claim_float32_overflow"]:
-        return [("out-of-domain", f"backward: {b['out_of_domain']}")]
+        return [Finding("out-of-domain", "backward", detail={"note": b["out_of_domain"]})]
     return _grad_values(b, th) + _grad_fa_criterion(b, m, th) + _grad_semantics(b, th)
 
 
-def judge(m: dict, th: dict) -> tuple[str, list[str]]:
-    """(verdict, reasons) for one case's measurements ``m`` (see ``audits.engine.evaluate``): the
-    worst severity any check gives, with every check's reasons."""
+def findings(m: CaseRecord, th: dict) -> list[Finding]:
+    """What the checks find in one case's measurements ``m`` (see ``audits.engine.evaluate``)
+    under the thresholds ``th``, in the order of its ``reasons``; none: it passes."""
     if m.get("status") in ("error", "skipped", "crash", "timeout"):
-        return m["status"], [m.get("reason", "")]
+        return [Finding(m["status"], "status", detail={"note": m.get("reason", "")})]
     # decided by the record's fields only (old records: audits.report.schema.upgrade_case)
     ood, kind, lse = m.get("out_of_domain"), m.get("out_of_domain_kind"), m.get("lse") or {}
     nonfinite_claim = kind == "nonfinite-inputs"  # the kernel's own domain (audits.kernels)
     overflowed = m["out"]["nonfinite_where_ref_finite"] or lse.get("nonfinite_where_ref_finite")
     if kind is not None and (nonfinite_claim or not th["policy"]["claim_float32_overflow"]) and overflowed:
-        return "out-of-domain", [f"inputs outside the kernel design's float32 range: {ood}"]
-    found = [f for check in _CHECKS for f in check(m, th)] + _backward(m, th)
-    verdict = max((sev for sev, _ in found), key=_RANK.__getitem__, default="pass")
-    return verdict, [why for _, why in found]
+        return [Finding("out-of-domain", "out-of-domain", detail={"note": ood})]
+    return [f for check in _CHECKS for f in check(m, th)] + _backward(m, th)
 
 
-def backward_verdict(*, case: dict, thresholds: dict) -> str | None:
+def _worst(found: list[Finding]) -> str:
+    """The verdict of a list of findings: the worst severity, pass for none."""
+    return max((f.severity for f in found), key=_RANK.__getitem__, default="pass")
+
+
+def judge(m: CaseRecord, th: dict) -> tuple[str, list[str]]:
+    """(verdict, reasons) for one case's measurements ``m``: the worst severity of its
+    :func:`findings`, and each of them in words (``audits.verdict.findings.render``)."""
+    found = findings(m, th)
+    return _worst(found), [render(f) for f in found]
+
+
+def backward_verdict(*, case: CaseRecord, thresholds: dict) -> str | None:
     """The verdict of a case record's backward half alone (None: the case has no backward), under
     ``thresholds`` (which must have the [backward] tables): a case's verdict is the worst of both
     halves, so a summary that counts gradients (``audits.report.build.summary_line``) needs this
     half on its own to say how many cases' gradients passed."""
     if not case.get("backward"):
         return None
-    found = _backward(case, thresholds)
-    return max((sev for sev, _ in found), key=_RANK.__getitem__, default="pass")
+    return _worst(_backward(case, thresholds))
 
 
-def ungated_figures(*, case: dict, thresholds: dict) -> dict[str, str]:
+def ungated_figures(*, case: CaseRecord, thresholds: dict) -> dict[str, str]:
     """The error/bound figures a case record shows that its verdict does not gate, each with why
     in words: ``"bound"`` (the forward bound's tightness), ``"grad_bound"`` (the gradients').  A
     table that shows such a figure says so: a kernel author who sees err/bound 3.63 on a passing
@@ -436,8 +407,15 @@ def ungated_figures(*, case: dict, thresholds: dict) -> dict[str, str]:
     return out
 
 
-def judge_against_baseline(m: dict, base: dict, th: dict) -> list[str]:
-    """Reasons a candidate case record is worse than its baseline record (empty: not worse)."""
+def judge_against_baseline(m: CaseRecord, base: CaseRecord, th: dict) -> list[str]:
+    """Reasons a candidate case record is worse than its baseline record (empty: not worse):
+    :func:`against_baseline` in words."""
+    return [render(f) for f in against_baseline(m, base, th)]
+
+
+def against_baseline(m: CaseRecord, base: CaseRecord, th: dict) -> list[Finding]:
+    """Findings of a candidate case record worse than its baseline record by more than
+    ``[baseline] max_ratio`` (empty: not worse)."""
     if m.get("status") != "ran" or base.get("status") != "ran":
         return []
     r = th["baseline"]["max_ratio"]
@@ -453,7 +431,7 @@ def judge_against_baseline(m: dict, base: dict, th: dict) -> list[str]:
     ]
     for a, b, label in pairs:
         if a is not None and b is not None and a > r * b and a > 0:
-            out.append(f"{label} {a:.3g} > {r:g} x baseline {b:.3g}")
+            out.append(Finding("fail", "baseline", label, worst=a, allowed=r, detail={"baseline": b}))
     return out
 
 

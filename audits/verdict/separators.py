@@ -48,12 +48,24 @@ import re
 
 import numpy as np
 
-from audits.report.schema import FAILING
+from audits.report.records import FAILING, CaseRecord
+from audits.suites.cases import case_from_dict
+from audits.verdict.coverage import classes_ran
 
 __all__ = [
-    "PASSING", "KINDS", "MAX_RULES", "SET_MAX", "POOL", "EXACT_POOL", "MIN_GAIN", "FEW_FAILING", "TENSORS",
-    "separators", "separator_text", "where_lines",
-]  # fmt: skip
+    "PASSING",
+    "KINDS",
+    "MAX_RULES",
+    "SET_MAX",
+    "POOL",
+    "EXACT_POOL",
+    "MIN_GAIN",
+    "FEW_FAILING",
+    "TENSORS",
+    "separators",
+    "separator_text",
+    "where_lines",
+]
 
 #: the verdicts counted as passing (the failing ones: ``FAILING``); skipped and out-of-domain
 #: cases were not compared with the reference and are counted as neither
@@ -183,13 +195,10 @@ _CALL_FIELDS = (
 )  # fmt: skip
 
 
-def _classes(records: list[dict], cols: dict[str, list], arch: str) -> tuple[list[frozenset[str]], np.ndarray]:
+def _classes(records: list[CaseRecord], cols: dict[str, list], arch: str) -> tuple[list[frozenset[str]], np.ndarray]:
     """The distinct sets of code-path classes the records' cases fall in on ``arch`` (forward;
     backward when it ran; none for a varlen case run per sequence: it ran no varlen code path),
     and each record's index into them."""
-    from audits.suites.cases import case_from_dict
-    from audits.verdict.coverage import classes_ran
-
     # by the call's fields first: many records share a call, and a Case is built once per distinct one
     names: dict[tuple, tuple[str, ...]] = {}
     calls: dict[tuple, tuple[str, ...]] = {}  # classes_ran's own cache, by call
@@ -210,7 +219,7 @@ def _classes(records: list[dict], cols: dict[str, list], arch: str) -> tuple[lis
     return list(sets), np.array(out, dtype=np.int64)
 
 
-def _predicates(records: list[dict], failing: np.ndarray, arch: str | None) -> _Pool:
+def _predicates(records: list[CaseRecord], failing: np.ndarray, arch: str | None) -> _Pool:
     """Every predicate of the module docstring over ``records`` (the counted cases)."""
     cfgs = [r["config"] for r in records]
     pool = _Pool(len(records))
@@ -293,7 +302,7 @@ def _fields(*fields: str) -> str:
     return ", ".join(dict.fromkeys(f.strip() for x in fields for f in x.split(",")))
 
 
-def separators(cases: list[dict], *, arch: str | None) -> dict:
+def separators(cases: list[CaseRecord], *, arch: str | None) -> dict:
     """The value of ``report["diagnosis"]``: ``{"separators": [...], "failing": n, "passing":
     m}`` (and ``"note"`` when there is nothing to separate or little to go on).  Each separator
     ``{"field", "rule", "failing", "passing", "exact", "score"}`` (the module docstring says how
@@ -418,7 +427,7 @@ def separator_text(diag: dict | None) -> tuple[str, list[tuple[str, str]]]:
     return ". ".join([counted, *note, how]), rules
 
 
-def where_lines(rec: dict) -> list[str]:
+def where_lines(rec: CaseRecord) -> list[str]:
     """A failing case's diagnosis as lines, one per tensor with violations, in the order of
     :data:`TENSORS`: its summary, after "out: " unless the summary names its tensor itself ("all
     18,733 out violations in rows 156..199 (of 0..199); rows 0..155 within bound"); empty when the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import subprocess
 import sys
 from collections import Counter
@@ -56,8 +57,6 @@ def _const_bits(ptx: str) -> set[int]:
 
 
 def _f32_bits(v: float) -> int:
-    import struct
-
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
 

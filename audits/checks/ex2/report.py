@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from audits.common import atomic_write
+from audits.common import atomic_write, print_table
 
 __all__ = ["SCHEMA", "write_report", "print_summary"]
 
@@ -145,6 +145,7 @@ def _short_cell(p: dict) -> str:
 
 
 def _plot(report: dict, path: Path) -> None:
+    # lazy: matplotlib takes a quarter second to import, paid only where a figure is drawn
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,8 +212,6 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
 
 
 def print_summary(report: dict, console: Console | None = None) -> None:
-    from audits.common import print_table
-
     console = console or Console()
     cells = []
     for r, n, prod in _degree_rows(report):

@@ -12,18 +12,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
+from audits.engine.worker import KernelTimeout, WorkerCrashed
 from audits.kernels import production_arch
 from audits.suites.cases import Case, fidelity_cases
 from audits.suites.inputs import make_inputs
-from fa4.model import FA4Numerics, attention
+from fa4.model import FA4Numerics, attention, hardware_exp2
+from fa4.production import ex2_kernel
 from numerics.forward_bound import forward_error_bound
+from numerics.fp import ulp_distance
 from numerics.metrics import bound_check, lse_errors, output_errors, row_scaled_ulp_diff, ulp_diff_histogram
 from numerics.reference import attention_reference
 
-__all__ = ["CASES", "run_case", "summarize"]
+__all__ = ["CASES", "run_case", "run_cases", "summarize", "markdown", "mufu_vs_model"]
 
 #: Goals (issue: "FA4 numerics model"): >= 99% identical or 1 ULP apart, none beyond 2.
 MIN_WITHIN_1 = 0.99
@@ -89,6 +93,23 @@ def run_case(label: str, c: Case, production, device, *, mma: str = "exact") -> 
     )
     res["ok"] = hist["fraction_within_1"] >= MIN_WITHIN_1 and res["lse_nonfinite_agree"] and no_violation
     return res
+
+
+def run_cases(
+    cases: list[tuple[str, Case]], production, device, *, mma: str = "exact", advance: Callable[[], None] = lambda: None
+) -> tuple[list[dict], list[dict]]:
+    """Each (label, case)'s :func:`run_case`, calling ``advance`` after each: (the results, the
+    cases that did not finish).  A case whose production call passed ``--timeout`` or killed its
+    worker is unfinished: {case, name, verdict: timeout | crash, reason}."""
+    results, unfinished = [], []
+    for label, c in cases:
+        try:
+            results.append(run_case(label, c, production, device, mma=mma))
+        except (KernelTimeout, WorkerCrashed) as exc:
+            verdict = "timeout" if isinstance(exc, KernelTimeout) else "crash"
+            unfinished.append({"case": label, "name": c.name, "verdict": verdict, "reason": str(exc)})
+        advance()
+    return results, unfinished
 
 
 def summarize(results: list[dict]) -> dict:
@@ -200,10 +221,6 @@ def mufu_vs_model(device, *, chunk_log2: int = 28) -> dict:
     """All 2**32 float32 inputs through the GPU's MUFU.EX2 (``ex2.approx.ftz.f32`` in a CuTe-DSL
     kernel) and through ``fa4.model.hardware_exp2``: how many results are 0, 1, 2, >2 float32
     steps apart (NaN results compared as equal when both are NaN)."""
-    from fa4.model import hardware_exp2
-    from fa4.production import ex2_kernel
-    from numerics.fp import ulp_distance
-
     hw = ex2_kernel("hardware")
     counts = {"0": 0, "1": 0, "2": 0, ">2": 0}
     worst = (0, None)

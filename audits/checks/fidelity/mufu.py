@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from fa4.production import ex2_kernel
+
 __all__ = ["measure_mufu"]
 
 
@@ -46,8 +48,6 @@ def _stats(name: str, x: torch.Tensor, y: torch.Tensor, acc: dict) -> None:
 def measure_mufu(device, *, chunk_log2: int = 27) -> dict:
     """Max errors of each MUFU approximation over all 2**32 float32 inputs (domains in the
     result's ``domain`` entries)."""
-    from fa4.production import ex2_kernel
-
     ops = {"ex2": "hardware", "lg2": "lg2", "rcp": "rcp", "tanh": "tanh"}
     out = {}
     chunk = 1 << chunk_log2

@@ -21,15 +21,35 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from audits import kernels
 from audits.checks.invariance import fixed, mods, varlen
 from audits.checks.invariance.compare import RESULTS, Broken, Refused, TimedOut, compare
 from audits.checks.invariance.mods import MOD_PROPERTIES
+from audits.engine.worker import Isolated
+from audits.kernels import fa4_arch, fa4_numerics, get_kernel, get_varlen_kernel, kernel_domain
+from audits.suites.inputs import NotApplicable
+from fa4.model import FA4Numerics
 
 __all__ = [
-    "PROPERTIES", "MOD_PROPERTIES", "ALL_PROPERTIES", "DECODE_ROWS", "RESULTS", "Target", "target", "default_model",
-    "run_case", "summarize", "compare",
-    "in_worker", "uncompared",
-]  # fmt: skip
+    "PROPERTIES",
+    "MOD_PROPERTIES",
+    "ALL_PROPERTIES",
+    "DECODE_ROWS",
+    "RESULTS",
+    "Target",
+    "target",
+    "default_model",
+    "run_case",
+    "summarize",
+    "compare",
+    "in_worker",
+    "uncompared",
+    "SCHEMA",
+    "audit_kernel",
+]
+
+#: the schema of an invariance report (one kernel's; :func:`audit_kernel`)
+SCHEMA = "fa4-audit/invariance/2"
 
 #: the properties this audit checks, with what each compares
 PROPERTIES = {
@@ -64,8 +84,6 @@ def target(spec: str) -> Target:
     """The :class:`Target` of kernel ``spec``.  A user kernel may declare the FA4 numerics it
     implements as ``fn.fa4_audit_numerics = "sm100" | "sm90"`` (held to that bound); ValueError
     for another value."""
-    from audits.kernels import fa4_arch, fa4_numerics, get_kernel, get_varlen_kernel, kernel_domain
-
     fn = get_kernel(spec)
     arch = fa4_arch(spec)
     nmf = fa4_numerics(spec)
@@ -83,15 +101,11 @@ def in_worker(t: Target, device, timeout: float | None):
     """(``t`` with its calls, fixed-length and varlen, made in a worker process under
     ``timeout`` seconds per call, the ``audits.engine.worker.Isolated`` to close afterwards): a
     call past the limit kills the worker and the property's result is ``timeout``."""
-    from audits.engine.worker import Isolated
-
     iso = Isolated(t.name, device, timeout=timeout)
     return dataclasses.replace(t, fn=iso.entry(None), varlen=None if t.varlen is None else iso.entry("varlen")), iso
 
 
 def _numerics_of(arch: str) -> Callable:
-    from fa4.model import FA4Numerics
-
     return lambda q, k, v, causal, window: FA4Numerics.for_inputs(arch, q, k, v, causal, window)
 
 
@@ -100,9 +114,7 @@ def default_model(spec: str) -> str | None:
     production's (``fa4``) is the model of this machine's production arch; the others have none."""
     if spec != "fa4":
         return None
-    from audits.kernels import production_arch
-
-    return "fa4-model-sm90" if production_arch() == "sm90" else "fa4-model"
+    return "fa4-model-sm90" if kernels.production_arch() == "sm90" else "fa4-model"
 
 
 class _Shared:
@@ -169,8 +181,6 @@ def _property(prop: str, shared: _Shared, t: Target) -> dict:
 
 def _measure(shared: _Shared, t: Target, properties=PROPERTIES) -> dict:
     """The ``properties`` of the shared case for target ``t``."""
-    from audits.suites.inputs import NotApplicable
-
     case = shared.case
     no = t.domain.refusal(case) if t.domain is not None else None
     res = {}
@@ -290,3 +300,39 @@ def summarize(records: list[dict], required: list[str], model: str | None = None
     if model is not None:
         s["prediction"] = {"model": model, **_prediction_summary(records)}
     return s
+
+
+def audit_kernel(
+    t: Target,
+    cases: list,
+    *,
+    device,
+    model: Target | None,
+    properties: dict,
+    required: list[str],
+    suite: str,
+    meta: dict,
+    advance: Callable[[], None] = lambda: None,
+) -> dict:
+    """The invariance report of kernel ``t`` (predicted by ``model``, when given): each case's
+    :func:`run_case` over ``properties`` (name -> what it compares), calling ``advance`` after
+    each, and their :func:`summarize` under the ``required`` properties; ``meta`` (the report's
+    header: command, created, environment, domain) placed after its suite."""
+    t0 = time.perf_counter()
+    records = []
+    for c in cases:
+        records.append(run_case(c, t, device=device, model=model, properties=list(properties)))
+        advance()
+    mname = None if model is None else model.name
+    return {
+        "schema": SCHEMA,
+        "kernel": t.name,
+        "predict": mname,
+        "suite": suite,
+        **meta,
+        "device": str(device),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "properties": properties,
+        "summary": summarize(records, required, mname),
+        "cases": records,
+    }

@@ -17,6 +17,9 @@ import dataclasses
 import torch
 
 from audits.checks.invariance.compare import call_fixed, pair, verdict
+from audits.suites.inputs import make_inputs
+from numerics.forward_bound import forward_error_bound
+from numerics.reference import attention_reference, visible_mask
 
 __all__ = ["DECODE_ROWS", "FixedInputs", "batch", "decode", "decode_rows", "decode_variant", "rows_case"]
 
@@ -28,8 +31,6 @@ class FixedInputs:
     each kernel's full call, the FP64 reference and each kernel's forward bound, made lazily."""
 
     def __init__(self, case, device):
-        from audits.suites.inputs import make_inputs
-
         self.case = case
         x = make_inputs(case, device=device)
         self.q, self.k, self.v, self.kw = x["q"], x["k"], x["v"], x["kw"]
@@ -39,8 +40,6 @@ class FixedInputs:
 
     def ref(self):
         if self._ref is None:
-            from numerics.reference import attention_reference
-
             self._ref = attention_reference(self.q, self.k, self.v, return_lse=True, **self.kw)
         return self._ref
 
@@ -50,8 +49,6 @@ class FixedInputs:
         if t.nmf is None:
             return None, None
         if t.name not in self._bounds:
-            from numerics.forward_bound import forward_error_bound
-
             nm = t.nmf(self.q, self.k, self.v, self.case.causal, tuple(self.case.window))
             self._bounds[t.name] = forward_error_bound(self.q, self.k, self.v, nm, reference=self.ref(), **self.kw)
         return self._bounds[t.name]
@@ -112,8 +109,6 @@ def decode_rows(case, sq: int, sk: int, domain) -> tuple[list[int], list[str]]:
     lies in the domain (a restricted domain's length multiple: the last 128 rows of 256 for a
     kernel taking multiples of 128), ``Domain.refusal`` judging each.  Where no r fits at all,
     the reasons say why (an equal-lengths domain: r rows against sk keys never fit)."""
-    from numerics.reference import visible_mask
-
     why, usable = [], []
     win = tuple(case.window)
     vis = None

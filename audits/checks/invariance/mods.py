@@ -57,6 +57,15 @@ import dataclasses
 import torch
 
 from audits.checks.invariance.compare import Refused, call_fixed, pair, verdict
+from audits.suites.cases import MOD_BLOCK
+from audits.suites.inputs import make_inputs
+from audits.suites.strategies import mask_mod_of, random_mask
+from fa4.code_paths import sm90_fwd_tile
+from fa4.mods import build_mods
+from numerics.forward_bound import forward_error_bound
+from numerics.mod_library import SOFTCAP_CAP, WINDOW
+from numerics.mods import block_sparse_from_mask, index_grid, visibility
+from numerics.reference import attention_reference
 
 __all__ = ["MOD_PROPERTIES", "ModInputs", "block_sparse", "mask_flag", "sm90_block_sparse_rows", "sm90_tile_n"]
 
@@ -76,8 +85,6 @@ def sm90_tile_n(d: int, dv: int, *, causal: bool = False, local: bool = False, b
     """SM90 forward's tile_n (``fa4.code_paths.sm90_fwd_tile``, from
     ``interface._tile_size_fwd_sm90``), with block sparsity at ``block_k`` keys
     (``_fit_sm90_fwd_tile_to_block_sparsity``: block_k when smaller and a multiple of 16)."""
-    from fa4.code_paths import sm90_fwd_tile
-
     tn = sm90_fwd_tile(d=d, dv=dv, causal=causal, local=local)[1]
     if block_k is not None and block_k < tn and block_k % 16 == 0:
         tn = block_k
@@ -88,8 +95,6 @@ def sm90_block_sparse_rows(bs, kept: torch.Tensor, d: int, dv: int, seqlen_k: in
     """(bool (B, H, rows): the rows SM90 computes bit for bit alike dense and block-sparse, why
     the others are not) for block sparsity ``bs`` (``numerics.mods.BlockSparse``) of a mask
     keeping ``kept`` (bool, broadcastable to (B, H, rows, seqlen_k)); module doc."""
-    from numerics.mods import visibility
-
     dense_tn = sm90_tile_n(d, dv)
     sparse_tn = sm90_tile_n(d, dv, block_k=bs.block_size[1])
     n = kept.shape[2]
@@ -114,8 +119,6 @@ class ModInputs:
     FP64 reference and each kernel's forward bound, made when first asked."""
 
     def __init__(self, case, device):
-        from audits.suites.inputs import make_inputs
-
         self.case, self.device = case, device
         x = make_inputs(case, device=device)
         self.q, self.k, self.v, self.kw = x["q"], x["k"], x["v"], x["kw"]
@@ -137,8 +140,6 @@ class ModInputs:
 
     def ref(self, label: str, kw: dict):
         if label not in self._refs:
-            from numerics.reference import attention_reference
-
             self._refs[label] = attention_reference(self.q, self.k, self.v, return_lse=True, **kw)
         return self._refs[label]
 
@@ -148,8 +149,6 @@ class ModInputs:
             return None, None
         key = (t.name, label)
         if key not in self._bounds:
-            from numerics.forward_bound import forward_error_bound
-
             nm = t.nmf(self.q, self.k, self.v, bool(kw.get("causal")), tuple(kw.get("window_size", (None, None))))
             self._bounds[key] = forward_error_bound(self.q, self.k, self.v, nm, reference=self.ref(label, kw), **kw)
         return self._bounds[key]
@@ -204,8 +203,6 @@ def _claims(t) -> str | None:
 
 
 def _library(x: ModInputs, **names) -> dict:
-    from fa4.mods import build_mods
-
     c = x.case
     return build_mods(
         **names,
@@ -227,10 +224,6 @@ def _inside(t, case, **fields) -> str | None:
 
 def block_sparse(x: ModInputs, t) -> dict:
     """The ``block_sparse`` property of the case for target ``t`` (module doc)."""
-    from audits.suites.cases import MOD_BLOCK
-    from audits.suites.strategies import mask_mod_of, random_mask
-    from numerics.mods import block_sparse_from_mask, index_grid
-
     c = x.case
     blk = tuple(c.block_sparse) or MOD_BLOCK
     no = _inside(
@@ -293,8 +286,6 @@ def _claimed_rows(claimed) -> str:
 
 def mask_flag(x: ModInputs, t) -> dict:
     """The ``mask_flag`` property of the case for target ``t`` (module doc)."""
-    from numerics.mod_library import SOFTCAP_CAP, WINDOW
-
     c, dom = x.case, t.domain
     mods = dom.mods if dom is not None else ("score_mod", "mask_mod")
     d, dv = c.d, c.dv

@@ -26,7 +26,12 @@ import dataclasses
 import torch
 
 from audits.checks.invariance.compare import Refused, call_varlen, pair, verdict
-from audits.checks.invariance.fixed import DECODE_ROWS, decode_rows
+from audits.checks.invariance.fixed import DECODE_ROWS, decode_rows, rows_case
+from audits.suites import inputs  # its ``paged`` pool builder, beside this module's ``paged`` property
+from audits.suites.inputs import make_inputs, make_varlen_inputs
+from fa4.varlen import packs_gqa, sequence_numerics, split_counts
+from numerics.forward_bound import forward_error_bound
+from numerics.reference import attention_reference
 
 __all__ = ["PAGE_SIZES", "SPLITS", "VarlenInputs", "batch", "decode", "split", "paged", "pack_gqa", "bound_keywords"]
 
@@ -46,7 +51,7 @@ class Spec:
 
 
 @dataclasses.dataclass
-class Call:
+class VarlenCall:
     """One varlen call: packed q, k, v, its keywords, each sequence's [start, stop) rows in the
     packed q, and its knobs."""
 
@@ -65,8 +70,6 @@ class Call:
         if self.spec.num_splits == 1:
             return 1
         if arch not in self._splits:
-            from fa4.varlen import split_counts
-
             self._splits[arch] = split_counts(self.q, self.k, arch=arch, **self.kw)
         return self._splits[arch][j]
 
@@ -88,8 +91,6 @@ class VarlenInputs:
     and each kernel's results of whole-batch calls (cached by knobs)."""
 
     def __init__(self, case, device):
-        from audits.suites.inputs import make_inputs, make_varlen_inputs
-
         self.case, self.device = case, device
         x = make_varlen_inputs(case, device=device) if case.varlen else make_inputs(case, device=device)
         kw = x["kw"]
@@ -98,7 +99,7 @@ class VarlenInputs:
         if case.varlen:
             self.parts = list(x["parts"])
             spec = Spec(case.num_splits, case.page_size, case.pack_gqa)
-            base = Call(x["q"], x["k"], x["v"], kw, _offsets(kw["cu_seqlens_q"].cpu()), spec)
+            base = VarlenCall(x["q"], x["k"], x["v"], kw, _offsets(kw["cu_seqlens_q"].cpu()), spec)
         else:
             q, k, v = x["q"], x["k"], x["v"]
             self.parts = [(q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i in range(case.batch)]
@@ -111,7 +112,7 @@ class VarlenInputs:
 
     # ---- calls ----------------------------------------------------------------------------
 
-    def pack(self, parts, spec: Spec, last: int | None = None) -> Call:
+    def pack(self, parts, spec: Spec, last: int | None = None) -> VarlenCall:
         """The varlen call of ``parts`` (each (q, k, v), batch 1) with knobs ``spec``; ``last``:
         q restricted to each sequence's last rows."""
         qs = [p[0][0] if last is None else p[0][0, -last:] for p in parts]
@@ -120,8 +121,6 @@ class VarlenInputs:
         cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
         kw = dict(self.common, cu_seqlens_q=cu(lq).to(self.device), max_seqlen_q=max(lq), max_seqlen_k=max(lk))
         if spec.page:
-            from audits.suites import inputs  # its ``paged`` pool builder, not this module's property
-
             g = torch.Generator().manual_seed(self.case.seed * 1009 + spec.page)
             table = inputs.page_table(lk, spec.page, g)
             k = inputs.paged([t.cpu() for t in ks], table, spec.page).to(self.device)
@@ -134,9 +133,9 @@ class VarlenInputs:
         kw["num_splits"] = spec.num_splits
         if spec.pack_gqa is not None:
             kw["pack_gqa"] = spec.pack_gqa
-        return Call(torch.cat(qs), k, v, kw, _offsets(cu(lq)), spec)
+        return VarlenCall(torch.cat(qs), k, v, kw, _offsets(cu(lq)), spec)
 
-    def full(self, **changes) -> Call:
+    def full(self, **changes) -> VarlenCall:
         """The whole batch with the base's knobs but ``changes``: the base's own tensors where
         only num_splits / pack_gqa change, the sequences repacked where the page size does."""
         spec = dataclasses.replace(self.base.spec, **changes)
@@ -147,12 +146,12 @@ class VarlenInputs:
                 kw["num_splits"] = spec.num_splits
                 if spec.pack_gqa is not None:
                     kw["pack_gqa"] = spec.pack_gqa
-                self._calls[spec] = Call(b.q, b.k, b.v, kw, b.offsets, spec)
+                self._calls[spec] = VarlenCall(b.q, b.k, b.v, kw, b.offsets, spec)
             else:
                 self._calls[spec] = self.pack(self.parts, spec)
         return self._calls[spec]
 
-    def run(self, t, call: Call, *, cache: bool = False):
+    def run(self, t, call: VarlenCall, *, cache: bool = False):
         key = (t.name, call.spec)
         if cache and key in self._results:
             return self._results[key]
@@ -161,7 +160,7 @@ class VarlenInputs:
             self._results[key] = res
         return res
 
-    def try_run(self, t, call: Call):
+    def try_run(self, t, call: VarlenCall):
         """The call's result, or the Refused exception when the kernel declines it."""
         try:
             return self.run(t, call, cache=True)
@@ -169,7 +168,7 @@ class VarlenInputs:
             return exc
 
     @staticmethod
-    def seq(res, call: Call, i: int, rows: slice = slice(None)):
+    def seq(res, call: VarlenCall, i: int, rows: slice = slice(None)):
         """Sequence ``i``'s rows of a call's result, shaped as a batch-1 fixed-length result:
         out (1, sq, hq, dv), lse (1, hq, sq)."""
         out, lse = res
@@ -181,18 +180,14 @@ class VarlenInputs:
 
     def ref(self, i: int):
         if i not in self._refs:
-            from numerics.reference import attention_reference
-
             self._refs[i] = attention_reference(*self.parts[i], return_lse=True, **self.common)
         return self._refs[i]
 
-    def bound(self, t, i: int, call: Call, j: int):
+    def bound(self, t, i: int, call: VarlenCall, j: int):
         """Sequence ``i``'s (out_bound, lse_bound) for target ``t``'s numerics as sequence ``j``
         of ``call``, or None for a kernel without FA4 numerics."""
         if t.arch is None:
             return None
-        from fa4.varlen import packs_gqa, sequence_numerics
-        from numerics.forward_bound import forward_error_bound
 
         q, k, v = self.parts[i]
         spec = call.spec
@@ -217,7 +212,7 @@ class VarlenInputs:
             self._bounds[key] = forward_error_bound(q, k, v, nm, reference=self.ref(i), **self.common, **extra)
         return self._bounds[key]
 
-    def lazy(self, t, i: int, rows: slice, a: tuple[Call, int], b: tuple[Call, int]):
+    def lazy(self, t, i: int, rows: slice, a: tuple[VarlenCall, int], b: tuple[VarlenCall, int]):
         """Sequence ``i``'s reference and the bound of each variant (sequence j of a call) on
         ``rows``, when asked.  A decode call's bound is the prefill's rows (its splits aside)."""
 
@@ -238,8 +233,6 @@ def _short(p, case, domain):
     restricted ``domain`` (``Domain.refusal`` of a call of those lengths), the longest cut of at
     most half the rows that fits it (keys cut in proportion, or to the rows' count); the whole
     sequence (a copy at another token offset) when no cut fits."""
-    from audits.checks.invariance.fixed import rows_case
-
     q, k, v = p
     sq, sk = q.shape[1], k.shape[1]
     fits = lambda n, m: domain is None or domain.refusal(rows_case(case, n, m)) is None

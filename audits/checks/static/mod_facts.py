@@ -43,13 +43,26 @@ import dataclasses
 from collections import Counter
 
 from audits.checks.static.facts import PtxFormatError, instructions
+from audits.checks.static.facts_bwd import split_kernels
 from audits.suites.cases import Case
+from fa4.sm100_compile import AUX_KERNELS
 
 __all__ = [
-    "SCORE_OPS", "SCORE_OPS_BWD", "MASK_OPS", "NEG_INF_SELECT", "score_baseline", "mask_baseline",
-    "f32_elements", "differential", "expected_attributes", "production_attributes", "expected_mod_facts",
-    "compare_mod_facts", "scores_of_main", "main_kernel_text",
-]  # fmt: skip
+    "SCORE_OPS",
+    "SCORE_OPS_BWD",
+    "MASK_OPS",
+    "NEG_INF_SELECT",
+    "score_baseline",
+    "mask_baseline",
+    "f32_elements",
+    "differential",
+    "expected_attributes",
+    "production_attributes",
+    "expected_mod_facts",
+    "compare_mod_facts",
+    "scores_of_main",
+    "main_kernel_text",
+]
 
 #: the pseudo-instruction a -inf select counts under: ``selp.f32 %r, %r, 0fFF800000, %p`` (the
 #: forward), or ``selp.b32 %r, -8388608, %r, %p``, -inf's bit pattern as an integer (the backward)
@@ -164,9 +177,6 @@ def differential(
 
 def scores_of_main(text: str) -> int:
     """The backward's scores: ``ex2`` instructions of its main kernel(s) (``split_kernels``)."""
-    from audits.checks.static.facts_bwd import split_kernels
-    from fa4.sm100_compile import AUX_KERNELS
-
     n = sum(
         1
         for cls, ptx in split_kernels(text)
@@ -181,9 +191,6 @@ def scores_of_main(text: str) -> int:
 
 def main_kernel_text(text: str) -> str:
     """The backward's main kernel(s) PTX (the preprocess and postprocesses left out)."""
-    from audits.checks.static.facts_bwd import split_kernels
-    from fa4.sm100_compile import AUX_KERNELS
-
     return "".join(ptx for cls, ptx in split_kernels(text) if cls not in AUX_KERNELS)
 
 

@@ -1,0 +1,94 @@
+"""Everything a run needs besides its kernels and cases, in one value: what ``fa4-audit run``'s flags,
+the pytest fixture and ``audits.api.audit`` set, what the engine reads, and what a ``--jobs`` child
+receives as JSON (``to_json`` / ``from_json``), never as command-line text."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from audits.engine.backward import BackwardOptions
+from audits.engine.worker import DEFAULT_TIMEOUT_S, isolation
+from audits.report.maps import DEFAULT_MAPS
+from audits.verdict.gate import load_thresholds
+
+__all__ = ["RunOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """The options of one run (``fa4-audit run``'s flags of the same names).
+
+    ``device``: "cpu" or "cuda" (a ``torch.device`` is kept as its text); ``out``: the report
+    directory; ``thresholds``: the loaded policy (``audits.verdict.gate.load_thresholds``; default
+    the shipped one); ``seed`` and ``label``: what the report and the journal record as the run's
+    seed and suite; ``resume``: keep the finished cases of the journal in ``out``; ``exitfirst``:
+    stop at the first failing case; ``isolate`` (None: per kernel, ``audits.engine.worker.
+    isolation``), ``timeout`` (seconds per kernel call, None: no limit) and ``timeout_given``
+    (the limit was asked for: every kernel then runs in a worker); ``backward``: audit the
+    gradients too; ``per_sequence``: fixed-length kernels run varlen cases one sequence at a time;
+    ``budget``: minutes after which no case starts; ``jobs``: processes (each a compile-key shard),
+    pinned to ``gpus`` ("0,1"; None: all visible); ``quiet``: no progress; ``maps``: error maps
+    rendered per report; ``shard``: "I/N" when this run is one slice of a sharded run."""
+
+    device: str = "cpu"
+    out: str = "reports/run-latest"
+    thresholds: dict = field(default_factory=load_thresholds)
+    seed: int = 0
+    label: str = "cases"
+    resume: bool = False
+    exitfirst: bool = False
+    isolate: bool | None = None
+    timeout: float | None = DEFAULT_TIMEOUT_S
+    timeout_given: bool = False
+    backward: BackwardOptions | None = None
+    per_sequence: bool = False
+    budget: float | None = None
+    jobs: int = 1
+    gpus: str | None = None
+    quiet: bool = False
+    maps: int = DEFAULT_MAPS
+    shard: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "device", str(self.device))
+        object.__setattr__(self, "out", str(self.out))
+        if isinstance(self.backward, dict):
+            object.__setattr__(self, "backward", BackwardOptions(**self.backward))
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def isolation(self) -> bool | Callable[[str], bool]:
+        """Which kernels run in a worker (``audits.engine.worker.isolation``): a bool, or a
+        predicate on the kernel's name; ValueError for ``isolate=False`` with a limit asked for."""
+        return isolation(self.isolate, self.timeout, self.timeout_given)
+
+    def replace(self, **changes) -> RunOptions:
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        """The options as JSON-able values (the thresholds as a journal holds them: a TOML date as text)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["backward"] = None if self.backward is None else dataclasses.asdict(self.backward)
+        return json.loads(json.dumps(d, default=str))
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunOptions:
+        """The options :meth:`as_dict` gave; an unknown field is a ValueError (another version wrote them)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(d) - names):
+            raise ValueError(f"run options: unknown field(s) {', '.join(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunOptions:
+        return cls.from_dict(json.loads(text))
