@@ -8,9 +8,10 @@ Runs ``python -m audits run ARGS`` from each tree (the tree first on ``PYTHONPAT
 installed package is not what runs), alternating base and candidate ``--rounds`` times so that a
 noisy machine slows both alike, and reports the median wall time of each and their ratio.  Then it
 compares the reports' case records field for field, every field but the time a case took
-(``seconds``): a refactor that keeps the behaviour leaves every metric, verdict, reason and
-reproducer identical.  Exit 0 when the records agree, 1 when any differs (the first differences
-are printed).  Writes OUT/same_results.json.
+(``seconds``) and a traceback's frames (its last line, the exception, is compared): a refactor
+that keeps the behaviour leaves every metric, verdict, reason and reproducer identical.  Exit 0
+when the records agree, 1 when any differs (the first differences are printed).  Writes
+OUT/same_results.json.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ def reports(out: Path) -> dict[str, dict]:
 
 def _strip(value):
     if isinstance(value, dict):
-        return {k: _strip(v) for k, v in value.items() if k not in VOLATILE}
+        # a traceback names the tree's own files and lines: compare its last line, the exception
+        return {
+            k: (v.strip().splitlines()[-1] if k == "traceback" and isinstance(v, str) and v.strip() else _strip(v))
+            for k, v in value.items()
+            if k not in VOLATILE
+        }
     if isinstance(value, list):
         return [_strip(v) for v in value]
     return value

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import torch
 
-from fa4 import ex2_cpu
 from numerics.fp import CANONICAL_NAN_BITS, add_rm, f32_bits, f32_from_bits, fma_f32, on_f32_midpoint
 
 __all__ = ["POLY_EX2", "PTX_MODEL", "ex2_emulation", "ex2_emulation_2", "emulated_columns", "DEGREES"]
@@ -191,6 +190,10 @@ def _ex2(x: torch.Tensor, degree: int, *, ftz_round: bool) -> torch.Tensor:
 def _ex2_numba(x: torch.Tensor, coeffs: tuple[float, ...], ftz_round: bool) -> torch.Tensor:
     """CPU fast path: the same algorithm fused into one compiled loop (``fa4.ex2_cpu``);
     elements it flags (xc >= 2**22, float64 midpoints) are redone by the torch path."""
+    # lazy: importing numba costs about 0.15 s, which every fa4-audit command would pay (the CLI
+    # reads fa4.ex2's tables) although only a CPU sweep or the CPU model runs this loop
+    from fa4 import ex2_cpu
+
     xf = x.contiguous().view(-1)
     out = torch.empty_like(xf)
     flags = ex2_cpu.ex2_fast(xf.numpy(), out.numpy(), coeffs, ftz_round)

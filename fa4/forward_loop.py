@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fa4 import ex2_cpu
 from fa4.block_sparse import sparse_steps
 from fa4.ex2 import POLY_EX2
 from fa4.forward_steps import RowState, apply_softcap, finalize, o_rows, pad_mask, softmax_rows
@@ -190,6 +189,8 @@ def _torch_rows(
 
 def _compiled_args(nm: FA4Numerics, p_dtype, sl2: float, vis, ranges) -> dict:
     """The block-independent arguments of ``fa4.ex2_cpu.softmax_block`` for these numerics."""
+    from fa4 import ex2_cpu  # lazy: numba (about 0.15 s to import), needed only by the CPU fast loop
+
     emu = nm.emulated_mask()
     fmt = format_of(p_dtype)
     lp = [p_dtype != torch.bfloat16, fmt.p, fmt.emin, p_dtype in _FP8, p_dtype != torch.float8_e4m3fn]
@@ -207,6 +208,8 @@ def _compiled_rows(st: RowState, lp: _Loop, blk: _Block, s: torch.Tensor):
     """Steps 3-8 for the block's window in ``fa4.ex2_cpu.softmax_block``.  Returns the block's
     geometry (for :func:`_accumulate`), P (float64, the MMA's operand), the accumulator scale,
     first and each row's status (1 done, 2 left to :func:`_torch_rows`)."""
+    from fa4 import ex2_cpu  # lazy: numba (about 0.15 s to import), needed only by the CPU fast loop
+
     b, hq, sq = st.row_max.shape
     tn, nc, nr = lp.nm.tile_n, blk.j1 - blk.j0, blk.r1 - blk.r0
     kw = lp.compiled
@@ -233,6 +236,8 @@ def _compiled_rows(st: RowState, lp: _Loop, blk: _Block, s: torch.Tensor):
 def _accumulate(st: RowState, pv, blk: _Block, acc, first, geo, status, idx) -> None:
     """Step 9's accumulator on the block's rows: compiled (``geo`` given) on the rows it
     completed, torch on ``idx`` and on the rows the compiled update leaves (a NaN)."""
+    from fa4 import ex2_cpu  # lazy: numba (about 0.15 s to import), needed only by the CPU fast loop
+
     hq, sq, dv = st.row_max.shape[1], st.row_max.shape[2], st.acc_o.shape[-1]
     pv = pv.reshape(-1, dv)
     if geo is not None:

@@ -12,8 +12,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from audits.checks.fidelity import core as fidelity
-from audits.checks.fidelity.mufu import measure_mufu
 from audits.cli.run_options import IN_PROCESS_NOTE, add_timeout_argument, timeout_setting
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, progress
 from audits.common import device as _device
@@ -41,6 +39,10 @@ def _production(spec: str):
 def _run_cases(cases, production, device, quiet: bool, mma: str = "exact", unfinished=None) -> list[dict]:
     """Each case's result (``audits.checks.fidelity.core.run_cases``) under a progress bar; a case
     that timed out or crashed goes into ``unfinished`` instead."""
+    # lazy: the fidelity check loads the forward model and numba (about 0.3 s), which the parser,
+    # built for every fa4-audit command, must not pay
+    from audits.checks.fidelity import core as fidelity
+
     with progress(Console(stderr=True), quiet=quiet) as bar:
         task = bar.add_task("fidelity", total=len(cases))
         results, gone = fidelity.run_cases(cases, production, device, mma=mma, advance=lambda: bar.advance(task))
@@ -67,6 +69,10 @@ def _outside(sel) -> int:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    # lazy: the fidelity check loads the forward model and numba (about 0.3 s), which the parser,
+    # built for every fa4-audit command, must not pay
+    from audits.checks.fidelity import core as fidelity
+    from audits.checks.fidelity.mufu import measure_mufu
     from audits.cli.options import selection_from_args
 
     if args.cases is not None:  # the old spelling: the same glob, now over names and labels alike

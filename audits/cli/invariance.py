@@ -18,9 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from audits.checks.invariance import core
-from audits.checks.invariance.core import ALL_PROPERTIES, MOD_PROPERTIES, PROPERTIES
-from audits.checks.invariance.report import cell, markdown
+from audits.checks.invariance.properties import ALL_PROPERTIES, MOD_PROPERTIES, PROPERTIES
 from audits.cli.run_options import IN_PROCESS_NOTE, add_timeout_argument, timeout_setting
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, progress
 from audits.common import device as _device
@@ -56,6 +54,8 @@ def _targets(kernels: list[str], predict: str | None) -> list[tuple]:
     """(kernel target, model target or None) per kernel: ``--predict none`` turns prediction
     off, a name sets the model of every kernel (none for the model itself), absent: each
     kernel's default (``core.default_model``)."""
+    from audits.checks.invariance import core  # lazy: see audits.cli
+
     out = []
     for kern in kernels:
         try:
@@ -86,6 +86,8 @@ def _within(targets: list[tuple], narrow) -> list[tuple]:
 def _in_workers(args, targets: list, device) -> tuple[list, list]:
     """(the targets, each run in a worker process under ``--timeout`` when it is given above 0,
     else as they are; the workers to close): a call in this process could not be stopped."""
+    from audits.checks.invariance import core  # lazy: see audits.cli
+
     timeout, explicit = timeout_setting(args)
     if not (explicit and timeout):
         return targets, []
@@ -96,6 +98,8 @@ def _in_workers(args, targets: list, device) -> tuple[list, list]:
 def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
     """The report of kernel ``t`` (``audits.checks.invariance.core.audit_kernel``) under a
     progress bar, its calls in worker processes under ``--timeout``."""
+    from audits.checks.invariance import core  # lazy: see audits.cli
+
     limit, workers = _in_workers(args, [t, model], device)
     t, model = limit
     try:
@@ -118,6 +122,7 @@ def _run_kernel(args, t, model, cases, label: str, device, meta: dict) -> dict:
 
 
 def cmd_invariance(args: argparse.Namespace) -> int:
+    from audits.checks.invariance.report import markdown  # lazy: see audits.cli
     from audits.cli.options import selection_from_args
 
     _required(args.require)
@@ -149,6 +154,8 @@ def cmd_invariance(args: argparse.Namespace) -> int:
 
 
 def _print_summary(report: dict, d: Path) -> None:
+    from audits.checks.invariance.report import cell  # lazy: see audits.cli
+
     s = report["summary"]
     kern = report["kernel"]
     pred = s.get("prediction")

@@ -14,7 +14,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from audits.checks.fuzz import fuzz
 from audits.cli.run_options import IN_PROCESS_NOTE, add_timeout_argument, given_timeout
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, read_json
 from audits.common import device as _device
@@ -369,6 +368,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
+    from audits.checks.fuzz import fuzz  # lazy: see audits.cli
+
     usable_kernels([args.kernel])
     narrow = read_domain(args.domain) if args.domain else None  # as run's --domain (audits.suites.selection)
     th = _thresholds(args.thresholds)

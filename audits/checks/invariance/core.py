@@ -24,7 +24,7 @@ from collections.abc import Callable
 from audits import kernels
 from audits.checks.invariance import fixed, mods, varlen
 from audits.checks.invariance.compare import RESULTS, Broken, Refused, TimedOut, compare
-from audits.checks.invariance.mods import MOD_PROPERTIES
+from audits.checks.invariance.properties import ALL_PROPERTIES, MOD_PROPERTIES, PROPERTIES, VARLEN_ONLY
 from audits.engine.worker import Isolated
 from audits.kernels import fa4_arch, fa4_numerics, get_kernel, get_varlen_kernel, kernel_domain
 from audits.suites.inputs import NotApplicable
@@ -52,17 +52,6 @@ __all__ = [
 SCHEMA = "fa4-audit/invariance/2"
 
 #: the properties this audit checks, with what each compares
-PROPERTIES = {
-    "batch": "a sequence alone == inside the batch, the batch reversed (and, varlen, beside shorter sequences)",
-    "decode": "the last r query rows alone (q restricted, same KV) == those rows of the full call",
-    "split": "num_splits 1 vs N (varlen): holds when both stay within the forward bound",
-    "paged": "paged KV (page sizes 16..256) == contiguous KV, and page sizes against each other (varlen)",
-    "pack_gqa": "pack_gqa on == off (varlen, GQA cases)",
-}
-VARLEN_ONLY = ("split", "paged", "pack_gqa")
-#: every property: the five above, run by default, and the mod properties
-#: (``audits.checks.invariance.mods``), run when asked (``invariance --mods`` or ``--require``)
-ALL_PROPERTIES = {**PROPERTIES, **MOD_PROPERTIES}
 DECODE_ROWS = fixed.DECODE_ROWS
 
 

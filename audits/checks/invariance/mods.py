@@ -67,16 +67,9 @@ from numerics.mod_library import SOFTCAP_CAP, WINDOW
 from numerics.mods import block_sparse_from_mask, index_grid, visibility
 from numerics.reference import attention_reference
 
-__all__ = ["MOD_PROPERTIES", "ModInputs", "block_sparse", "mask_flag", "sm90_block_sparse_rows", "sm90_tile_n"]
+__all__ = ["ModInputs", "block_sparse", "mask_flag", "sm90_block_sparse_rows", "sm90_tile_n"]
 
 #: the mod properties, with what each compares
-MOD_PROPERTIES = {
-    "block_sparse": "a mask_mod dense == the same mask_mod block-sparse (bitwise where SM90 visits the same tiles in "
-    "the same order, else within the forward bound)",
-    "mask_flag": "causal / window flag == the causal / sliding_window mask_mod, softcap flag == the softcap "
-    "score_mod (bitwise where SM90 computes the same arithmetic, else within the forward bound)",
-}
-
 _FLAGS_OFF = {"causal": False, "window_size": (None, None), "softcap": 0.0}
 _MOD_KEYS = ("score_mod", "mask_mod", "aux_tensors", "block_sparse_tensors", "aux_scalars")
 
