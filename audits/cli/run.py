@@ -20,7 +20,7 @@ from audits.cli.run_options import RUN_DEFAULT_NOTE, add_timeout_argument, run_o
 from audits.common import EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERRUPTED, UsageError, finishing, gpu_list, progress
 from audits.common import device as _device
 from audits.engine.evaluate import FAILING, kernel_dir, shard_cases
-from audits.engine.journal import JournalMismatch, package_version
+from audits.engine.journal import JournalMismatch
 from audits.engine.shards import ShardEnvError, parse_shard, shard_from_env
 from audits.engine.stop import StopReason
 from audits.kernels import get_kernel, usable_kernels
@@ -160,9 +160,7 @@ def _run_header(args: argparse.Namespace, device: torch.device) -> dict:
     environment with this package's version, which merge compares), fixed before the first case,
     and when it ``started`` (``--budget`` counts from it): the journals' headers keep it too, so
     that a journal read directly (``show``/``gate``/``summary`` on journal.jsonl) gives the report's view."""
-    report = report_header(args.argv, device=device)
-    report["environment"]["fa4_audit"] = package_version()  # merge refuses shards of other versions
-    return {"started": time.monotonic(), "report": report}
+    return {"started": time.monotonic(), "report": report_header(args.argv, device=device)}
 
 
 def _coverage_bases(args: argparse.Namespace, kernels: list[str]) -> dict[str, dict]:

@@ -11,14 +11,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from audits.common import EXIT_INTERRUPTED, environment
+from audits.common import EXIT_INTERRUPTED
 from audits.engine.evaluate import run_suites
 from audits.engine.jobs import run_jobs
-from audits.engine.journal import package_version
 from audits.engine.options import RunOptions
 from audits.engine.stop import StopReason
 from audits.report.build import build_report, exit_code
-from audits.report.header import now
+from audits.report.header import now, run_environment
 from audits.suites.cases import Case
 
 __all__ = ["Report", "run_audit", "kept_coverage"]
@@ -56,7 +55,7 @@ def _head(options: RunOptions, header: dict | None) -> dict:
     if head["created"] is None:
         head["created"] = now()
     if head["environment"] is None:  # merge refuses shards of other versions
-        head["environment"] = {**environment(options.torch_device), "fa4_audit": package_version()}
+        head["environment"] = run_environment(options.torch_device)
     head |= {"device": options.device, "thresholds": options.thresholds, "shard": options.shard}
     return json.loads(json.dumps(head, default=str))  # as a journal line holds it (a TOML date as text)
 

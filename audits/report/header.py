@@ -11,8 +11,9 @@ from collections.abc import Sequence
 import torch
 
 from audits.common import environment
+from audits.engine.journal import package_version
 
-__all__ = ["command_line", "now", "report_header"]
+__all__ = ["command_line", "now", "report_header", "run_environment"]
 
 
 def now() -> str:
@@ -25,10 +26,16 @@ def command_line(argv: Sequence[str]) -> str:
     return "fa4-audit " + " ".join(shlex.quote(a) for a in argv)
 
 
+def run_environment(device: torch.device) -> dict:
+    """The environment a case-runner report records: ``audits.common.environment`` and this
+    package's version (``merge`` refuses shards made by another version)."""
+    return {**environment(device), "fa4_audit": package_version()}
+
+
 def report_header(argv: Sequence[str], *, device: torch.device | None = None) -> dict:
     """``created`` and ``command`` (from ``argv``, the arguments after ``fa4-audit``), and with a
-    ``device`` the ``environment`` it ran in (``audits.common.environment``)."""
+    ``device`` the ``environment`` it ran in (:func:`run_environment`)."""
     head = {"created": now(), "command": command_line(argv)}
     if device is not None:
-        head["environment"] = environment(device)
+        head["environment"] = run_environment(device)
     return head
