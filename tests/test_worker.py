@@ -14,7 +14,8 @@ import torch
 
 from audits import cli
 from audits.engine import worker
-from audits.engine.worker import Isolated, KernelTimeout, RemoteError, WorkerCrashed, death_reason, failure_reason
+from audits.engine.failures import RemoteError, failure_reason
+from audits.engine.worker import Isolated, KernelTimeout, WorkerCrashed, death_reason
 from audits.report.schema import FAILING, VERDICTS, upgrade_case
 from audits.verdict.gate import judge, load_thresholds, rejudge
 

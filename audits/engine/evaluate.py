@@ -33,6 +33,7 @@ import torch
 
 from audits.engine import journal
 from audits.engine.backward import BackwardOptions, analyse_backward, case_references
+from audits.engine.failures import failure_reason, traceback_of
 from audits.engine.options import RunOptions
 from audits.engine.shards import run_order
 from audits.engine.stop import StopReason
@@ -41,9 +42,7 @@ from audits.engine.worker import (
     KernelTimeout,
     WorkerCrashed,
     as_calls,
-    failure_reason,
     open_kernel,
-    traceback_of,
 )
 from audits.kernels import (
     claims_nonfinite_inputs,

@@ -37,7 +37,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from audits.engine.backward import grad_call
-from audits.engine.failures import RemoteError, RemoteRefusal, error_kind, failure_reason, traceback_of
+from audits.engine.failures import RemoteError, RemoteRefusal, error_kind
 from audits.kernels import KERNELS, VARLEN_KERNELS, get_kernel, get_varlen_kernel, per_sequence
 
 __all__ = [
@@ -50,12 +50,8 @@ __all__ = [
     "as_calls",
     "KernelTimeout",
     "WorkerCrashed",
-    "RemoteError",
-    "RemoteRefusal",
     "isolation",
     "isolated_by_default",
-    "failure_reason",
-    "traceback_of",
     "death_reason",
     "to_device",
     "serve",
