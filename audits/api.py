@@ -6,6 +6,12 @@
     report = audit(["fa4-model"], suite("smoke"), RunOptions(out="reports/mine", label="smoke"))
     report.reports["fa4-model"]["summary"]["verdicts"], report.stopped, report.exit_code
 
+A search that drives one case at a time (``fa4-audit fuzz``, ``audits.checks.fuzz``) opens a kernel
+once and evaluates each case as ``audit`` does:
+
+    with open_session("fa4-model", RunOptions()) as s:
+        record = s.evaluate(case)
+
 Nothing is printed and no report file is written (``audits.report.build.write_report`` writes
 one); the journal of the run is kept under ``options.out`` so that ``RunOptions(resume=True)``
 continues it."""
@@ -16,10 +22,11 @@ from collections.abc import Callable, Sequence
 
 from audits.engine.audit import Report, run_audit
 from audits.engine.options import RunOptions
+from audits.engine.session import Session, open_session
 from audits.engine.stop import StopReason
 from audits.suites.cases import Case
 
-__all__ = ["audit", "RunOptions", "Report", "StopReason"]
+__all__ = ["audit", "RunOptions", "Report", "StopReason", "Session", "open_session"]
 
 
 def audit(

@@ -12,7 +12,8 @@
   as peers.  SDPA has no softcap, sink, fp8 or LSE output: the first three are outside its
   declared domain (the runner skips them before calling); what a domain cannot say raises
   ``NotImplementedError`` at run time (rows with no visible key: SDPA gives NaN there where FA's
-  convention is 0; bottom-right causal masks on flash and cudnn), and ``return_lse`` yields
+  convention is 0; bottom-right causal masks on flash and cudnn; efficient and cudnn off CUDA,
+  ``sdpa_unavailable``), and ``return_lse`` yields
   ``None``.
 * ``flex``: PyTorch's ``flex_attention`` as a peer (compiled on CUDA, eager and forward-only on
   the CPU), with the mods (``numerics.mods``) in flex's own form; no sink, no fp8.
@@ -33,6 +34,7 @@ import importlib
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +52,7 @@ from fa4.production import (
     flash_attn,
     flash_attn_varlen,
     production_domain,
+    refusal_in_call,
     require_production,
 )
 from numerics.mods import bind_aux_scalars
@@ -68,10 +71,18 @@ __all__ = [
     "arch_of_capability",
     "claims_nonfinite_inputs",
     "contract_error",
+    "SDPA_DEVICES",
+    "sdpa_unavailable",
+    "ContractBreach",
+    "contract_breaches",
+    "breach_of",
+    "OUT_AXES",
+    "LSE_AXES",
     "VARLEN_KERNELS",
     "get_varlen_kernel",
     "per_sequence",
     "varlen_contract_error",
+    "varlen_contract_breaches",
     "fa4_varlen_numerics",
     "fa4_varlen_splits",
 ]
@@ -130,7 +141,8 @@ def _production(q, k, v, *, deterministic=False, **kw):
     return flash_attn(q, k, v, deterministic=deterministic, **kw)
 
 
-_production.fa4_audit_refusals = REFUSALS  # its backward refuses by these rules only
+_production.fa4_audit_refusals = REFUSALS  # its backward refuses by these rules only,
+_production.fa4_audit_refusal = refusal_in_call  # predicted from the call's features (fa4.production)
 
 
 def arch_of_capability(major: int) -> str | None:
@@ -154,6 +166,38 @@ _production.fa4_audit_arch = cuda_arch
 _production.fa4_audit_domain = production_domain
 
 
+#: the device types on which PyTorch builds each SDPA backend: on the CPU its dispatcher chooses
+#: between flash and math only (``aten/src/ATen/native/transformers/sdp_utils_cpp.cpp``,
+#: ``select_sdp_backend_cpp``); the memory-efficient and cuDNN backends are CUDA kernels
+#: (``sdp_utils.cpp``, ``select_sdp_backend``); math runs wherever torch does (None: any device)
+SDPA_DEVICES: dict[str, tuple[str, ...] | None] = {
+    "math": None,
+    "flash": ("cpu", "cuda"),
+    "efficient": ("cuda",),
+    "cudnn": ("cuda",),
+}
+
+
+def sdpa_unavailable(*, backend: str, device: torch.device) -> str | None:
+    """Why PyTorch's SDPA ``backend`` cannot run on ``device``, decided before any call (None: it
+    may; what it refuses per configuration is still raised by the call): the backend is not built
+    for that device type (:data:`SDPA_DEVICES`), or this torch build lacks it on CUDA
+    (``torch.backends.cuda.is_flash_attention_available``, ``torch.backends.cudnn.is_available``).
+    Never read from an exception's wording: torch says the same absence as "No viable backend"
+    or "No available kernel" depending on its version."""
+    where = SDPA_DEVICES[backend]
+    if where is not None and device.type not in where:
+        return (
+            f"sdpa-{backend}: PyTorch has no {backend} SDPA backend on device {device.type!r} "
+            f"(it is built for {', '.join(where)} only)"
+        )
+    if device.type == "cuda" and backend == "flash" and not torch.backends.cuda.is_flash_attention_available():
+        return f"sdpa-flash: this torch build ({torch.__version__}) has no flash SDPA backend on device 'cuda'"
+    if device.type == "cuda" and backend == "cudnn" and not torch.backends.cudnn.is_available():
+        return f"sdpa-cudnn: this torch build ({torch.__version__}) has no cuDNN on device 'cuda'"
+    return None
+
+
 def _sdpa(backend: str) -> Callable:
     def run(
         q,
@@ -168,7 +212,10 @@ def _sdpa(backend: str) -> Callable:
         return_lse=False,
     ):
         # softcap, the sink, fp8 and (flash, cudnn) windows are outside its declared domain:
-        # the runner skips those cases before calling (run.fa4_audit_domain below)
+        # the runner skips those cases before calling (run.fa4_audit_domain below); a backend
+        # absent from this device is a refusal decided from the device, before the call
+        if (absent := sdpa_unavailable(backend=backend, device=q.device)) is not None:
+            raise NotImplementedError(absent)
         sq, sk = q.shape[1], k.shape[1]
         vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=q.device)
         if not bool(vis.any(-1).all()):
@@ -217,8 +264,10 @@ def _sdpa_domain(backend: str) -> dict:
     flash and cudnn take no ``attn_mask`` (``sdpa_kernel``'s constraints), so no windows; math and
     efficient take the window as a boolean mask.  Not expressible here, so raised at run time:
     rows with no visible key (SDPA gives NaN, FA 0), bottom-right causal with seqlen_q !=
-    seqlen_k on flash and cudnn, and whatever a backend refuses on this device ("No available
-    kernel": GQA on some backends, head dims, the GPU)."""
+    seqlen_k on flash and cudnn, a backend absent from the device the call runs on (efficient and
+    cudnn off CUDA: :func:`sdpa_unavailable`, decided from the device before the call; a domain
+    has no device key) and whatever a backend refuses on this device ("No available kernel": GQA
+    on some backends, head dims, the GPU)."""
     d = {"dtypes": ["bfloat16", "float16"], "softcap": False, "sink": False, "deterministic": False}
     return {**d, "local": False} if backend in ("flash", "cudnn") else d
 
@@ -307,6 +356,19 @@ def _eager_block_mask_mod(bs, mask_mod, device) -> Callable:
     return keep
 
 
+def _working_score(s: torch.Tensor) -> torch.Tensor:
+    """The score a mod's form sees under flex: at least float32.  flex traces a score_mod on an
+    example score of the query's dtype (``torch/_higher_order_ops/flex_attention.py``,
+    ``trace_flex_attention`` and the functionalization rule: ``query.new_zeros(())``), so a
+    form's ``.to(s.dtype)`` (the bias of ``alibi`` and ``relbias``, ``numerics/mod_library.py``)
+    would be recorded as a cast to bf16/fp16 and the bias computed in the input dtype, while
+    flex's scores are float32 (its Triton template, ``forward_block_mn``; the eager path's
+    ``_math_attention_inner``): on the CPU that cost an ALiBi case of smoke 2.8 times the LSE bound
+    (docs/peers.md).  Promoting the example to float32 makes the forms compute in the scores'
+    own precision; at run time, on a float32 (or float64) score, it is a no-op."""
+    return s.to(torch.promote_types(s.dtype, torch.float32))
+
+
 def _flex_mods(q, k, *, causal, window_size, softcap, score_mod, mask_mod, aux, block_sparse):
     """(score_mod, block_mask) of a flex call for the contract's flags and mods (:func:`_flex`)."""
     b, sq, hq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
@@ -314,7 +376,7 @@ def _flex_mods(q, k, *, causal, window_size, softcap, score_mod, mask_mod, aux, 
     sm = None
     if score_mod is not None:
         fn = score_mod.fn
-        sm = lambda s, bi, hi, qi, ki: fn(s, bi, hi, qi, ki, aux)  # noqa: E731
+        sm = lambda s, bi, hi, qi, ki: fn(_working_score(s), bi, hi, qi, ki, aux)  # noqa: E731
     elif softcap and softcap > 0:
         cap = float(softcap)
         sm = lambda s, bi, hi, qi, ki: cap * torch.tanh(s / cap)  # noqa: E731
@@ -559,22 +621,46 @@ def get_kernel(spec: str) -> Callable:
     if spec in KERNELS:
         return KERNELS[spec]
     mod, attr = _split_spec(spec)
+    if mod.endswith(".py"):
+        path = Path(mod)
+        if not path.is_file():
+            raise ValueError(f"kernel {spec!r}: no such file {path}")
+        root, mod = _package_root(path)
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+    elif os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
-        if mod.endswith(".py"):
-            path = Path(mod)
-            if not path.is_file():
-                raise ValueError(f"kernel {spec!r}: no such file {path}")
-            root, mod = _package_root(path)
-            if str(root) not in sys.path:
-                sys.path.insert(0, str(root))
-        elif os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        fn = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load kernel {spec!r}: {exc}") from exc
+        module = importlib.import_module(mod)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raises on import: one line, exit 2
+        raise ValueError(_import_failure(spec, exc)) from None
+    if not hasattr(module, attr):
+        where = getattr(module, "__file__", None) or mod
+        defined = sorted(n for n, x in vars(module).items() if callable(x) and not n.startswith("_"))
+        raise ValueError(
+            f"{where}: kernel {spec!r}: the module defines no {attr!r} (its public callables: "
+            f"{', '.join(defined) or 'none'})"
+        )
+    fn = getattr(module, attr)
     if not callable(fn):
         raise ValueError(f"kernel {spec!r}: {attr} is a {type(fn).__name__}, not a callable")
     return fn
+
+
+def _import_failure(spec: str, exc: BaseException) -> str:
+    """One line ``file:line: Type: message`` for a kernel module that does not import: a syntax
+    error at its own location; any other exception at the innermost frame of the traceback that
+    lies outside the import machinery (the user's line, or the line of theirs that imported a
+    missing module)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg} (loading kernel {spec!r})"
+    here = str(Path(__file__).resolve())
+    tb = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in tb if "importlib" not in f.filename and f.filename != here]
+    at = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    if isinstance(exc, ModuleNotFoundError) and not frames:
+        return f"cannot load kernel {spec!r}: no module named {exc.name!r} (importable from {os.getcwd()} or sys.path)"
+    return f"{at}{type(exc).__name__}: {exc} (loading kernel {spec!r})"
 
 
 def portable_spec(spec: str) -> str:
@@ -620,22 +706,153 @@ def kernel_domain(spec: str) -> Domain:
     return domain_of(get_kernel(spec))
 
 
-def contract_error(q: torch.Tensor, v: torch.Tensor, out, lse) -> str | None:
-    """Why a kernel's returned ``out``/``lse`` break the audited-callable contract (README):
-    out ``(batch, seqlen_q, heads_q, dv)`` in the input dtype (bfloat16 for fp8 inputs), lse
-    ``(batch, heads_q, seqlen_q)`` float32 when returned; None when they keep it."""
+#: the axes of the audited callable's output and LSE (README, "Audit your kernel"), named by the
+#: Case fields that size them (``audits.suites.cases.Case``), as a shape error names them
+OUT_AXES = ("batch", "seqlen_q", "heads_q", "dv")
+LSE_AXES = ("batch", "heads_q", "seqlen_q")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContractBreach:
+    """One returned tensor that breaks the audited callable's contract: ``tensor`` ("out", "lse",
+    "dq", "dk", "dv", "dsink"), what the contract expects (``expected`` shape with its ``axes``
+    named, ``expected_dtype`` and the rule it follows, ``dtype_rule``) and what the kernel returned
+    (``got`` shape and ``got_dtype``, both None when it is no tensor; ``got_type``, the type's
+    name).  Its :attr:`reason` says the case's shapes; its :attr:`fault` the same breach without
+    them, so that every case a kernel breaks the same way (a transposed output at any size) is one
+    fault (``audits.verdict.separators.fault_groups``).  The record a report keeps: :meth:`as_record`
+    (``audits.report.records.ContractRecord``)."""
+
+    tensor: str
+    axes: tuple[str, ...]
+    expected: tuple[int, ...]
+    expected_dtype: str
+    dtype_rule: str
+    got: tuple[int, ...] | None
+    got_dtype: str | None
+    got_type: str
+
+    @property
+    def shape_wrong(self) -> bool:
+        return self.got is not None and self.got != self.expected
+
+    @property
+    def dtype_wrong(self) -> bool:
+        return self.got_dtype is not None and self.got_dtype != self.expected_dtype
+
+    def _shape_fault(self) -> str:
+        """The shape's fault in axis names only: another number of axes; the axes whose sizes
+        differ, "swapped" (two) or "permuted" (more) when their sizes are the expected ones in
+        another order (a transposed tensor), else "wrong"."""
+        got, want = self.got or (), self.expected
+        if len(got) != len(want):
+            return f"{len(got)} axes returned, {len(want)} expected ({', '.join(self.axes)})"
+        off = [i for i in range(len(want)) if got[i] != want[i]]
+        names = [self.axes[i] for i in off]
+        if len(off) >= 2 and sorted(got[i] for i in off) == sorted(want[i] for i in off):
+            return f"{' and '.join(names)} swapped" if len(off) == 2 else f"{', '.join(names)} permuted"
+        return f"wrong {' and '.join(names)}"
+
+    @property
+    def fault(self) -> str:
+        """The breach without the case's sizes: "seqlen_q and heads_q swapped", "wrong dv", "3 axes
+        returned, 4 expected (...)", "dtype float32 returned (expected the input dtype, bfloat16 for
+        fp8 inputs)", "a tuple returned, not a tensor"."""
+        if self.got is None:
+            return f"a {self.got_type} returned, not a tensor"
+        parts = [self._shape_fault()] if self.shape_wrong else []
+        if self.dtype_wrong:
+            parts.append(f"dtype {self.got_dtype} returned (expected {self.dtype_rule})")
+        return "; ".join(parts)
+
+    @property
+    def reason(self) -> str:
+        """The breach with the case's sizes, after the tensor's name: "out: shape (1, 2, 17, 32)
+        returned, (1, 17, 2, 32) expected (batch, seqlen_q, heads_q, dv): seqlen_q and heads_q swapped"."""
+        want = f"{self.expected} ({', '.join(self.axes)}) and dtype {self.expected_dtype}"
+        if self.got is None:
+            return f"{self.tensor}: a {self.got_type} returned, a tensor of shape {want} expected"
+        parts = []
+        if self.shape_wrong:
+            parts.append(
+                f"shape {self.got} returned, {self.expected} expected ({', '.join(self.axes)}): {self._shape_fault()}"
+            )
+        if self.dtype_wrong:
+            parts.append(f"dtype {self.got_dtype} returned, {self.expected_dtype} expected ({self.dtype_rule})")
+        return f"{self.tensor}: {'; '.join(parts)}"
+
+    def as_record(self) -> dict:
+        """The JSON record (``audits.report.records.ContractRecord``): the fields, shapes as lists,
+        with the :attr:`fault` and :attr:`reason` they say."""
+        rec = dataclasses.asdict(self)
+        rec["axes"], rec["expected"] = list(self.axes), list(self.expected)
+        rec["got"] = None if self.got is None else list(self.got)
+        return {**rec, "fault": self.fault, "reason": self.reason}
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def breach_of(
+    *, tensor: str, got, expected: tuple[int, ...], axes: tuple[str, ...], dtype: torch.dtype, dtype_rule: str
+) -> ContractBreach | None:
+    """The :class:`ContractBreach` of returned ``got`` against the ``expected`` shape (its ``axes``
+    named) and ``dtype`` (``dtype_rule``: that dtype's rule in words), or None when it keeps both."""
+    is_tensor = isinstance(got, torch.Tensor)
+    shape = tuple(got.shape) if is_tensor else None
+    if is_tensor and shape == tuple(expected) and got.dtype == dtype:
+        return None
+    return ContractBreach(
+        tensor=tensor,
+        axes=tuple(axes),
+        expected=tuple(int(n) for n in expected),
+        expected_dtype=_dtype_name(dtype),
+        dtype_rule=dtype_rule,
+        got=shape,
+        got_dtype=_dtype_name(got.dtype) if is_tensor else None,
+        got_type=type(got).__name__,
+    )
+
+
+#: the output's dtype rule (README): the input dtype, bfloat16 for the 1-byte fp8 inputs
+_OUT_DTYPE_RULE = "the input dtype, bfloat16 for fp8 inputs"
+
+
+def _out_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
+
+
+def contract_breaches(*, q: torch.Tensor, v: torch.Tensor, out, lse) -> list[ContractBreach]:
+    """How a kernel's returned ``out``/``lse`` break the audited-callable contract (README): out
+    ``(batch, seqlen_q, heads_q, dv)`` (:data:`OUT_AXES`) in the input dtype (bfloat16 for fp8
+    inputs), lse ``(batch, heads_q, seqlen_q)`` (:data:`LSE_AXES`) float32 when returned; each
+    tensor's breach, empty when they keep it."""
     b, sq, hq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
-    want, want_dt = (b, sq, hq, dv), torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != want_dt:
-        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-        return f"kernel returned {got}; expected shape {want} and dtype {want_dt}"
-    want_lse = (b, hq, sq)
-    if lse is not None and (
-        not isinstance(lse, torch.Tensor) or tuple(lse.shape) != want_lse or lse.dtype != torch.float32
-    ):
-        got = f"{tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(lse).__name__
-        return f"kernel returned an LSE of {got}; expected shape {want_lse} and float32"
-    return None
+    found = [
+        breach_of(
+            tensor="out",
+            got=out,
+            expected=(b, sq, hq, dv),
+            axes=OUT_AXES,
+            dtype=_out_dtype(q),
+            dtype_rule=_OUT_DTYPE_RULE,
+        )
+    ]
+    if lse is not None:
+        found.append(
+            breach_of(
+                tensor="lse", got=lse, expected=(b, hq, sq), axes=LSE_AXES, dtype=torch.float32, dtype_rule="float32"
+            )
+        )
+    return [x for x in found if x is not None]
+
+
+def contract_error(q: torch.Tensor, v: torch.Tensor, out, lse) -> str | None:
+    """Why a kernel's returned ``out``/``lse`` break the audited-callable contract
+    (:func:`contract_breaches`, their reasons joined), None when they keep it."""
+    found = contract_breaches(q=q, v=v, out=out, lse=lse)
+    return "; ".join(x.reason for x in found) if found else None
 
 
 # ---- the varlen contract (docs/varlen.md) ----------------------------------------------------
@@ -661,6 +878,7 @@ def _production_varlen(q, k, v, **kw):
 
 
 _production_varlen.fa4_audit_refusals = REFUSALS
+_production_varlen.fa4_audit_refusal = refusal_in_call
 _production_varlen.fa4_audit_domain = production_domain
 _production_varlen.fa4_audit_contract = "varlen"
 _production_varlen.fa4_audit_arch = cuda_arch
@@ -720,18 +938,28 @@ def per_sequence(fn: Callable) -> Callable:
     return run
 
 
+def varlen_contract_breaches(*, q: torch.Tensor, v: torch.Tensor, out, lse, packed: bool) -> list[ContractBreach]:
+    """How a varlen kernel's ``out``/``lse`` break the varlen contract (docs/varlen.md): out shaped
+    as q with v's head dim, in the input dtype (bf16 for fp8); lse (heads_q, total_q) when q is
+    packed, else (batch, heads_q, seqlen_q), float32.  Empty when they keep it."""
+    axes = ("total_q", "heads_q", "dv") if packed else OUT_AXES
+    want = (*q.shape[:-1], v.shape[-1])
+    found = [
+        breach_of(tensor="out", got=out, expected=want, axes=axes, dtype=_out_dtype(q), dtype_rule=_OUT_DTYPE_RULE)
+    ]
+    if lse is not None:
+        want_lse, lse_axes = ((q.shape[-2], q.shape[0]), ("heads_q", "total_q")) if packed else (
+            (q.shape[0], q.shape[2], q.shape[1]), LSE_AXES)  # fmt: skip
+        found.append(
+            breach_of(
+                tensor="lse", got=lse, expected=want_lse, axes=lse_axes, dtype=torch.float32, dtype_rule="float32"
+            )
+        )
+    return [x for x in found if x is not None]
+
+
 def varlen_contract_error(q: torch.Tensor, v: torch.Tensor, out, lse, *, packed: bool) -> str | None:
-    """Why a varlen kernel's ``out``/``lse`` break the varlen contract: out shaped as q with v's
-    head dim, in the input dtype (bf16 for fp8); lse (heads_q, total_q) when q is packed, else
-    (batch, heads_q, seqlen_q), float32."""
-    want, want_dt = (*q.shape[:-1], v.shape[-1]), torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != want_dt:
-        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-        return f"varlen kernel returned {got}; expected shape {want} and dtype {want_dt}"
-    want_lse = (q.shape[-2], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
-    if lse is not None and (
-        not isinstance(lse, torch.Tensor) or tuple(lse.shape) != want_lse or lse.dtype != torch.float32
-    ):
-        got = f"{tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(lse).__name__
-        return f"varlen kernel returned an LSE of {got}; expected shape {want_lse} and float32"
-    return None
+    """Why a varlen kernel's ``out``/``lse`` break the varlen contract
+    (:func:`varlen_contract_breaches`, their reasons joined), None when they keep it."""
+    found = varlen_contract_breaches(q=q, v=v, out=out, lse=lse, packed=packed)
+    return "; ".join(x.reason for x in found) if found else None

@@ -39,6 +39,7 @@ def _timed(fn, device: str, repeat: int) -> list[float]:
 
 
 def _one(shape, device: str, repeat: int) -> dict:
+    from numerics.call import AttentionCall
     from numerics.grad_reference import attention_grad_reference
 
     b, sq, sk, hq, hk, d, causal = shape
@@ -48,7 +49,7 @@ def _one(shape, device: str, repeat: int) -> dict:
     do = torch.randn(b, sq, hq, d, generator=g, device=device).bfloat16()
 
     def ref():
-        attention_grad_reference(q, k, v, do, causal=causal)
+        attention_grad_reference(q, k, v, do, call=AttentionCall(causal=causal))
 
     def sdpa():
         leaves = [t.float().transpose(1, 2).requires_grad_(True) for t in (q, k, v)]

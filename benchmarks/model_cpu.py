@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def _callables(q, k, v, causal: bool) -> dict:
     from fa4.model import FA4Numerics, attention
+    from numerics.call import AttentionCall
     from numerics.reference import attention_reference
 
     nm100 = FA4Numerics.for_inputs("sm100", q, k, v, causal)
@@ -38,7 +39,7 @@ def _callables(q, k, v, causal: bool) -> dict:
         "model_sm100": lambda: attention(q, k, v, causal=causal, return_lse=True, numerics=nm100),
         "model_sm90": lambda: attention(q, k, v, causal=causal, return_lse=True, numerics=nm90),
         "sdpa_fp32": lambda: sdpa(qf, kf, vf, is_causal=causal),
-        "reference_fp64": lambda: attention_reference(q, k, v, causal=causal, return_lse=True),
+        "reference_fp64": lambda: attention_reference(q, k, v, call=AttentionCall(causal=causal), return_lse=True),
     }
 
 

@@ -16,9 +16,10 @@ import math
 import torch
 
 from fa4 import mufu
+from numerics.call import AttentionCall
 from numerics.fp import CANONICAL_NAN_BITS, fma_f32
 from numerics.fp import to_f32 as _f32
-from numerics.mods import BlockSparse, MaskMod, ScoreMod, bind_aux_scalars
+from numerics.mods import bind_aux_scalars
 
 __all__ = [
     "FP8",
@@ -180,19 +181,11 @@ def check_mods(softcap: float, score_mod, mask_mod, aux_tensors, block_sparse_te
     """Reject what production rejects, and what the model cannot hold, before any work:
     ``softcap`` with a ``score_mod`` (``interface._flash_attn_fwd`` / ``_flash_attn_bwd``: "softcap and
     score_mod cannot be used together"; production's softcap *is* a score_mod), a mod that is not
-    a ``numerics.mods`` object, aux tensors not a list / tuple of tensors."""
-    if score_mod is not None and not isinstance(score_mod, ScoreMod):
-        raise TypeError(f"score_mod must be a numerics.mods.ScoreMod, got {type(score_mod).__name__}")
-    if mask_mod is not None and not isinstance(mask_mod, MaskMod):
-        raise TypeError(f"mask_mod must be a numerics.mods.MaskMod, got {type(mask_mod).__name__}")
-    if block_sparse_tensors is not None and not isinstance(block_sparse_tensors, BlockSparse):
-        raise TypeError(
-            f"block_sparse_tensors must be a numerics.mods.BlockSparse, got {type(block_sparse_tensors).__name__}"
-        )
-    if aux_tensors is not None and not (
-        isinstance(aux_tensors, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in aux_tensors)
-    ):
-        raise TypeError("aux_tensors must be a list of tensors (production hands every mod the whole list)")
+    a ``numerics.mods`` object, aux tensors not a list / tuple of tensors (those checked by
+    ``numerics.call.AttentionCall``, the one place the references check them too)."""
+    AttentionCall(
+        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors
+    )
     if score_mod is not None and softcap:
         raise ValueError("softcap and score_mod cannot be used together (interface._flash_attn_fwd asserts it)")
 

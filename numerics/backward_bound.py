@@ -98,6 +98,7 @@ from dataclasses import dataclass
 
 import torch
 
+from numerics.call import AttentionCall
 from numerics.forward_bound import (
     MUFU,
     TINY32,
@@ -112,12 +113,14 @@ from numerics.forward_bound import UNIT_ROUNDOFF as _U
 from numerics.fp import format_of
 from numerics.fp import to_f32 as _f32
 from numerics.grad_reference import attention_grad_reference
-from numerics.mods import bind_aux_scalars, index_grid
-from numerics.reference import call_visibility, check_mods, score_mod_derivative, visible_mask
+from numerics.mods import index_grid
+from numerics.reference import call_visibility, score_mod_derivative, visible_mask
 
 __all__ = ["backward_error_bound"]
 
 _TINY = 2.0**-126
+#: a call without softcap or score_mod: step1_score's plain branch (the score_mod branch is _p_ds's own)
+_PLAIN = AttentionCall()
 
 
 def _nan_to_inf(x: torch.Tensor) -> torch.Tensor:
@@ -151,9 +154,9 @@ _LIVE = 16
 @dataclass(frozen=True)
 class _Consts:
     """Scalars of one bound evaluation: scale (exact and as the kernel's float32), softcap,
-    log2 e (both), the input and dS formats, the GQA group size; and the call's mods:
-    ``score_mod`` (the softcap flag as ``numerics.forward_bound.softcap_score_mod``, production's
-    own form of it), ``aux`` (its aux tensors), ``mask_mod`` and ``block_sparse``."""
+    log2 e (both), the input and dS formats, the GQA group size; the call (its scalars bound)
+    and its ``score_mod`` (the softcap flag as ``numerics.forward_bound.softcap_score_mod``,
+    production's own form of it) with ``aux`` (its aux tensors)."""
 
     scale: float
     scale32: float
@@ -163,20 +166,18 @@ class _Consts:
     fmt_in: object
     fmt_ds: object
     g: int
+    call: AttentionCall
     score_mod: object = None
     aux: object = None
-    mask_mod: object = None
-    block_sparse: object = None
 
     @classmethod
-    def of(cls, q, k, v, nm, softmax_scale, softcap, mods: dict | None = None) -> _Consts:
+    def of(cls, q, k, v, nm, call: AttentionCall) -> _Consts:
         d = q.shape[-1]
-        scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+        scale = call.scale(d)
         l2e = math.log2(math.e)
         fmt_ds = format_of(getattr(nm, "ds_dtype", None) or q.dtype)
-        mods = mods or {}
-        cap = float(softcap or 0.0)
-        sm = softcap_score_mod(cap) if cap > 0 else mods.get("score_mod")
+        cap = call.softcap
+        sm = softcap_score_mod(cap) if cap > 0 else call.score_mod
         return cls(
             scale,
             _f32(scale),
@@ -186,10 +187,9 @@ class _Consts:
             format_of(q.dtype),
             fmt_ds,
             q.shape[2] // k.shape[2],
+            call,
             sm,
-            mods.get("aux_tensors"),
-            mods.get("mask_mod"),
-            mods.get("block_sparse_tensors"),
+            call.aux_tensors,
         )
 
     def scaled(self, e_acc, exact):
@@ -234,7 +234,7 @@ def _p_ds(qc, k, v, doc, vis, rw: dict, c: _Consts, rows: torch.Tensor):
     zero = torch.zeros((), dtype=torch.float64, device=qc.device)
     dot, e_dot, v64 = dot_products(qc, k, v)
     if c.score_mod is None:
-        _sl2, d_sl2, base, e_score = step1_score(dot, e_dot, c.scale, c.scale32, 0.0, c.l2e)
+        _sl2, d_sl2, base, e_score = step1_score(dot, e_dot, c.scale, c.scale32, c.l2e, call=_PLAIN)
         s_nat = dot * c.scale
     else:  # step1_score's score_mod branch, keeping e_pre for step 4's f'
         s_pre, e_pre, s_nat, e_post = mod_score(dot, e_dot, c.scale, c.scale32, c.score_mod, c.aux, rows=rows)
@@ -281,32 +281,20 @@ def _mod_chain(ds, e_ds, s_pre, e_pre, c: _Consts, rows):
     return ds * fprime, own + moved + e_ds * fprime.abs() + TINY32
 
 
-def _mod_chunk_vis(q, k, causal, window, c: _Consts, rows, acc: dict) -> torch.Tensor:
+def _mod_chunk_vis(q, k, c: _Consts, rows, acc: dict) -> torch.Tensor:
     """With a mask_mod or block sparsity: the visibility of query rows ``rows``,
     (B|1, H|1, rows, sk) (``numerics.reference.call_visibility``), counted into ``acc["n_q"]``
     (keys per (batch, row, head)) and ``acc["n_key"]`` ((row) pairs per (batch, key, head))."""
     b, sq, hq, _ = q.shape
     sk, r = k.shape[1], rows.numel()
-    vis = call_visibility(
-        batch=b,
-        heads=hq,
-        seqlen_q=sq,
-        seqlen_k=sk,
-        causal=causal,
-        window_size=window,
-        mask_mod=c.mask_mod,
-        block_sparse_tensors=c.block_sparse,
-        aux_tensors=c.aux,
-        rows=rows,
-        device=q.device,
-    )
+    vis = call_visibility(batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, call=c.call, rows=rows, device=q.device)
     vis_f = vis.expand(b, hq, r, sk).to(torch.float64)
     acc["n_q"][:, rows] = vis_f.sum(-1).permute(0, 2, 1).unsqueeze(-1)  # (b, rows, hq, 1)
     acc["n_key"] += vis_f.sum(-2).permute(0, 2, 1).unsqueeze(-1)
     return vis
 
 
-def _accumulate(q, k, v, do, causal, window, reference, rw: dict, c: _Consts, nm) -> dict:
+def _accumulate(q, k, v, do, reference, rw: dict, c: _Consts, nm) -> dict:
     """Steps 1-6's sums over query-row chunks (``CHUNK_BUDGET``): dV's and dK's two error sums
     per key, accumulated over the chunks, and dQ's accumulator error per row.  Without a
     mask_mod or block sparsity the visibility is the flag mask, one (sq, sk) tensor as before
@@ -321,9 +309,9 @@ def _accumulate(q, k, v, do, causal, window, reference, rw: dict, c: _Consts, nm
         n: torch.zeros(b, sk, hq, w, **f64) for n, w in (("v1", v.shape[-1]), ("v2", v.shape[-1]), ("k1", d), ("k2", d))
     }
     acc["q"] = torch.zeros(b, sq, hq, d, **f64)
-    masks = c.mask_mod is not None or c.block_sparse is not None
+    masks = c.call.has_mask_mods
     if not masks:
-        vis_all = visible_mask(sq, sk, causal=causal, window_size=window, device=dev)
+        vis_all = visible_mask(sq, sk, causal=c.call.causal, window_size=c.call.window_size, device=dev)
         n_q = vis_all.sum(-1).to(torch.float64).view(1, sq, 1, 1)  # keys per row (dQ)
         acc["n_key"] = (vis_all.sum(-2).to(torch.float64) * c.g).view(1, sk, 1, 1)  # (head, row) pairs per key
     else:
@@ -340,7 +328,7 @@ def _accumulate(q, k, v, do, causal, window, reference, rw: dict, c: _Consts, nm
         if not masks:
             vis = vis_all[i0:i1].view(1, 1, i1 - i0, sk)
         else:
-            vis = _mod_chunk_vis(q, k, causal, window, c, rows, acc)
+            vis = _mod_chunk_vis(q, k, c, rows, acc)
         nq = n_q[:, i0:i1]
         p, ep_t, ads, e_ds_t = _p_ds(q[:, i0:i1], k, v, do[:, i0:i1], vis, rwc, c, rows)
         ado, aq = do[:, i0:i1].double().abs(), q[:, i0:i1].double().abs()
@@ -401,49 +389,22 @@ def backward_error_bound(
     lse: torch.Tensor,
     nm,
     *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
+    call: AttentionCall,
     dlse: torch.Tensor | None = None,
     reference: dict | None = None,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors: list | None = None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
 ) -> dict:
     """Float64 bounds ``{"dq", "dk", "dv", "dsink"}`` on |grad - exact| elementwise (module doc),
     shaped like the gradients (dsink None without a sink).  ``out``, ``lse``: the forward's
     returned output and float32 LSE; ``reference``: the dict of
     ``numerics.grad_reference.attention_grad_reference`` for these inputs (computed if None).
-    ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``, ``aux_scalars``: the call's mods
-    (module doc, "Mods")."""
-    check_mods(softcap, score_mod)
-    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
-        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )
-    mods = dict(
-        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors
-    )
+    ``call``: the call's keywords, its mods included (module doc, "Mods")."""
+    call = call.bind_scalars()  # the call's runtime scalars (numerics.mods)
+    learnable_sink = call.learnable_sink
     if reference is None:
-        reference = attention_grad_reference(
-            q,
-            k,
-            v,
-            do,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            learnable_sink=learnable_sink,
-            dlse=dlse,
-            **mods,
-        )
-    c = _Consts.of(q, k, v, nm, softmax_scale, softcap, mods)
+        reference = attention_grad_reference(q, k, v, do, call=call, dlse=dlse)
+    c = _Consts.of(q, k, v, nm, call)
     rows = _row_terms(q, do, out, lse, dlse, reference, c)
-    acc = _accumulate(q, k, v, do, causal, window_size, reference, rows, c, nm)
+    acc = _accumulate(q, k, v, do, reference, rows, c, nm)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     n_key = acc["n_key"]

@@ -95,14 +95,16 @@ semantics are audited separately).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from numerics.bounds import ex2_error_bound
+from numerics.call import AttentionCall
 from numerics.fp import format_of
 from numerics.fp import to_f32 as _f32
-from numerics.mods import ScoreMod, bind_aux_scalars, index_grid
-from numerics.reference import apply_score_mod, attention_reference, call_visibility, check_mods
+from numerics.mods import ScoreMod, index_grid
+from numerics.reference import apply_score_mod, attention_reference, call_visibility
 from numerics.tiles import split_key_masks
 
 __all__ = [
@@ -116,6 +118,7 @@ __all__ = [
     "softcap_curvature",
     "softcap_grad_error",
     "hook_at_ends",
+    "score_product_error",
 ]
 
 #: MUFU accuracy measured over all 2**32 float32 inputs on the H200 (reports/fidelity,
@@ -200,18 +203,18 @@ def mod_score(dot, e_dot, scale: float, scale32: float, score_mod, aux_tensors, 
     return s, e_pre, f, e_post.expand(s.shape)
 
 
-def step1_score(
-    dot, e_dot, scale: float, scale32: float, softcap: float, l2e: float, *, score_mod=None, aux_tensors=None, rows=None
-):
+def step1_score(dot, e_dot, scale: float, scale32: float, l2e: float, *, call: AttentionCall, rows=None):
     """Step 1 (score error) and the exponent's scale: (sl2, |sl2 - ideal|, base, e_score) where
     the ideal exponent is ``base * ideal`` (log2 units) and ``e_score`` the score's error in
     log2 units.  With a score_mod, or the softcap flag (production's softcap *is* a score_mod,
     ``utils.create_softcap_scoremod``; here :func:`softcap_score_mod`), the kernel keeps the scale
     apart (``utils.compute_softmax_scale_log2``): ``base = f(s)`` in natural units, ``sl2 =
     fl32(log2 e)``, and the error is :func:`mod_score`'s.  Public: the backward bound recomputes
-    P from the same scores (its step 4(b))."""
-    if softcap > 0:
-        score_mod, aux_tensors = softcap_score_mod(softcap), None
+    P from the same scores (its step 4(b)).  ``call``: its softcap, score_mod and aux_tensors
+    (scalars bound)."""
+    score_mod, aux_tensors = call.score_mod, call.aux_tensors
+    if call.softcap > 0:
+        score_mod, aux_tensors = softcap_score_mod(call.softcap), None
     if score_mod is not None:  # step 1, score_mod branch: exponent fma(f^, fl32(log2 e), ...)
         sl2 = _f32(l2e)
         _s, _e_pre, f, e_post = mod_score(dot, e_dot, scale, scale32, score_mod, aux_tensors, rows=rows)
@@ -221,6 +224,18 @@ def step1_score(
     base = dot  # exponent = dot * scale * log2e (ideal)
     e_score = e_dot * sl2
     return sl2, d_sl2, base, e_score
+
+
+def score_product_error(products: int) -> float:
+    """The relative error, against step 1's rounded constant ``sl2``, of a base-2 score formed by
+    ``products`` chained float32 multiplies (docs/peers.md, "The bound"): ``y = fl(fl(a s32) l32)``
+    equals ``a sl2 (1 + theta)`` with ``|theta| <= (1+u)^k / (1-u)^(k-1) - 1`` (two roundings, and
+    the unrounded constant ``s32 l32 = sl2 / (1 + delta)``, ``|delta| <= u``); 0 for none (FA4's FFMA
+    rounds only the difference ``t_j``, step 2's ``u |t_j|``).  With a score_mod the scale's product
+    is already in :func:`mod_score`'s ``e_pre``: the caller passes one product fewer."""
+    if products < 0:
+        raise ValueError(f"score_products must be >= 0, got {products}")
+    return 0.0 if products == 0 else (1 + _U) ** products / (1 - _U) ** (products - 1) - 1
 
 
 def _sech2(x):
@@ -470,21 +485,13 @@ def forward_error_bound(
     v: torch.Tensor,
     numerics,
     *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
+    call: AttentionCall,
     reference: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int = 1,
     pack_gqa: bool = False,
     key_mask: torch.Tensor | None = None,
     partial: bool = False,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors: list | None = None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
+    score_products: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_bound, lse_bound): float64 tensors shaped like the output (b, sq, hq, dv) and the
     LSE (b, hq, sq), bounding |out - exact| and |lse - exact| elementwise (module doc).
@@ -493,27 +500,23 @@ def forward_error_bound(
     split-KV and its combine (:func:`split_error_bound`; ``pack_gqa`` moves the splits).
     ``key_mask`` (heads_q, sq, sk) restricts each row to some keys and ``partial`` drops the
     output cast (a split's float32 partial): the bound of one split's partial results.
-    ``score_mod``, ``mask_mod``, ``aux_tensors``, ``block_sparse_tensors``, ``aux_scalars``: the call's mods
-    (``numerics.mods``; module doc, "Mods")."""
-    check_mods(softcap, score_mod)
-    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
-        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )
-    mods = dict(
-        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors, block_sparse_tensors=block_sparse_tensors
-    )
+    ``call``: the call's keywords, its mods included (``numerics.mods``; module doc, "Mods").
+    ``score_products``: the float32 products that form a peer's base-2 score before its row max
+    is subtracted (0: FA4's FFMA, module doc step 2; 2: the scale and log2 e as two multiplies,
+    flex_attention's Triton template and the generic flash-attention kernels:
+    :func:`score_product_error`)."""
+    call = call.bind_scalars()  # the call's runtime scalars (numerics.mods)
     if num_splits > 1:
-        kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap, **mods)
         return split_error_bound(
             q,
             k,
             v,
             numerics,
+            call=call,
             num_splits=num_splits,
             pack_gqa=pack_gqa,
-            learnable_sink=learnable_sink,
             reference=reference,
-            **kw,
+            score_products=score_products,
         )
     b, sq, hq, d = q.shape
     sk = k.shape[1]
@@ -522,55 +525,33 @@ def forward_error_bound(
     fmt_o = format_of(torch.float32 if partial else torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
     thr, off = float(nm.rescale_threshold), float(nm.max_offset)
     l2e = math.log2(math.e)
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale = call.scale(d)
     scale32 = _f32(scale)
-    softcap = float(softcap or 0.0)
     dev = q.device
 
     dot, e_dot, v64 = dot_products(q, k, v)
-    vis = call_visibility(
-        batch=b,
-        heads=hq,
-        seqlen_q=sq,
-        seqlen_k=sk,
-        causal=causal,
-        window_size=window_size,
-        mask_mod=mask_mod,
-        block_sparse_tensors=block_sparse_tensors,
-        aux_tensors=aux_tensors,
-        device=dev,
-    )
+    vis = call_visibility(batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, call=call, device=dev)
     vis = vis.view(1, 1, sq, sk) if vis.dim() == 2 else vis  # (1|B, 1|H, sq, sk)
     if key_mask is not None:
         vis = vis & key_mask.to(dev).view(1, hq, sq, sk)
     ninf = torch.tensor(-math.inf, dtype=torch.float64, device=dev)
 
-    sl2, d_sl2, base, e_score = step1_score(
-        dot, e_dot, scale, scale32, softcap, l2e, score_mod=score_mod, aux_tensors=aux_tensors
-    )
-    natural = softcap > 0 or score_mod is not None  # base in natural units (module doc, step 1)
+    sl2, d_sl2, base, e_score = step1_score(dot, e_dot, scale, scale32, l2e, call=call)
+    natural = call.softcap > 0 or call.score_mod is not None  # base in natural units (module doc, step 1)
+    if score_products:  # a peer's exponent formed by float32 products (docs/peers.md, "The bound")
+        e_score = e_score + score_product_error(score_products - 1 if natural else score_products) * (
+            e_score + base.abs() * sl2
+        )
     ideal = l2e if natural else scale * l2e  # log2 units per unit of `base`
     m_base, m_safe, rel_exp, t_abs, e_j = _step2_exponent(base, vis, e_score, d_sl2, ideal, thr, off, ninf)
     eps, p, eta, low, alpha = _step3_exp2(nm, sk, dev, vis, rel_exp, e_j, off)
     rho, sigma = _step4_cast(p, eta, vis, fmt_p, thr)
     p_s, eta_s = _sink_terms(
-        learnable_sink, m_base, (b, hq, sq, 1), dev, natural=natural, scale=scale, l2e=l2e, thr=thr, off=off
+        call.learnable_sink, m_base, (b, hq, sq, 1), dev, natural=natural, scale=scale, l2e=l2e, thr=thr, off=off
     )
 
     if reference is None:
-        reference = attention_reference(
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            learnable_sink=learnable_sink,
-            return_lse=True,
-            key_mask=key_mask,
-            **mods,
-        )
+        reference = attention_reference(q, k, v, call=call, return_lse=True, key_mask=key_mask)
     ref, ref_lse = reference
     o = ref.permute(0, 2, 1, 3)  # (b, h, i, c)
     av = v64.abs()
@@ -584,7 +565,7 @@ def forward_error_bound(
     # LSE
     e_full = e_score + base.abs() * d_sl2 + _U * t_abs + _U * (m_safe.abs() * sl2 + thr + off + 1.0)
     w, rel_d = _lse_rel_d(e_full, vis, eps, low, p, alpha, p_s, eta_s, gam)
-    lse_b = _lse_bound(w, rel_d, ref_lse, n_vis, learnable_sink, hq=hq, off=off, l2e=l2e)
+    lse_b = _lse_bound(w, rel_d, ref_lse, n_vis, call.learnable_sink, hq=hq, off=off, l2e=l2e)
     return out_b.permute(0, 2, 1, 3).contiguous(), lse_b
 
 
@@ -594,19 +575,11 @@ def split_error_bound(
     v: torch.Tensor,
     numerics,
     *,
+    call: AttentionCall,
     num_splits: int,
     pack_gqa: bool = False,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
     reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors: list | None = None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
+    score_products: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""(out_bound, lse_bound) of split-KV: each split's float32 partials, then the combine
     (``flash_fwd_combine.py``; ``fa4.varlen.combine``), for any order of its sums.
@@ -637,30 +610,20 @@ def split_error_bound(
     gamma(S)) - 1``, lg2.approx (``lg2_rel`` |y| or ``lg2_abs``), ``|ln2_f - ln2| |y|``, two
     roundings (u each on |L| + beta_max), and ``beta_max`` from the partial LSEs (``ln sum e^{L^_s}``
     moves by at most max_s beta_s).  Rows where every split is empty: out 0, LSE -inf, bound 0.
+    ``score_products``: each split's score as :func:`forward_error_bound` takes it.
     Mods: each split's keys are its share intersected with the mods' visibility (the partial
     bound applies them); the combine does not see the mods."""
     b, sq, hq, d = q.shape
-    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(
-        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )
-    kw = dict(
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        aux_tensors=aux_tensors,
-        block_sparse_tensors=block_sparse_tensors,
-    )
+    call = call.bind_scalars()
+    rest = replace(call, learnable_sink=None)  # the sink enters split 0 only
     pack = hq // k.shape[2] if pack_gqa else 1
     masks = split_key_masks(
         sq,
         k.shape[1],
         numerics.tile_m,
         numerics.tile_n,
-        causal,
-        window_size,
+        call.causal,
+        call.window_size,
         q.device,
         heads=hq,
         pack=pack,
@@ -668,14 +631,14 @@ def split_error_bound(
     )
     parts = []
     for s, m in enumerate(masks):
-        sink = learnable_sink if s == 0 else None
-        ref_s = attention_reference(q, k, v, learnable_sink=sink, return_lse=True, key_mask=m, **kw)
+        part = call if s == 0 else rest
+        ref_s = attention_reference(q, k, v, call=part, return_lse=True, key_mask=m)
         ob, lb = forward_error_bound(
-            q, k, v, numerics, learnable_sink=sink, reference=ref_s, key_mask=m, partial=True, **kw
+            q, k, v, numerics, call=part, reference=ref_s, key_mask=m, partial=True, score_products=score_products
         )
         parts.append((ref_s[0].permute(0, 2, 1, 3), ref_s[1], ob.permute(0, 2, 1, 3), lb))  # (b, h, i, ·)
     if reference is None:
-        reference = attention_reference(q, k, v, learnable_sink=learnable_sink, return_lse=True, **kw)
+        reference = attention_reference(q, k, v, call=call, return_lse=True)
     o_full, lse_full = reference[0].permute(0, 2, 1, 3), reference[1]
     fmt_o = format_of(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)
     out_b, lse_b = _combine_bound(parts, o_full, lse_full, num_splits)

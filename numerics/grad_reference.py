@@ -68,11 +68,10 @@ from dataclasses import dataclass
 import mpmath
 import torch
 
-from numerics.mods import bind_aux_scalars
+from numerics.call import AttentionCall, effective_window
 from numerics.reference import (
     apply_score_mod,
     call_visibility,
-    check_mods,
     fsum2,
     mod_logits_row,
     mp_softmax,
@@ -115,9 +114,7 @@ def _visible_rows(
 ) -> torch.Tensor:
     """Rows ``r0:r1`` of :func:`numerics.reference.visible_mask` (same rule, tested equal), built
     without the full (seqlen_q, seqlen_k) mask: at 64k x 64k that alone would be 4 GiB."""
-    left, right = window_size
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = effective_window(causal=causal, window_size=window_size)
     i = torch.arange(r0, r1, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     diag = i + (seqlen_k - seqlen_q)
@@ -136,26 +133,15 @@ def _grouped(m: torch.Tensor, hk: int, g: int) -> torch.Tensor:
     return m.view(bb, 1, 1, r, sk) if hh == 1 else m.view(bb, hk, g, r, sk)
 
 
-def _chunk_visibility(r0: int, r1: int, dims: tuple, mods: dict, *, causal, window_size, device) -> torch.Tensor:
+def _chunk_visibility(r0: int, r1: int, dims: tuple, call: AttentionCall, *, device) -> torch.Tensor:
     """The visible pairs of query rows r0:r1: :func:`_visible_rows` (rows, sk) without a
     mask_mod or block sparsity; with them the intersection
     with ``numerics.mods.visibility`` of these rows only, grouped (:func:`_grouped`)."""
     b, sq, hq, sk, hk, g = dims
-    if mods["mask_mod"] is None and mods["block_sparse_tensors"] is None:
-        return _visible_rows(r0, r1, sq, sk, causal=causal, window_size=window_size, device=device)
-    m = call_visibility(
-        batch=b,
-        heads=hq,
-        seqlen_q=sq,
-        seqlen_k=sk,
-        causal=causal,
-        window_size=window_size,
-        mask_mod=mods["mask_mod"],
-        block_sparse_tensors=mods["block_sparse_tensors"],
-        aux_tensors=mods["aux_tensors"],
-        rows=torch.arange(r0, r1, device=device),
-        device=device,
-    )
+    if not call.has_mask_mods:
+        return _visible_rows(r0, r1, sq, sk, causal=call.causal, window_size=call.window_size, device=device)
+    rows = torch.arange(r0, r1, device=device)
+    m = call_visibility(batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, call=call, rows=rows, device=device)
     return _grouped(m, hk, g)
 
 
@@ -216,22 +202,25 @@ def attention_grad_reference(
     v: torch.Tensor,
     do: torch.Tensor,
     *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int | None, int | None] = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
+    call: AttentionCall,
     dlse: torch.Tensor | None = None,
     chunk_rows: int | None = None,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors: list | None = None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
+    scales: bool = False,
 ) -> dict[str, torch.Tensor]:
     """FP64 gradients of attention from the exact inputs: ``{"dq", "dk", "dv", "out", "lse"}``
     plus ``"dsink"`` (heads_q,) with a sink, all float64 on q's device, by the closed form of
     the module doc.
+
+    With ``scales``, also each gradient's *scale*, ``"dq_scale"``, ``"dk_scale"``, ``"dv_scale"``
+    (and ``"dsink_scale"``), the gradient's shape: the same sums taken over the absolute values of
+    their terms, with dS's two terms before they cancel, |dS|_ij = P_ij (|dP_ij| + |D'_i|) times
+    the chain factor's magnitude (dq = scale * sum_j |dS|_ij |K_j|, dk = sum_i |dS|_ij |scale q_i|,
+    dv = sum_i P_ij |dO_i|, dsink = sum_i P_sink,i |D'_i|).  Where one key makes dP - D' cancel
+    exactly (dq = 0) the scale is not 0: the floor of FA's criterion (``numerics.metrics.fa_floor``).
+    With a sink, also ``"dsink_out_rss"`` (heads_q,): the root sum of squares of dsink's terms
+    through D_i = dO_i.out_i, sqrt(sum_{batch, i, c} (P_sink,i dO_ic out_ic)^2), the magnitude at
+    which a kernel that forms D from its output rounded to the input dtype (FlashAttention's
+    backward preprocessing) moves dsink (``audits.verdict.gate.DSINK_ROUNDED_OUT``).
 
     The forward part is numerics.reference.attention_reference's arithmetic (scale folded into q,
     ``P = exp(s - m) / denominator``, ``out = (p V) / denominator``), so ``out`` and ``lse`` agree
@@ -247,22 +236,14 @@ def attention_grad_reference(
     ``call_visibility(rows=...)``, the score_mod on the chunk's scores); without them the
     computation is the one before they existed.
     """
+    learnable_sink, score_mod = call.learnable_sink, call.score_mod
     b, sq, hq, d, sk, hk, dv = _check_shapes(q, k, v, do, learnable_sink, dlse)
-    check_mods(softcap, score_mod)
-    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
-        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )
+    call = call.bind_scalars()  # the call's runtime scalars (numerics.mods)
     if score_mod is not None and score_mod.grad is None:
         raise ValueError(f"score_mod {score_mod.name!r} has no grad (no score_mod_bwd): its backward is refused")
-    mods = {
-        "score_mod": score_mod,
-        "mask_mod": mask_mod,
-        "aux_tensors": aux_tensors,
-        "block_sparse_tensors": block_sparse_tensors,
-    }
     g = hq // hk
     dev, f64 = q.device, torch.float64
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale = call.scale(d)
     k64, v64 = k.to(dev, f64), v.to(dev, f64)
     sink = None if learnable_sink is None else learnable_sink.to(dev, f64).view(1, hk, g, 1, 1)
     res = {
@@ -281,17 +262,19 @@ def attention_grad_reference(
     for r0 in range(0, sq, rows):
         r1 = min(sq, r0 + rows)
         c = r1 - r0
-        vis = _chunk_visibility(r0, r1, dims, mods, causal=causal, window_size=window_size, device=dev)
+        vis = _chunk_visibility(r0, r1, dims, call, device=dev)
         # Heads are kept grouped, (b, hk, g, ...): the GQA sums of dK and dV over each kv head's g
         # query heads then happen inside the contractions, and k, v are never expanded.
         qs = (q[:, r0:r1].to(dev, f64) * scale).reshape(b, c, hk, g, d)  # a copy: inputs stay untouched
         dos = do[:, r0:r1].to(dev, f64).reshape(b, c, hk, g, dv)
-        fw = _chunk_forward(qs, k64, v64, vis, sink=sink, softcap=softcap, mods=mods, r0=r0)
+        fw = _chunk_forward(qs, k64, v64, vis, sink=sink, call=call, r0=r0)
         # D'_i = dO_i.out_i - dlse_i
         dprime = (fw["out"] * dos).sum(dim=-1).permute(0, 2, 3, 1)  # (b, hk, g, c)
         if dlse is not None:
             dprime = dprime - dlse[:, :, r0:r1].to(dev, f64).reshape(b, hk, g, c)
         ds = _chunk_ds(fw, dos, v64, vis, dprime)
+        if scales:
+            _chunk_scales(res, fw, dos, v64, vis, dprime, k64, qs, (r0, r1, scale))
         res["dq"][:, r0:r1] = _contract("bhgij,bjhd->bihgd", ds, vis, k64).mul_(scale).reshape(b, c, hq, d)
         res["dk"] += _contract("bhgij,bihgd->bjhd", ds, vis, qs)  # qs carries the scale
         res["dv"] += _contract("bhgij,bihgc->bjhc", fw["p"], vis, dos)
@@ -302,10 +285,41 @@ def attention_grad_reference(
         del fw, ds
     if sink is not None:
         res["dsink"] = dsink.reshape(hq)
+        if scales:
+            res["dsink_scale"] = res["dsink_scale"].reshape(hq)
+            res["dsink_out_rss"] = res["dsink_out_rss"].sqrt().reshape(hq)
     return res
 
 
-def _chunk_forward(qs, k64, v64, vis, *, sink, softcap: float, mods: dict | None = None, r0: int = 0) -> dict:
+def _chunk_scales(res: dict, fw: dict, dos, v64, vis, dprime, k64, qs, rows: tuple) -> None:
+    """The gradients' scales (:func:`attention_grad_reference`, ``scales``) of one chunk of query
+    rows ``rows`` = (r0, r1, softmax scale), into ``res``: dq's rows set, dk / dv / dsink summed."""
+    r0, r1, scale = rows
+    b, c, hk, g, _ = qs.shape
+    if "dk_scale" not in res:
+        res["dq_scale"] = torch.empty(b, res["dq"].shape[1], hk * g, qs.shape[-1], dtype=qs.dtype, device=qs.device)
+        res["dk_scale"], res["dv_scale"] = torch.zeros_like(res["dk"]), torch.zeros_like(res["dv"])
+        if fw["p_sink"] is not None:
+            res["dsink_scale"] = torch.zeros(hk, g, dtype=qs.dtype, device=qs.device)
+            res["dsink_out_rss"] = torch.zeros(hk, g, dtype=qs.dtype, device=qs.device)  # squares here
+    dp = torch.einsum("bihgc,bjhc->bhgij", dos, v64).abs_()  # |dP|, masked pairs removed below
+    ads = dp.add_(dprime.abs()[..., None]).mul_(fw["p"])
+    if fw["fac"] is not None:
+        ads.mul_(fw["fac"].abs())
+    ads.masked_fill_(~vis, 0.0)
+    res["dq_scale"][:, r0:r1] = (
+        _contract("bhgij,bjhd->bihgd", ads, vis, k64.abs()).mul_(scale).reshape(b, c, hk * g, -1)
+    )
+    res["dk_scale"] += _contract("bhgij,bihgd->bjhd", ads, vis, qs.abs())
+    res["dv_scale"] += _contract("bhgij,bihgc->bjhc", fw["p"], vis, dos.abs())
+    if fw["p_sink"] is not None:
+        w = (fw["p_sink"] / fw["den"]).squeeze(-1)  # P_sink,i (b, hk, g, c)
+        res["dsink_scale"] += (w * dprime.abs()).sum(dim=(0, 3))
+        terms = (fw["out"] * dos).permute(0, 2, 3, 1, 4) * w[..., None]  # P_sink,i dO_ic out_ic
+        res["dsink_out_rss"] += terms.square_().sum(dim=(0, 3, 4))
+
+
+def _chunk_forward(qs, k64, v64, vis, *, sink, call: AttentionCall, r0: int = 0) -> dict:
     """One chunk of query rows (from row ``r0``), forward: ``p`` (P, exactly 0 at masked pairs),
     ``den`` (the row denominators, 1 where 0), ``out``, ``lse``, ``fac`` (the chain factor of
     softcap or the score_mod, or None) and ``p_sink`` (the sink's unnormalised weight, or None);
@@ -314,12 +328,13 @@ def _chunk_forward(qs, k64, v64, vis, *, sink, softcap: float, mods: dict | None
     masked = ~vis
     s = torch.einsum("bihgd,bjhd->bhgij", qs, k64)  # (b, hk, g, c, sk): r = scale * q.k
     fac = None
+    softcap = call.softcap
     if softcap and softcap > 0:
         s.div_(softcap)
         fac = torch.cosh(s).pow_(-2)  # sech^2(r/cap); cosh = inf past 710 gives the limit 0
         s.tanh_().mul_(softcap)
-    elif mods is not None and mods["score_mod"] is not None:  # f'(r) at the pre-mod score, then f(r)
-        sm, aux, rows = mods["score_mod"], mods["aux_tensors"], torch.arange(r0, r0 + c, device=s.device)
+    elif call.score_mod is not None:  # f'(r) at the pre-mod score, then f(r)
+        sm, aux, rows = call.score_mod, call.aux_tensors, torch.arange(r0, r0 + c, device=s.device)
         flat = s.reshape(b, hk * g, c, s.shape[-1])  # (b, heads_q, rows, sk): the mods' head index
         fac = score_mod_derivative(flat, sm, aux, rows=rows).reshape(s.shape)
         s = apply_score_mod(flat, sm, aux, rows=rows).reshape(s.shape).clone()  # in place below
@@ -442,18 +457,9 @@ def exact_grad_elements(
     dk_rows: Iterable[tuple[int, int, int]] = (),
     dv_rows: Iterable[tuple[int, int, int]] = (),
     dsink_heads: Iterable[int] = (),
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int | None, int | None] = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
+    call: AttentionCall,
     dlse: torch.Tensor | None = None,
     dps: int = 30,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors: list | None = None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
 ) -> dict[str, dict]:
     """Sampled gradient elements of :func:`attention_grad_reference` in exact arithmetic:
     ``{"dq": {(b, i, h): [d mpf]}, "dk": {(b, j, kh): [d mpf]}, "dv": {(b, j, kh): [dv mpf]},
@@ -491,26 +497,23 @@ def exact_grad_elements(
     """
     if any(t.dtype == torch.float64 for t in (q, k, v, do)):
         raise ValueError("exact_grad_elements needs inputs of <= 26 significant bits (fp8/fp16/bf16/float32)")
+    learnable_sink = call.learnable_sink
     b, sq, hq, d, sk, hk, dv = _check_shapes(q, k, v, do, learnable_sink, dlse)
-    check_mods(softcap, score_mod)
-    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
-        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )
+    call = call.bind_scalars()  # the call's runtime scalars (numerics.mods)
     g = hq // hk
     cpu = lambda x: None if x is None else x.detach().double().cpu()
     t = {"q": cpu(q), "k": cpu(k), "v": cpu(v), "do": cpu(do), "g": g}
     t["sink"] = None if learnable_sink is None else cpu(learnable_sink).tolist()
     t["dlse"] = None if dlse is None else cpu(dlse).tolist()
-    t.update(score_mod=score_mod, aux_tensors=aux_tensors, device=q.device)
+    t.update(score_mod=call.score_mod, aux_tensors=call.aux_tensors, device=q.device)
     dq_rows, dk_rows, dv_rows, dsink_heads = (list(x) for x in (dq_rows, dk_rows, dv_rows, dsink_heads))
-    mods = {"mask_mod": mask_mod, "block_sparse_tensors": block_sparse_tensors, "aux_tensors": aux_tensors}
     dims = (b, sq, hq, sk, hk, g)
-    win = dict(causal=causal, window_size=window_size)
 
     def vis(r0: int, r1: int) -> torch.Tensor:  # (B|1, H|1, rows, sk): per batch and head with mods
-        if mask_mod is None and block_sparse_tensors is None:
+        if not call.has_mask_mods:
+            win = dict(causal=call.causal, window_size=call.window_size)
             return _visible_rows(r0, r1, sq, sk, device="cpu", **win).view(1, 1, r1 - r0, sk)
-        m = _chunk_visibility(r0, r1, dims, mods, device=q.device, **win).cpu()
+        m = _chunk_visibility(r0, r1, dims, call, device=q.device).cpu()
         return m.reshape(m.shape[0], -1, r1 - r0, sk)
 
     def at(m: torch.Tensor, bi: int, h: int) -> torch.Tensor:
@@ -519,12 +522,13 @@ def exact_grad_elements(
     old = mpmath.mp.dps
     try:
         mpmath.mp.dps = dps
-        scale = mpmath.mpf(1) / mpmath.sqrt(d) if softmax_scale is None else mpmath.mpf(float(softmax_scale))
+        sm_scale = call.softmax_scale
+        scale = mpmath.mpf(1) / mpmath.sqrt(d) if sm_scale is None else mpmath.mpf(float(sm_scale))
         cache: dict[tuple[int, int, int], _Row | None] = {}
 
         def row(bi: int, h: int, i: int) -> _Row | None:
             if (bi, h, i) not in cache:
-                cache[bi, h, i] = _exact_row(t, at(vis(i, i + 1), bi, h)[0], bi, h, i, scale, softcap)
+                cache[bi, h, i] = _exact_row(t, at(vis(i, i + 1), bi, h)[0], bi, h, i, scale, call.softcap)
             return cache[bi, h, i]
 
         res: dict[str, dict] = {"dq": {}, "dk": {}, "dv": {}, "dsink": {}}
@@ -559,16 +563,7 @@ def attention_lowprec_grads(
     v: torch.Tensor,
     do: torch.Tensor,
     *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int | None, int | None] = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors: list | None = None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
+    call: AttentionCall,
 ) -> dict[str, torch.Tensor]:
     """The gradients PyTorch gets doing the same math in the input dtype — FlashAttention's
     ``attention_ref(upcast=False)`` differentiated by autograd, the ``pt`` of FA's backward
@@ -580,11 +575,9 @@ def attention_lowprec_grads(
     softmax by ``exp(s - max) / sum``, rows with no visible key giving 0."""
     b, sq, hq, d = q.shape
     sk, g = k.shape[1], hq // k.shape[2]
-    check_mods(softcap, score_mod)
-    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(  # the call's runtime scalars (numerics.mods)
-        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    call = call.bind_scalars()  # the call's runtime scalars (numerics.mods)
+    softcap, score_mod, learnable_sink = call.softcap, call.score_mod, call.learnable_sink
+    scale = call.scale(d)
     with torch.enable_grad():
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         sink = None if learnable_sink is None else learnable_sink.detach().clone().requires_grad_(True)
@@ -593,19 +586,8 @@ def attention_lowprec_grads(
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         if score_mod is not None:
-            s = apply_score_mod(s, score_mod, aux_tensors)
-        vis = call_visibility(
-            batch=b,
-            heads=hq,
-            seqlen_q=sq,
-            seqlen_k=sk,
-            causal=causal,
-            window_size=window_size,
-            mask_mod=mask_mod,
-            block_sparse_tensors=block_sparse_tensors,
-            aux_tensors=aux_tensors,
-            device=q.device,
-        )
+            s = apply_score_mod(s, score_mod, call.aux_tensors)
+        vis = call_visibility(batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, call=call, device=q.device)
         s = s.masked_fill(~vis, -math.inf)
         if sink is not None:
             s = torch.cat([s, sink.to(s.dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)], dim=-1)

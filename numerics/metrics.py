@@ -6,6 +6,9 @@ output against another's.
   convention), non-finite mismatches (counted, and broken down by what each side holds).
 * :func:`lse_errors` — max |lse - ref| over rows where both are finite, and rows where one is
   -inf/NaN and the other is not (counted, and broken down as the output's).
+* :func:`nan_aware_max` — a max |err| of either as it truly is: NaN (or inf) when an element is
+  NaN (or inf) where the reference is finite, which the finite-only ``max_abs`` beside it cannot
+  show (an all-NaN output has ``max_abs`` 0); every view prints it (``audits.report.html.max_text``).
 * :func:`nonfinite_mismatches` — that breakdown: elements where the two sides differ and one of
   them is NaN or infinite, counted per (kernel's class, reference's class).
 * :func:`ulp_diff_histogram` — integer ULP distance between two tensors of the same 16- or
@@ -13,11 +16,15 @@ output against another's.
 * :func:`row_scaled_ulp_diff` — the same in ULPs at each row's largest reference magnitude.
 * :func:`fa_criterion` — FlashAttention's own test: max|out - ref| <= 2 max|out_lp - ref| + 2
   * rounding error of the output dtype at the reference's max magnitude.
+* :func:`fa_floor` — the terms of that test as the audit records them, with the rounding at the
+  quantity's own scale (the floor the verdict keeps where PyTorch's error is 0).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -27,6 +34,7 @@ __all__ = [
     "output_errors",
     "lse_errors",
     "nonfinite_mismatches",
+    "nan_aware_max",
     "VALUE_CLASSES",
     "ulp_diff_histogram",
     "row_scaled_ulp_diff",
@@ -84,8 +92,11 @@ def output_errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
     (non-finite inputs) and ``out`` differs from it, in ``nan_swallowed`` (a semantics
     deviation: e.g. FA4's polynomial exp2 maps a NaN score to 0).  ``nonfinite_mismatches``:
     both counts broken down by what each side holds (:func:`nonfinite_mismatches`), so that a
-    report can say "NaN where the reference is finite" rather than a field name.  Error statistics
-    use the elements where both are finite.
+    report can say "NaN where the reference is finite" rather than a field name.  ``checked``: the
+    elements where the reference is finite (what ``nonfinite_where_ref_finite`` is out of).  Error
+    statistics (``max_abs``, ``argmax``, ``rel_l2``, ``max_ulp``) use the elements where both are
+    finite: read ``max_abs`` through :func:`nan_aware_max`, which is NaN or inf when the kernel
+    returned NaN or inf where the reference is finite.
     """
     if out.shape != ref.shape:
         raise ValueError(f"shapes differ: out {tuple(out.shape)} vs reference {tuple(ref.shape)}")
@@ -102,6 +113,7 @@ def output_errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
         "ref_at_argmax": float(r.reshape(-1)[i]) if err.numel() else 0.0,
         "rel_l2": float(num / den) if den > 0 else float(num),
         "nonfinite_where_ref_finite": int((fin_r & ~fin_o).sum()),
+        "checked": int(fin_r.sum()),
         "nan_swallowed": int((~fin_r & ~((o == r) | (torch.isnan(o) & torch.isnan(r)))).sum()),
         "nonfinite_mismatches": nonfinite_mismatches(o, r),
         "elements": out.numel(),
@@ -120,7 +132,8 @@ def lse_errors(lse: torch.Tensor, ref: torch.Tensor) -> dict:
     with no visible key (reference -inf) where the kernel is not -inf (``mismatched_nonfinite``);
     ``nonfinite_mismatches``: the three broken down by what each side holds
     (:func:`nonfinite_mismatches`); ``ref_max_abs``: the largest finite |reference lse| (the
-    scale of float32 LSE rounding)."""
+    scale of float32 LSE rounding); ``checked``: rows where the reference is finite.  ``max_abs``
+    is finite-only as the output's: :func:`nan_aware_max` reads it truly."""
     a, r = lse.double(), ref.double()
     both = torch.isfinite(a) & torch.isfinite(r)
     err = torch.where(both, (a - r).abs(), torch.zeros_like(a))
@@ -132,10 +145,30 @@ def lse_errors(lse: torch.Tensor, ref: torch.Tensor) -> dict:
         "max_abs": float(err.max()) if err.numel() else 0.0,
         "ref_max_abs": float(torch.where(torch.isfinite(r), r.abs(), torch.zeros_like(r)).max()) if r.numel() else 0.0,
         "nonfinite_where_ref_finite": int(bad_where_finite.sum()),
+        "checked": int(torch.isfinite(r).sum()),
         "nan_swallowed": int(nan_swallowed.sum()),
         "mismatched_nonfinite": int(other.sum()),
         "nonfinite_mismatches": nonfinite_mismatches(a, r),
     }
+
+
+def nan_aware_max(errors: Mapping[str, Any]) -> float:
+    """The max |err| of an :func:`output_errors` / :func:`lse_errors` record (or a gradient's,
+    which is an :func:`output_errors` record) over the elements where the reference is finite, as
+    it is: NaN when the kernel returned NaN at one of them, else inf when it returned +-inf at one,
+    else the finite ``max_abs``.  Why: ``max_abs`` is taken over the elements where both sides are
+    finite (so that the error statistics stay numbers), and a kernel returning all NaN has
+    ``max_abs`` 0; a view that prints ``max_abs`` alone calls the worst kernel perfect.  Which
+    non-finite value the kernel returned is read from ``nonfinite_mismatches`` (pairs
+    ``"<kernel's>|finite"``); a record written before that breakdown, or whose breakdown does
+    not account for every such element, gives NaN (unknown which, and NaN never passes)."""
+    n = errors.get("nonfinite_where_ref_finite") or 0
+    if not n:
+        return float(errors.get("max_abs", 0.0))
+    pairs = errors.get("nonfinite_mismatches")
+    pairs = pairs if isinstance(pairs, Mapping) else {}
+    infs = sum(c for k, c in pairs.items() if k in ("+inf|finite", "-inf|finite") and isinstance(c, int))
+    return math.inf if infs == n else math.nan
 
 
 def ulp_diff_histogram(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -196,45 +229,68 @@ def fa_criterion(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor
     }
 
 
-def fa_floor(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor) -> dict:
+def fa_floor(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    out_lowprec: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+) -> dict:
     """The terms of FA's criterion as the audit records them, over the elements where the FP64
     reference is finite: ``max_abs`` (NaN/inf in ``out`` there counts as inf), ``lowprec_max_abs``
     (PyTorch's error in the input dtype) and ``rounding`` (``out``'s unit roundoff times max|ref|);
-    the verdict combines them under the thresholds (``audits.verdict.gate``)."""
+    the verdict combines them under the thresholds (``audits.verdict.gate``).
+
+    ``scale`` (float64, ``ref``'s shape): each element's *scale*, the same sum as the FP64
+    reference taken over the absolute values of its terms (e.g. sum_j P_ij |V_jc| for the output;
+    ``numerics.grad_reference.attention_grad_reference(scales=True)`` for the gradients).  With it
+    the record gains ``scale``, its largest finite value where the reference is finite: the
+    magnitude the quantity's float32 arithmetic rounds at, which is not 0 where the reference
+    itself is 0 or cancels; the verdict floors the criterion's allowance with it
+    (``audits.verdict.gate``)."""
     fin = torch.isfinite(ref)
     r = torch.where(fin, ref, 0.0)
     err = torch.where(fin, (out.double() - ref).abs(), 0.0).nan_to_num(float("inf"))
     low = torch.where(fin, (out_lowprec.double() - ref).abs(), 0.0).nan_to_num(0.0)
-    return {
+    res = {
         "max_abs": float(err.max()) if err.numel() else 0.0,
         "lowprec_max_abs": float(low.max()) if low.numel() else 0.0,
         "rounding": format_of(out.dtype).unit_roundoff * float(r.abs().max()) if r.numel() else 0.0,
     }
+    if scale is not None:
+        s = scale.double().abs()
+        s = torch.where(fin & torch.isfinite(s), s, 0.0)
+        res["scale"] = float(s.max()) if s.numel() else 0.0
+    return res
 
 
-def _against(err: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[int, float]:
-    """(violations, tightness) of absolute errors ``err`` against a per-element ``bound``.
+def _against(err: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[int, float, int]:
+    """(violations, tightness, nonfinite) of absolute errors ``err`` against a per-element ``bound``.
     Checked where the reference and the bound are finite (a non-finite bound means the inputs
-    leave the analysis' domain); there a NaN or inf error is a violation.  Tightness: the largest
-    err / bound over finite errors (0 / 0 counts as 0)."""
+    leave the analysis' domain); there a NaN or inf error is a violation, and ``nonfinite`` counts
+    those.  Tightness: the largest err / bound over finite errors (0 / 0 counts as 0), so it says
+    nothing of the non-finite ones: a reader of ``tightness`` reads ``nonfinite`` beside it."""
     checked = torch.isfinite(ref) & torch.isfinite(bound)
     violations = int((checked & ~(err <= bound)).sum())
+    nonfinite = int((checked & ~torch.isfinite(err)).sum())
     fin = checked & torch.isfinite(err)
     ratio = torch.where(fin & (err > 0), err / bound.clamp(min=1e-300), torch.zeros_like(err))
-    return violations, float(ratio.max()) if ratio.numel() else 0.0
+    return violations, float(ratio.max()) if ratio.numel() else 0.0, nonfinite
 
 
 def bound_check(out, ref, out_bound, lse=None, ref_lse=None, lse_bound=None) -> dict:
     """The one per-element bound check (the runner and fidelity use it): violations and
     tightness of the output against ``out_bound`` and, when given, of the LSE against
-    ``lse_bound``; ``max_bound`` is the largest finite output bound."""
+    ``lse_bound``; ``nonfinite`` / ``lse_nonfinite``: how many of the violations are NaN or inf
+    errors (a non-finite result where the reference is finite: no ratio to the bound; the
+    tightness is over the finite ones); ``max_bound`` is the largest finite output bound."""
     err = (out.double() - ref.double()).abs()
-    v, t = _against(err, ref, out_bound)
-    res = {"violations": v, "tightness": t, "lse_violations": 0, "lse_tightness": 0.0}
+    v, t, nf = _against(err, ref, out_bound)
+    res = {"violations": v, "tightness": t, "nonfinite": nf, "lse_violations": 0, "lse_tightness": 0.0}
     fb = out_bound[torch.isfinite(out_bound)]
     res["max_bound"] = float(fb.max()) if fb.numel() else 0.0
     if lse is not None:
         lerr = (lse.double() - ref_lse.double()).abs()
         lerr = torch.where(torch.isinf(ref_lse) & (lse.double() == ref_lse), torch.zeros_like(lerr), lerr)
-        res["lse_violations"], res["lse_tightness"] = _against(lerr, ref_lse, lse_bound)
+        res["lse_violations"], res["lse_tightness"], res["lse_nonfinite"] = _against(lerr, ref_lse, lse_bound)
     return res

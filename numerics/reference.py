@@ -1,6 +1,7 @@
 """High-precision attention references: FP64 on the inputs' device, mpmath on sampled rows.
 
-Conventions (docs/design.md; the audited-callable signature of ``flash_attn.cute.flash_attn_func``):
+Conventions (docs/design.md; the audited-callable signature of ``flash_attn.cute.flash_attn_func``,
+whose keywords the functions here take as one ``call: numerics.call.AttentionCall``):
 
 * q: (batch, seqlen_q, heads_q, d); k: (batch, seqlen_k, heads_kv, d); v: (batch, seqlen_k,
   heads_kv, dv); heads_q a multiple of heads_kv (GQA/MQA: query head h reads kv head
@@ -46,7 +47,8 @@ from collections.abc import Iterable
 import mpmath
 import torch
 
-from numerics.mods import bind_aux_scalars, index_grid, visibility
+from numerics.call import AttentionCall, effective_window
+from numerics.mods import index_grid, visibility
 
 __all__ = [
     "visible_mask",
@@ -59,18 +61,8 @@ __all__ = [
     "call_visibility",
     "apply_score_mod",
     "score_mod_derivative",
-    "check_mods",
     "mod_logits_row",
 ]
-
-
-def effective_window(*, causal: bool, window_size) -> tuple[int | None, int | None]:
-    """The (left, right) window a call keeps (module doc): ``causal`` caps ``right`` at 0;
-    None = unbounded on that side."""
-    left, right = (None, None) if window_size is None else tuple(window_size)
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    return left, right
 
 
 def visible_key_range(
@@ -112,53 +104,31 @@ def visible_mask(
     return (j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None])
 
 
-def check_mods(softcap: float, score_mod) -> None:
-    """Refuse what production refuses: softcap with a score_mod (``interface.py``: "softcap and
-    score_mod cannot be used together"; the softcap flag *is* a score_mod there)."""
-    if score_mod is not None and softcap and softcap > 0:
-        raise ValueError("softcap and score_mod are exclusive (production asserts it; softcap is itself a score_mod)")
-
-
-def _bind_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors):
-    """The mods with the call's ``aux_scalars`` bound (``numerics.mods.bind_aux_scalars``: only
-    when there are any, production's shim), for an entry point of the contract."""
-    return bind_aux_scalars(aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors)
-
-
 def call_visibility(
     *,
     batch: int,
     heads: int,
     seqlen_q: int,
     seqlen_k: int,
-    causal: bool = False,
-    window_size: tuple[int | None, int | None] = (None, None),
-    mask_mod=None,
-    block_sparse_tensors=None,
-    aux_tensors=None,
+    call: AttentionCall,
     rows: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
-    aux_scalars=None,
 ) -> torch.Tensor:
     """The keys a call keeps: the flag mask :func:`visible_mask` (``(rows, seqlen_k)``) when
     there is neither a mask_mod nor block sparsity; else its intersection with
     ``numerics.mods.visibility``, bool ``(B|1, H|1, rows, seqlen_k)`` (B, H: 1 where the mods do
-    not depend on the batch / head).  ``rows``: these query rows only.
-    ``aux_scalars``: the call's runtime scalars, handed to the mask mod when there are any
-    (``numerics.mods.bind_aux_scalars``)."""
-    _, mask_mod, block_sparse_tensors = bind_aux_scalars(
-        aux_scalars, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )
-
-    flags = visible_mask(seqlen_q, seqlen_k, causal=causal, window_size=window_size, device=device, rows=rows)
+    not depend on the batch / head).  ``rows``: these query rows only.  The call's runtime
+    scalars are handed to the mask mod when there are any (``AttentionCall.bind_scalars``)."""
+    call = call.bind_scalars()
+    flags = visible_mask(seqlen_q, seqlen_k, causal=call.causal, window_size=call.window_size, device=device, rows=rows)
     mods = visibility(
         batch=batch,
         heads=heads,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
-        mask_mod=mask_mod,
-        block_sparse=block_sparse_tensors,
-        aux=aux_tensors,
+        mask_mod=call.mask_mod,
+        block_sparse=call.block_sparse_tensors,
+        aux=call.aux_tensors,
         rows=rows,
         device=device,
     )
@@ -260,30 +230,25 @@ def attention_reference(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int | None, int | None] = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
+    call: AttentionCall,
     return_lse: bool = False,
+    return_scale: bool = False,
     dtype: torch.dtype = torch.float64,
     key_mask: torch.Tensor | None = None,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors: list | None = None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
 ):
     """Attention computed in ``dtype`` (float64) from the exact inputs; ``out`` (and ``lse``)
-    in ``dtype``.  Same signature and conventions as the audited callables (module doc).
+    in ``dtype``.  The audited callable's conventions (module doc), its keywords as ``call``.
+    ``return_scale``: also the output's *scale* sum_j P_ij |V_jc| (``out``'s shape, last in the
+    returned tuple): the same weights applied to |V| in one more matmul of this pass, the
+    magnitude FA's criterion floors its allowance at (``numerics.metrics.fa_floor``).
     ``key_mask``: bool (heads_q, seqlen_q, seqlen_k), the keys each row may see besides the
     masks (a split-KV split's share: ``numerics.tiles.split_key_masks``).  The mods (module
     doc) cost nothing when absent: the path without them is the one before they existed."""
-    check_mods(softcap, score_mod)
-    score_mod, mask_mod, block_sparse_tensors = _bind_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors)
+    call = call.bind_scalars()
+    softcap, score_mod, learnable_sink = call.softcap, call.score_mod, call.learnable_sink
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale = call.scale(d)
     q64, k64, v64 = q.to(dtype), _expand_kv(k, hq).to(dtype), _expand_kv(v, hq).to(dtype)
     # In place from here on: at seqlen 8k the (b, h, i, j) score tensor is GiBs, and its
     # elementwise passes, not the two matmuls, set the time (benchmarks/reference_flops.py; on
@@ -293,19 +258,8 @@ def attention_reference(
     if softcap and softcap > 0:
         s.div_(softcap).tanh_().mul_(softcap)
     if score_mod is not None:
-        s = apply_score_mod(s, score_mod, aux_tensors).clone()  # a fresh tensor: the passes below are in place
-    vis = call_visibility(
-        batch=b,
-        heads=hq,
-        seqlen_q=sq,
-        seqlen_k=sk,
-        causal=causal,
-        window_size=window_size,
-        mask_mod=mask_mod,
-        block_sparse_tensors=block_sparse_tensors,
-        aux_tensors=aux_tensors,
-        device=q.device,
-    )
+        s = apply_score_mod(s, score_mod, call.aux_tensors).clone()  # a fresh tensor: the passes below are in place
+    vis = call_visibility(batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, call=call, device=q.device)
     if key_mask is not None:
         vis = (vis.view(1, sq, sk) if vis.dim() == 2 else vis) & key_mask.to(q.device)
     if not bool(vis.all()):
@@ -320,49 +274,47 @@ def attention_reference(
     if learnable_sink is not None:
         denom = denom + torch.exp(sink - m_safe)
     den = torch.where(denom == 0, torch.ones_like(denom), denom)  # (b, h, i, 1)
+    # |V| before P is normalised in place below (low precision); float64 normalises after P.V
+    scale_sum = _masked_matmul(p, vis, v64.abs()) if return_scale else None
     if dtype == torch.float64:  # normalise after P.V: dv divisions per row instead of seqlen_k
         out = _masked_matmul(p, vis, v64).div_(den.permute(0, 2, 1, 3))
     else:  # low precision (attention_lowprec): FA's reference normalises P before P.V
         out = _masked_matmul(p.div_(den), vis, v64)
+    if scale_sum is not None:
+        scale_sum.div_(den.permute(0, 2, 1, 3))
     lse = (m_safe + torch.log(denom)).squeeze(-1)
     if learnable_sink is None:
         empty = ~vis.any(dim=-1)  # (sq,), (hq, sq) or, with mods, (B|1, H|1, sq)
         e3 = empty.view((1,) * (3 - empty.dim()) + tuple(empty.shape))  # (1|B, 1|H, sq)
-        out = out.masked_fill(e3.permute(0, 2, 1).unsqueeze(-1), 0.0)
+        e_out = e3.permute(0, 2, 1).unsqueeze(-1)
+        out = out.masked_fill(e_out, 0.0)
         lse = lse.masked_fill(e3, -math.inf)
-    return (out, lse) if return_lse else out
+        if scale_sum is not None:
+            scale_sum = scale_sum.masked_fill(e_out, 0.0)
+    res = (out, lse) if return_lse else (out,)
+    return res + (scale_sum,) if return_scale else (res if return_lse else out)
 
 
-def attention_lowprec(q, k, v, **kw) -> torch.Tensor:
+def attention_lowprec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, call: AttentionCall) -> torch.Tensor:
     """The same math done in the input dtype by PyTorch (fp8 inputs: in bfloat16), the
     ``out_lowprec`` of FA's test criterion (``numerics.metrics.fa_criterion``)."""
     dt = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
-    return attention_reference(q, k, v, dtype=dt, **kw)
+    return attention_reference(q, k, v, call=call, dtype=dt)
 
 
-def _row_visibility(q, k, causal, window_size, mask_mod, block_sparse_tensors, aux_tensors):
+def _row_visibility(q, k, call: AttentionCall):
     """``vis(batch, head_q, query) -> bool (seqlen_k,)`` on the CPU for the exact rows: the whole
     flag mask once without mods (as before them), one row of :func:`call_visibility` per call
     with them (a row's mods visibility is per batch and head)."""
     b, sq, hq, _ = q.shape
     sk = k.shape[1]
-    if mask_mod is None and block_sparse_tensors is None:
-        flags = visible_mask(sq, sk, causal=causal, window_size=window_size)
+    if not call.has_mask_mods:
+        flags = visible_mask(sq, sk, causal=call.causal, window_size=call.window_size)
         return lambda bi, h, i: flags[i]
 
     def one(bi: int, h: int, i: int) -> torch.Tensor:
         m = call_visibility(
-            batch=b,
-            heads=hq,
-            seqlen_q=sq,
-            seqlen_k=sk,
-            causal=causal,
-            window_size=window_size,
-            mask_mod=mask_mod,
-            block_sparse_tensors=block_sparse_tensors,
-            aux_tensors=aux_tensors,
-            rows=torch.tensor([i]),
-            device=q.device,
+            batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, call=call, rows=torch.tensor([i]), device=q.device
         )
         return m[bi if m.shape[0] > 1 else 0, h if m.shape[1] > 1 else 0, 0].cpu()
 
@@ -388,17 +340,8 @@ def mp_attention_rows(
     v: torch.Tensor,
     rows: Iterable[tuple[int, int, int]],
     *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int | None, int | None] = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
+    call: AttentionCall,
     dps: int = 50,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors: list | None = None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
 ) -> list[tuple[list[mpmath.mpf], mpmath.mpf]]:
     """Output rows and LSE in mpmath at ``dps`` digits, for (batch, head_q, query) triples:
     ``[(out_row, lse), ...]``.  Used to certify the FP64 reference on samples (slow: pure
@@ -407,10 +350,10 @@ def mp_attention_rows(
     (:func:`mod_logits_row` says why and what that costs)."""
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    check_mods(softcap, score_mod)
-    score_mod, mask_mod, block_sparse_tensors = _bind_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors)
-    scale = mpmath.mpf(1) / mpmath.sqrt(d) if softmax_scale is None else mpmath.mpf(float(softmax_scale))
-    row_vis = _row_visibility(q, k, causal, window_size, mask_mod, block_sparse_tensors, aux_tensors)
+    call = call.bind_scalars()
+    softcap, score_mod, learnable_sink = call.softcap, call.score_mod, call.learnable_sink
+    scale = mpmath.mpf(1) / mpmath.sqrt(d) if call.softmax_scale is None else mpmath.mpf(float(call.softmax_scale))
+    row_vis = _row_visibility(q, k, call)
     qd, kd, vd = q.double().cpu(), k.double().cpu(), v.double().cpu()
     old = mpmath.mp.dps
     try:
@@ -436,7 +379,7 @@ def mp_attention_rows(
                     head_idx=h,
                     q_idx=i,
                     keys=[j for j, _ in logits],
-                    aux_tensors=aux_tensors,
+                    aux_tensors=call.aux_tensors,
                     device=q.device,
                 )
                 logits = [(j, mpmath.mpf(x)) for (j, _), x in zip(logits, f)]
@@ -503,7 +446,7 @@ def _exact_weighted_sum(e: list, vj: torch.Tensor, den, dv: int) -> list:
     return [fsum2(t) / den for t in terms]
 
 
-def _exact_row(q, k, v, row_vis, row: tuple[int, int, int], scale, softcap: float, learnable_sink, mods: dict):
+def _exact_row(q, k, v, row_vis, row: tuple[int, int, int], scale, call: AttentionCall):
     """One (batch, head_q, query) row of :func:`exact_attention_rows` (current mpmath precision)."""
     bi, h, i = row
     hq, hk = q.shape[2], k.shape[2]
@@ -512,21 +455,21 @@ def _exact_row(q, k, v, row_vis, row: tuple[int, int, int], scale, softcap: floa
     qi = q[bi, i, h].double().cpu()
     kj = k[bi, js, kh].double().cpu()
     vj = v[bi, js, kh].double().cpu()
-    sink = None if learnable_sink is None else float(learnable_sink[h])
+    sink = None if call.learnable_sink is None else float(call.learnable_sink[h])
     if not (torch.isfinite(qi).all() and torch.isfinite(kj).all() and torch.isfinite(vj).all()) or (
         sink is not None and not math.isfinite(sink)
     ):
         return None
-    logits = _exact_logits(qi, kj, scale, softcap)
-    if mods["score_mod"] is not None:  # f in float64 at the rounded exact score (mod_logits_row)
+    logits = _exact_logits(qi, kj, scale, call.softcap)
+    if call.score_mod is not None:  # f in float64 at the rounded exact score (mod_logits_row)
         f = mod_logits_row(
-            mods["score_mod"],
+            call.score_mod,
             logits,
             batch_idx=bi,
             head_idx=h,
             q_idx=i,
             keys=js.tolist(),
-            aux_tensors=mods["aux_tensors"],
+            aux_tensors=call.aux_tensors,
             device=q.device,
         )
         logits = [mpmath.mpf(x) for x in f]
@@ -546,17 +489,8 @@ def exact_attention_rows(
     v: torch.Tensor,
     rows: Iterable[tuple[int, int, int]],
     *,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int | None, int | None] = (None, None),
-    softcap: float = 0.0,
-    learnable_sink: torch.Tensor | None = None,
+    call: AttentionCall,
     dps: int = 30,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors: list | None = None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
 ) -> list[tuple[list[mpmath.mpf], mpmath.mpf] | None]:
     """:func:`mp_attention_rows` to ~2**-78 relative in milliseconds per row; ``None`` for a row
     whose visible inputs are not all finite (IEEE semantics are the FP64 reference's business).
@@ -593,15 +527,13 @@ def exact_attention_rows(
             "exact_attention_rows needs inputs of <= 26 significant bits (fp8/fp16/bf16/float32), got float64; "
             "use mp_attention_rows"
         )
-    b, sq, hq, d = q.shape
-    check_mods(softcap, score_mod)
-    score_mod, mask_mod, block_sparse_tensors = _bind_scalars(aux_scalars, score_mod, mask_mod, block_sparse_tensors)
-    row_vis = _row_visibility(q, k, causal, window_size, mask_mod, block_sparse_tensors, aux_tensors)
-    mods = {"score_mod": score_mod, "aux_tensors": aux_tensors}
+    d = q.shape[-1]
+    call = call.bind_scalars()
+    row_vis = _row_visibility(q, k, call)
     old = mpmath.mp.dps
     try:
         mpmath.mp.dps = dps
-        scale = mpmath.mpf(1) / mpmath.sqrt(d) if softmax_scale is None else mpmath.mpf(float(softmax_scale))
-        return [_exact_row(q, k, v, row_vis, row, scale, softcap, learnable_sink, mods) for row in rows]
+        scale = mpmath.mpf(1) / mpmath.sqrt(d) if call.softmax_scale is None else mpmath.mpf(float(call.softmax_scale))
+        return [_exact_row(q, k, v, row_vis, row, scale, call) for row in rows]
     finally:
         mpmath.mp.dps = old

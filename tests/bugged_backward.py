@@ -308,8 +308,8 @@ def audit(kernels: list[str], cases: list, opts, out_dir) -> dict[str, list[dict
     kernel's records in suite order."""
     from pathlib import Path
 
-    from audits.engine.evaluate import run_suites
     from audits.engine.options import RunOptions
+    from audits.engine.run import run_suites
 
     spec = {k: f"{Path(__file__).resolve()}:{k}" for k in kernels}
     options = RunOptions(out=out_dir, label="smoke", isolate=False, backward=opts)

@@ -6,13 +6,14 @@ import math
 import torch
 
 from fa4.model import attention
+from numerics.call import AttentionCall
 
 
 def exact(q, k, v, *, return_lse=False, **kw):
     """An exact kernel: the FP64 reference rounded to the output dtype."""
     from numerics.reference import attention_reference
 
-    out, lse = attention_reference(q, k, v, return_lse=True, **kw)
+    out, lse = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw), return_lse=True)
     dt = torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
     out = out.to(dt)
     return (out, lse.float()) if return_lse else out

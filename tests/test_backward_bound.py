@@ -11,6 +11,7 @@ from audits.suites.cases import Case
 from audits.suites.inputs import make_inputs
 from fa4.model import FA4Numerics, attention
 from numerics.backward_bound import backward_error_bound
+from numerics.call import AttentionCall
 from numerics.grad_reference import attention_grad_reference
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -73,8 +74,10 @@ def _run(name):
     q, k, v, s, do, dlse, nm, kw = _setup(name)
     out, lse, got = _model_grads(q, k, v, s, do, dlse, nm, kw)
     dl = _dlse_ref(dlse, lse)
-    ref = attention_grad_reference(q, k, v, do, learnable_sink=s, dlse=dl, **kw)
-    bnd = backward_error_bound(q, k, v, do, out, lse, nm, learnable_sink=s, dlse=dl, reference=ref, **kw)
+    ref = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw, learnable_sink=s), dlse=dl)
+    bnd = backward_error_bound(
+        q, k, v, do, out, lse, nm, call=AttentionCall.from_kwargs(**kw, learnable_sink=s), dlse=dl, reference=ref
+    )
     return got, ref, bnd, (q, k, v, s, do, dl, nm, kw, out, lse)
 
 
@@ -135,7 +138,7 @@ def test_nonfinite_input_gives_inf():
     q = q.clone()
     q[0, 5, 0, 0] = float("nan")
     out, lse, _ = _model_grads(q, k, v, s, do, dlse, nm, kw)
-    ref = attention_grad_reference(q, k, v, do, **kw)
-    bnd = backward_error_bound(q, k, v, do, out, lse, nm, reference=ref, **kw)
+    ref = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
+    bnd = backward_error_bound(q, k, v, do, out, lse, nm, call=AttentionCall.from_kwargs(**kw), reference=ref)
     assert torch.isinf(bnd["dq"][0, 5, 0]).all() and torch.isinf(bnd["dk"][0, :, 0]).all()
     assert torch.isfinite(bnd["dq"][0, 6]).all()

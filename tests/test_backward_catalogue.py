@@ -11,6 +11,7 @@ import torch
 
 import tests.bugged_backward as bb
 from fa4.model import attention as fa4_attention
+from numerics.call import AttentionCall
 from numerics.fp import format_of, ulp_of
 from numerics.grad_reference import attention_grad_reference
 from numerics.reference import visible_mask
@@ -125,7 +126,9 @@ def _grads(fn, case):
 def _refs(case):
     """(FP64 gradients, PyTorch bf16 gradients) of a case."""
     x, kw = _inputs(case), CASES[case][3]
-    ref = attention_grad_reference(x["q"], x["k"], x["v"], x["do"], learnable_sink=x["sink"], dlse=x["dlse"], **kw)
+    ref = attention_grad_reference(
+        x["q"], x["k"], x["v"], x["do"], call=AttentionCall.from_kwargs(**kw, learnable_sink=x["sink"]), dlse=x["dlse"]
+    )
     pt = _grads(_lowprec, case)
     return ref, pt
 
@@ -178,12 +181,12 @@ def test_the_backward_bound_catches_ds_from_another_exp2_where_the_criterion_can
 
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(2, 128, 2, 64, generator=g).bfloat16() for _ in range(4))
-    ref = attention_grad_reference(q, k, v, do)
+    ref = attention_grad_reference(q, k, v, do, call=AttentionCall())
     nm = FA4Numerics.for_inputs("sm90", q, k, v, False, (None, None))
     for fn, broken in ((bb.clean, set()), (bb.bug_ds_other_exp2, {"dq", "dk"})):
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
         out, lse = fn(qq, kk, vv, return_lse=True)
         grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (qq, kk, vv), do), strict=True))
-        bound = backward_error_bound(q, k, v, do, out.detach(), lse.detach(), nm, reference=ref)
+        bound = backward_error_bound(q, k, v, do, out.detach(), lse.detach(), nm, call=AttentionCall(), reference=ref)
         violated = {n for n, t in grads.items() if bound_check(t, ref[n], bound[n])["violations"]}
         assert violated == broken, (fn.__name__, violated)

@@ -14,6 +14,7 @@ from audits.suites.cases import (
 )
 from audits.suites.inputs import FAMILIES, make_inputs
 from fa4.code_paths import ARCHS, classes, classes_of
+from numerics.call import AttentionCall
 
 DIRS = ("forward", "backward")
 
@@ -117,9 +118,10 @@ def test_smoke_pairs_each_nonfinite_family_with_every_mask_it_applies_to():
 
 
 def test_suite_sizes():
-    # 45 without mods, 4 mod cases (smoke_mods: each mod kind and library mod once, skipped before
-    # the call on a kernel whose domain declares no mods), 1 varlen mod case (varlen_mods(smoke=True))
-    assert len(suite("smoke")) <= 50, "smoke stays small"
+    # 46 without mods, 5 mod cases (smoke_mods: each mod kind and library mod once, skipped before
+    # the call on a kernel whose domain declares no mods), 1 varlen mod case (varlen_mods(smoke=True));
+    # issue 33 added a d != dv case and the temperature mod where they matter (tests/test_feature_bugs.py)
+    assert len(suite("smoke")) <= 52, "smoke stays small"
     rel = suite("release")
     assert len(rel) == len(set(rel))
 
@@ -159,7 +161,7 @@ def test_smoke_nonfinite_cases_pass_a_correct_kernel_and_catch_additive_masking(
         if c.family != "nan_inf_visible":
             continue
         x = make_inputs(c)
-        ref = attention_reference(x["q"], x["k"], x["v"], **x["kw"])
+        ref = attention_reference(x["q"], x["k"], x["v"], call=AttentionCall.from_kwargs(**x["kw"]))
         finite = torch.isfinite(ref)
         ok = _dense(x, c.causal, c.window, float("-inf"))
         assert not (~torch.isfinite(ok) & finite).any(), f"{c.name}: a correct kernel is NaN where the reference is not"

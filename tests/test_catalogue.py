@@ -15,13 +15,16 @@ from pathlib import Path
 import pytest
 
 from audits import cli
+from numerics.call import AttentionCall
 from tests.bugged_kernels import BUGS
 
 ROOT = Path(__file__).parents[1]
 
 BOUND = r"exceed the forward-pass bound"
 NONFINITE = r": the kernel returns .* where the FP64 reference is finite"  # outputs or LSE values (gate._nonfinite)
-LSE = r"LSE max \|err\||LSE values exceed|LSE values?: the kernel returns .* where the FP64 reference is finite"
+LSE = (
+    r"LSE max \|err\||LSE: [\d,]+ values? exceed|LSE values?: the kernel returns .* where the FP64 reference is finite"
+)
 OUTPUT = rf"{BOUND}|FA criterion|{NONFINITE}"
 
 DRIFTING = ("drift", "tile_step_")
@@ -129,8 +132,12 @@ def test_the_smoke_suites_sinks_carry_weight():
         for h in range(c.heads_q):
             lo, hi = SINK_PLACES[h % len(SINK_PLACES)]
             assert lo - 0.01 <= float(kw["learnable_sink"][h]) - float(top[h]) <= hi + 0.01, (c.name, h)
-        _, with_sink = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **kw)
-        _, without = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **{**kw, "learnable_sink": None})
+        _, with_sink = attention_reference(
+            x["q"], x["k"], x["v"], call=AttentionCall.from_kwargs(**kw), return_lse=True
+        )
+        _, without = attention_reference(
+            x["q"], x["k"], x["v"], call=AttentionCall.from_kwargs(**{**kw, "learnable_sink": None}), return_lse=True
+        )
         fin = torch.isfinite(without)
         assert (with_sink - without)[fin].amax() > 0.1, c.name
         assert make_inputs(c)["kw"]["learnable_sink"].equal(kw["learnable_sink"])  # deterministic

@@ -237,10 +237,10 @@ def test_fidelity_defaults_to_its_suite_and_takes_any_selection(tmp_path, monkey
 
 
 def test_fuzz_draws_inside_its_domain_file(tmp_path, monkeypatch):
-    from audits.checks import fuzz
+    from audits.engine.session import Session
 
     drawn = []
-    monkeypatch.setattr(fuzz, "evaluate_case", lambda k, fn, c, *a, **kw: drawn.append(c) or {"verdict": "pass"})
+    monkeypatch.setattr(Session, "evaluate", lambda self, c, **kw: drawn.append(c) or {"verdict": "pass"})
     (tmp_path / "d.toml").write_text('dtypes = ["float16"]\nmax_seqlen = 48\n')
     argv = ["fuzz", "--kernel", "sdpa-math", "--budget", "15", "--seed", "3", "--domain", str(tmp_path / "d.toml")]
     assert cli.main([*argv, "--database", str(tmp_path / "db"), "--out", str(tmp_path)]) == 0

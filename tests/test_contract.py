@@ -55,26 +55,37 @@ def fake_production(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
     monkeypatch.setattr(production, "require_production", lambda: None)
+    # the refusal rules read the GPU and the release (fa4.production.call_features): the test's
+    box.update(arch=10, version="4.0.0b40")
+    monkeypatch.setattr(production, "device_arch", lambda device: box["arch"])
+    monkeypatch.setattr(production, "production_version", lambda: box["version"])
     return box
 
 
+FP8_SM100 = AssertionError("FP8 is only supported on SM100 (compute capability 10.x) for FA4 CuTe.")
+HD192 = AssertionError("(head_dim, head_dim_v)=(192, 192) is not supported on SM100/SM110. ...")
+
+
 @pytest.mark.parametrize(
-    "exc,verdict,reason",
+    "exc,case,arch,verdict,reason",
     [
-        (AssertionError("FP8 is only supported on SM100 (compute capability 10.x) for FA4 CuTe."), "skipped",
-         r"production refuses this configuration \(flash_attn/cute/interface.py, _flash_attn_fwd"),
-        (AssertionError("(head_dim, head_dim_v)=(192, 192) is not supported on SM100/SM110. ..."), "skipped",
-         r"_validate_head_dims"),
-        (AssertionError("some internal invariant"), "error", r"flash_attn_func raised AssertionError"),
-        (TypeError("unexpected keyword"), "error", r"flash_attn_func raised TypeError"),
-        (NotImplementedError("not yet"), "error", r"flash_attn_func raised NotImplementedError: not yet"),
+        (FP8_SM100, dict(dtype="float8_e4m3fn"), 9, "skipped",
+         r"production refuses this configuration \(rule fp8-needs-sm100, predicted from the call's features; its "
+         r"message confirms; flash_attn/cute/interface.py, _flash_attn_fwd"),
+        (HD192, dict(d=192, dv=192), 10, "skipped", r"rule head-dims, .*_validate_head_dims"),
+        # production's words on a call no rule predicts refused: an error, whatever the wording
+        (FP8_SM100, dict(d=64, dv=64), 9, "error", r"flash_attn_func raised AssertionError: FP8 is only"),
+        (HD192, dict(d=192, dv=192), 9, "error", r"flash_attn_func raised AssertionError: \(head_dim"),
+        (AssertionError("some internal invariant"), {}, 10, "error", r"flash_attn_func raised AssertionError"),
+        (TypeError("unexpected keyword"), {}, 10, "error", r"flash_attn_func raised TypeError"),
+        (NotImplementedError("not yet"), {}, 10, "error", r"flash_attn_func raised NotImplementedError: not yet"),
     ],
 )  # fmt: skip
-def test_only_documented_production_refusals_are_skipped(fake_production, exc, verdict, reason):
+def test_only_documented_production_refusals_are_skipped(fake_production, exc, case, arch, verdict, reason):
     from fa4.production import flash_attn
 
-    fake_production["exc"] = exc
-    rec = evaluate_case("fa4", flash_attn, Case(d=64, dv=64), torch.device("cpu"), load_thresholds())
+    fake_production.update(exc=exc, arch=arch)
+    rec = evaluate_case("fa4", flash_attn, Case(**case), torch.device("cpu"), load_thresholds())
     assert rec["verdict"] == verdict
     assert __import__("re").search(reason, rec["reasons"][0]), rec["reasons"]
 
@@ -162,7 +173,8 @@ def test_a_run_that_evaluated_nothing_fails(tmp_path, capsys):
     assert "nothing was audited" in cap.err
     rep = report(tmp_path)
     assert rep["summary"]["evaluated"] == 0 and rep["summary"]["verdicts"]["skipped"] == rep["summary"]["cases"]
-    assert "0 of" in (tmp_path / "report.md").read_text().splitlines()[4]
+    # the summary line, after the title, the command and the audited versions
+    assert any(line.startswith("0 of ") for line in (tmp_path / "report.md").read_text().splitlines()[:8])
 
 
 # --- resume and fresh runs never mix -----------------------------------------------------------
@@ -211,13 +223,16 @@ def test_gate_baseline_overlap_and_seed_matching(tmp_path, capsys):
     assert run("--kernel", "fa4-model", "--case", NORMAL[:-1] + "1", "--seed", "1", "--out", str(tmp_path / "b")) == 0
     a, b = str(tmp_path / "a" / "report.json"), str(tmp_path / "b" / "report.json")
     capsys.readouterr()
-    assert cli.main(["gate", a, "--baseline", b]) == 1
+    assert cli.main(["gate", a, "--baseline", b]) == 2  # another seed, another case: nothing to judge
     cap = capsys.readouterr()
-    assert "0 of 1 cases matched (by case name)" in cap.out and "shares no case" in cap.err
+    assert "0 of 1 baseline cases and 0 of 1 candidate cases matched by configuration (case identity)" in cap.err
+    assert "no case matched, too few to judge" in cap.err and "1 more would match" in cap.err
     assert cli.main(["gate", a, "--baseline", b, "--ignore-seed"]) == 0
-    assert "1 of 1 cases matched (by configuration, seeds ignored)" in capsys.readouterr().out
+    assert "1 of 1 baseline cases and 1 of 1 candidate cases matched by configuration, seeds ignored" in (
+        capsys.readouterr().out
+    )
     assert cli.main(["diff", a, b, "--ignore-seed"]) == 0
-    assert "1 matched" in capsys.readouterr().out
+    assert "1 of 1 candidate cases matched" in capsys.readouterr().out
 
 
 def test_summary_keeps_one_column_per_report(tmp_path, capsys):

@@ -274,8 +274,8 @@ def test_sdpa_flash_refuses_a_softcap_case_before_it_is_called(tmp_path, monkeyp
     kernel is called for the cases inside."""
 
     from audits import kernels
-    from audits.engine.evaluate import run_suites
     from audits.engine.options import RunOptions
+    from audits.engine.run import run_suites
     from audits.verdict.gate import load_thresholds
 
     sdpa, calls = kernels.KERNELS["sdpa-flash"], []

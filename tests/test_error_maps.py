@@ -21,6 +21,7 @@ from audits import cli
 from audits.report import maps as error_maps
 from audits.report.maps import html_figures, render, visibility, write_maps
 from audits.suites.cases import Case, varlen_case
+from numerics.call import AttentionCall
 from numerics.reference import visible_mask
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -168,9 +169,16 @@ def test_the_mask_panel_draws_the_mods(name):
     case = MOD_CASES[name]
     kw = make_inputs(case)["kw"]
     bs = kw.get("block_sparse_tensors")
-    want = call_visibility(batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k,
-                           causal=case.causal, window_size=case.window, mask_mod=kw.get("mask_mod"),
-                           block_sparse_tensors=bs, aux_tensors=kw.get("aux_tensors"))  # fmt: skip
+    call = AttentionCall(
+        causal=case.causal,
+        window_size=case.window,
+        mask_mod=kw.get("mask_mod"),
+        block_sparse_tensors=bs,
+        aux_tensors=kw.get("aux_tensors"),
+    )
+    want = call_visibility(
+        batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, call=call
+    )
     want = want.expand(case.batch, case.heads_q, case.seqlen_q, case.seqlen_k).numpy()
     flags = visible_mask(case.seqlen_q, case.seqlen_k, causal=case.causal, window_size=case.window).numpy()
     for b in range(case.batch):

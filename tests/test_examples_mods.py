@@ -11,6 +11,7 @@ from audits.suites.cases import Case
 from audits.suites.domain import domain_of
 from audits.suites.inputs import make_inputs
 from examples.reference_kernel import attention
+from numerics.call import AttentionCall
 from numerics.reference import attention_reference
 
 SHAPE = dict(dtype="bfloat16", d=64, dv=64, batch=2, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_k=300)
@@ -35,7 +36,7 @@ def test_the_reference_kernel_computes_the_mods(name):
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
     mods = {n for n in ("score_mod", "mask_mod", "aux_tensors", "aux_scalars", "block_sparse_tensors") if n in kw}
     assert mods >= {"score_mod", "mask_mod", "aux_tensors"}, mods
-    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **kw)
+    ref, ref_lse = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw), return_lse=True)
     out, lse = attention(q, k, v, return_lse=True, **kw)
     scale = float(ref.abs().max())
     err = float((out.double() - ref).abs().max())

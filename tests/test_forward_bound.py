@@ -10,6 +10,7 @@ import torch
 from audits.suites.cases import Case
 from audits.suites.inputs import make_inputs
 from fa4.model import FA4Numerics, attention
+from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
 from numerics.reference import attention_reference
 
@@ -63,8 +64,8 @@ def run(name):
     if nm is None:  # production SM100 numerics for these inputs, as the model's default
         nm = FA4Numerics.for_inputs("sm100", q, k, v, c.get("causal", False), c.get("window_size", (None, None)))
     out, lse = attention(q, k, v, return_lse=True, numerics=nm, **c)
-    ref, rl = attention_reference(q, k, v, return_lse=True, **c)
-    ob, lb = forward_error_bound(q, k, v, nm, **c)
+    ref, rl = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**c), return_lse=True)
+    ob, lb = forward_error_bound(q, k, v, nm, call=AttentionCall.from_kwargs(**c))
     return (out.double() - ref).abs(), ob, (lse.double() - rl).abs().nan_to_num(0.0), lb
 
 
@@ -88,10 +89,10 @@ def test_bound_is_tight_in_median():
 
 def test_empty_rows_are_exact_and_nonfinite_inputs_unbounded():
     q, k, v, _ = _inputs(torch.bfloat16, 1, 8, 4, 1, 1, 16, 1, "normal")
-    ob, lb = forward_error_bound(q, k, v, FA4Numerics.sm100(q.dtype, 4, causal=True), causal=True)
+    ob, lb = forward_error_bound(q, k, v, FA4Numerics.sm100(q.dtype, 4, causal=True), call=AttentionCall(causal=True))
     assert (ob[:, :4] == 0).all() and (lb[..., :4] == 0).all()
     k[0, 0, 0, 0] = float("nan")
-    ob, _ = forward_error_bound(q, k, v, FA4Numerics.sm100(q.dtype, 4))
+    ob, _ = forward_error_bound(q, k, v, FA4Numerics.sm100(q.dtype, 4), call=AttentionCall())
     assert torch.isinf(ob).all()
 
 
@@ -101,9 +102,9 @@ def test_a_given_reference_is_used_as_is():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 40, 2, 32, generator=g).bfloat16() for _ in range(3))
     nm = FA4Numerics.sm100(torch.bfloat16, 32)
-    ref = attention_reference(q, k, v, causal=True, return_lse=True)
-    a = forward_error_bound(q, k, v, nm, causal=True)
-    b = forward_error_bound(q, k, v, nm, causal=True, reference=ref)
+    ref = attention_reference(q, k, v, call=AttentionCall(causal=True), return_lse=True)
+    a = forward_error_bound(q, k, v, nm, call=AttentionCall(causal=True))
+    b = forward_error_bound(q, k, v, nm, call=AttentionCall(causal=True), reference=ref)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    c = forward_error_bound(q, k, v, nm, causal=True, reference=(ref[0] * 3, ref[1]))
+    c = forward_error_bound(q, k, v, nm, call=AttentionCall(causal=True), reference=(ref[0] * 3, ref[1]))
     assert not torch.equal(a[0], c[0])

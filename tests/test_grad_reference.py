@@ -6,6 +6,7 @@ import mpmath
 import pytest
 import torch
 
+from numerics.call import AttentionCall
 from numerics.grad_reference import (
     CHUNK_BUDGET,
     _contract,
@@ -87,10 +88,17 @@ def _case(name, **over):
     return (q, k, v, do), kw
 
 
+def _grad_kw(kw: dict) -> dict:
+    """A case's keywords as the gradient references take them: the call's bundle as ``call``,
+    ``dlse`` apart."""
+    rest = dict(kw)
+    return {"dlse": rest.pop("dlse", None), "call": AttentionCall.from_kwargs(**rest)}
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_closed_form_matches_autograd(name):
     args, kw = _case(name)
-    got = attention_grad_reference(*args, **kw)
+    got = attention_grad_reference(*args, **_grad_kw(kw))
     want = _autograd(*args, **{("sink" if n == "learnable_sink" else n): x for n, x in kw.items()})
     names = GRADS + ("out", "lse") + (("dsink",) if kw["learnable_sink"] is not None else ())
     assert set(got) == set(names)
@@ -100,18 +108,18 @@ def test_closed_form_matches_autograd(name):
 
 def test_out_and_lse_are_the_forward_reference():
     args, kw = _case("gqa-causal-sq<sk-softcap-sink-dlse")
-    got = attention_grad_reference(*args, **kw)
+    got = attention_grad_reference(*args, **_grad_kw(kw))
     kw.pop("dlse")
-    out, lse = attention_reference(*args[:3], return_lse=True, **kw)
+    out, lse = attention_reference(*args[:3], call=AttentionCall.from_kwargs(**kw), return_lse=True)
     assert _rel(got["out"], out) <= 1e-15 and _rel(got["lse"], lse) <= 1e-15
 
 
 @pytest.mark.parametrize("name", ["gqa-causal-sq<sk-softcap-sink-dlse", "causal-sq>sk-empty-rows-sink"])
 def test_chunked_equals_unchunked(name):
     args, kw = _case(name, sq=9)
-    full = attention_grad_reference(*args, chunk_rows=9, **kw)
+    full = attention_grad_reference(*args, **_grad_kw(kw), chunk_rows=9)
     for rows in (1, 2, 4, None):
-        got = attention_grad_reference(*args, chunk_rows=rows, **kw)
+        got = attention_grad_reference(*args, **_grad_kw(kw), chunk_rows=rows)
         for n, x in full.items():
             assert _rel(got[n], x) <= 1e-15, (rows, n)
 
@@ -155,7 +163,7 @@ def _certify(dtype, name, dps=30):
         dv_rows=[(1, 0, 1), (0, sk // 2, 0), (0, sk - 1, 1)],
         dsink_heads=range(hq),
     )
-    return (q, k, v, do), kw, exact_grad_elements(q, k, v, do, dps=dps, **sample, **kw)
+    return (q, k, v, do), kw, exact_grad_elements(q, k, v, do, **sample, **_grad_kw(kw), dps=dps)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32])
@@ -164,7 +172,7 @@ def test_exact_elements_certify_the_fp64_reference(dtype, name):
     """Every sampled element within 1e-13 of the exact value, relative to the largest |element| of
     its row (dsink: to itself); exact zeros (empty rows, unseen keys) must be exact."""
     args, kw, ex = _certify(dtype, name)
-    ref = attention_grad_reference(*args, **kw)
+    ref = attention_grad_reference(*args, **_grad_kw(kw))
     worst = 0.0
     for n in GRADS:
         for (bi, x, h), row in ex[n].items():
@@ -189,9 +197,11 @@ def test_saturated_softcap_keeps_its_digits():
     v = torch.randn(1, 8, 1, 4, generator=g).bfloat16()
     do = torch.randn(1, 6, 2, 4, generator=g).bfloat16()
     kw = dict(softcap=0.5, causal=True)
-    ref = attention_grad_reference(q, k, v, do, **kw)
+    ref = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
     rows = [(0, i, h) for i in range(6) for h in range(2)]
-    ex = exact_grad_elements(q, k, v, do, dq_rows=rows, dk_rows=[(0, j, 0) for j in range(8)], **kw)
+    ex = exact_grad_elements(
+        q, k, v, do, call=AttentionCall.from_kwargs(**kw), dq_rows=rows, dk_rows=[(0, j, 0) for j in range(8)]
+    )
     for n in ("dq", "dk"):
         for (bi, x, h), row in ex[n].items():
             want = torch.tensor([float(e) for e in row], dtype=torch.float64)
@@ -219,12 +229,14 @@ def test_exact_restores_precision_refuses_float64_and_skips_nonfinite_rows():
     q, k, v, do, sink, _ = _inputs(sq=4, sk=6)
     old = mpmath.mp.dps
     with pytest.raises(ValueError, match="learnable_sink"):
-        exact_grad_elements(q, k, v, do, dsink_heads=[0])
+        exact_grad_elements(q, k, v, do, call=AttentionCall(), dsink_heads=[0])
     assert mpmath.mp.dps == old
     with pytest.raises(ValueError, match="26 significant bits"):
-        exact_grad_elements(q.double(), k, v, do, dq_rows=[(0, 0, 0)])
+        exact_grad_elements(q.double(), k, v, do, call=AttentionCall(), dq_rows=[(0, 0, 0)])
     k[0, 5, 0, 0] = math.nan  # key 5 of kv head 0: under causal (sq 4, sk 6) only query 3 sees it
-    ex = exact_grad_elements(q, k, v, do, causal=True, dq_rows=[(0, 3, 0), (0, 2, 0)], dk_rows=[(0, 5, 0), (0, 5, 1)])
+    ex = exact_grad_elements(
+        q, k, v, do, call=AttentionCall(causal=True), dq_rows=[(0, 3, 0), (0, 2, 0)], dk_rows=[(0, 5, 0), (0, 5, 1)]
+    )
     assert ex["dq"][0, 3, 0] is None and ex["dq"][0, 2, 0] is not None
     assert ex["dk"][0, 5, 0] is None and ex["dk"][0, 5, 1] is not None
 
@@ -238,14 +250,14 @@ def test_unseen_keys_and_empty_rows_get_exact_zeros_despite_nonfinite_inputs_the
     v[:, :3] = math.inf
     v[:, 3] = -math.inf
     for sk_ in (None, sink):
-        r = attention_grad_reference(q, k, v, do, window_size=(1, 0), learnable_sink=sk_, dlse=dlse)
+        r = attention_grad_reference(q, k, v, do, call=AttentionCall(window_size=(1, 0), learnable_sink=sk_), dlse=dlse)
         assert (r["dk"][:, :4] == 0).all() and (r["dv"][:, :4] == 0).all()
         assert all(torch.isfinite(r[n]).all() for n in r) and r["dk"][:, 4:].abs().min() > 0
     q, k, v, do, sink, dlse = _inputs(sq=9, sk=4)
     q[:, :5] = math.nan
     do[:, :5] = math.inf
     dlse[:, :, :5] = math.nan
-    r = attention_grad_reference(q, k, v, do, causal=True, dlse=dlse)
+    r = attention_grad_reference(q, k, v, do, call=AttentionCall(causal=True), dlse=dlse)
     assert (r["dq"][:, :5] == 0).all() and all(torch.isfinite(r[n]).all() for n in GRADS)
     assert (r["out"][:, :5] == 0).all() and (r["lse"][..., :5] == -math.inf).all()
     ok = _autograd(q.nan_to_num(0), k, v, do.nan_to_num(0, 0, 0), causal=True, sink=None, dlse=dlse.nan_to_num(0))
@@ -258,7 +270,7 @@ def test_nan_at_a_visible_key_reaches_exactly_what_sees_it():
     dsink of heads 0, 1 turn NaN; nothing else does (a plain dS @ K would poison every dQ row)."""
     q, k, v, do, sink, dlse = _inputs(sq=8, sk=8)
     k[0, 5, 0, 3] = math.nan
-    r = attention_grad_reference(q, k, v, do, window_size=(1, 0), learnable_sink=sink, dlse=dlse)
+    r = attention_grad_reference(q, k, v, do, call=AttentionCall(window_size=(1, 0), learnable_sink=sink), dlse=dlse)
     nan_dq = torch.zeros(2, 8, 4, dtype=torch.bool)
     nan_dq[0, 5:7, :2] = True
     assert torch.equal(torch.isnan(r["dq"]).any(-1), nan_dq) and torch.isnan(r["dq"][nan_dq]).all()
@@ -268,7 +280,7 @@ def test_nan_at_a_visible_key_reaches_exactly_what_sees_it():
         assert torch.equal(torch.isnan(r[n]).any(-1), nan_kv), n
     assert torch.isnan(r["dsink"]).tolist() == [True, True, False, False]
     v[1, 2, 1, 0] = math.inf  # inf in v: seen by queries 2, 3 of heads 2, 3 in batch 1
-    r = attention_grad_reference(q, k, v, do, window_size=(1, 0), learnable_sink=sink, dlse=dlse)
+    r = attention_grad_reference(q, k, v, do, call=AttentionCall(window_size=(1, 0), learnable_sink=sink), dlse=dlse)
     bad = ~torch.isfinite(r["dq"]).all(-1)
     nan_dq[1, 2:4, 2:] = True
     assert torch.equal(bad, nan_dq)
@@ -317,5 +329,5 @@ def test_inputs_are_not_modified():
     args, kw = _case("gqa-causal-sq<sk-softcap-sink-dlse")
     args = tuple(a.double() for a in args)
     before = [a.clone() for a in args]
-    attention_grad_reference(*args, **kw)
+    attention_grad_reference(*args, **_grad_kw(kw))
     assert all(torch.equal(a, b) for a, b in zip(args, before))

@@ -8,6 +8,7 @@ import torch
 
 from audits.suites.cases import Case, smoke_suite, suite
 from audits.suites.inputs import FAMILIES, TILE_STEPS_LOG2, make_inputs
+from numerics.call import AttentionCall
 from numerics.reference import attention_reference
 
 
@@ -54,11 +55,11 @@ def test_nan_inf_masked_stays_out_of_the_reference():
     c = Case(family="nan_inf_masked", seqlen_q=64, seqlen_k=400, window=(32, 0))
     x = make_inputs(c)
     assert torch.isnan(x["k"].float()).any() and torch.isinf(x["v"].float()).any()
-    out = attention_reference(x["q"], x["k"], x["v"], **x["kw"])
+    out = attention_reference(x["q"], x["k"], x["v"], call=AttentionCall.from_kwargs(**x["kw"]))
     assert torch.isfinite(out).all()  # no query can see those keys
     c = Case(family="nan_inf_visible", seqlen_q=64, seqlen_k=200, causal=True)
     x = make_inputs(c)
-    assert torch.isnan(attention_reference(x["q"], x["k"], x["v"], **x["kw"])).any()
+    assert torch.isnan(attention_reference(x["q"], x["k"], x["v"], call=AttentionCall.from_kwargs(**x["kw"]))).any()
     with pytest.raises(ValueError, match="needs a case with a left window"):
         make_inputs(Case(family="nan_inf_masked"))
 

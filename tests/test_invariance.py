@@ -171,13 +171,13 @@ def test_nothing_compared_exits_1(tmp_path, capsys):
     assert "nothing was compared" in capsys.readouterr().err
 
 
-def test_comparison_is_bitwise_nan_payloads_included():
+def test_comparison_is_bitwise_but_for_nan_payloads():
     a = torch.tensor([1.0, math.nan, 2.0, -0.0])
     b = a.clone()
-    b.view(torch.int32)[1] = 0x7FC00001  # another NaN payload
+    b.view(torch.int32)[1] = 0x7FC00001  # another NaN payload: equal (compare.same_elements)
     b[3] = 0.0  # -0 vs +0: equal as numbers, not as bits
     rec = compare(a, b, torch.zeros(4, dtype=torch.float64), None)
-    assert rec["differ"] == 2 and rec["max_steps"] == 0 and rec["nan_mismatch"] == 1
+    assert rec["differ"] == 1 and rec["max_steps"] == 0 and rec["nan_mismatch"] == 0 and rec["nan_payloads"] == 1
     # an infinite error is never within a bound, even an infinite one (non-finite inputs)
     inf = torch.full((4,), math.inf, dtype=torch.float64)
     assert compare(a, b, torch.zeros(4, dtype=torch.float64), inf)["within_bound"] is False

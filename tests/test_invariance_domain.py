@@ -153,13 +153,10 @@ def test_fuzz_draws_inside_the_domain():
 
 
 def test_fuzz_runs_a_restricted_kernel_inside_its_domain(tmp_path):
-    import torch
-
     from audits.checks.fuzz import fuzz
-    from audits.verdict.gate import load_thresholds
+    from audits.engine.options import RunOptions
 
-    res = fuzz(GOOD, budget=3, device=torch.device("cpu"), thresholds=load_thresholds(None),
-               database=tmp_path / "db", max_seqlen=128, seed=1)  # fmt: skip
+    res = fuzz(GOOD, options=RunOptions(isolate=False), budget=3, database=tmp_path / "db", max_seqlen=128, seed=1)
     assert res["examples"] == 3 and res["outside_domain"] == 0 and res["failure"] is None
     assert res["domain"]["dtypes"] == ["float16"]
 

@@ -12,6 +12,7 @@ import torch
 
 from fa4.model import FA4Numerics, attention
 from numerics.backward_bound import backward_error_bound
+from numerics.call import AttentionCall
 from numerics.forward_bound import MUFU, UNIT_ROUNDOFF, dot_products, forward_error_bound, mod_score
 from numerics.grad_reference import attention_grad_reference
 from numerics.mod_library import SCORE_MODS, SOFTCAP_CAP, make_mask_mod, make_score_mod
@@ -118,8 +119,8 @@ def test_softcap_flag_is_the_softcap_score_mod_bound():
     q = q * 3
     nm = FA4Numerics.for_inputs("sm90", q, k, v, False, (None, None))
     sm, aux = make_score_mod("softcap", batch=1, heads_q=2, seqlen_q=32, seqlen_k=48)
-    flag = forward_error_bound(q, k, v, nm, softcap=SOFTCAP_CAP)
-    mod = forward_error_bound(q, k, v, nm, score_mod=sm, aux_tensors=aux)
+    flag = forward_error_bound(q, k, v, nm, call=AttentionCall(softcap=SOFTCAP_CAP))
+    mod = forward_error_bound(q, k, v, nm, call=AttentionCall(score_mod=sm, aux_tensors=aux))
     for a, b in zip(flag, mod):
         assert torch.allclose(a, b, rtol=1e-12, atol=0)
 
@@ -130,12 +131,12 @@ def test_causal_mask_mod_bound_is_the_causal_flag_bound():
     q, k, v, do = _inputs(torch.float16, sq=48, sk=64)
     mm, aux = make_mask_mod("causal", batch=1, heads_q=2, seqlen_q=48, seqlen_k=64)
     nm = FA4Numerics.for_inputs("sm90", q, k, v, True, (None, None))
-    flag = forward_error_bound(q, k, v, nm, causal=True)
-    mod = forward_error_bound(q, k, v, nm, mask_mod=mm, aux_tensors=aux)
+    flag = forward_error_bound(q, k, v, nm, call=AttentionCall(causal=True))
+    mod = forward_error_bound(q, k, v, nm, call=AttentionCall(mask_mod=mm, aux_tensors=aux))
     assert all(torch.equal(a, b) for a, b in zip(flag, mod))
     out, lse = attention(q, k, v, causal=True, return_lse=True, numerics=nm)
-    bf = backward_error_bound(q, k, v, do, out, lse, nm, causal=True)
-    bm = backward_error_bound(q, k, v, do, out, lse, nm, mask_mod=mm, aux_tensors=aux)
+    bf = backward_error_bound(q, k, v, do, out, lse, nm, call=AttentionCall(causal=True))
+    bm = backward_error_bound(q, k, v, do, out, lse, nm, call=AttentionCall(mask_mod=mm, aux_tensors=aux))
     assert all(torch.equal(bf[n], bm[n]) for n in ("dq", "dk", "dv"))
 
 
@@ -211,8 +212,8 @@ def _within(err, bound, what):
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_bound_holds_on_the_model(name):
     q, k, v, _, kw, nm, _, out, lse = _run(name)
-    ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
-    ob, lb = forward_error_bound(q, k, v, nm, reference=(ref, rl), **kw)
+    ref, rl = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw), return_lse=True)
+    ob, lb = forward_error_bound(q, k, v, nm, call=AttentionCall.from_kwargs(**kw), reference=(ref, rl))
     assert torch.isfinite(ob).all() and torch.isfinite(lb).all()
     tight = _within((out.detach().double() - ref).abs(), ob, "out")
     _within((lse.detach().double() - rl).abs().nan_to_num(0.0), lb, "lse")
@@ -222,8 +223,10 @@ def test_forward_bound_holds_on_the_model(name):
 def _check_backward(name):
     q, k, v, do, kw, nm, leaves, out, lse = _run(name)
     got = torch.autograd.grad((out.double() * do.double()).sum(), leaves)
-    ref = attention_grad_reference(q, k, v, do, **kw)
-    bnd = backward_error_bound(q, k, v, do, out.detach(), lse.detach(), nm, reference=ref, **kw)
+    ref = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
+    bnd = backward_error_bound(
+        q, k, v, do, out.detach(), lse.detach(), nm, call=AttentionCall.from_kwargs(**kw), reference=ref
+    )
     for n, g in zip(("dq", "dk", "dv"), got):
         assert torch.isfinite(bnd[n]).all(), n
         tight = _within((g.double() - ref[n]).abs(), bnd[n], n)
@@ -281,19 +284,19 @@ def test_unbounded_mod_is_inf_where_it_applies():
     bare = ScoreMod("no_hooks", sm.fn, sm.grad)
     kw = dict(score_mod=bare, aux_tensors=aux, mask_mod=_per_head_mask())
     nm = FA4Numerics.for_inputs("sm90", q, k, v, False, (None, None))
-    ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
+    ref, rl = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw), return_lse=True)
     empty = torch.isinf(rl)  # (b, h, sq): head 0's first rows
     assert empty.any() and not empty.all()
-    ob, lb = forward_error_bound(q, k, v, nm, reference=(ref, rl), **kw)
+    ob, lb = forward_error_bound(q, k, v, nm, call=AttentionCall.from_kwargs(**kw), reference=(ref, rl))
     assert torch.isinf(lb[~empty]).all() and (lb[empty] == 0).all()
     e_out = empty.permute(0, 2, 1)  # (b, sq, h)
     assert torch.isinf(ob[~e_out]).all() and (ob[e_out] == 0).all()
     out, lse = attention(q, k, v, return_lse=True, numerics=nm, **kw)
-    bb = backward_error_bound(q, k, v, do, out, lse, nm, **kw)
+    bb = backward_error_bound(q, k, v, do, out, lse, nm, call=AttentionCall.from_kwargs(**kw))
     assert torch.isinf(bb["dq"][~e_out]).all() and (bb["dq"][e_out] == 0).all()
     # the same call with the hooks is finite everywhere
     kw["score_mod"] = sm
-    assert torch.isfinite(forward_error_bound(q, k, v, nm, **kw)[0]).all()
+    assert torch.isfinite(forward_error_bound(q, k, v, nm, call=AttentionCall.from_kwargs(**kw))[0]).all()
 
 
 def test_a_wrong_score_mod_bwd_violates_the_backward_bound():
@@ -307,8 +310,10 @@ def test_a_wrong_score_mod_bwd_violates_the_backward_bound():
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = attention(*leaves, return_lse=True, numerics=nm, **{**kw, "score_mod": wrong})
     got = dict(zip(("dq", "dk", "dv"), torch.autograd.grad((out.double() * do.double()).sum(), leaves)))
-    ref = attention_grad_reference(q, k, v, do, **kw)
-    bnd = backward_error_bound(q, k, v, do, out.detach(), lse.detach(), nm, reference=ref, **kw)
+    ref = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
+    bnd = backward_error_bound(
+        q, k, v, do, out.detach(), lse.detach(), nm, call=AttentionCall.from_kwargs(**kw), reference=ref
+    )
     over = {n: bool(((got[n].double() - ref[n]).abs() > bnd[n]).any()) for n in got}
     assert over == {"dq": True, "dk": True, "dv": False}, over
 
@@ -341,12 +346,14 @@ def test_bounds_hold_on_production_sm90(score, mask, block, dt):
     nm = FA4Numerics.for_inputs("sm90", q, k, v, False, (None, None), block_sparse=tuple(block) or None)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flash_attn(*leaves, return_lse=True, **kw)
-    ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
-    ob, lb = forward_error_bound(q, k, v, nm, reference=(ref, rl), **kw)
+    ref, rl = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw), return_lse=True)
+    ob, lb = forward_error_bound(q, k, v, nm, call=AttentionCall.from_kwargs(**kw), reference=(ref, rl))
     _within((out.detach().double() - ref).abs(), ob, "out")
     _within((lse.detach().double() - rl).abs().nan_to_num(0.0), lb, "lse")
     got = torch.autograd.grad(out, leaves, do)
-    gref = attention_grad_reference(q, k, v, do, **kw)
-    bnd = backward_error_bound(q, k, v, do, out.detach(), lse.detach(), nm, reference=gref, **kw)
+    gref = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
+    bnd = backward_error_bound(
+        q, k, v, do, out.detach(), lse.detach(), nm, call=AttentionCall.from_kwargs(**kw), reference=gref
+    )
     for n, gr in zip(("dq", "dk", "dv"), got):
         _within((gr.double() - gref[n]).abs(), bnd[n], n)

@@ -32,6 +32,7 @@ from audits.suites.cases import (
 from audits.suites.domain import Domain, DomainError, domain_of
 from audits.suites.inputs import NotApplicable, make_inputs, saveable_kw
 from fa4.code_paths import ARCHS, classes, classes_of
+from numerics.call import AttentionCall
 from numerics.mod_library import MASK_MODS, RELBIAS_SPAN, SCALAR_SCORE_MODS, SCORE_MODS, SOFTCAP_CAP, WINDOW
 from numerics.mods import BlockSparse, MaskMod, ScoreMod
 
@@ -112,8 +113,8 @@ def test_the_printed_reproducer_reruns_the_mod_case(tmp_path):
     """The command a failing mod case's record carries, run as a user pastes it from another
     directory, re-runs exactly that case (its mods rebuilt from --config) to the same failure."""
     import tests.bugged_mods as bm
-    from audits.engine.evaluate import run_suites
     from audits.engine.options import RunOptions
+    from audits.engine.run import run_suites
     from audits.verdict.gate import load_thresholds
 
     case = smoke_mods()[1]  # relbias + document: the neighbour head's bias fails the forward
@@ -182,8 +183,8 @@ def test_smoke_has_each_mod_kind_and_library_mod():
     smoke = suite("smoke")
     mods = smoke_mods()
     assert mods and all(c in smoke for c in mods) and all(c.mods for c in mods)
-    assert {k for c in mods for k in c.mods} == set(MOD_KINDS) - {"aux_scalars"}  # runtime scalars: the mods suite
-    assert {c.score_mod for c in mods} - {""} == set(SCORE_MODS) - set(SCALAR_SCORE_MODS)  # those: the mods suite
+    assert {k for c in mods for k in c.mods} == set(MOD_KINDS)
+    assert {c.score_mod for c in mods} - {""} == set(SCORE_MODS)
     assert {c.mask_mod for c in mods} - {""} == set(MASK_MODS)
     assert any(c.mask_mod and c.causal for c in mods)  # the semantic trap: a mask_mod beside causal=True
     assert {c.block_sparse for c in mods} - {()} == {MOD_BLOCK, MOD_BLOCK_SM100}
@@ -296,8 +297,8 @@ def test_library_mods_cross_to_the_kernel_worker():
     ForkingPickler(buf).dump(x["kw"])
     kw = pickle.loads(buf.getvalue())
     assert kw["score_mod"] is not x["kw"]["score_mod"] and kw["score_mod"].name == "alibi"
-    ref = attention_reference(x["q"], x["k"], x["v"], **x["kw"])
-    assert torch.equal(attention_reference(x["q"], x["k"], x["v"], **kw), ref)
+    ref = attention_reference(x["q"], x["k"], x["v"], call=AttentionCall.from_kwargs(**x["kw"]))
+    assert torch.equal(attention_reference(x["q"], x["k"], x["v"], call=AttentionCall.from_kwargs(**kw)), ref)
     own = ScoreMod("own", lambda s, b, h, q, kv, aux: s)  # a user's own closure: pickles as before (it cannot)
     with pytest.raises((AttributeError, pickle.PicklingError)):
         ForkingPickler(io.BytesIO()).dump(own)

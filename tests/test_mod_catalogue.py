@@ -28,7 +28,7 @@ from audits.suites.cases import smoke_mods
 pytestmark = pytest.mark.slow
 
 CASES = smoke_mods()
-FWD = r"outputs and \d+ LSE values exceed the forward-pass bound|FA criterion: max\|out|LSE max \|err\|"
+FWD = r"exceed the forward-pass bound|FA criterion: max\|out|LSE max \|err\|"
 
 
 def grad(*names: str) -> str:
@@ -60,8 +60,8 @@ EXPECT = {
 def runs(tmp_path_factory):
     """One ``run_suites`` over smoke's mod cases for the clean kernel and every bugged one (they
     share the inputs and the FP64 references), --backward with one backward run."""
-    from audits.engine.evaluate import run_suites
     from audits.engine.options import RunOptions
+    from audits.engine.run import run_suites
     from audits.verdict.gate import load_thresholds
 
     torch.set_num_threads(min(2, torch.get_num_threads()))

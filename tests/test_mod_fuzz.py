@@ -11,8 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from audits.checks.fuzz import MOD_BLOCKS, cases, fuzz
+from audits.engine.options import RunOptions
 from audits.suites import strategies as ms
 from audits.suites.domain import Domain
+from numerics.call import AttentionCall
 from numerics.mods import block_sparse_from_mask, index_grid, visibility
 from tests.production_defects import SM90_GQA_SCORE_MOD_BWD
 
@@ -198,9 +200,11 @@ def test_the_model_with_a_random_chain_stays_within_the_forward_bound(spec):
     sm, aux = ms.score_mod_from_spec(spec, heads_q=2, seed=1)
     kw = dict(softmax_scale=0.3, score_mod=sm, aux_tensors=aux)
     out, lse = get_kernel("fa4-model-sm90")(q, k, v, return_lse=True, **kw)
-    ro, rl = attention_reference(q.double(), k.double(), v.double(), return_lse=True, **kw)
+    ro, rl = attention_reference(
+        q.double(), k.double(), v.double(), call=AttentionCall.from_kwargs(**kw), return_lse=True
+    )
     nm = FA4Numerics.for_inputs("sm90", q, k, v, False, (None, None))
-    ob, lb = forward_error_bound(q, k, v, nm, reference=(ro, rl), **kw)
+    ob, lb = forward_error_bound(q, k, v, nm, call=AttentionCall.from_kwargs(**kw), reference=(ro, rl))
     assert bool(((out.double() - ro).abs() <= ob).all()) and bool(((lse.double() - rl).abs() <= lb).all())
 
 
@@ -362,11 +366,9 @@ def test_fuzz_reaches_every_mod_kind_and_only_when_asked():
 
 
 def test_fuzz_mods_needs_declared_kinds(tmp_path):
-    from audits.verdict.gate import load_thresholds
 
     with pytest.raises(ValueError, match="fuzz --mods: kernel 'sdpa-math' declares no mod kinds"):
-        fuzz("sdpa-math", budget=1, device=torch.device("cpu"), thresholds=load_thresholds(None),
-             database=tmp_path / "db", mods=True)  # fmt: skip
+        fuzz("sdpa-math", options=RunOptions(isolate=False), budget=1, database=tmp_path / "db", mods=True)
 
 
 def model_with_mods(q, k, v, **kw):
@@ -387,10 +389,9 @@ model_with_mods.fa4_audit_numerics = "sm90"
 @pytest.mark.slow
 def test_fuzz_with_mods_runs_the_model_clean(tmp_path):
     """A short fuzz --mods search on the SM90 model: no failure, cases with mods drawn."""
-    from audits.verdict.gate import load_thresholds
 
-    res = fuzz("tests.test_mod_fuzz:model_with_mods", budget=4, device=torch.device("cpu"), seed=1, mods=True,
-               thresholds=load_thresholds(None), database=tmp_path / "db", max_seqlen=192)  # fmt: skip
+    res = fuzz("tests.test_mod_fuzz:model_with_mods", options=RunOptions(isolate=False), budget=4, seed=1,
+               mods=True, database=tmp_path / "db", max_seqlen=192)  # fmt: skip
     assert res["failure"] is None and res["examples"] == 4 and res["mods"] is True, res
 
 
@@ -413,7 +414,7 @@ def _both(q, k, v, do, **kw):
     qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out, lse = flash_attn(qq, kk, vv, return_lse=True, **kw)
     dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), do)
-    ref = attention_grad_reference(q, k, v, do, **kw)
+    ref = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}, {n: ref[n] for n in ("out", "lse", "dq", "dk", "dv")}
 
 
@@ -434,7 +435,9 @@ def test_random_score_forms_on_production(spec):
     kw = dict(softmax_scale=0.088, score_mod=sm, aux_tensors=aux)
     got, want = _both(q, k, v, do, **kw)
     nm = FA4Numerics.for_inputs(production_arch(), q, k, v, False, (None, None))
-    ob, _ = forward_error_bound(q, k, v, nm, reference=(want["out"].detach(), want["lse"].detach()), **kw)
+    ob, _ = forward_error_bound(
+        q, k, v, nm, call=AttentionCall.from_kwargs(**kw), reference=(want["out"].detach(), want["lse"].detach())
+    )
     assert bool(((got["out"].double() - want["out"]).abs() <= ob).all()), spec
     for name in want:
         err = (got[name].double() - want[name]).abs().max() / want[name].abs().max()

@@ -22,6 +22,7 @@ from fa4.model import FA4Numerics, attention
 from fa4.model_bwd import attention_backward, block_sparse_q_order, bwd_plan
 from fa4.primitives import div_rn, fma, hardware_tanh
 from fa4.varlen import varlen_attention
+from numerics.call import AttentionCall
 from numerics.grad_reference import attention_grad_reference
 from numerics.metrics import row_scaled_ulp_diff
 from numerics.mod_library import make_mask_mod, make_score_mod
@@ -223,12 +224,14 @@ def test_block_sparse_document_mask_against_dense_and_reference(arch):
     nm = FA4Numerics.for_inputs(arch, q, k, v, block_sparse=_bsz(arch))
     dense = _run(q, k, v, do, nm, mask_mod=mm, aux_tensors=aux)
     sparse = _run(q, k, v, do, nm, mask_mod=mm, aux_tensors=aux, block_sparse_tensors=bs)
-    ref = attention_reference(q.detach(), k.detach(), v.detach(), mask_mod=mm, aux_tensors=aux)
+    ref = attention_reference(q.detach(), k.detach(), v.detach(), call=AttentionCall(mask_mod=mm, aux_tensors=aux))
     assert not torch.equal(sparse[0], dense[0])  # the order changed the bits ...
     assert row_scaled_ulp_diff(sparse[0], dense[0], ref)["max"] <= 1.0  # ... by at most an ULP
     for out in (dense[0], sparse[0]):
         assert row_scaled_ulp_diff(out, ref, ref)["max"] <= 2.0
-    gref = attention_grad_reference(q.detach(), k.detach(), v.detach(), do, mask_mod=mm, aux_tensors=aux)
+    gref = attention_grad_reference(
+        q.detach(), k.detach(), v.detach(), do, call=AttentionCall(mask_mod=mm, aux_tensors=aux)
+    )
     for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
         for got in (dense[i], sparse[i]):
             err = (got.double() - gref[name]).abs().max() / gref[name].abs().max()
@@ -322,12 +325,12 @@ def test_library_mods_against_fp64(arch, kind, name):
     nm = FA4Numerics.for_inputs(arch, q, k, v)
     out, lse, dq, dk, dv = _run(q, k, v, do, nm, **kw)
     qd, kd, vd = (t.detach() for t in (q, k, v))
-    ref, lref = attention_reference(qd, kd, vd, return_lse=True, **kw)
+    ref, lref = attention_reference(qd, kd, vd, call=AttentionCall.from_kwargs(**kw), return_lse=True)
     assert row_scaled_ulp_diff(out, ref, ref)["max"] <= 2.0
     fin = torch.isfinite(lref)
     assert torch.equal(fin, torch.isfinite(lse))
     assert (lse.double() - lref)[fin].abs().max() <= 1e-3
-    g = attention_grad_reference(qd, kd, vd, do, **kw)
+    g = attention_grad_reference(qd, kd, vd, do, call=AttentionCall.from_kwargs(**kw))
     for name_, got in (("dq", dq), ("dk", dk), ("dv", dv)):
         err = (got.double() - g[name_]).abs().max() / g[name_].abs().max()
         assert err <= 1e-2, (name_, float(err))

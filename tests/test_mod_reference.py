@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from numerics.call import AttentionCall
 from numerics.grad_reference import (
     attention_grad_reference,
     attention_lowprec_grads,
@@ -83,19 +84,21 @@ def _close(a, b, tol):
 @pytest.mark.parametrize("sq,sk", [(SQ, SK), (13, 9)])
 def test_causal_mask_mod_is_the_causal_flag_bitwise(sq, sk):
     q, k, v, do = _inputs(sq=sq, sk=sk)
-    o1, l1 = attention_reference(q, k, v, causal=True, return_lse=True)
-    o2, l2 = attention_reference(q, k, v, return_lse=True, **_mods(q, k, mask="causal"))
+    o1, l1 = attention_reference(q, k, v, call=AttentionCall(causal=True), return_lse=True)
+    o2, l2 = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**_mods(q, k, mask="causal")), return_lse=True)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
-    g1 = attention_grad_reference(q, k, v, do, causal=True)
-    g2 = attention_grad_reference(q, k, v, do, **_mods(q, k, mask="causal"))
+    g1 = attention_grad_reference(q, k, v, do, call=AttentionCall(causal=True))
+    g2 = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**_mods(q, k, mask="causal")))
     for n in ("dq", "dk", "dv", "lse"):
         assert torch.equal(g1[n], g2[n]), n
 
 
 def test_sliding_window_mask_mod_is_the_window_flags():
     q, k, v, _ = _inputs(sq=140, sk=150, b=1, hq=2, hk=1)
-    o1, l1 = attention_reference(q, k, v, window_size=(WINDOW, 0), return_lse=True)
-    o2, l2 = attention_reference(q, k, v, return_lse=True, **_mods(q, k, mask="sliding_window"))
+    o1, l1 = attention_reference(q, k, v, call=AttentionCall(window_size=(WINDOW, 0)), return_lse=True)
+    o2, l2 = attention_reference(
+        q, k, v, call=AttentionCall.from_kwargs(**_mods(q, k, mask="sliding_window")), return_lse=True
+    )
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 
@@ -103,7 +106,7 @@ def test_mask_mod_and_flags_intersect():
     """The audit's meaning of causal=True with a mask_mod: both masks (production drops causal)."""
     q, k, v, _ = _inputs()
     kw = _mods(q, k, mask="prefix_lm")
-    got = attention_reference(q, k, v, causal=True, return_lse=True, **kw)
+    got = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw, causal=True), return_lse=True)
     mm, aux = kw["mask_mod"], kw["aux_tensors"]
     off = SK - SQ
     want = brute(q, k, v, keep=lambda b, h, i, j: mm.fn(b, h, i, j, aux) & (j <= i + off))
@@ -114,12 +117,14 @@ def test_mask_mod_and_flags_intersect():
 def test_softcap_score_mod_is_the_softcap_flag():
     q, k, v, do = _inputs()
     q = q * 4  # logits past the cap: tanh saturates
-    o1, l1 = attention_reference(q, k, v, softcap=SOFTCAP_CAP, return_lse=True)
-    o2, l2 = attention_reference(q, k, v, return_lse=True, **_mods(q, k, score="softcap"))
+    o1, l1 = attention_reference(q, k, v, call=AttentionCall(softcap=SOFTCAP_CAP), return_lse=True)
+    o2, l2 = attention_reference(
+        q, k, v, call=AttentionCall.from_kwargs(**_mods(q, k, score="softcap")), return_lse=True
+    )
     _close(o2, o1, 1e-15)
     _close(l2, l1, 1e-13)
-    g1 = attention_grad_reference(q, k, v, do, softcap=SOFTCAP_CAP)
-    g2 = attention_grad_reference(q, k, v, do, **_mods(q, k, score="softcap"))
+    g1 = attention_grad_reference(q, k, v, do, call=AttentionCall(softcap=SOFTCAP_CAP))
+    g2 = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**_mods(q, k, score="softcap")))
     for n in ("dq", "dk", "dv"):  # the flag's factor is cosh**-2, the mod's 1 - tanh**2: float64 apart
         scale = g1[n].abs().max().item()
         assert (g1[n] - g2[n]).abs().max().item() <= 1e-13 * scale, n
@@ -131,11 +136,11 @@ def test_alibi_against_its_formula():
     slopes = [2.0 ** (-8.0 * (h + 1) / HQ) for h in range(HQ)]
     sl = torch.tensor(slopes, dtype=torch.float32).double().view(1, -1, 1, 1)  # the float32 slopes, exactly
     want = brute(q, k, v, logits=lambda s, b, h, i, j: s + sl * (j - i))
-    got = attention_reference(q, k, v, return_lse=True, **kw)
+    got = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw), return_lse=True)
     _close(got[0], want[0], 1e-14)
     _close(got[1], want[1], 1e-13)
     # and the bias does move the result (a reference ignoring the score_mod fails this test)
-    assert (attention_reference(q, k, v) - got[0]).abs().max() > 1e-2
+    assert (attention_reference(q, k, v, call=AttentionCall()) - got[0]).abs().max() > 1e-2
 
 
 def test_relbias_reads_its_table_by_head_and_bucket():
@@ -148,7 +153,7 @@ def test_relbias_reads_its_table_by_head_and_bucket():
             for j in range(SK):
                 bias[h, i, j] = float(table[h, int(buckets[j - i + 8192])])
     want = brute(q, k, v, logits=lambda s, b, h, i, j: s + bias.unsqueeze(0))
-    got = attention_reference(q, k, v, return_lse=True, **kw)
+    got = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw), return_lse=True)
     _close(got[0], want[0], 1e-14)
     _close(got[1], want[1], 1e-13)
 
@@ -159,11 +164,11 @@ def test_block_sparse_from_a_mask_is_the_mask_dense(mask, block):
     dense = _mods(q, k, mask=mask)
     sparse = _mods(q, k, mask=mask, block=block)
     assert sparse["block_sparse_tensors"].full.any() and sparse["block_sparse_tensors"].partial.any()
-    a = attention_reference(q, k, v, return_lse=True, **dense)
-    b = attention_reference(q, k, v, return_lse=True, **sparse)
+    a = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**dense), return_lse=True)
+    b = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**sparse), return_lse=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    ga = attention_grad_reference(q, k, v, do, **dense)
-    gb = attention_grad_reference(q, k, v, do, **sparse)
+    ga = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**dense))
+    gb = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**sparse))
     for n in ("dq", "dk", "dv"):
         assert torch.equal(ga[n], gb[n]), n
 
@@ -178,7 +183,7 @@ def test_full_block_ignores_the_mask_and_skipped_block_hides_keys():
     full[0, 0, 0, 1] = True  # above the diagonal, "full": every key visible
     part[0, 0, 1, 1] = True  # the causal mask on the diagonal block
     bs = BlockSparse(full=full, partial=part, block_size=(4, 4), mask_mod=mm)
-    got = attention_reference(q, k, v, return_lse=True, block_sparse_tensors=bs, aux_tensors=aux)
+    got = attention_reference(q, k, v, call=AttentionCall(block_sparse_tensors=bs, aux_tensors=aux), return_lse=True)
     keep = torch.zeros(8, 8, dtype=torch.bool)
     keep[:4, 4:] = True
     keep[4:, 4:] = torch.tril(torch.ones(4, 4, dtype=torch.bool))
@@ -196,7 +201,7 @@ def _per_head_mask():
 def test_per_head_and_batch_mask_with_empty_rows():
     q, k, v, do = _inputs()
     mm = _per_head_mask()
-    got = attention_reference(q, k, v, return_lse=True, mask_mod=mm)
+    got = attention_reference(q, k, v, call=AttentionCall(mask_mod=mm), return_lse=True)
     want = brute(q, k, v, keep=lambda b, h, i, j: mm.fn(b, h, i, j, None))
     _close(got[0], want[0], 1e-14)
     _close(got[1], want[1], 1e-13)
@@ -205,9 +210,9 @@ def test_per_head_and_batch_mask_with_empty_rows():
     # the same through block sparsity built per head, and in low precision
     bs = block_sparse_from_mask(mm, batch=B, heads=HQ, seqlen_q=SQ, seqlen_k=SK, block_size=(4, 4))
     assert bs.full.shape[:2] == (B, HQ)
-    got_bs = attention_reference(q, k, v, return_lse=True, block_sparse_tensors=bs)
+    got_bs = attention_reference(q, k, v, call=AttentionCall(block_sparse_tensors=bs), return_lse=True)
     assert torch.equal(got_bs[0], got[0]) and torch.equal(got_bs[1], got[1])
-    low = attention_lowprec(q, k, v, mask_mod=mm)
+    low = attention_lowprec(q, k, v, call=AttentionCall(mask_mod=mm))
     assert low.dtype == torch.bfloat16 and (low.double() - got[0]).abs().max() < 3e-2
     assert (low[0, :3, 0] == 0).all()
 
@@ -230,7 +235,9 @@ def test_gradients_against_float64_autograd(score, mask):
         q, k, v, do, logits=lambda s, b, h, i, j: sm.fn(s, b, h, i, j, aux),
         keep=None if mm is None else (lambda b, h, i, j: mm.fn(b, h, i, j, aux)),
     )  # fmt: skip
-    got = attention_grad_reference(q, k, v, do, chunk_rows=4, **kw)  # 3 chunks: the per-chunk visibility
+    got = attention_grad_reference(
+        q, k, v, do, call=AttentionCall.from_kwargs(**kw), chunk_rows=4
+    )  # 3 chunks: the per-chunk visibility
     for n in ("dq", "dk", "dv"):
         scale = want[n].abs().max().item()
         assert (got[n] - want[n]).abs().max().item() <= 1e-13 * scale, n
@@ -242,8 +249,8 @@ def test_gradient_uses_the_mods_derivative():
     kw = _mods(q, k, score="alibi")
     sm = kw["score_mod"]
     wrong = ScoreMod("alibi_wrong_grad", sm.fn, lambda g, s, *idx: 1.5 * g)
-    a = attention_grad_reference(q, k, v, do, **kw)
-    b = attention_grad_reference(q, k, v, do, **{**kw, "score_mod": wrong})
+    a = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
+    b = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**{**kw, "score_mod": wrong}))
     assert torch.equal(a["dv"], b["dv"])
     assert torch.allclose(b["dq"], 1.5 * a["dq"], rtol=1e-12, atol=0)
 
@@ -251,8 +258,8 @@ def test_gradient_uses_the_mods_derivative():
 def test_lowprec_grads_with_mods_track_the_fp64_ones():
     q, k, v, do = _inputs()
     kw = _mods(q, k, score="relbias", mask="document")
-    low = attention_lowprec_grads(q, k, v, do, **kw)
-    ref = attention_grad_reference(q, k, v, do, **kw)
+    low = attention_lowprec_grads(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
+    ref = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
     for n in ("dq", "dk", "dv"):
         assert low[n].dtype == torch.bfloat16
         assert (low[n].double() - ref[n]).abs().max() <= 0.05 * ref[n].abs().max(), n
@@ -264,17 +271,19 @@ def test_exact_rows_with_mods(score, mask):
     kw = _mods(q, k, score=score, mask="" if mask == "per_head" else mask)
     if mask == "per_head":
         kw["mask_mod"] = _per_head_mask()
-    out, lse = attention_reference(q, k, v, return_lse=True, **kw)
+    out, lse = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw), return_lse=True)
     rows = [(1, 3, 8), (0, 0, 0), (1, 2, 4)]
-    got = exact_attention_rows(q, k, v, rows, **kw)
-    slow = mp_attention_rows(q, k, v, rows[:1], dps=40, **kw)
+    got = exact_attention_rows(q, k, v, rows, call=AttentionCall.from_kwargs(**kw))
+    slow = mp_attention_rows(q, k, v, rows[:1], call=AttentionCall.from_kwargs(**kw), dps=40)
     for (bi, h, i), (mo, ml) in zip(rows, got):
         assert max(abs(float(x) - out[bi, i, h, c].item()) for c, x in enumerate(mo)) <= 1e-14
         assert float(ml) == lse[bi, h, i].item() or abs(float(ml) - lse[bi, h, i].item()) <= 1e-13
     mo, ml = slow[0]
     assert max(abs(float(a) - float(b)) for a, b in zip(mo, got[0][0])) <= 1e-20
-    g = attention_grad_reference(q, k, v, do, **kw)
-    ex = exact_grad_elements(q, k, v, do, dq_rows=[(1, 8, 3)], dk_rows=[(1, 5, 1)], dv_rows=[(0, 7, 0)], **kw)
+    g = attention_grad_reference(q, k, v, do, call=AttentionCall.from_kwargs(**kw))
+    ex = exact_grad_elements(
+        q, k, v, do, call=AttentionCall.from_kwargs(**kw), dq_rows=[(1, 8, 3)], dk_rows=[(1, 5, 1)], dv_rows=[(0, 7, 0)]
+    )
     for name, key in (("dq", (1, 8, 3)), ("dk", (1, 5, 1)), ("dv", (0, 7, 0))):
         scale = g[name].abs().max().item()
         diff = max(abs(float(x) - g[name][key][c].item()) for c, x in enumerate(ex[name][key]))
@@ -286,8 +295,8 @@ def test_exact_rows_see_the_mods():
     reference that ignores them)."""
     q, k, v, _ = _inputs()
     kw = _mods(q, k, score="alibi", mask="document")
-    (with_mods,) = exact_attention_rows(q, k, v, [(1, 3, 8)], **kw)
-    (without,) = exact_attention_rows(q, k, v, [(1, 3, 8)])
+    (with_mods,) = exact_attention_rows(q, k, v, [(1, 3, 8)], call=AttentionCall.from_kwargs(**kw))
+    (without,) = exact_attention_rows(q, k, v, [(1, 3, 8)], call=AttentionCall())
     assert max(abs(float(a) - float(b)) for a, b in zip(with_mods[0], without[0])) > 1e-3
 
 
@@ -295,7 +304,7 @@ def test_refusals():
     q, k, v, do = _inputs()
     kw = _mods(q, k, score="softcap")
     with pytest.raises(ValueError, match="softcap and score_mod are exclusive"):
-        attention_reference(q, k, v, softcap=5.0, **kw)
+        attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw, softcap=5.0))
     no_grad = ScoreMod("no_bwd", kw["score_mod"].fn)
     with pytest.raises(ValueError, match="no grad"):
-        attention_grad_reference(q, k, v, do, score_mod=no_grad)
+        attention_grad_reference(q, k, v, do, call=AttentionCall(score_mod=no_grad))

@@ -11,6 +11,7 @@ import torch
 import fa4.forward_steps as fs
 from fa4.model import FA4Numerics, attention, hardware_exp2
 from fa4.primitives import LOG2_E, div_rn
+from numerics.call import AttentionCall
 from numerics.fp import fma_f32, to_f32
 from numerics.metrics import row_scaled_ulp_diff, ulp_diff_histogram
 from numerics.reference import attention_reference
@@ -45,7 +46,7 @@ def test_sm90_model_matches_production_samples(name):
     h = ulp_diff_histogram(out, o)
     assert h["fraction_within_1"] >= 0.99, h
     # in ULPs at the row's largest |reference| no output is more than 1 apart (measured max 1.0)
-    ref = attention_reference(q, k, v, **kw)
+    ref = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw))
     assert row_scaled_ulp_diff(out, o, ref)["max"] <= 1.0
     fin = torch.isfinite(lse)
     assert torch.equal(fin, torch.isfinite(lse_m))
@@ -103,7 +104,7 @@ def _inputs(dt=torch.bfloat16, b=1, sq=200, sk=300, hq=2, hk=1, d=64, seed=0, dr
 def test_sm100_model_close_to_reference(dt):
     q, k, v = _inputs(dt)
     out, lse = attention(q, k, v, return_lse=True, causal=True)
-    ref, rl = attention_reference(q, k, v, return_lse=True, causal=True)
+    ref, rl = attention_reference(q, k, v, call=AttentionCall(causal=True), return_lse=True)
     assert out.dtype == (torch.bfloat16 if dt.itemsize == 1 else dt)
     tol = 0.08 if dt.itemsize == 1 else 0.01
     assert (out.double() - ref).abs().max().item() < tol
@@ -116,7 +117,7 @@ def test_lazy_rescaling_threshold_changes_only_what_it_should():
     base = FA4Numerics.sm100(torch.bfloat16, 64)
     a = attention(q, k, v, numerics=base)
     b = attention(q, k, v, numerics=dataclasses.replace(base, rescale_threshold=0.0))
-    ref = attention_reference(q, k, v)
+    ref = attention_reference(q, k, v, call=AttentionCall())
     assert not torch.equal(a, b)  # the knob is live
     for o in (a, b):
         assert (o.double() - ref).abs().max().item() < 0.02

@@ -12,6 +12,7 @@ from audits import cli
 from audits.report.build import _markdown, summary_line
 from audits.report.html import case_cells, grad_cells, render_html
 from audits.verdict.gate import backward_verdict, judge, load_thresholds, ungated_figures
+from numerics.call import AttentionCall
 from numerics.metrics import lse_errors, nonfinite_mismatches, output_errors
 from numerics.reference import attention_reference
 
@@ -74,7 +75,7 @@ def test_lse_reasons_say_what_each_side_holds_and_why_the_reference_is_non_finit
     said so; a NaN in K makes the score, and the LSE, NaN."""
     q, k, v = _causal_inputs()
     q[0, 3, 0, 0], k[0, 3, 0, 0] = -1.0, -INF  # score (3, 3) = +inf: query 3 alone sees key 3
-    ref, rl = attention_reference(q, k, v, causal=True, return_lse=True)
+    ref, rl = attention_reference(q, k, v, call=AttentionCall(causal=True), return_lse=True)
     assert rl[0, 0, 3] == INF and torch.isfinite(rl[0, 0, :3]).all()
     lse = rl.float().clone()
     lse[0, 0, 3] = -INF
@@ -90,7 +91,7 @@ def test_lse_reasons_say_what_each_side_holds_and_why_the_reference_is_non_finit
         **TH["policy"], "nan_swallowed": "fail"}}) == ("fail", reasons)  # fmt: skip
 
     k[0, 3, 0, 0] = NAN
-    ref, rl = attention_reference(q, k, v, causal=True, return_lse=True)
+    ref, rl = attention_reference(q, k, v, call=AttentionCall(causal=True), return_lse=True)
     lse = rl.float().nan_to_num(nan=-INF)
     _, reasons = judge(_record(ref.float(), ref, lse, rl), TH)
     assert reasons == ["1 LSE value: the kernel returns -inf where the FP64 reference is NaN (a visible score is "
@@ -100,7 +101,7 @@ def test_lse_reasons_say_what_each_side_holds_and_why_the_reference_is_non_finit
 def test_output_reasons_name_an_inf_in_v_and_a_nan_where_the_reference_is_finite():
     q, k, v = _causal_inputs()
     v[0, 0, 0, 1] = INF  # key 0 is seen by every query: column 1 of every row +inf
-    ref = attention_reference(q, k, v, causal=True)
+    ref = attention_reference(q, k, v, call=AttentionCall(causal=True))
     assert (ref[0, :, 0, 1] == INF).all()
     out = ref.float().clone()
     out[0, :, 0, 1] = NAN

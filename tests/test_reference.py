@@ -6,6 +6,7 @@ import mpmath
 import pytest
 import torch
 
+from numerics.call import AttentionCall
 from numerics.metrics import fa_criterion, lse_errors, output_errors, row_scaled_ulp_diff, ulp_diff_histogram
 from numerics.reference import attention_reference, exact_attention_rows, mp_attention_rows, visible_mask
 
@@ -35,10 +36,10 @@ def test_fp64_reference_certified_by_mpmath(kw):
     kw = dict(kw)
     if kw.pop("sink", False):
         kw["learnable_sink"] = sink
-    out, lse = attention_reference(q, k, v, return_lse=True, **kw)
+    out, lse = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**kw), return_lse=True)
     rows = [(0, 0, 0), (1, 3, 6), (1, 2, 3)]
     old = mpmath.mp.dps
-    for (bi, h, i), (mo, ml) in zip(rows, mp_attention_rows(q, k, v, rows, **kw)):
+    for (bi, h, i), (mo, ml) in zip(rows, mp_attention_rows(q, k, v, rows, call=AttentionCall.from_kwargs(**kw))):
         assert mpmath.mp.dps == old
         for c, x in enumerate(mo):
             assert abs(float(x) - out[bi, i, h, c].item()) <= 1e-14
@@ -59,16 +60,16 @@ def test_visible_mask_bottom_right_and_windows():
 
 def test_empty_rows_and_sink_conventions():
     q, k, v, sink = _inputs(sq=9, sk=4)
-    out, lse = attention_reference(q, k, v, causal=True, return_lse=True)
+    out, lse = attention_reference(q, k, v, call=AttentionCall(causal=True), return_lse=True)
     assert (out[:, :5] == 0).all() and (lse[..., :5] == -math.inf).all()
-    out, lse = attention_reference(q, k, v, causal=True, return_lse=True, learnable_sink=sink)
+    out, lse = attention_reference(q, k, v, call=AttentionCall(causal=True, learnable_sink=sink), return_lse=True)
     assert (out[:, :5] == 0).all() and torch.allclose(lse[0, :, 0], sink.double())
 
 
 def test_nan_propagates_only_where_visible():
     q, k, v, _ = _inputs(sq=4, sk=6)
     k[:, 5, :, 0] = float("nan")  # key 5: visible to the last query only under causal (sq=4, sk=6)
-    out = attention_reference(q, k, v, causal=True)
+    out = attention_reference(q, k, v, call=AttentionCall(causal=True))
     assert torch.isnan(out[:, 3]).all() and torch.isfinite(out[:, :3]).all()
 
 
@@ -91,6 +92,7 @@ def test_output_errors_and_lse_errors():
         "nan_swallowed": 1,
         "nonfinite_where_ref_finite": 1,
         "nonfinite_mismatches": {"-inf|NaN": 1, "NaN|finite": 1, "finite|-inf": 1},
+        "checked": 2,  # the elements with a finite reference (1.5 and 3.0)
     }
 
 
@@ -126,8 +128,8 @@ def test_exact_rows_agree_with_50_digit_mpmath(dtype, kw):
     if kw.pop("sink", False):
         kw["learnable_sink"] = torch.tensor([0.3, -1.0])
     rows = [(0, 0, 4), (0, 1, 0), (0, 1, 2)]
-    got = exact_attention_rows(q, k, v, rows, **kw)
-    want = mp_attention_rows(q, k, v, rows, dps=50, **kw)
+    got = exact_attention_rows(q, k, v, rows, call=AttentionCall.from_kwargs(**kw))
+    want = mp_attention_rows(q, k, v, rows, call=AttentionCall.from_kwargs(**kw), dps=50)
     old = mpmath.mp.dps
     mpmath.mp.dps = 50
     vmax = float(v.float().abs().max())  # the documented error is relative to the row's max |v|
@@ -142,12 +144,12 @@ def test_exact_rows_agree_with_50_digit_mpmath(dtype, kw):
 def test_exact_rows_refuse_nonfinite_rows_and_float64():
     q, k, v, _ = _inputs()
     v[0, 2, 0, 0] = float("inf")  # key 2 of kv head 0: visible to every query of batch 0
-    got = exact_attention_rows(q, k, v, [(0, 0, 6), (1, 0, 6)])
+    got = exact_attention_rows(q, k, v, [(0, 0, 6), (1, 0, 6)], call=AttentionCall())
     assert got[0] is None and got[1] is not None
-    got = exact_attention_rows(q, k, v, [(0, 0, 0)], window_size=(0, 0))  # query 0 sees key 0 only
+    got = exact_attention_rows(q, k, v, [(0, 0, 0)], call=AttentionCall(window_size=(0, 0)))  # query 0 sees key 0 only
     assert got[0] is not None
     with pytest.raises(ValueError, match="float64"):
-        exact_attention_rows(q.double(), k, v, [(0, 0, 0)])
+        exact_attention_rows(q.double(), k, v, [(0, 0, 0)], call=AttentionCall())
 
 
 def test_the_one_bound_check_counts_nan_and_inf_errors_as_violations():

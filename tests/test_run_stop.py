@@ -16,8 +16,7 @@ import pytest
 
 from audits import cli
 from audits.common import EXIT_INCOMPLETE, EXIT_INTERRUPTED, LineProgress
-from audits.engine.evaluate import shard_cases
-from audits.engine.shards import STRATA, run_order
+from audits.engine.shards import STRATA, run_order, shard_cases
 from audits.suites.cases import Case, suite
 
 ROOT = Path(__file__).parents[1]
@@ -117,7 +116,7 @@ def test_budget_stops_before_the_next_case_and_resume_completes(tmp_path, tiny, 
 
     import torch
 
-    from audits.engine import evaluate as engine
+    from audits.engine import run as engine
     from audits.engine.options import RunOptions
     from audits.engine.stop import StopReason
     from audits.verdict.gate import load_thresholds
@@ -332,8 +331,9 @@ def wrong_lse_shape(q, k, v, **kw):
 
 
 def test_identical_reasons_are_printed_once_with_a_count(tmp_path, capsys):
-    """A wrong LSE shape on four cases of one shape and one of another: two reasons printed, the
-    first with "(x4 cases", by run and by gate."""
+    """A wrong LSE shape on four cases of one shape and one of another: one fault (a contract breach
+    groups by tensor and fault, not by its sizes: audits.verdict.separators.reasons_by_fault),
+    printed once with "(x5 cases", by run and by gate."""
     kern = tmp_path / "shape.py"
     kern.write_text(WRONG_LSE_SHAPE)
     cases = tmp_path / "cases.jsonl"
@@ -346,12 +346,13 @@ def test_identical_reasons_are_printed_once_with_a_count(tmp_path, capsys):
     recs = _report(out)["cases"]
     assert [c["verdict"] for c in recs] == ["error"] * 5
     four, one = recs[0]["reasons"][0], recs[4]["reasons"][0]
-    assert four.startswith("kernel returned an LSE of (1, 2, 31)") and one != four
-    assert said.count(four) == 1 and said.count(one) == 1 and said.count("ERROR ") == 2
-    assert "(x4 cases; the others in the report)" in said
+    assert four.startswith("lse: shape (1, 2, 31) returned, (1, 2, 32) expected") and one != four
+    assert four.endswith(": wrong seqlen_q") and one.endswith(": wrong seqlen_q")
+    assert said.count(four) == 1 and said.count(one) == 0 and said.count("ERROR ") == 1
+    assert "(x5 cases; the others in the report)" in said
     assert cli.main(["gate", str(out / "report.json")]) == 1
     said = capsys.readouterr().out
-    assert said.count(four) == 1 and f"{four} (x4 cases)" in said
+    assert said.count(four) == 1 and f"{four} (x5 cases)" in said
 
 
 @pytest.mark.slow

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from audits import cli
-from audits.engine.evaluate import shard_cases
-from audits.engine.shards import K8S_INDEX, SHARDS_ENV, SLURM, ShardEnvError, parse_shard, shard_from_env
+from audits.engine.shards import K8S_INDEX, SHARDS_ENV, SLURM, ShardEnvError, parse_shard, shard_cases, shard_from_env
 from audits.suites.cases import suite
 
 ROOT = Path(__file__).parents[1]
@@ -117,7 +116,7 @@ def test_the_plan_is_the_same_on_every_host():
     cases = suite("release")
     plan = [[c.name for c in shard_cases(cases, i, 4)] for i in range(4)]
     code = (
-        "import json; from audits.suites.cases import suite; from audits.engine.evaluate import shard_cases; "
+        "import json; from audits.suites.cases import suite; from audits.engine.shards import shard_cases; "
         "cs = suite('release'); print(json.dumps([[c.name for c in shard_cases(cs, i, 4)] for i in range(4)]))"
     )
     for seed in ("1", "2"):

@@ -12,6 +12,7 @@ from audits.suites.cases import varlen_case
 from audits.suites.inputs import make_varlen_inputs
 from fa4.model import FA4Numerics, attention
 from fa4.varlen import combine, varlen_attention
+from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
 from numerics.reference import attention_reference
 from numerics.tiles import block_ranges, split_key_masks, split_ranges
@@ -102,9 +103,16 @@ def test_split_kv_within_its_bound(kw):
     for i, (q, k, v) in enumerate(x["parts"]):
         a, b = cu[i], cu[i + 1]
         nm = _numerics("sm100", q, k, v, c.causal, c.window)
-        ref, rl = attention_reference(q, k, v, return_lse=True, **_fwd(x["kw"]))
+        ref, rl = attention_reference(q, k, v, call=AttentionCall.from_kwargs(**_fwd(x["kw"])), return_lse=True)
         ob, lb = forward_error_bound(
-            q, k, v, nm, reference=(ref, rl), num_splits=c.num_splits, pack_gqa=bool(c.pack_gqa), **_fwd(x["kw"])
+            q,
+            k,
+            v,
+            nm,
+            call=AttentionCall.from_kwargs(**_fwd(x["kw"])),
+            reference=(ref, rl),
+            num_splits=c.num_splits,
+            pack_gqa=bool(c.pack_gqa),
         )
         err = (out[a:b].double() - ref[0]).abs()
         assert bool((err <= ob[0]).all()), f"sequence {i}: {(err / ob[0]).max().item():.3g} x the bound"
@@ -121,14 +129,14 @@ def test_split_bound_catches_a_dropped_partial():
     q, k, v = x["parts"][0]
     nm = _numerics("sm100", q, k, v, False, (None, None))
     masks = split_key_masks(64, 600, nm.tile_m, nm.tile_n, False, (None, None), "cpu", heads=2, pack=1, num_splits=3)
-    parts = [attention_reference(q, k, v, return_lse=True, key_mask=m) for m in masks]
+    parts = [attention_reference(q, k, v, call=AttentionCall(), return_lse=True, key_mask=m) for m in masks]
     o_p = torch.stack([p[0].permute(0, 2, 1, 3).float() for p in parts])
     l_p = torch.stack([p[1].float() for p in parts])
     good, _ = combine(o_p, l_p, torch.bfloat16)
     l_p[-1] = -math.inf  # the bug
     bad, _ = combine(o_p, l_p, torch.bfloat16)
-    ref, rl = attention_reference(q, k, v, return_lse=True)
-    ob, _ = forward_error_bound(q, k, v, nm, reference=(ref, rl), num_splits=3)
+    ref, rl = attention_reference(q, k, v, call=AttentionCall(), return_lse=True)
+    ob, _ = forward_error_bound(q, k, v, nm, call=AttentionCall(), reference=(ref, rl), num_splits=3)
     err = lambda o: (o.permute(0, 2, 1, 3).double() - ref).abs()
     assert bool((err(good) <= ob).all())
     assert int((err(bad) > ob).sum()) > ob.numel() // 2  # measured: 7,069 of 8,192
@@ -176,8 +184,8 @@ def test_key_masked_reference_equals_the_sliced_call():
     v = torch.randn(1, 300, 2, 32, generator=g).bfloat16()
     m = torch.zeros(2, 10, 300, dtype=torch.bool)
     m[..., 128:256] = True
-    a, la = attention_reference(q, k, v, return_lse=True, key_mask=m)
-    b, lb = attention_reference(q, k[:, 128:256], v[:, 128:256], return_lse=True)
+    a, la = attention_reference(q, k, v, call=AttentionCall(), return_lse=True, key_mask=m)
+    b, lb = attention_reference(q, k[:, 128:256], v[:, 128:256], call=AttentionCall(), return_lse=True)
     assert torch.allclose(a, b, rtol=0, atol=1e-12) and torch.allclose(la, lb, rtol=0, atol=1e-12)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from audits.engine import evaluate as engine
+from audits.engine import run as engine
 from audits.engine.options import RunOptions
 from audits.kernels import per_sequence
 from audits.suites.cases import case_from_dict, mods_suite, smoke_suite, varlen_case, varlen_mods
@@ -20,6 +20,7 @@ from audits.verdict.gate import load_thresholds
 from fa4.model import FA4Numerics, attention
 from fa4.mods import build_mods
 from fa4.varlen import sequence_mods, varlen_attention
+from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
 from numerics.mods import BlockSparse
 from numerics.reference import attention_reference
@@ -260,9 +261,9 @@ def test_varlen_model_with_random_mods_is_within_each_sequences_bound(x):
         own, own_aux = mask_mod_of(x["pattern"][i : i + 1], aux_base=mm.aux_base)
         mods = dict(score_mod=sm, mask_mod=own, aux_tensors=[*aux[: mm.aux_base], *own_aux])
         qs, ks, vs = q[cq[i] : cq[i + 1]][None], k[ck[i] : ck[i + 1]][None], v[ck[i] : ck[i + 1]][None]
-        ref, rl = attention_reference(qs, ks, vs, return_lse=True, **mods)
+        ref, rl = attention_reference(qs, ks, vs, call=AttentionCall.from_kwargs(**mods), return_lse=True)
         nm = FA4Numerics.for_inputs("sm90", qs, ks, vs, False, (None, None))
-        ob, lb = forward_error_bound(qs, ks, vs, nm, reference=(ref, rl), **mods)
+        ob, lb = forward_error_bound(qs, ks, vs, nm, call=AttentionCall.from_kwargs(**mods), reference=(ref, rl))
         err = (out[cq[i] : cq[i + 1]][None].double() - ref).abs()
         assert bool((err <= ob).all()), (i, x["seqlens"], float((err - ob).max()))
         fin = torch.isfinite(rl)

@@ -19,14 +19,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
 from hypothesis import HealthCheck, Phase, given, settings, target
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from audits.engine.evaluate import evaluate_case
-from audits.engine.worker import open_kernel
+from audits.engine.options import RunOptions
+from audits.engine.session import open_session
 from audits.kernels import kernel_domain
 from audits.report.repro import reproducer
 from audits.report.schema import FAILING
@@ -38,8 +37,11 @@ from numerics.mod_library import MASK_MODS, SCALAR_SCORE_MODS, SCORE_MODS
 __all__ = ["cases", "fuzz", "draw_mods", "MOD_BLOCKS"]
 
 
-#: head dims drawn where the domain does not restrict them (d = dv)
-_HEAD_DIMS = (64, 128, 96, 256)
+#: head-dim pairs drawn where the domain does not restrict them: d = dv at the common head dims,
+#: and d != dv (issue 33: a kernel taking the scale from dv, or from a padded d, is caught only
+#: where they differ and the scale matters), production SM100's (192, 128) among them and pairs
+#: off every multiple of 32
+_HEAD_PAIRS = ((64, 64), (128, 128), (96, 96), (256, 256), (192, 128), (72, 80), (128, 64), (40, 96))
 _DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 
@@ -99,7 +101,7 @@ def cases(
     kinds = [t for t in dtypes if dom.dtypes is None or t in dom.dtypes] or list(dom.dtypes or dtypes)
     dtype = draw(st.sampled_from(kinds))
     pairs = dom.head_dim_pairs()
-    d, dv = draw(st.sampled_from(list(pairs) if pairs is not None else [(x, x) for x in _HEAD_DIMS]))
+    d, dv = draw(st.sampled_from(list(pairs) if pairs is not None else list(_HEAD_PAIRS)))
     hk = draw(st.sampled_from([1, 2]))
     hq = hk * draw(st.sampled_from([1, 2, 4] if dom.gqa else [1]))
     lo, hi = dom.min_seqlen, min(max_seqlen, dom.max_seqlen or max_seqlen)
@@ -149,30 +151,28 @@ def cases(
 def fuzz(
     kernel: str,
     *,
+    options: RunOptions,
     budget: int,
-    device: torch.device,
-    thresholds: dict,
     database: str | Path,
     max_seqlen: int = 512,
     seed: int | None = None,
-    backward=None,
-    narrow=None,
-    timeout: float | None = None,
+    narrow: Domain | None = None,
     mods: bool = False,
 ) -> dict:
     """Search for a failing case; returns {examples, best_tightness, best_case, failure}.  A
-    failure is the minimal case Hypothesis shrank to, with its verdict's reasons.  ``backward``
-    (``audits.engine.backward.BackwardOptions``): audit the gradients too, and climb toward the
-    largest error/bound over the output and the gradients.  Cases are drawn inside the kernel's
+    failure is the minimal case Hypothesis shrank to, with its verdict's reasons.  Each example is
+    one case evaluated as ``run`` evaluates it, under ``options`` (``audits.engine.options.
+    RunOptions``: device, thresholds, backward, timeout), through one kernel session
+    (``audits.engine.session``).  ``options.backward``: audit the gradients too, and climb toward
+    the largest error/bound over the output and the gradients.  Cases are drawn inside the kernel's
     declared domain (:func:`cases`), which ``narrow`` (an ``audits.suites.domain.Domain``, ``fuzz --domain
     FILE``) narrows; ``Domain.refusal`` judges each draw, one outside it is the kernel's ``skipped``
-    case and counted (``outside_domain``).  ``timeout``
-    (seconds, ``fuzz --timeout``): the kernel runs in a worker process (``audits.engine.worker``)
-    and a call past the limit is the example's ``timeout`` verdict, a failure; None: in this
-    process, no limit.  ``mods`` (``fuzz --mods``): draw the library mods the domain declares
+    case and counted (``outside_domain``).  With a
+    time limit asked for (``options.timeout`` and ``timeout_given``: ``fuzz --timeout``) the kernel
+    runs in a worker process (``audits.engine.worker``) and a call past the limit is the example's
+    ``timeout`` verdict, a failure.  ``mods`` (``fuzz --mods``): draw the library mods the domain declares
     (:func:`cases`); ValueError when it declares none (a search that cannot draw what it was
     asked to)."""
-    fn = open_kernel(kernel, device, isolated=bool(timeout), timeout=timeout)
     domain = kernel_domain(kernel)
     if narrow is not None:
         domain = domain.narrow(narrow)
@@ -184,6 +184,7 @@ def fuzz(
     # drawn inside the kernel's domain, as run builds suites
     draw = {"max_seqlen": max_seqlen, "domain": domain, "mods": mods}
     state = {"examples": 0, "outside": 0, "best": (-1.0, None), "fail": None}
+    session = open_session(kernel, options, domain=domain)
 
     @settings(
         max_examples=budget,
@@ -194,7 +195,7 @@ def fuzz(
     )
     @given(cases(**draw))
     def prop(case: Case) -> None:
-        rec = evaluate_case(kernel, fn, case, device, thresholds, backward, domain)  # outside it: skipped
+        rec = session.evaluate(case)  # outside the domain: skipped, not called
         state["examples"] += 1
         state["outside"] += domain.refusal(case) is not None  # the judge: the strategy draws inside, so 0
         grads = ((rec.get("backward") or {}).get("grads") or {}).values()
@@ -216,7 +217,7 @@ def fuzz(
     except AssertionError:
         pass
     finally:
-        fn.close()
+        session.close()
     if state["fail"] is not None:
         case, rec = state["fail"]
         failure = {
@@ -227,9 +228,9 @@ def fuzz(
             "repro": reproducer(
                 kernel,
                 case,
-                device=torch.device(device).type,
-                thresholds_path=thresholds.get("path"),
-                backward=backward,
+                device=options.torch_device.type,
+                thresholds_path=options.thresholds.get("path"),
+                backward=options.backward,
             ),
         }
     best_t, best_c = state["best"]

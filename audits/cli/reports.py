@@ -9,16 +9,24 @@ import fnmatch
 import json
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from audits.cli.run_options import IN_PROCESS_NOTE, add_timeout_argument, given_timeout
+from audits.cli.run_options import (
+    IN_PROCESS_NOTE,
+    add_known_arguments,
+    add_timeout_argument,
+    given_timeout,
+    known_from_args,
+)
 from audits.common import EXIT_FAIL, EXIT_OK, UsageError, atomic_write, read_json
 from audits.common import device as _device
 from audits.engine.backward import BackwardOptions
 from audits.engine.journal import SCHEMA as JOURNAL_SCHEMA
+from audits.engine.options import RunOptions
 from audits.kernels import KERNELS, usable_kernels
 from audits.report.build import (
     collapse_reasons,
@@ -28,17 +36,19 @@ from audits.report.build import (
     summary_line,
     write_report,
 )
-from audits.report.header import command_line
-from audits.report.html import case_cells
+from audits.report.header import command_line, versions_line
+from audits.report.html import case_cells, max_text
 from audits.report.maps import render
 from audits.report.merge import MergeError, check_shards, merge_reports, summarize
 from audits.report.schema import FAILING, ReportError, validate_report
 from audits.report.summary import GROUP_FIELDS, plot_errors, summary_markdown
+from audits.suites.case import identity_of
 from audits.suites.cases import SUITES
 from audits.suites.inputs import FAMILIES
 from audits.suites.selection import read_domain
 from audits.verdict.coverage import coverage_lines, coverage_summary
 from audits.verdict.gate import ThresholdsError, load_thresholds, rejudge, require_backward
+from audits.verdict.known import KnownError, apply_known, known_lines, strict_failed
 from audits.verdict.separators import separator_text, where_lines
 
 
@@ -108,12 +118,112 @@ def _say_partial(rep: dict, path: str) -> None:
 
 
 def case_key(case: dict, *, ignore_seed: bool) -> str:
-    """What matches a case across two reports: its name, or with ``ignore_seed`` its
-    configuration without the seed (the same case drawn from another seed)."""
-    if not ignore_seed:
-        return case["case"]
-    cfg = {k: v for k, v in case["config"].items() if k != "seed"}
-    return json.dumps(cfg, sort_keys=True)
+    """What matches a case across two reports: its identity, from its configuration alone
+    (``audits.suites.case.canonical_identity``: shape, dtype, flags, mods, input family, seed),
+    never its name or its place in a suite; with ``ignore_seed`` the identity without the seed (the
+    same configuration drawn from another seed)."""
+    return identity_of(case["config"], ignore_seed=ignore_seed, where=f"case {case['case']}")
+
+
+#: the least share of the smaller report's cases that must have a match in the other report for a
+#: comparison (``diff``, ``gate --baseline``) to judge: half.  Why: below it the two reports hold
+#: mostly different cases (another suite, other seeds, a changed suite), and a verdict such as "0
+#: got worse" would speak for a minority of them while the rest went unseen; the smaller side,
+#: because comparing a shard or a partial run with the whole run matches all of the smaller and is
+#: sound.  No match at all never judges.
+MIN_MATCHED_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class CaseMatch:
+    """Two reports' cases matched by identity (:func:`case_key`): each side's records by key (the
+    first of a key's records, ``duplicates`` counting the others), and how they were matched."""
+
+    base: dict[str, dict]
+    cand: dict[str, dict]
+    ignore_seed: bool
+    duplicates: tuple[int, int]
+
+    @property
+    def matched(self) -> list[str]:
+        """The keys in both, in the candidate's order."""
+        return [k for k in self.cand if k in self.base]
+
+    @property
+    def how(self) -> str:
+        return "by configuration, seeds ignored" if self.ignore_seed else "by configuration (case identity)"
+
+    def line(self) -> str:
+        """How many cases matched on each side, and how."""
+        m, (db, dc) = len(self.matched), self.duplicates
+        line = f"{m} of {len(self.base)} baseline cases and {m} of {len(self.cand)} candidate cases matched {self.how}"
+        if db or dc:  # a configuration twice in one report (a case file listing it twice): its first record
+            line += f" ({db} baseline and {dc} candidate records repeat a configuration: their first is compared)"
+        return line
+
+    def too_little(self, base_path: str, cand_path: str) -> str | None:
+        """Why too little matched to judge (:data:`MIN_MATCHED_SHARE` of the smaller side, or
+        none), with what did match and what tells the rest apart; None when enough matched."""
+        m, smaller = len(self.matched), min(len(self.base), len(self.cand))
+        if m and m >= MIN_MATCHED_SHARE * smaller:
+            return None
+        why = (
+            "no case matched"
+            if not m
+            else f"fewer than half of the smaller report's {smaller} cases have a match ({m / smaller:.0%})"
+        )
+        text = (
+            f"{base_path} and {cand_path}: {self.line()}; {why}, too few to judge: the two reports hold mostly "
+            "different cases, and a comparison would speak for a minority of them (rule: at least half of the "
+            "smaller report's cases must match, audits.cli.reports.MIN_MATCHED_SHARE)."
+        )
+        return text + self._why_unmatched()
+
+    def _why_unmatched(self) -> str:
+        """What tells the unmatched cases apart: cases of one name in both reports whose
+        configurations differ (and in which fields), and how many more --ignore-seed would match."""
+        rest_b = {c["case"]: c for k, c in self.base.items() if k not in self.cand}
+        rest_c = {c["case"]: c for k, c in self.cand.items() if k not in self.base}
+        named = [(rest_b[n], rest_c[n]) for n in rest_c if n in rest_b]
+        out = ""
+        if named:
+            diff: dict[str, int] = {}
+            for x, y in named:
+                cx, cy = x["config"], y["config"]
+                for f in sorted(set(cx) | set(cy)):
+                    if cx.get(f) != cy.get(f):
+                        diff[f] = diff.get(f, 0) + 1
+            fields_ = ", ".join(f"{f} ({n})" for f, n in sorted(diff.items(), key=lambda t: -t[1]))
+            out += f" {len(named)} unmatched cases share a name across the reports but differ in {fields_}."
+        elif rest_b and rest_c:
+            out += " No unmatched case shares a name either: the reports hold other cases (another suite?)."
+        if not self.ignore_seed:
+            unseeded = match_cases(list(self.base.values()), list(self.cand.values()), ignore_seed=True)
+            more = len(unseeded.matched) - len(self.matched)
+            if more > 0:
+                out += f" Matched with seeds ignored (--ignore-seed), {more} more would match."
+        return out
+
+
+def match_cases(base: list[dict], cand: list[dict], *, ignore_seed: bool) -> CaseMatch:
+    """The records of two reports matched by identity (:func:`case_key`)."""
+    sides, dups = [], []
+    for cases in (base, cand):
+        keyed: dict[str, dict] = {}
+        for c in cases:
+            keyed.setdefault(case_key(c, ignore_seed=ignore_seed), c)
+        sides.append(keyed)
+        dups.append(len(cases) - len(keyed))
+    return CaseMatch(base=sides[0], cand=sides[1], ignore_seed=ignore_seed, duplicates=(dups[0], dups[1]))
+
+
+def _match_or_refuse(base: dict, cand: dict, *, ignore_seed: bool, paths: tuple[str, str]) -> CaseMatch:
+    """:func:`match_cases` of two reports, or :class:`UsageError` (exit 2) when too little matched
+    to judge (:meth:`CaseMatch.too_little`)."""
+    match = match_cases(base["cases"], cand["cases"], ignore_seed=ignore_seed)
+    if why := match.too_little(*paths):
+        raise UsageError(why)
+    return match
 
 
 def _thresholds(path):
@@ -123,42 +233,48 @@ def _thresholds(path):
         raise UsageError(str(exc)) from exc
 
 
-def _baseline(args, rep: dict) -> tuple[dict | None, int, str]:
-    """The baseline's cases keyed like the candidate's, how many candidate cases it matches and
-    a line saying so; (None, 0, "") without a baseline."""
+def _baseline(args, rep: dict) -> tuple[dict | None, str]:
+    """The baseline's cases keyed by identity (:func:`case_key`) and a line saying how many
+    matched on each side; (None, "") without a baseline.  :class:`UsageError` (exit 2) when too
+    little matches to judge (:data:`MIN_MATCHED_SHARE`)."""
     if not args.baseline:
-        return None, 0, ""
+        return None, ""
     base = load_report(args.baseline)
-    keyed = {}
-    for c in base["cases"]:
-        keyed.setdefault(case_key(c, ignore_seed=args.ignore_seed), c)
-    shared = sum(case_key(c, ignore_seed=args.ignore_seed) in keyed for c in rep["cases"])
-    how = "by configuration, seeds ignored" if args.ignore_seed else "by case name"
-    return keyed, shared, f"baseline {args.baseline}: {shared} of {len(rep['cases'])} cases matched ({how})"
+    match = _match_or_refuse(base, rep, ignore_seed=args.ignore_seed, paths=(args.baseline, args.report))
+    return match.base, f"baseline {args.baseline}: {match.line()}"
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
     rep = load_report(args.report)
     th = _thresholds(args.thresholds)
-    base, shared, overlap = _baseline(args, rep)
+    base, overlap = _baseline(args, rep)
     key = lambda c: case_key(c, ignore_seed=args.ignore_seed)
-    new = summarize(rejudge(rep, th, base, key=key))
+    new = _known(args, summarize(rejudge(rep, th, base, key=key)), strict=args.strict_known)
     for c, n in collapse_reasons([c for c in new["cases"] if c["verdict"] in FAILING]):
         also = f" (x{n} cases)" if n > 1 else ""
         print(f"{c['verdict'].upper():7s} {c['case']}: {'; '.join(c['reasons'])}{also}")
+    for line in known_lines(new):  # --known: the known defects, apart from the failures
+        print(line)
     print(f"{summary_line(new)} under {th['path']}")
     code = exit_code(new)
     if base is not None:
         print(overlap)
-        if not shared:
-            print(
-                "the baseline shares no case with the report: nothing was compared (try --ignore-seed)", file=sys.stderr
-            )
-            code = EXIT_FAIL
     if args.out:
         new["command"] = f"{new['command']}; re-judged: fa4-audit " + " ".join(shlex.quote(a) for a in args.argv)
         print(f"re-judged report: {write_report(new, args.out)['md']}")
     return code
+
+
+def _known(args: argparse.Namespace, rep: dict, *, strict: bool) -> dict:
+    """``rep`` with the ``--known`` file applied (``audits.verdict.known``); without ``--known``, a
+    report a known file was applied to loses it (its failures are judged again, all of them)."""
+    known = known_from_args(args)
+    if known is None and "known" not in rep and not any("known_id" in c for c in rep["cases"]):
+        return rep
+    try:
+        return apply_known(report=rep, known=known, strict=strict)
+    except KnownError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _named_cases(args: argparse.Namespace, rep: dict, *, one: bool) -> list[dict]:
@@ -213,11 +329,17 @@ def cmd_show(args: argparse.Namespace) -> int:
         return _show_plot(args, rep)
     console = Console()
     head = f"{rep['kernel']} / {rep['suite']} ({rep['created']}): {summary_line(rep)}"
+    head += f"\n{versions_line(rep.get('environment'))}"  # what was audited: the packages' versions
     cov = f"coverage: {coverage_summary(rep.get('coverage'))}"  # all of it: fa4-audit coverage
     # which case fields tell failing from passing cases (the whole report's; not with --case)
     seps = _separator_lines(rep.get("diagnosis")) if args.case is None else []
+    seps += known_lines(rep) if args.case is None else []  # a --known file's entries, apart from the failures
     if args.case is not None:
         rep = {**rep, "cases": _named_cases(args, rep, one=False)}
+    if args.failing:  # only the cases that fail a run, each with its reasons (and where: its diagnosis)
+        bad = [r for r in rep["cases"] if r["verdict"] in FAILING]
+        head += f"; failing cases ({', '.join(FAILING)}): {len(bad)} of {len(rep['cases'])}"
+        rep = {**rep, "cases": bad}
     if not console.is_terminal:
         print(head)
         print(cov)
@@ -226,6 +348,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         for r in rep["cases"]:
             c = case_cells(r, thresholds=rep.get("thresholds"))  # figures not gated say so
             print(f"{r['verdict']:13s} {r['case']}")
+            if r["verdict"] == "known":
+                print(f"{'':13s} known defect {r['known_id']} (was {r['known_from']})")
             print(f"{'':13s} max abs err {c['max_abs']}, LSE err {c['lse']}, err/bound {c['tightness']}")
             if r.get("backward"):
                 print(f"{'':13s} gradients {c['grads']}, err/bound {c['grad_tightness']}, run to run {c['spread']}")
@@ -246,7 +370,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         c = case_cells(r, thresholds=rep.get("thresholds"))  # figures not gated say so
         grads = (c["grads"], c["grad_tightness"]) if bwd else ()
         why = "\n".join([c["reasons"], *(f"where: {w}" for w in where_lines(r))]).strip("\n")
-        t.add_row(r["case"], r["verdict"], c["max_abs"], c["lse"], c["tightness"], *grads, why)
+        verdict = f"known ({r['known_id']})" if r["verdict"] == "known" else r["verdict"]
+        t.add_row(r["case"], verdict, c["max_abs"], c["lse"], c["tightness"], *grads, why)
     console.print(t, crop=False)
     for line in seps:
         console.print(line, markup=False, highlight=False, crop=False)
@@ -277,18 +402,46 @@ def cmd_coverage(args: argparse.Namespace) -> int:
 #: the order ``diff`` ranks verdicts in: a case whose verdict moves to a higher rank got worse.
 #: Not checked (skipped, out-of-domain) is worse than checked and passing; any failing verdict
 #: is worse than any other; failing verdicts rank alike (fail -> crash is listed, not a new regression)
-VERDICT_RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 2} | dict.fromkeys(FAILING, 3)
+#: (known, a failure a --known entry describes, as warn: judged, accepted with a note; a move into
+#: it is listed but not counted worse: the known file says the team accepts it)
+VERDICT_RANK = {"pass": 0, "warn": 1, "known": 1, "skipped": 2, "out-of-domain": 2} | dict.fromkeys(FAILING, 3)
+
+
+#: the gradients a case's backward record may hold, in the order ``diff`` lists their moves
+GRADIENTS = ("dq", "dk", "dv", "dsink")
+
+
+def _errors(case: dict, key: str) -> dict | None:
+    """A case record's error record ``key``: "out", "lse" or a gradient of :data:`GRADIENTS`."""
+    if key in ("out", "lse"):
+        return case.get(key)
+    return ((case.get("backward") or {}).get("grads") or {}).get(key)
+
+
+def _moved(ex: dict | None, ey: dict | None) -> str | None:
+    """``"A -> B"`` when two error records' max |err| differ, else None.  NaN-aware
+    (``audits.report.html.max_text``): a case whose output turned NaN moves to "nan (N of M
+    non-finite)", never to the 0 of its finite elements; the non-finite counts are compared too."""
+    if not (isinstance(ex, dict) and isinstance(ey, dict) and "max_abs" in ex and "max_abs" in ey):
+        return None
+    raw = lambda e: (e["max_abs"], e.get("nonfinite_where_ref_finite") or 0)
+    if raw(ex) == raw(ey):
+        return None
+    tx, ty = max_text(ex), max_text(ey)
+    return f"{tx} -> {ty}" if tx != ty else f"{ex['max_abs']:.6g} -> {ey['max_abs']:.6g}"
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """Cases whose verdict or maximum error moved between two reports; exit 1 when a case got
     worse (:data:`VERDICT_RANK`) unless ``--exit-zero``."""
     a, b = load_report(args.base), load_report(args.cand)
+    if args.known or args.strict_known:  # both judged by the file; --strict-known judges the candidate's entries
+        a, b = _known(args, a, strict=False), _known(args, b, strict=args.strict_known)
     _say_partial(a, args.base)
     _say_partial(b, args.cand)
     worse = []
-    ca = {case_key(c, ignore_seed=args.ignore_seed): c for c in a["cases"]}
-    cb = {case_key(c, ignore_seed=args.ignore_seed): c for c in b["cases"]}
+    match = _match_or_refuse(a, b, ignore_seed=args.ignore_seed, paths=(args.base, args.cand))
+    ca, cb = match.base, match.cand
     changed = 0
     for key in sorted(set(ca) | set(cb), key=lambda k: (ca.get(k) or cb[k])["case"]):
         x, y = ca.get(key), cb.get(key)
@@ -297,23 +450,21 @@ def cmd_diff(args: argparse.Namespace) -> int:
             changed += 1
             continue
         moves = []
-        for name, get in [("out", lambda c: (c.get("out") or {}).get("max_abs"))] + [
-            (n, lambda c, n=n: (((c.get("backward") or {}).get("grads") or {}).get(n) or {}).get("max_abs"))
-            for n in ("dq", "dk", "dv", "dsink")
-        ]:
-            ex, ey = get(x), get(y)
-            if ex is not None and ey is not None and ex != ey:
-                moves.append(f"{'max |err|' if name == 'out' else name} {ex:.3g} -> {ey:.3g}")
-        got_worse = VERDICT_RANK.get(y["verdict"], 3) > VERDICT_RANK.get(x["verdict"], 3)
+        for label, key in (("max |err|", "out"), ("LSE max |err|", "lse"), *((n, n) for n in GRADIENTS)):
+            if move := _moved(_errors(x, key), _errors(y, key)):
+                moves.append(f"{label} {move}")
+        got_worse = VERDICT_RANK.get(y["verdict"], 3) > VERDICT_RANK.get(x["verdict"], 3) and y["verdict"] != "known"
         if x["verdict"] != y["verdict"] or moves:
             changed += 1
             mark = " (worse)" if got_worse else ""
+            mark += f" (known: {y['known_id']})" if y["verdict"] == "known" else ""
             print(f"{y['case']}: {x['verdict']} -> {y['verdict']}{mark} {', '.join(moves)}".rstrip())
         if got_worse:
             worse.append(y["case"])
-    shared = len(set(ca) & set(cb))
-    print(f"{changed} of {len(set(ca) | set(cb))} cases differ; {shared} matched; {len(worse)} got worse")
-    if worse and not args.exit_zero:
+    print(f"{changed} of {len(set(ca) | set(cb))} cases differ; {match.line()}; {len(worse)} got worse")
+    for line in known_lines(b):  # --known: the candidate's known defects
+        print(line)
+    if (worse or strict_failed(b)) and not args.exit_zero:
         return EXIT_FAIL
     return EXIT_OK
 
@@ -383,18 +534,24 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         except ThresholdsError as exc:
             raise UsageError(str(exc)) from exc
         backward = BackwardOptions(repeat=2)
+    timeout = given_timeout(args)  # none asked for: the kernel runs in this process, no limit
+    options = RunOptions(
+        device=device,
+        thresholds=th,
+        backward=backward,
+        timeout=timeout,
+        timeout_given=timeout is not None,
+        isolate=None if timeout is not None else False,
+    )
     try:
         res = fuzz(
             args.kernel,
+            options=options,
             budget=args.budget,
-            device=device,
-            thresholds=th,
             database=args.database,
             max_seqlen=args.max_seqlen,
             seed=args.seed,
-            backward=backward,
             narrow=narrow,
-            timeout=given_timeout(args),
             mods=args.mods,
         )
     except ValueError as exc:  # --mods on a kernel whose domain declares no mod kind
@@ -449,16 +606,23 @@ def register(sub) -> None:
     g.add_argument(
         "--baseline",
         default=None,
-        help="BASE.json: fail cases worse than the baseline by more than [baseline] max_ratio; "
-        "exit 1 when no case matches",
+        help="BASE.json: fail cases worse than the baseline by more than [baseline] max_ratio; cases are "
+        "matched by configuration (their identity, not their names); exit 2 when fewer than half of the "
+        "smaller report's cases match",
     )
-    g.add_argument("--ignore-seed", action="store_true", help="match baseline cases by configuration, not seed")
+    g.add_argument("--ignore-seed", action="store_true", help="match baseline cases by configuration without the seed")
     g.add_argument("--out", default=None, help="also write the re-judged report (json, md, html, junit) here")
+    add_known_arguments(g)
     g.set_defaults(func=cmd_gate)
     sh = sub.add_parser("show", help="print a report: a table on a terminal, plain lines otherwise")
     sh.add_argument("report", help="a report.json (or .json.gz / .json.xz)")
     sh.add_argument(
         "--case", default=None, metavar="GLOB", help="show the cases whose name matches GLOB (a full name: that case)"
+    )
+    sh.add_argument(
+        "--failing",
+        action="store_true",
+        help=f"only the failing cases ({', '.join(FAILING)}), each with its reasons and where it fails",
     )
     sh.add_argument(
         "--plot",
@@ -486,13 +650,19 @@ def register(sub) -> None:
     df = sub.add_parser("diff", help="where two reports differ (verdicts, max errors)")
     df.add_argument("base", help="the baseline report.json")
     df.add_argument("cand", help="the candidate report.json, compared case by case with the baseline")
-    df.add_argument("--ignore-seed", action="store_true", help="match cases by configuration, not seed")
+    df.add_argument(
+        "--ignore-seed",
+        action="store_true",
+        help="match cases by configuration without the seed (default: by configuration, the seed included; "
+        "exit 2 when fewer than half of the smaller report's cases match)",
+    )
     df.add_argument(
         "--exit-zero",
         action="store_true",
         help="exit 0 even when a case got worse (report only; default: exit 1 when a verdict got worse in the order "
         "pass < warn < skipped, out-of-domain < fail, error, crash, timeout)",
     )
+    add_known_arguments(df)
     df.set_defaults(func=cmd_diff)
     mg = sub.add_parser("merge", help="combine shard reports (run --shard I/N) into one")
     mg.add_argument("reports", nargs="+", help="the shard reports (report.json of each run --shard I/N)")

@@ -16,19 +16,21 @@ from rich.console import Console
 
 from audits.api import Report, RunOptions, audit
 from audits.cli.options import add_case_arguments, selection_from_args
-from audits.cli.run_options import RUN_DEFAULT_NOTE, add_timeout_argument, run_options_from_args
+from audits.cli.run_options import RUN_DEFAULT_NOTE, add_known_arguments, add_timeout_argument, run_options_from_args
 from audits.common import EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERRUPTED, UsageError, finishing, gpu_list, progress
 from audits.common import device as _device
-from audits.engine.evaluate import FAILING, kernel_dir, shard_cases
 from audits.engine.journal import JournalMismatch
-from audits.engine.shards import ShardEnvError, parse_shard, shard_from_env
+from audits.engine.run import kernel_dir
+from audits.engine.shards import ShardEnvError, parse_shard, shard_cases, shard_from_env
 from audits.engine.stop import StopReason
 from audits.kernels import get_kernel, usable_kernels
 from audits.report.build import collapse_reasons, exit_code, summary_line, write_report
 from audits.report.header import report_header
 from audits.report.maps import DEFAULT_MAPS
+from audits.report.schema import FAILING
 from audits.verdict.coverage import REQUIRE, arch_of, coverage_summary, missed, unjudgeable
 from audits.verdict.gate import ThresholdsError, load_thresholds, require_backward
+from audits.verdict.known import known_lines
 
 #: what a run writes into OUT (and OUT/<kernel>/ with several kernels); --overwrite removes
 #: exactly these, nothing else a user keeps there
@@ -221,6 +223,8 @@ def _report_runs(args: argparse.Namespace, report: Report) -> int:
         paths = write_report(rep, out, maps=args.maps)
         print(f"{kern}: {summary_line(rep)}; report: {paths['md']}")
         print(f"{kern}: coverage: {coverage_summary(rep['coverage'])} (fa4-audit coverage {shlex.quote(str(out))})")
+        for line in known_lines(rep):  # --known: the known defects met, apart from the failures
+            print(f"{kern}: {line}")
         _print_failing(kern, records)
         kcode = exit_code(rep)
         code = max(code, EXIT_FAIL if not met and kcode in (0, EXIT_INCOMPLETE) else kcode)
@@ -349,6 +353,7 @@ def register(sub) -> None:
         "--timeout)",
     )
     add_timeout_argument(r, note=RUN_DEFAULT_NOTE)
+    add_known_arguments(r)
     r.add_argument(
         "--quiet",
         action="store_true",

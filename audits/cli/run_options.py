@@ -1,6 +1,7 @@
 """The command line's side of ``audits.engine.options.RunOptions``: ``--timeout`` as every subcommand
-that calls kernels spells it (``run``, ``invariance``, ``fuzz``, ``fidelity``), and a parsed ``run``
-turned into the options of its run."""
+that calls kernels spells it (``run``, ``invariance``, ``fuzz``, ``fidelity``), ``--known`` /
+``--strict-known`` as ``run``, ``gate`` and ``diff`` spell them, and a parsed ``run`` turned into the
+options of its run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from audits.common import UsageError
 from audits.engine.backward import BackwardOptions
 from audits.engine.options import RunOptions
 from audits.engine.worker import DEFAULT_TIMEOUT_S
+from audits.verdict.known import SHIPPED, KnownError, KnownFile, load_known
 
 __all__ = [
     "RUN_DEFAULT_NOTE",
@@ -18,6 +20,8 @@ __all__ = [
     "timeout_setting",
     "given_timeout",
     "run_options_from_args",
+    "add_known_arguments",
+    "known_from_args",
 ]
 
 #: ``--timeout``'s default, in the words of the subcommands whose kernels run in a worker without it
@@ -68,6 +72,38 @@ def given_timeout(args: argparse.Namespace) -> float | None:
     return timeout if explicit else None
 
 
+def add_known_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--known FILE.toml|NAME`` and ``--strict-known``, the same on ``run``, ``gate`` and ``diff``."""
+    parser.add_argument(
+        "--known",
+        default=None,
+        metavar="FILE.toml",
+        help="known defects (docs/known.md): a failing case an entry describes gets the verdict known and does not "
+        "fail the exit code; any other failure still does. A TOML file, or a shipped one by name "
+        f"({', '.join(SHIPPED)}: production FA4's known defects and PyTorch's flex/SDPA peers', files to copy and "
+        "edit); several joined by commas, e.g. fa4,torch",
+    )
+    parser.add_argument(
+        "--strict-known",
+        action="store_true",
+        help="with --known: exit 1 when an entry no longer reproduces (its rule's configurations ran and none failed "
+        "its way)",
+    )
+
+
+def known_from_args(args: argparse.Namespace) -> KnownFile | None:
+    """The parsed ``--known`` file (None without it); a malformed one, or ``--strict-known`` without
+    ``--known``, is a :class:`UsageError` (exit 2) naming the file, the entry and what is accepted."""
+    if args.known is None:
+        if args.strict_known:
+            raise UsageError("--strict-known judges the entries of a --known file: add --known FILE.toml (or fa4)")
+        return None
+    try:
+        return load_known(args.known)
+    except KnownError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def run_options_from_args(args: argparse.Namespace, *, thresholds: dict, label: str) -> RunOptions:
     """The options of a parsed ``run`` (its cases' ``label``, its loaded ``thresholds``); a
     ``--no-isolate`` beside a time limit is a :class:`UsageError`."""
@@ -92,6 +128,8 @@ def run_options_from_args(args: argparse.Namespace, *, thresholds: dict, label: 
         quiet=args.quiet,
         maps=args.maps,
         shard=args.shard,
+        known=known_from_args(args),
+        strict_known=args.strict_known,
     )
     try:
         options.isolation()

@@ -1,6 +1,6 @@
 """One audit run, whoever asks for it (``audits.api.audit``, ``fa4-audit run``, a ``--jobs`` child, the
 pytest fixture): kernels, cases and :class:`~audits.engine.options.RunOptions` in, a :class:`Report`
-out.  It evaluates in this process (``audits.engine.evaluate.run_suites``) or, with ``jobs`` > 1,
+out.  It evaluates in this process (``audits.engine.run.run_suites``) or, with ``jobs`` > 1,
 through the process pool (``audits.engine.jobs``); writing the reports and printing are the
 caller's."""
 
@@ -12,13 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from audits.common import EXIT_INTERRUPTED
-from audits.engine.evaluate import run_suites
 from audits.engine.jobs import run_jobs
 from audits.engine.options import RunOptions
+from audits.engine.run import run_suites
 from audits.engine.stop import StopReason
 from audits.report.build import build_report, exit_code
 from audits.report.header import now, run_environment
 from audits.suites.cases import Case
+from audits.verdict.known import apply_known
 
 __all__ = ["Report", "run_audit", "kept_coverage"]
 
@@ -72,11 +73,12 @@ def run_audit(
 ) -> Report:
     """Audit ``kernels`` on ``cases`` under ``options``.  ``header``: the reports' created, command and
     environment (``audits.report.header.report_header``; defaults: now, "audits.api.audit", this
-    process's); ``coverage``: each kernel's coverage basis (None: the kernel's own, read when its
-    report is built); ``progress(kernel, record)`` after each case; ``started`` (``time.monotonic()``,
-    default now): where ``options.budget`` counts from.  Ctrl-C ends the run with the cases so far
-    (``stopped``: interrupted); a journal of another run under ``options.resume`` raises
-    ``audits.engine.journal.JournalMismatch``."""
+    process's); ``coverage``: each kernel's coverage basis, its domain and arch (None: the kernel's
+    own, read when the run starts and when its report is built); its domain is the one cases are
+    judged in (outside it: ``skipped``); ``progress(kernel, record)`` after each case; ``started``
+    (``time.monotonic()``, default now): where ``options.budget`` counts from.  Ctrl-C ends the
+    run with the cases so far (``stopped``: interrupted); a journal of another run under
+    ``options.resume`` raises ``audits.engine.journal.JournalMismatch``."""
     started = time.monotonic() if started is None else started
     head = _head(options, header)
     kept = None if coverage is None else kept_coverage(coverage)
@@ -85,8 +87,18 @@ def run_audit(
     else:
         deadline = None if options.budget is None else started + 60.0 * options.budget
         extra = {"report": head} | ({} if kept is None else {"coverage": kept})
+        # the domain each kernel's cases are judged in: the one its coverage basis holds (resolved by the
+        # case selection, narrowed by --domain; a --jobs child reads it from its job file), else its own
+        domains = None if coverage is None else {k: b["domain"] for k, b in coverage.items()}
         runs = run_suites(
-            kernels, cases, options, progress=progress, deadline=deadline, journal_extra=extra, catch_interrupt=True
+            kernels,
+            cases,
+            options,
+            progress=progress,
+            deadline=deadline,
+            journal_extra=extra,
+            catch_interrupt=True,
+            domains=domains,
         )
     reports = {}
     for kern, records in runs.items():
@@ -102,4 +114,6 @@ def run_audit(
             backward=options.backward is not None,
             **head,
         )
+        if options.known is not None:  # known defects: their cases get the verdict known (audits.verdict.known)
+            reports[kern] = apply_known(report=reports[kern], known=options.known, strict=options.strict_known)
     return Report(records=dict(runs), reports=reports, selected=len(cases), stopped=runs.stopped)

@@ -9,6 +9,9 @@ A case record gains ``backward``::
      "grads": {"dq": {<numerics.metrics.output_errors>, "bound": {...}, "fa_criterion": {...}},
                "dk": ..., "dv": ..., "dsink": ...},          # dsink only with a learnable sink
      "missing": ["dsink"],                                  # gradients autograd did not return
+     "contract": [<audits.report.records.ContractRecord>],  # gradients of another shape or dtype than
+                                                            # their input's (with status "error" too:
+                                                            # autograd refuses a wrongly shaped one)
      "zeros": {"dk_unseen_nonzero": 0, "dv_unseen_nonzero": 0, "dq_empty_nonzero": 0},
      "spread": {"dq": {"differing": 71, "max_ulp": 1}, ...},  # runs 2..N against run 1
      "certified": {"dq": 3e-19, "dv": 1e-18}}               # max |FP64 - exact| / max|exact|
@@ -23,22 +26,25 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import traceback
 from dataclasses import dataclass
 
 import torch
 
 from audits.engine.failures import failure_reason
+from audits.kernels import ContractBreach, breach_of
 from audits.suites.cases import Case
 from audits.suites.inputs import make_grad_output, make_inputs
-from fa4.production import refusal_of
+from fa4.production import ProductionRefusal, refusal_of
 from numerics.backward_bound import backward_error_bound
+from numerics.call import AttentionCall
 from numerics.fp import bit_view, format_of, ulp_distance, ulp_of
 from numerics.grad_reference import attention_grad_reference, attention_lowprec_grads, exact_grad_elements
 from numerics.metrics import bound_check, fa_floor, output_errors, ulp_diff_histogram
 from numerics.reference import call_visibility
 
-__all__ = ["BackwardOptions", "GRADS", "grad_call", "analyse_backward", "accepts_deterministic"]
+__all__ = ["BackwardOptions", "GRADS", "GRAD_AXES", "grad_call", "analyse_backward", "accepts_deterministic"]
 
 GRADS = ("dq", "dk", "dv", "dsink")
 
@@ -66,14 +72,23 @@ def accepts_deterministic(fn) -> bool:
         return False
 
 
-def _refused(exc: BaseException, fn) -> str | None:
+def _refused(exc: BaseException, fn, call: tuple) -> str | None:
     """The documented refusal ``exc`` is, or None (then it is an error).  A production adapter
-    (``fn.fa4_audit_refusals``, e.g. ``fa4.production.REFUSALS``) refuses only by those rules,
-    whatever the exception's type; any other kernel refuses by ``NotImplementedError``."""
+    refuses only by its rules: its forward's refusals arrive as ``fa4.production.ProductionRefusal``;
+    what the backward raises is decided by ``fn.fa4_audit_refusal`` (``fa4.production.refusal_in_call``:
+    a rule predicted from the call's features, ``call`` = (q, k, v, kw)), or, for a kernel marked
+    with rules only (``fn.fa4_audit_refusals``), by the rules' wording; any other kernel refuses by
+    ``NotImplementedError``."""
+    if isinstance(exc, ProductionRefusal):
+        return str(exc)
+    decide = getattr(fn, "fa4_audit_refusal", None)
+    if decide is not None:
+        q, k, v, kw = call
+        match = decide(exc, q, k, v, backward=True, **kw)
+        return None if match is None else match.reason(exc)
     rules = getattr(fn, "fa4_audit_refusals", None)
     if rules is None:
         return str(exc) if isinstance(exc, NotImplementedError) else None
-
     rule = refusal_of(exc, rules)
     return None if rule is None else f"production refuses this configuration ({rule.source}): {exc}"
 
@@ -99,22 +114,83 @@ def grad_call(fn, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dic
             g = torch.autograd.grad(out, list(leaves.values()), do, retain_graph=r + 1 < opts.repeat, allow_unused=True)
             runs.append({n: (None if t is None else t.detach()) for n, t in zip(names, g)})
     except Exception as exc:  # a refusal is skipped; any other exception is the case's verdict
-        why = _refused(exc, fn)
+        why = _refused(exc, fn, (leaves["q"], leaves["k"], leaves["v"], kw))
         if why is not None:
             return {"status": "skipped", "reason": f"backward not supported: {why}"}, None
+        bad = _autograd_breach(exc, leaves)  # a gradient of the wrong shape, which autograd refuses
+        if bad is not None:
+            return {"status": "error", "reason": bad.reason, "cause": "exception",
+                    "contract": [bad.as_record()], "traceback": traceback.format_exc(limit=3)}, None  # fmt: skip
         cause, why = failure_reason(exc, "backward")  # out-of-memory said as such
         return {"status": "error", "reason": why, "cause": cause, "traceback": traceback.format_exc(limit=3)}, None
     lse = lse.detach() if isinstance(lse, torch.Tensor) else None
     return {"status": "ran"}, (out.detach(), lse, runs)
 
 
-def _contract(name: str, got: torch.Tensor, leaf: torch.Tensor) -> str | None:
-    if tuple(got.shape) != tuple(leaf.shape) or got.dtype != leaf.dtype:
-        return (
-            f"{name} has shape {tuple(got.shape)} and dtype {got.dtype}; expected the input's "
-            f"{tuple(leaf.shape)} and {leaf.dtype}"
-        )
-    return None
+#: each gradient's axes: its input's (q, k, v: the layout of ``make_inputs``; the sink: one per head)
+GRAD_AXES = {
+    "dq": ("batch", "seqlen_q", "heads_q", "d"),
+    "dk": ("batch", "seqlen_k", "heads_kv", "d"),
+    "dv": ("batch", "seqlen_k", "heads_kv", "dv"),
+    "dsink": ("heads_q",),
+}
+
+
+#: autograd's words when a backward returns a gradient of another shape than its input's
+#: (torch/csrc/autograd/engine.cpp, ``validate_outputs``): the gradient never reaches the caller
+_INVALID_GRADIENT = re.compile(
+    r"returned an invalid gradient at index (\d+) - got \[([\d, ]*)\] but expected shape compatible with \[([\d, ]*)\]"
+)
+
+
+def _autograd_breach(exc: BaseException, leaves: dict) -> ContractBreach | None:
+    """The gradient contract breach autograd refused (:data:`_INVALID_GRADIENT`), or None.  Autograd
+    checks every gradient a ``torch.autograd.Function`` returns against its input's shape (and casts
+    its dtype) before ``grad_call`` sees it, so a dq of the wrong shape arrives as this error.  The
+    gradient is named by the shape autograd expected: the one input (q, k, v, the sink) of that
+    shape; where several have it (q and k alike), the one at the Function's input index when that
+    is the contract's order (q, k, v, sink); None when neither decides (the kernel reshaped its
+    inputs before its Function: its own tensor, not the contract's)."""
+    m = _INVALID_GRADIENT.search(str(exc))
+    if m is None:
+        return None
+    index = int(m.group(1))
+    got, want = (tuple(int(n) for n in g.split(",") if n.strip()) for g in (m.group(2), m.group(3)))
+    names = ["dq", "dk", "dv", "dsink"][: len(leaves)]
+    same = [n for n, leaf in zip(names, leaves.values()) if tuple(leaf.shape) == want]
+    name = same[0] if len(same) == 1 else (names[index] if index < len(names) and names[index] in same else None)
+    if name is None:
+        return None
+    leaf = dict(zip(names, leaves.values()))[name]
+    return ContractBreach(
+        tensor=name,
+        axes=_grad_axes(name, leaf),
+        expected=want,
+        expected_dtype=str(leaf.dtype).removeprefix("torch."),
+        dtype_rule="the input's dtype",
+        got=got,
+        got_dtype=None,  # autograd casts a gradient to its input's dtype: never a breach
+        got_type="Tensor",
+    )
+
+
+def _grad_axes(name: str, leaf: torch.Tensor) -> tuple[str, ...]:
+    """The gradient ``name``'s axes (:data:`GRAD_AXES`), numbered where its input has another rank."""
+    return GRAD_AXES[name] if len(GRAD_AXES[name]) == leaf.dim() else tuple(f"axis {i}" for i in range(leaf.dim()))
+
+
+def _contract(name: str, got: torch.Tensor, leaf: torch.Tensor) -> dict | None:
+    """The gradient ``name``'s breach of the contract (shape and dtype of its input ``leaf``) as a
+    record (``audits.kernels.ContractBreach.as_record``), None when it keeps it."""
+    bad = breach_of(
+        tensor=name,
+        got=got,
+        expected=tuple(leaf.shape),
+        axes=_grad_axes(name, leaf),
+        dtype=leaf.dtype,
+        dtype_rule="the input's dtype",
+    )
+    return None if bad is None else bad.as_record()
 
 
 def _steps(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -143,16 +219,26 @@ def _spread(runs: list[dict]) -> dict:
     return out
 
 
-def _fa_floor(got, ref, low) -> dict:
+def _fa_floor(got, ref, low, scale, out_rss=None) -> dict:
     """FA's backward criterion's terms (``numerics.metrics.fa_floor``; ``low``: PyTorch's
-    gradient in the input dtype); for dsink, which FA checks per head against 2 ULP of |ref|,
-    the per-head errors and ULPs too."""
-    res = fa_floor(got, ref, low)
+    gradient in the input dtype; ``scale``: the gradient's scale from the FP64 reference, or None);
+    for dsink, which FA checks per head against 2 ULP of |ref|, the per-head errors and ULPs too,
+    and each head's scale (``head_scales``) and, given ``out_rss`` (the FP64 reference's
+    ``dsink_out_rss``: sqrt(sum_{batch, i, c} (P_sink,i dO_ic out_ic)^2)), each head's
+    ``head_out_rss``, at which rounding the output before D = rowsum(dO * O) moves dsink
+    (``audits.verdict.gate.DSINK_ROUNDED_OUT``)."""
+    res = fa_floor(got, ref, low, scale=scale)
     if got.dim() == 1:
         fin = torch.isfinite(ref)
         err = torch.where(fin, (got.double() - ref).abs(), 0.0).nan_to_num(float("inf"))
         res["errors"] = err.tolist()
         res["ulps_at_ref"] = ulp_of(torch.where(fin, ref, 0.0).abs(), format_of(got.dtype)).tolist()
+        if scale is not None:
+            s = torch.where(fin & torch.isfinite(scale), scale.double().abs(), 0.0)
+            res["head_scales"] = s.tolist()
+        if out_rss is not None:
+            s = torch.where(fin & torch.isfinite(out_rss), out_rss.double().abs(), 0.0)
+            res["head_out_rss"] = s.tolist()
     return res
 
 
@@ -160,15 +246,9 @@ def _call_vis(case: Case, kw: dict, device="cpu") -> torch.Tensor:
     """The keys the call keeps, bool (batch, heads_q, seqlen_q, seqlen_k): the flags and, when the
     call has them, the mods' mask (``numerics.reference.call_visibility``)."""
     mods = {k: kw[k] for k in ("mask_mod", "block_sparse_tensors", "aux_tensors", "aux_scalars") if k in kw}
+    call = AttentionCall(causal=case.causal, window_size=tuple(case.window), **mods)
     vis = call_visibility(
-        batch=case.batch,
-        heads=case.heads_q,
-        seqlen_q=case.seqlen_q,
-        seqlen_k=case.seqlen_k,
-        causal=case.causal,
-        window_size=tuple(case.window),
-        device=device,
-        **mods,
+        batch=case.batch, heads=case.heads_q, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, call=call, device=device
     )
     return vis.to(device).expand(case.batch, case.heads_q, case.seqlen_q, case.seqlen_k)
 
@@ -213,7 +293,7 @@ def _certify(x: dict, do: torch.Tensor, ref: dict, case: Case) -> dict:
         want["dk_rows"] = want["dv_rows"] = [(b, j, hk)]
     if case.sink and case.batch * case.seqlen_q * case.seqlen_k <= 1 << 14:
         want["dsink_heads"] = [case.heads_q - 1]
-    got = exact_grad_elements(x["q"], x["k"], x["v"], do, **x["kw"], **want)
+    got = exact_grad_elements(x["q"], x["k"], x["v"], do, call=AttentionCall.from_kwargs(**x["kw"]), **want)
     out = {}
     for name, items in got.items():
         for key, exact in items.items():
@@ -236,9 +316,10 @@ def case_references(case: Case, device: str) -> tuple:
     audit's FP64 work runs out of GPU memory."""
     x = make_inputs(case, device=device)
     do, _ = make_grad_output(case, device=device)
-    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, **x["kw"])
+    call = AttentionCall.from_kwargs(**x["kw"])
+    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=call, scales=True)
     sixteen = x["q"].dtype in (torch.bfloat16, torch.float16)
-    low = attention_lowprec_grads(x["q"], x["k"], x["v"], do, **x["kw"]) if sixteen else None
+    low = attention_lowprec_grads(x["q"], x["k"], x["v"], do, call=call) if sixteen else None
     return ref, low, _certify(x, do, ref, case)
 
 
@@ -254,7 +335,7 @@ def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, 
     nm, kind = kernel_numerics
     bound = None
     if lse is not None:
-        bound = backward_error_bound(q, k, v, do, out, lse, nm, reference=ref, **kw)
+        bound = backward_error_bound(q, k, v, do, out, lse, nm, call=AttentionCall.from_kwargs(**kw), reference=ref)
     leaves = {"dq": q, "dk": k, "dv": v, "dsink": kw.get("learnable_sink")}
     if keep is not None:
         keep.grads, keep.grad_refs, keep.grad_bounds = runs[0], ref, bound
@@ -278,7 +359,7 @@ def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, 
             if finite and bool(over.any()) and bool(torch.isinf(bound[n][over]).all()):
                 rec.setdefault("overflow", []).append(f"{int(over.sum())} {n}")
         if low is not None:
-            m["fa_criterion"] = _fa_floor(got, ref[n].double(), low[n])
+            m["fa_criterion"] = _fa_floor(got, ref[n].double(), low[n], ref.get(f"{n}_scale"), ref.get(f"{n}_out_rss"))
         rec["grads"][n] = m
     if rec.get("overflow"):  # the analysis itself says these may overflow: the design's range, not a bug
         rec["out_of_domain"] = (

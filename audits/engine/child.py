@@ -15,10 +15,10 @@ from pathlib import Path
 
 from audits.common import EXIT_USAGE, finishing
 from audits.engine.audit import run_audit
-from audits.engine.evaluate import kernel_dir, shard_cases
 from audits.engine.journal import JournalMismatch
 from audits.engine.options import RunOptions
-from audits.engine.shards import parse_shard
+from audits.engine.run import kernel_dir
+from audits.engine.shards import parse_shard, shard_cases
 from audits.report.build import summary_line, write_report
 from audits.suites.case import cases_from_file
 from audits.verdict.coverage import basis_of_coverage

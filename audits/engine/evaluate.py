@@ -23,84 +23,46 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-import sys
 import time
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from audits.engine import journal
 from audits.engine.backward import BackwardOptions, analyse_backward, case_references
 from audits.engine.failures import failure_reason, traceback_of
-from audits.engine.options import RunOptions
-from audits.engine.shards import run_order
-from audits.engine.stop import StopReason
 from audits.engine.worker import (
     KernelCalls,
     KernelTimeout,
     WorkerCrashed,
     as_calls,
-    open_kernel,
 )
 from audits.kernels import (
+    MODELS,
     claims_nonfinite_inputs,
-    contract_error,
+    contract_breaches,
     fa4_arch,
     fa4_varlen_numerics,
     fa4_varlen_splits,
-    kernel_domain,
-    varlen_contract_error,
+    varlen_contract_breaches,
 )
-from audits.report.repro import reproducer
-from audits.report.schema import FAILING, upgrade_case
+from audits.report.schema import FAILING
 from audits.suites.cases import Case
-from audits.suites.inputs import NotApplicable, make_grad_output, make_inputs, make_varlen_inputs, saveable_kw
-from audits.verdict.diagnosis import CaseTensors, diagnose, save_map
+from audits.suites.inputs import NotApplicable, make_grad_output, make_inputs, make_varlen_inputs
+from audits.verdict.diagnosis import CaseTensors, diagnose
 from audits.verdict.gate import judge
+from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
 from numerics.metrics import bound_check, fa_floor, lse_errors, output_errors
 from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
 
-__all__ = ["evaluate_case", "run_suite", "run_suites", "Runs", "kernel_dir", "shard_cases", "is_audit_error", "FAILING"]
-
-
-def shard_cases(cases: list[Case], index: int, count: int, *, by: str = "cost") -> list[Case]:
-    """Deterministic slice ``index`` of ``count``, back in suite order.  ``by="cost"``: greedy
-    balancing of ``Case.cost`` (largest first onto the lightest shard).  ``by="key"``: whole
-    compile-key groups per shard (each JIT variant compiled by one process only), balanced by
-    group size plus cost, for parallel processes that each compile their own share."""
-    if not (0 <= index < count):
-        raise ValueError(f"shard {index}/{count}: need 0 <= I < N")
-    if by not in ("cost", "key"):
-        raise ValueError(f"shard by {by!r}: accepted 'cost' or 'key'")
-    if by == "cost":
-        units = {i: [i] for i in range(len(cases))}
-    else:
-        units = {}
-        for i, c in enumerate(cases):
-            units.setdefault(c.compile_key, []).append(i)
-    total = sum(c.cost for c in cases) or 1
-    weight = {
-        u: sum(cases[i].cost for i in m) / total + (len(m) / len(cases) if by == "key" else 0.0)
-        for u, m in units.items()
-    }
-    loads = [0.0] * count
-    owner = {}
-    for u in sorted(units, key=lambda u: (-weight[u], repr(u))):
-        s = min(range(count), key=lambda j: (loads[j], j))
-        loads[s] += weight[u]
-        for i in units[u]:
-            owner[i] = s
-    return [c for i, c in enumerate(cases) if owner[i] == index]
+__all__ = ["evaluate_case"]
 
 
 def _certify(x: dict, ref: torch.Tensor, rl: torch.Tensor, row: tuple[int, int, int]) -> float | None:
     """Largest |FP64 reference - exact| over one row's (batch, head, query) outputs and LSE (the
     exact row from ``numerics.reference.exact_attention_rows``, ~1e-23 relative); None when the
     row is not certifiable (non-finite inputs reach it: the semantics rules judge it)."""
-    (got,) = exact_attention_rows(x["q"], x["k"], x["v"], [row], **x["kw"])
+    (got,) = exact_attention_rows(x["q"], x["k"], x["v"], [row], call=AttentionCall.from_kwargs(**x["kw"]))
     if got is None:
         return None
     mo, ml = got
@@ -114,21 +76,38 @@ def _certify(x: dict, ref: torch.Tensor, rl: torch.Tensor, row: tuple[int, int, 
 
 @functools.lru_cache(maxsize=4)  # consecutive kernels on one case share it; GPU memory is better spent elsewhere
 def _reference(case: Case, device: str) -> tuple:
-    """FP64 reference, its LSE, the low-precision PyTorch result and the exact-row certification
-    of one case: they depend on the inputs only, so a process auditing several kernels on the
-    same suite computes them once."""
+    """FP64 reference, its LSE, the low-precision PyTorch result, the exact-row certification
+    and the output's scale sum_j P_ij |V_jc| (the floor of FA's criterion,
+    ``numerics.metrics.fa_floor``; from the reference's own pass, ``return_scale``) of one case:
+    they depend on the inputs only, so a process auditing several kernels on the same suite
+    computes them once."""
     x = make_inputs(case, device=device)
-    ref, rl = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
-    low = attention_lowprec(x["q"], x["k"], x["v"], **x["kw"])
-    return ref, rl, low, _certify(x, ref, rl, (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1))
+    call = AttentionCall.from_kwargs(**x["kw"])
+    ref, rl, scale = attention_reference(x["q"], x["k"], x["v"], call=call, return_lse=True, return_scale=True)
+    low = attention_lowprec(x["q"], x["k"], x["v"], call=call)
+    cert = _certify(x, ref, rl, (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1))
+    return ref, rl, low, cert, scale
+
+
+#: the float32 products a peer's base-2 score is formed with before its row max is subtracted
+#: (``numerics.forward_bound.score_product_error``): the scale and log2(e) as two multiplies, as
+#: flex_attention's Triton template does (docs/peers.md); FA4 rounds only the difference (0)
+PEER_SCORE_PRODUCTS = 2
+
+
+def _score_products(kind: str) -> dict:
+    """The bound's ``score_products`` keyword for a bound of ``kind`` ("fa4" | "peer")."""
+    return {"score_products": PEER_SCORE_PRODUCTS} if kind == "peer" else {}
 
 
 @functools.lru_cache(maxsize=4)
-def _bound(case: Case, device: str, nm) -> tuple:
-    """Per-element forward bound of a case under numerics ``nm``: kernels sharing numerics
-    (the three SDPA backends; production SM90 and its model) share it."""
+def _bound(case: Case, device: str, nm, kind: str = "fa4") -> tuple:
+    """Per-element forward bound of a case under numerics ``nm`` of bound ``kind``: kernels
+    sharing numerics (the three SDPA backends; production SM90 and its model) share it."""
     x = make_inputs(case, device=device)
-    return forward_error_bound(x["q"], x["k"], x["v"], nm, reference=_reference(case, device)[:2], **x["kw"])
+    call = AttentionCall.from_kwargs(**x["kw"])
+    ref = _reference(case, device)[:2]
+    return forward_error_bound(x["q"], x["k"], x["v"], nm, call=call, reference=ref, **_score_products(kind))
 
 
 def _domain(q, k, v, case: Case, nm) -> str | None:
@@ -188,8 +167,28 @@ def _analyse(
     nm = _fa4_numerics(kernel, x, case)
     kind = "fa4" if nm is not None else "peer"
     nm = nm if nm is not None else _peer_numerics(q)
-    refs, bounds = _reference(case, str(device)), _bound(case, str(device), nm)
+    refs, bounds = _reference(case, str(device)), _bound(case, str(device), nm, kind)
     _measure(rec, kernel, case, x, out, lse, refs, bounds, (kind, nm), keep)
+    b = rec["bound"]
+    finite_excess = b["violations"] - b["nonfinite"] + b["lse_violations"] - b.get("lse_nonfinite", 0)
+    if finite_excess and kernel not in MODELS:  # a model's own excess: the model is the kernel
+        rec["model_check"] = _model_check(x, nm, kind, refs, bounds)
+
+
+def _model_check(x: dict, nm, kind: str, refs: tuple, bounds: tuple) -> dict:
+    """Evidence for a bound violation (``audits.verdict.gate``): the FA4 model run on the same
+    inputs with the numerics the bound analyses (``nm``: the kernel's own FA4 numerics, or the
+    generic flash-attention numerics of a peer), checked against the same per-element bounds.
+    Within them, the analysis covers that arithmetic and the kernel departs from it; beyond them
+    too, the analysis misses a step of the arithmetic it claims to cover (or the model does)."""
+    from fa4.model import attention as model_attention  # lazy: fa4.model loads numba (~0.2 s)
+
+    with torch.no_grad():
+        mo, ml = model_attention(x["q"], x["k"], x["v"], return_lse=True, numerics=nm, **x["kw"])
+    ob, lb = bounds
+    got = bound_check(mo, refs[0], ob, ml, refs[1], lb)
+    keys = ("violations", "tightness", "lse_violations", "lse_tightness")
+    return {"numerics": kind, **{k: got[k] for k in keys}}
 
 
 def _measure(
@@ -200,7 +199,7 @@ def _measure(
     numerics ``nm`` ((kind, FA4Numerics)), into ``rec``; the tensors themselves into ``keep``
     (``audits.verdict.diagnosis``: a failing verdict is localized from them, after ``judge``)."""
     q, k, v = x["q"], x["k"], x["v"]
-    ref, rl, low, cert = refs
+    ref, rl, low, cert, scale = refs
     keep.kind, keep.numerics, keep.out, keep.lse, keep.ref, keep.ref_lse = nm[0], nm[1], out, lse, ref, rl
     keep.out_bound, keep.lse_bound = bounds
     rec["out"] = output_errors(out, ref)
@@ -218,7 +217,7 @@ def _measure(
     ):
         rec["out_of_domain"] = f"inputs contain NaN/inf and {kernel} claims no semantics for them"
         rec["out_of_domain_kind"] = "nonfinite-inputs"
-    rec["fa_criterion"] = fa_floor(out, ref, low)
+    rec["fa_criterion"] = fa_floor(out, ref, low, scale=scale)
     rec["mpmath_max_abs"] = cert
 
 
@@ -301,19 +300,21 @@ def _used_k(case: Case, i: int) -> int:
 @functools.lru_cache(maxsize=4)
 def _varlen_reference(case: Case, device: str) -> tuple:
     """:func:`_reference` of a varlen case: per sequence (:func:`_sequence`) the FP64 reference,
-    its LSE and the low-precision result, concatenated along the tokens into batch-1 tensors
-    (1, total_q, hq, dv) and (1, hq, total_q), as the kernel packs them; the certification of
+    its LSE, the low-precision result and the output's scale, concatenated along the tokens into
+    batch-1 tensors (1, total_q, hq, dv) and (1, hq, total_q), as the kernel packs them; the certification of
     the last row of the last sequence with queries and keys (None without one)."""
     x = make_varlen_inputs(case, device=device)
-    refs, rls, lows, cert = [], [], [], None
+    refs, rls, lows, scales, cert = [], [], [], [], None
     for i, (sq, _) in enumerate(case.seqlens):
         if sq == 0:
             continue
         q, k, v, kw = _sequence(x, i)
-        ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
+        call = AttentionCall.from_kwargs(**kw)
+        ref, rl, scale = attention_reference(q, k, v, call=call, return_lse=True, return_scale=True)
         refs.append(ref)
         rls.append(rl)
-        lows.append(attention_lowprec(q, k, v, **kw))
+        lows.append(attention_lowprec(q, k, v, call=call))
+        scales.append(scale)
         if _used_k(case, i):
             cert = ({"q": q, "k": k, "v": v, "kw": kw}, ref, rl, (0, case.heads_q - 1, sq - 1))
     cert = None if cert is None else _certify(*cert)  # the last sequence with queries and keys
@@ -322,7 +323,8 @@ def _varlen_reference(case: Case, device: str) -> tuple:
         refs = [torch.zeros(1, 0, case.heads_q, case.dv, dtype=torch.float64, device=q.device)]
         rls = [torch.zeros(1, case.heads_q, 0, dtype=torch.float64, device=q.device)]
         lows = [refs[0].to(torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype)]
-    return torch.cat(refs, 1), torch.cat(rls, 2), torch.cat(lows, 1), cert
+        scales = [refs[0]]
+    return torch.cat(refs, 1), torch.cat(rls, 2), torch.cat(lows, 1), cert, torch.cat(scales, 1)
 
 
 def _split_keywords(case: Case, splits: int) -> dict:
@@ -337,7 +339,7 @@ def _split_keywords(case: Case, splits: int) -> dict:
 
 
 @functools.lru_cache(maxsize=4)
-def _varlen_bound(case: Case, device: str, nms: tuple, splits: tuple) -> tuple:
+def _varlen_bound(case: Case, device: str, nms: tuple, splits: tuple, kind: str = "fa4") -> tuple:
     """:func:`_bound` of a varlen case: per sequence with queries, the bound of its fixed-length
     call under its numerics ``nms[i]``, in ``splits[i]`` splits (:func:`_split_keywords`),
     packed as :func:`_varlen_reference`."""
@@ -349,8 +351,8 @@ def _varlen_bound(case: Case, device: str, nms: tuple, splits: tuple) -> tuple:
             continue
         q, k, v, kw = _sequence(x, i)
         seq_ref = (ref[:, row : row + sq], rl[:, :, row : row + sq])
-        extra = _split_keywords(case, splits[i])
-        ob, lb = forward_error_bound(q, k, v, nms[i], reference=seq_ref, **kw, **extra)
+        extra = _split_keywords(case, splits[i]) | _score_products(kind)
+        ob, lb = forward_error_bound(q, k, v, nms[i], call=AttentionCall.from_kwargs(**kw), reference=seq_ref, **extra)
         obs.append(ob)
         lbs.append(lb)
         row += sq
@@ -390,7 +392,7 @@ def _analyse_varlen(
     as one batch-1 result against the sequences' packed references and bounds; the record's
     ``varlen`` names the sequence of the largest output error."""
     kind, nms, splits = _varlen_numerics(kernel, case, x)
-    refs, bounds = _varlen_reference(case, str(device)), _varlen_bound(case, str(device), nms, splits)
+    refs, bounds = _varlen_reference(case, str(device)), _varlen_bound(case, str(device), nms, splits, kind)
     lse1 = None if lse is None else lse.unsqueeze(0)
     _measure(rec, kernel, case, x, out.unsqueeze(0), lse1, refs, bounds, (kind, nms[0]), keep)
     cu = x["kw"]["cu_seqlens_q"].tolist()
@@ -488,11 +490,12 @@ def evaluate_case(
         out, lse = res
         rec["lse_returned"] = lse is not None  # judged by [policy] lse_missing: never silently unchecked
         if case.varlen:
-            bad = varlen_contract_error(x["q"], x["v"], out, lse, packed=True)
+            bad = varlen_contract_breaches(q=x["q"], v=x["v"], out=out, lse=lse, packed=True)
         else:
-            bad = contract_error(x["q"], x["v"], out, lse)
-        if bad:
-            rec.update(status="error", reason=bad)
+            bad = contract_breaches(q=x["q"], v=x["v"], out=out, lse=lse)
+        if bad:  # each tensor named, with its fault (audits.report.records.ContractRecord)
+            rec.update(status="error", reason="; ".join(b.reason for b in bad))
+            rec["contract"] = [b.as_record() for b in bad]
         else:
             _analyse_or_oom(rec, kernel, case, x, out, lse, device, keep)
     if backward is not None and rec["status"] == "ran":
@@ -528,189 +531,3 @@ def _skipped(rec: dict, reason: str, t0: float) -> dict:
     rec.update(status="skipped", reason=reason, verdict="skipped")
     rec["reasons"], rec["seconds"] = [reason], time.perf_counter() - t0
     return rec
-
-
-def run_suite(kernel: str, cases: list[Case], options: RunOptions, **kw) -> list[dict]:
-    """:func:`run_suites` for one kernel: its records in suite order."""
-    return run_suites([kernel], cases, options, **kw)[kernel]
-
-
-def kernel_dir(out_dir: str | Path, kernel: str, several: bool) -> Path:
-    """Where a kernel's journal and report go: ``out_dir`` itself for a single kernel, else a
-    subdirectory named after the kernel (``module:attr`` -> ``module.attr``)."""
-    return Path(out_dir) / kernel.replace(":", ".").replace("/", "_") if several else Path(out_dir)
-
-
-class Runs(dict):
-    """Each kernel's records in suite order (a dict, kernel -> records), and ``stopped``: why the
-    run ended before its last case (a :class:`StopReason`), None when it did not."""
-
-    def __init__(self, records: dict, stopped: StopReason | None = None):
-        super().__init__(records)
-        self.stopped = stopped
-
-
-def run_suites(
-    kernels: list[str],
-    cases: list[Case],
-    options: RunOptions,
-    *,
-    progress: Callable[[str, dict], None] | None = None,
-    deadline: float | None = None,
-    journal_extra: dict | None = None,
-    catch_interrupt: bool = False,
-) -> Runs:
-    """Evaluate ``cases`` (in :func:`audits.engine.shards.run_order`) for every kernel under
-    ``options`` (``audits.engine.options.RunOptions``); journal each record under :func:`kernel_dir`
-    of ``options.out``; return each kernel's records in suite order.  The kernels take turns case
-    by case, so a case's inputs and FP64 reference are computed once for all of them; a case
-    outside a kernel's declared domain (``audits.kernels.kernel_domain``) is skipped for that
-    kernel without a call.
-    ``options.resume``: keep the finished records of a journal written by this same run (kernel,
-    label, seed, thresholds, cases: ``journal.JournalMismatch`` otherwise).  Kernels run in a
-    worker process as ``options.isolation()`` says (``audits.engine.worker``), where a crash
-    becomes the case's verdict, and a call past ``options.timeout`` seconds the verdict
-    ``timeout``.  ``options.backward``: audit the gradients too (``audits.engine.backward``).
-    ``options.per_sequence``: a fixed-length kernel runs varlen cases one sequence at a time (else
-    they are skipped for it); a resumed record made otherwise is redone.
-    ``progress(kernel, record)`` is called after each record.  ``deadline`` (a ``time.monotonic()``
-    value, ``run --budget``): no case starts after it.  The result's ``stopped`` says why the run
-    ended early (budget, exitfirst; interrupted: Ctrl-C with ``catch_interrupt``, the workers
-    killed and the records so far returned; without it, KeyboardInterrupt propagates after the
-    journals hold what finished).  ``journal_extra``: fields added to a new journal's header (the
-    command, the environment: what a report built from the journal shows)."""
-    device = options.torch_device
-    isolate = options.isolation()
-    state = {}
-    for kern in kernels:
-        state[kern] = _kernel_state(kern, cases, options, len(kernels) > 1, journal_extra or {})
-        iso = isolate(kern) if callable(isolate) else isolate
-        state[kern]["calls"] = open_kernel(kern, device, isolated=iso, timeout=options.timeout)
-        state[kern]["domain"] = kernel_domain(kern)  # resolved once, here: --jobs children decide alike
-    order = run_order(cases)
-    why = None
-    try:
-        why = _loop(order, cases, state, options, progress, deadline)
-    except KeyboardInterrupt:
-        why = StopReason.INTERRUPTED
-        _quiet_fd_handover()
-        for st in state.values():  # a worker is out of the terminal's reach (its own session): end its call now
-            st["calls"].kill()
-        if not catch_interrupt:
-            raise
-    finally:
-        for st in state.values():
-            st["calls"].close()
-    return Runs({kern: [st["records"][i] for i in sorted(st["records"])] for kern, st in state.items()}, why)
-
-
-def _quiet_fd_handover() -> None:
-    """Keep the console clean after Ctrl-C: a worker killed while it fetched a tensor's shared
-    memory from this process (``multiprocessing.resource_sharer``, how torch passes tensors
-    through a pipe) makes that helper thread print a ``ConnectionResetError`` traceback.  The
-    worker was killed on purpose; that traceback, and only it, is dropped from then on."""
-    hook = sys.excepthook
-
-    def quiet(kind, value, tb):
-        if issubclass(kind, (ConnectionError, EOFError)) and any(
-            "resource_sharer" in f.filename for f, _ in traceback.walk_tb(tb)
-        ):
-            return
-        hook(kind, value, tb)
-
-    sys.excepthook = quiet
-
-
-def _kernel_state(kern: str, cases: list[Case], options: RunOptions, several: bool, extra: dict) -> dict:
-    """A kernel's output directory and journal: resumed (its header checked) or started afresh."""
-    out = kernel_dir(options.out, kern, several)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "journal.jsonl"
-    bwd, th = options.backward, options.thresholds
-    ident = journal.run_identity(
-        kernel=kern, suite=options.label, seed=options.seed, thresholds=th, cases=cases, backward=bwd
-    )
-    if options.resume:
-        journal.check_header(path, ident)
-    elif path.exists():
-        path.unlink()
-    if not path.exists():
-        journal.append(path, {**ident, **extra})  # extras are not identity: check_header ignores them
-    done = journal.read_records(path) if options.resume else {}
-    per_seq = options.per_sequence
-    # the audit's own failures are redone, and varlen records of a run with another --per-sequence
-    done = {n: r for n, r in done.items() if not is_audit_error(r) and _same_entry(r, per_seq)}
-
-    def repro(c: Case) -> str:
-        cmd = reproducer(
-            kern,
-            c,
-            device=options.torch_device.type,
-            thresholds_path=th.get("path"),
-            backward=bwd,
-            timeout=options.timeout,
-        )
-        return cmd + " --per-sequence" if per_seq and c.varlen else cmd
-
-    return {"out": out, "journal": path, "done": done, "records": {}, "repro": repro, "per_sequence": per_seq}
-
-
-def _same_entry(rec: dict, per_seq: bool) -> bool:
-    """Whether a journal record stands for a run with ``--per-sequence`` = ``per_seq`` (a
-    fixed-length case always does)."""
-    return rec.get("varlen") is None or rec["varlen"].get("per_sequence") == per_seq
-
-
-def is_audit_error(rec: dict) -> bool:
-    """Whether a journal record failed on the audit's side (its FP64 work ran out of GPU
-    memory), not the kernel's; records written before the flag existed get it from
-    ``audits.report.schema.upgrade_case`` (the one reader of old message text).
-    Public: ``benchmarks/maintenance/release_state_from_reports.py`` leaves such records out as ``--resume`` does."""
-    return bool(upgrade_case(dict(rec)).get("audit_error"))
-
-
-def _save_inputs(st: dict, c: Case) -> str:
-    """The failing case's inputs as a torch file beside the report (``repro/<case>.pt``)."""
-    rdir = st["out"] / "repro"
-    rdir.mkdir(exist_ok=True)
-    x = make_varlen_inputs(c, device="cpu") if c.varlen else make_inputs(c, device="cpu")
-    tensors = {n: x[n].contiguous() for n in ("q", "k", "v")}
-    # the mods' reference forms are closures: saved by name (the case rebuilds them), their tensors as they are
-    torch.save({**tensors, "kw": saveable_kw(x["kw"]), "case": c.as_dict()}, rdir / f"{c.name}.pt")
-    return f"repro/{c.name}.pt"
-
-
-def _loop(order, cases, state, options: RunOptions, progress, deadline) -> StopReason | None:
-    """Run the cases in ``order``; why it stopped early (budget, exitfirst), or None."""
-    device, backward, thresholds = options.torch_device, options.backward, options.thresholds
-    for n, i in enumerate(order):
-        c = cases[i]
-        stop = False
-        fresh = any(c.name not in st["done"] for st in state.values())
-        if fresh and deadline is not None and time.monotonic() >= deadline:
-            return StopReason.BUDGET  # resumed records cost nothing: the budget stops only new work
-        for kern, st in state.items():
-            if c.name in st["done"]:
-                rec = {**st["done"][c.name], "resumed": True}
-            else:
-                emap = {}
-                rec = evaluate_case(
-                    kern, st["calls"], c, device, thresholds, backward, st["domain"], st["per_sequence"], error_map=emap
-                )
-                rec["repro"] = st["repro"](c)
-                if rec["verdict"] in FAILING:
-                    rec["repro_inputs"] = _save_inputs(st, c)
-                if "map" in emap:  # the error map beside the report, named in the record (kept by --resume)
-                    rec["error_map"] = f"maps/{c.name}.npz"
-                    save_map(st["out"] / rec["error_map"], error_map=emap.pop("map"))
-                st["records"][i] = rec  # first: a Ctrl-C during the journal's fsync keeps it in the report
-                journal.append(st["journal"], {**rec, journal.AT: i})
-            st["records"][i] = rec
-            if device.type == "cuda" and c.cost > (1 << 28 if backward is not None else 1 << 32):
-                torch.cuda.empty_cache()  # give the FP64 intermediates back: parallel jobs share the GPU
-            if progress is not None:
-                progress(kern, rec)
-            stop |= options.exitfirst and rec["verdict"] in FAILING
-        if stop:
-            return StopReason.EXITFIRST if n + 1 < len(order) else None
-    return None

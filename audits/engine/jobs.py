@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from audits.common import EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, atomic_write, gpu_list, pinned_env
-from audits.engine.evaluate import Runs, kernel_dir
 from audits.engine.journal import read_records
 from audits.engine.options import RunOptions
+from audits.engine.run import Runs, kernel_dir
 from audits.engine.stop import StopReason
 from audits.suites.cases import Case
 

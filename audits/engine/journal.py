@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -45,11 +46,20 @@ def _digest(obj) -> str:
 
 
 def package_version() -> str:
-    """The installed fa4-audit's version; "unknown" run from a source tree never installed."""
+    """This fa4-audit's version: the installed distribution's, else (run from a source tree that
+    was never installed, e.g. the H200 device's copy on ``PYTHONPATH``) the ``[project] version``
+    of the ``pyproject.toml`` beside the package, the one source of the version; "unknown" only
+    when neither exists (an unpacked copy of the modules alone)."""
     try:
         return version("fa4-audit")
     except PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        project = tomllib.loads(pyproject.read_text())["project"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
         return "unknown"
+    return str(project["version"]) if project.get("name") == "fa4-audit" and "version" in project else "unknown"
 
 
 def thresholds_digest(thresholds: dict) -> str:

@@ -15,6 +15,7 @@ from audits.engine.backward import BackwardOptions
 from audits.engine.worker import DEFAULT_TIMEOUT_S, isolation
 from audits.report.maps import DEFAULT_MAPS
 from audits.verdict.gate import load_thresholds
+from audits.verdict.known import KnownFile
 
 __all__ = ["RunOptions"]
 
@@ -33,7 +34,9 @@ class RunOptions:
     gradients too; ``per_sequence``: fixed-length kernels run varlen cases one sequence at a time;
     ``budget``: minutes after which no case starts; ``jobs``: processes (each a compile-key shard),
     pinned to ``gpus`` ("0,1"; None: all visible); ``quiet``: no progress; ``maps``: error maps
-    rendered per report; ``shard``: "I/N" when this run is one slice of a sharded run."""
+    rendered per report; ``shard``: "I/N" when this run is one slice of a sharded run; ``known``:
+    the known defects (``audits.verdict.known.load_known``) applied to each kernel's report, and
+    ``strict_known``: an entry no longer reproducing fails the run."""
 
     device: str = "cpu"
     out: str = "reports/run-latest"
@@ -53,12 +56,16 @@ class RunOptions:
     quiet: bool = False
     maps: int = DEFAULT_MAPS
     shard: str | None = None
+    known: KnownFile | None = None
+    strict_known: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "device", str(self.device))
         object.__setattr__(self, "out", str(self.out))
         if isinstance(self.backward, dict):
             object.__setattr__(self, "backward", BackwardOptions(**self.backward))
+        if isinstance(self.known, dict):  # as as_dict wrote it (a --jobs child's job file)
+            object.__setattr__(self, "known", KnownFile.from_dict(self.known))
 
     @property
     def torch_device(self) -> torch.device:
@@ -76,6 +83,7 @@ class RunOptions:
         """The options as JSON-able values (the thresholds as a journal holds them: a TOML date as text)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["backward"] = None if self.backward is None else dataclasses.asdict(self.backward)
+        d["known"] = None if self.known is None else self.known.as_dict()
         return json.loads(json.dumps(d, default=str))
 
     def to_json(self) -> str:

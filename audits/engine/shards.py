@@ -1,5 +1,7 @@
-"""``run --shard auto``: the shard index and count from a batch scheduler's environment, so that
-one command line serves every task of a Slurm job array or a Kubernetes Indexed Job.
+"""Which cases a process runs, and in what order.  :func:`shard_cases` is the deterministic slice I
+of N (``run --shard I/N``, each ``--jobs`` child's share).  ``run --shard auto`` reads the shard
+index and count from a batch scheduler's environment, so that one command line serves every task
+of a Slurm job array or a Kubernetes Indexed Job:
 
 - Slurm arrays: index ``SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN`` (divided by
   ``SLURM_ARRAY_TASK_STEP`` for ``--array=0-30:10``), count ``SLURM_ARRAY_TASK_COUNT`` or else
@@ -8,7 +10,7 @@ one command line serves every task of a Slurm job array or a Kubernetes Indexed 
   environment variable ``FA4_AUDIT_SHARDS`` (the Job's ``completions``).
 
 Hosts share nothing but report files: every host builds the same case list and the same
-deterministic plan (``audits.engine.evaluate.shard_cases``) and runs its own slice of it.
+deterministic plan (:func:`shard_cases`) and runs its own slice of it.
 
 Within a process the cases run in :func:`run_order`: stratified, so that any prefix of a run (a
 time-boxed ``--budget`` run, a Ctrl-C) spans the suite's axes (:data:`STRATA`) instead of one
@@ -23,7 +25,10 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from audits.suites.case import Case
+
 __all__ = [
+    "shard_cases",
     "SLURM",
     "K8S_INDEX",
     "SHARDS_ENV",
@@ -218,3 +223,33 @@ def run_order(cases: list) -> list[int]:
         order.append(queues[j][head[j]])
         head[j] += 1
     return order
+
+
+def shard_cases(cases: list[Case], index: int, count: int, *, by: str = "cost") -> list[Case]:
+    """Deterministic slice ``index`` of ``count``, back in suite order.  ``by="cost"``: greedy
+    balancing of ``Case.cost`` (largest first onto the lightest shard).  ``by="key"``: whole
+    compile-key groups per shard (each JIT variant compiled by one process only), balanced by
+    group size plus cost, for parallel processes that each compile their own share."""
+    if not (0 <= index < count):
+        raise ValueError(f"shard {index}/{count}: need 0 <= I < N")
+    if by not in ("cost", "key"):
+        raise ValueError(f"shard by {by!r}: accepted 'cost' or 'key'")
+    if by == "cost":
+        units = {i: [i] for i in range(len(cases))}
+    else:
+        units = {}
+        for i, c in enumerate(cases):
+            units.setdefault(c.compile_key, []).append(i)
+    total = sum(c.cost for c in cases) or 1
+    weight = {
+        u: sum(cases[i].cost for i in m) / total + (len(m) / len(cases) if by == "key" else 0.0)
+        for u, m in units.items()
+    }
+    loads = [0.0] * count
+    owner = {}
+    for u in sorted(units, key=lambda u: (-weight[u], repr(u))):
+        s = min(range(count), key=lambda j: (loads[j], j))
+        loads[s] += weight[u]
+        for i in units[u]:
+            owner[i] = s
+    return [c for i, c in enumerate(cases) if owner[i] == index]

@@ -54,15 +54,20 @@ def fa4_audit_shard(request) -> str | None:
 @pytest.fixture
 def fa4_audit(tmp_path, tmp_path_factory, fa4_audit_shard, request):
     """Callable ``(kernel, *, suite="smoke", case="*", device="cpu", thresholds=None,
-    isolate=False, backward=False, repeat=2, deterministic=False) -> report dict``; fails the
-    calling test when any case fails.  ``backward``: audit the gradients too (``run --backward``)."""
+    isolate=False, backward=False, repeat=2, deterministic=False, known=None, strict_known=False)
+    -> report dict``; fails the calling test when any case fails.  ``backward``: audit the
+    gradients too (``run --backward``); ``known``: a known-defects file (``run --known``: a TOML
+    path, or ``"fa4"``), whose failures get the verdict known and do not fail the test;
+    ``strict_known``: an entry no longer reproducing does (``--strict-known``)."""
     # imported here, not at the top: loading the plugin must stay light (module doc)
     from audits.api import RunOptions, StopReason
     from audits.api import audit as run_audit
     from audits.engine.backward import BackwardOptions
-    from audits.engine.evaluate import FAILING, shard_cases
+    from audits.engine.shards import shard_cases
     from audits.report.build import summary_line, write_report
+    from audits.report.schema import FAILING
     from audits.verdict.gate import load_thresholds
+    from audits.verdict.known import known_lines, load_known, strict_failed
 
     def audit(
         kernel: str,
@@ -75,6 +80,8 @@ def fa4_audit(tmp_path, tmp_path_factory, fa4_audit_shard, request):
         backward: bool = False,
         repeat: int = 2,
         deterministic: bool = False,
+        known: str | None = None,
+        strict_known: bool = False,
     ) -> dict:
         cases = [c for c in _cases(kernel, suite) if fnmatch.fnmatch(c.name, case)]
         if fa4_audit_shard is not None:
@@ -89,6 +96,8 @@ def fa4_audit(tmp_path, tmp_path_factory, fa4_audit_shard, request):
             isolate=isolate,
             backward=BackwardOptions(repeat=repeat, deterministic=deterministic) if backward else None,
             shard=fa4_audit_shard,
+            known=None if known is None else load_known(known),  # a bad file: KnownError, naming it
+            strict_known=strict_known,
         )
         header = {"command": f"fa4_audit({kernel!r}, suite={suite!r}, case={case!r})", "created": "", "environment": {}}
         result = run_audit(kernel, cases, options, header=header)
@@ -105,6 +114,9 @@ def fa4_audit(tmp_path, tmp_path_factory, fa4_audit_shard, request):
                 for r in bad[:10]
             ]
             why = f"fails {len(bad)} case(s)" if bad else "evaluated no case (nothing was audited)"
+            if not bad and strict_failed(rep):
+                why = "has a known defect no longer reproducing (strict_known)"
+            lines += known_lines(rep)  # known=: the known defects, apart from the failures
             pytest.fail(
                 f"fa4-audit: {kernel} {why} of suite {suite}; {summary_line(rep)} (report {paths['md']}):\n"
                 + "\n".join(lines),

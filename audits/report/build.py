@@ -10,14 +10,18 @@ from pathlib import Path
 from audits.common import EXIT_INCOMPLETE, atomic_write
 from audits.engine import journal
 from audits.engine.stop import StopReason
-from audits.report.html import case_cells, grad_cells, render_html
+from audits.report.header import versions_line
+from audits.report.html import case_cells, grad_cells, render_html, worst_key
 from audits.report.maps import DEFAULT_MAPS, html_figures, write_maps
 from audits.report.records import FAILING, VERDICTS, CaseRecord
 from audits.report.schema import SCHEMA, ReportError, journal_basis, validate_report
+from audits.suites.case import identity_of
 from audits.suites.domain import Domain
 from audits.verdict.coverage import basis_of, coverage_from_basis, coverage_lines
 from audits.verdict.gate import backward_verdict
-from audits.verdict.separators import separator_text, separators, where_lines
+from audits.verdict.known import KNOWN, known_lines, strict_failed
+from audits.verdict.separators import reasons_by_fault, separator_text, separators, where_lines
+from numerics.metrics import nan_aware_max
 
 __all__ = [
     "SCHEMA",
@@ -32,6 +36,7 @@ __all__ = [
     "collapse_reasons",
     "report_from_journal",
     "STOPPED",
+    "worst_text",
 ]
 
 MD_ALL_CASES = 200  # report.md lists every case up to this many
@@ -39,14 +44,55 @@ MD_ALL_CASES = 200  # report.md lists every case up to this many
 STOPPED = {reason: reason.words for reason in StopReason}
 
 
-def _worst(records: list[CaseRecord], path: tuple[str, str]) -> dict | None:
-    best = None
-    for r in records:
-        v = r.get(path[0], {}) or {}
-        x = v.get(path[1]) if isinstance(v, dict) else None
-        if x is not None and (best is None or x > best[0]):
-            best = (x, r["case"])
-    return None if best is None else {"value": best[0], "case": best[1]}
+def _worst_error(records: list[CaseRecord], quantity: str) -> dict | None:
+    """The summary's worst case of an error record (``out``, ``lse``), NaN-aware: ``value`` is
+    ``numerics.metrics.nan_aware_max`` (NaN or inf where the kernel returned them at elements whose
+    reference is finite, so that an all-NaN case is the worst and not a 0), ranked by
+    ``audits.report.html.worst_key``; with such elements ``nonfinite`` (their count) and ``of``
+    (the elements checked, when the record has it)."""
+    have = [r for r in records if isinstance(r.get(quantity), dict) and "max_abs" in r[quantity]]
+    if not have:
+        return None
+    r = max(have, key=lambda r: worst_key(r[quantity]))
+    e = r[quantity]
+    out = {"value": nan_aware_max(e), "case": r["case"]}
+    if n := e.get("nonfinite_where_ref_finite"):
+        out["nonfinite"] = n
+        if isinstance(e.get("checked"), int):
+            out["of"] = e["checked"]
+    return out
+
+
+def _worst_tightness(records: list[CaseRecord]) -> dict | None:
+    """The summary's worst forward err/bound: the largest ``bound.tightness``, except that a case
+    whose output is NaN or inf where the reference is finite (violations without a finite ratio,
+    ``numerics.metrics.bound_check``) ranks above any number, its value NaN or inf."""
+    have = [r for r in records if (r.get("bound") or {}).get("tightness") is not None]
+    if not have:
+        return None
+
+    def key(r: CaseRecord) -> tuple[int, float]:
+        out = r.get("out") or {}
+        return worst_key(out) if out.get("nonfinite_where_ref_finite") else (0, r["bound"]["tightness"])
+
+    r = max(have, key=key)
+    out = r.get("out") or {}
+    if n := out.get("nonfinite_where_ref_finite"):
+        return {"value": nan_aware_max(out), "case": r["case"], "nonfinite": n}
+    return {"value": r["bound"]["tightness"], "case": r["case"]}
+
+
+def _nonfinite(errors: dict) -> int:
+    return int(errors.get("nonfinite_where_ref_finite") or 0)
+
+
+def worst_text(w: dict) -> str:
+    """A summary ``worst`` entry in words: its value (NaN-aware) with its non-finite count."""
+    counts = ""
+    if w.get("nonfinite"):
+        of = f" of {w['of']:,}" if isinstance(w.get("of"), int) else ""
+        counts = f" ({w['nonfinite']:,}{of} non-finite)"
+    return f"{w['value']:.3g}{counts} ({w['case']})"
 
 
 def build_report(
@@ -69,12 +115,17 @@ def build_report(
     """The report of ``records``.  ``selected``: how many cases the run was given (default: as
     many as there are records); fewer records make it a partial report (``"partial": true``, the
     summary's ``selected`` / ``run`` / ``not_run`` and ``stopped``: why, a key of :data:`STOPPED`),
-    which never passes (:func:`exit_code`).  ``coverage``: :func:`audits.verdict.coverage.coverage` of
-    the records on ``coverage_basis`` (the kernel's domain and architecture; None: read from the
-    kernel ``kernel`` now, ``audits.verdict.coverage.basis_of``) judging the backward when ``backward``
-    (None: when a record has one)."""
+    which never passes (:func:`exit_code`).  Each record gets its ``case_id`` (its identity,
+    ``audits.suites.case.canonical_identity``) when it has none.
+    ``coverage``: :func:`audits.verdict.coverage.coverage` of the records on ``coverage_basis``
+    (the kernel's domain and architecture; None: read from the kernel ``kernel`` now,
+    ``audits.verdict.coverage.basis_of``) judging the backward when ``backward`` (None: when a
+    record has one)."""
     counts = {v: sum(r["verdict"] == v for r in records) for v in VERDICTS}
     selected = len(records) if selected is None else max(selected, len(records))
+    for r in records:  # its identity, what comparisons match it by (audits.suites.case.canonical_identity)
+        if "case_id" not in r:
+            r["case_id"] = identity_of(r["config"], where=f"case {r['case']}")
     rep = {
         "schema": SCHEMA,
         "kernel": kernel,
@@ -95,12 +146,13 @@ def build_report(
             "stopped": stopped if selected > len(records) else None,
             "verdicts": counts,
             # compared with the FP64 reference and judged; skipped and out-of-domain were not
-            "evaluated": counts["pass"] + counts["warn"] + counts["fail"],
+            # (a known case that failed its comparison was compared too: audits.verdict.known)
+            "evaluated": counts["pass"] + counts["warn"] + counts["fail"] + _known_compared(records),
             "lse_not_audited": sum(r.get("lse_returned") is False for r in records),
             "worst": {
-                "out_max_abs": _worst(records, ("out", "max_abs")),
-                "lse_max_abs": _worst(records, ("lse", "max_abs")),
-                "bound_tightness": _worst(records, ("bound", "tightness")),
+                "out_max_abs": _worst_error(records, "out"),
+                "lse_max_abs": _worst_error(records, "lse"),
+                "bound_tightness": _worst_tightness(records),
             },
             "backward": _backward_summary(records),
         },
@@ -136,11 +188,12 @@ def _backward_summary(records: list[CaseRecord]) -> dict | None:
         have = [(c, b["grads"][n]) for c, b in bs if n in (b.get("grads") or {})]
         if not have:
             continue
-        worst = max(have, key=lambda t: t[1]["max_abs"])
+        worst = max(have, key=lambda t: worst_key(t[1]))  # NaN-aware, as the forward's
         tight = [(c, g["bound"]["tightness"]) for c, g in have if g.get("bound")]
         sp = [b["spread"][n] for _, b in bs if n in (b.get("spread") or {})]
         out["grads"][n] = {
-            "max_abs": {"value": worst[1]["max_abs"], "case": worst[0]},
+            "max_abs": {"value": nan_aware_max(worst[1]), "case": worst[0]}
+            | ({"nonfinite": worst[1]["nonfinite_where_ref_finite"]} if _nonfinite(worst[1]) else {}),
             "bound_tightness": None if not tight else dict(zip(("case", "value"), max(tight, key=lambda t: t[1]))),
             "spread_elements": sum(x["differing"] for x in sp),
             "spread_max_ulp": max((x["max_ulp"] for x in sp), default=0),
@@ -157,13 +210,26 @@ def run_counts(report: dict) -> tuple[int, int, int]:
     return selected, run, selected - run
 
 
+def _known_compared(records: list[CaseRecord]) -> int:
+    """Known cases (``audits.verdict.known``) whose failing verdict was ``fail``: compared and judged."""
+    return sum(r["verdict"] == KNOWN and r.get("known_from") == "fail" for r in records)
+
+
+def _evaluated(report: dict) -> int:
+    """Cases compared with the reference and judged: pass, warn, fail, and known cases whose
+    failing verdict was fail (:func:`_known_compared`)."""
+    c = report["summary"]["verdicts"]
+    known = _known_compared(report.get("cases") or []) if c.get(KNOWN) else 0
+    return c["pass"] + c["warn"] + c["fail"] + known
+
+
 def exit_code(report: dict) -> int:
     """1 when a case failed, errored, crashed (or timed out); else 3 (``EXIT_INCOMPLETE``) for a
     partial report, whose unrun cases were not checked; else 1 when no case was evaluated (a run
     that compared nothing checked nothing); else 0.  Never 0 for what was not checked."""
     c = report["summary"]["verdicts"]
-    evaluated = c["pass"] + c["warn"] + c["fail"]
-    if sum(c.get(v, 0) for v in FAILING):
+    evaluated = _evaluated(report)
+    if sum(c.get(v, 0) for v in FAILING) or strict_failed(report):  # --strict-known: an entry gone
         return 1
     if run_counts(report)[2] > 0:
         return EXIT_INCOMPLETE
@@ -211,10 +277,11 @@ def report_from_journal(path) -> dict:
 def collapse_reasons(records: list[CaseRecord]) -> list[tuple[CaseRecord, int]]:
     """Records grouped by (verdict, reasons): the first record of each group and the group's
     size, in order of first appearance, so that a console shows a reason repeated over many
-    cases once, with its count."""
+    cases once, with its count.  A contract breach counts by its tensor and fault, not its sizes
+    (``audits.verdict.separators.reasons_by_fault``): a transposed output is one group."""
     groups: dict[tuple, list] = {}
     for r in records:
-        key = (r["verdict"], tuple(x for x in r.get("reasons") or [] if x))
+        key = (r["verdict"], tuple(x for x in reasons_by_fault(r) if x))
         groups.setdefault(key, [r, 0])[1] += 1
     return [(r, n) for r, n in groups.values()]
 
@@ -224,7 +291,7 @@ def summary_line(report: dict) -> str:
     when ``--backward`` ran (:func:`_gradients_part`), total."""
     s = report["summary"]
     v = ", ".join(f"{k} {n}" for k, n in s["verdicts"].items() if n)
-    evaluated = s["verdicts"]["pass"] + s["verdicts"]["warn"] + s["verdicts"]["fail"]
+    evaluated = _evaluated(report)
     lse = f"; LSE not audited in {s['lse_not_audited']}" if s.get("lse_not_audited") else ""
     part = partial_line(report)
     line = f"{evaluated} of {s['cases']} cases evaluated ({v}){lse}" + _gradients_part(report)
@@ -281,6 +348,8 @@ def _markdown(rep: dict) -> str:
         f"`{rep['command']}` on {rep['created']}; device {rep['device']}; "
         f"thresholds `{rep['thresholds'].get('path', '')}`.",
         "",
+        versions_line(rep.get("environment")) + ".",
+        "",
         summary_line(rep) + ".",
         "",
     ]
@@ -289,7 +358,7 @@ def _markdown(rep: dict) -> str:
     L += _domain_lines(rep.get("domain"))
     for k, w in s["worst"].items():
         if w:
-            L.append(f"- worst {k}: {w['value']:.3g} ({w['case']})")
+            L.append(f"- worst {k}: {worst_text(w)}")
     rows = rep["cases"]
     if len(rows) > MD_ALL_CASES:  # a table of thousands of rows is read by no one: what needs attention
         tight = sorted(
@@ -312,7 +381,8 @@ def _markdown(rep: dict) -> str:
     ]
     for r in rows:
         c = case_cells(r, thresholds=rep["thresholds"])
-        cells = (r["case"], r["verdict"], c["max_abs"], c["rel_l2"], c["lse"], c["tightness"], f"{r['seconds']:.2f}")
+        verdict = f"known ({r['known_id']})" if r["verdict"] == KNOWN else r["verdict"]
+        cells = (r["case"], verdict, c["max_abs"], c["rel_l2"], c["lse"], c["tightness"], f"{r['seconds']:.2f}")
         L.append("| " + " | ".join((*cells, c["reasons"])) + " |")
     if any(r.get("backward") for r in rows):
         L += [
@@ -325,6 +395,8 @@ def _markdown(rep: dict) -> str:
         for r in rows:
             g = grad_cells(r, thresholds=rep["thresholds"])
             L.append(f"| {r['case']} | {r['verdict']} | {g['grads']} | {g['grad_tightness']} | {g['spread']} |")
+    if known := known_lines(rep):  # the --known file's entries, apart from the failures (audits.verdict.known)
+        L += ["", "## Known defects", "", "```", *known, "```"]
     L += _diagnosis_markdown(rep)
     L += ["", "## Coverage", "", "```", *coverage_lines(rep.get("coverage")), "```"]
     fails = [r for r in rep["cases"] if r["verdict"] in FAILING]
@@ -391,6 +463,8 @@ def _junit(rep: dict) -> str:
             ET.SubElement(tc, "failure", message=msg).text = r.get("repro", "")
         elif r["verdict"] in ("error", "crash", "timeout"):
             ET.SubElement(tc, "error", message=msg, type=r["verdict"]).text = r.get("repro", "")
+        elif r["verdict"] == KNOWN:  # not a failure of the run: shown apart, as CI shows a skip
+            ET.SubElement(tc, "skipped", message=f"known defect {r['known_id']}: {msg}")
         elif r["verdict"] == "skipped":
             ET.SubElement(tc, "skipped", message=msg)
         elif r["verdict"] == "warn":

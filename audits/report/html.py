@@ -13,8 +13,9 @@ from audits.report.records import FAILING, CaseRecord
 from audits.verdict.coverage import DIRECTIONS, coverage_lines, missed_text, pairs_text
 from audits.verdict.gate import ungated_figures
 from audits.verdict.separators import separator_text, where_lines
+from numerics.metrics import nan_aware_max
 
-__all__ = ["render_html", "case_cells", "grad_cells"]
+__all__ = ["render_html", "case_cells", "grad_cells", "max_text", "worst_key"]
 
 _CSS = """body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em}
@@ -29,18 +30,59 @@ def _informational(cell: str, why: str | None) -> str:
     return cell if why is None or cell == "—" else f"{cell} (informational: {why})"
 
 
+def _nonfinite(errors: dict | None) -> int:
+    """How many elements of an error record (``numerics.metrics.output_errors`` / ``lse_errors``)
+    are NaN or inf where the reference is finite (0 for none, or no record)."""
+    return int((errors or {}).get("nonfinite_where_ref_finite") or 0)
+
+
+def max_text(errors: dict | None) -> str:
+    """An error record's max |err| as every view prints it: the NaN-aware maximum
+    (``numerics.metrics.nan_aware_max``), never the finite-only ``max_abs`` alone, so that a kernel
+    returning NaN is not shown as exact: ``nan (640 of 640 non-finite)``, ``inf (2 of 640
+    non-finite; 0.0031 over the rest)``, ``0.0031``; "—" without a record.  "of N": the elements
+    where the reference is finite (``checked``; a record written before it says the count alone)."""
+    if not errors or "max_abs" not in errors:
+        return "—"
+    n = _nonfinite(errors)
+    if not n:
+        return f"{errors['max_abs']:.3g}"
+    of = errors.get("checked")
+    counts = f"{n:,} of {of:,} non-finite" if isinstance(of, int) else f"{n:,} non-finite"
+    rest = f"; {errors['max_abs']:.3g} over the rest" if not isinstance(of, int) or n < of else ""
+    return f"{nan_aware_max(errors):g} ({counts}{rest})"
+
+
+def worst_key(errors: dict | None) -> tuple[int, float]:
+    """A sort key ranking error records by their NaN-aware max |err| (:func:`max_text`): any NaN
+    above any inf above any number, more non-finite elements above fewer; no record lowest.  For
+    the views' "worst cases"."""
+    if not errors or "max_abs" not in errors:
+        return (-1, 0.0)
+    v = nan_aware_max(errors)
+    if math.isfinite(v):
+        return (0, v)
+    return (2 if math.isnan(v) else 1, float(_nonfinite(errors)))
+
+
 def case_cells(r: CaseRecord, *, thresholds: dict | None = None) -> dict[str, str]:
     """The per-case figures every view shows (Markdown, HTML, ``fa4-audit show``), formatted;
     with the report's ``thresholds``, a figure they do not gate says so (an err/bound of 3.63 on a
-    passing case is otherwise read as a missed failure)."""
+    passing case is otherwise read as a missed failure).  Figures are NaN-aware (:func:`max_text`):
+    where the kernel returned NaN or inf at elements whose reference is finite, the output's max
+    |err|, rel L2 and err/bound say so with the count, never the 0 of the finite elements."""
     o, lse, b = r.get("out") or {}, r.get("lse") or {}, r.get("bound") or {}
     f = lambda d, k: f"{d[k]:.3g}" if k in d else "—"
     ungated = ungated_figures(case=r, thresholds=thresholds) if thresholds else {}
+    n_out = _nonfinite(o)
+    # the bound's tightness is the largest err/bound over finite errors (numerics.metrics.bound_check):
+    # a non-finite error at a finite reference is a violation with no finite ratio
+    tight = f"{nan_aware_max(o):g} ({n_out:,} non-finite)" if n_out and "tightness" in b else f(b, "tightness")
     return {
-        "max_abs": f(o, "max_abs"),
-        "rel_l2": f(o, "rel_l2"),
-        "lse": f(lse, "max_abs"),
-        "tightness": _informational(f(b, "tightness"), ungated.get("bound")),
+        "max_abs": max_text(o),
+        "rel_l2": "nan" if n_out and "rel_l2" in o else f(o, "rel_l2"),
+        "lse": max_text(lse),
+        "tightness": _informational(tight, ungated.get("bound")),
         "reasons": "; ".join(x for x in r["reasons"] if x),
         **grad_cells(r, thresholds=thresholds),
     }
@@ -56,13 +98,18 @@ def grad_cells(r: CaseRecord, *, thresholds: dict | None = None) -> dict[str, st
     if not grads:
         return {"grads": "—" if not b else b.get("status", "—"), "grad_tightness": "—", "spread": "—"}
     tight = [g["bound"]["tightness"] for g in grads.values() if g.get("bound")]
+    # NaN-aware as case_cells: a gradient non-finite where its reference is finite has no finite err/bound
+    bad = [(n, g) for n, g in grads.items() if _nonfinite(g) and g.get("bound")]
+    tight_text = f"{max(tight):.3g}" if tight else "—"
+    if bad:
+        tight_text = ", ".join(f"{n} {nan_aware_max(g):g} ({_nonfinite(g):,} non-finite)" for n, g in bad)
     spread = [
         f"{n} {s['differing']} ({s['max_ulp']} ULP)" for n, s in (b.get("spread") or {}).items() if s["differing"]
     ]
     return {
-        "grads": " · ".join(f"{n} {g['max_abs']:.3g}" for n, g in grads.items()),
+        "grads": " · ".join(f"{n} {max_text(g)}" for n, g in grads.items()),
         "grad_tightness": _informational(
-            f"{max(tight):.3g}" if tight else "—",
+            tight_text,
             (ungated_figures(case=r, thresholds=thresholds) if thresholds else {}).get("grad_bound"),
         ),
         "spread": ", ".join(spread) if spread else ("0" if b.get("spread") else "—"),
@@ -84,22 +131,23 @@ def _plots(cases: list[dict]) -> str:
     import matplotlib.pyplot as plt
 
     plt.rcParams["svg.fonttype"] = "none"
-    errs = [
-        c["out"]["max_abs"]
-        for c in cases
-        if c.get("out") and c["out"]["max_abs"] > 0 and math.isfinite(c["out"]["max_abs"])
-    ]
+    # NaN-aware (numerics.metrics.nan_aware_max): a case with NaN or inf where the reference is
+    # finite has no point on a log axis; it is counted under the plot, not drawn at its finite part
+    true_max = [(c, nan_aware_max(c["out"])) for c in cases if c.get("out")]
+    unplotted = sum(not math.isfinite(e) for _, e in true_max)
+    note = (
+        f"<p>{unplotted} case(s) with NaN or inf outputs where the reference is finite: not plotted.</p>"
+        if unplotted
+        else ""
+    )
+    errs = [e for _, e in true_max if e > 0 and math.isfinite(e)]
     if not errs:
-        return ""
+        return note
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3))
     a.hist([math.log10(e) for e in errs], bins=20, color="tab:blue")
     a.set_xlabel("log10 max |out - ref|")
     a.set_ylabel("cases")
-    pts = [
-        (c["config"]["seqlen_k"], c["out"]["max_abs"], c["config"]["dtype"])
-        for c in cases
-        if c.get("out") and c["out"]["max_abs"] > 0
-    ]
+    pts = [(c["config"]["seqlen_k"], e, c["config"]["dtype"]) for c, e in true_max if e > 0 and math.isfinite(e)]
     for dt in sorted({p[2] for p in pts}):
         xs = [p[0] for p in pts if p[2] == dt]
         ys = [p[1] for p in pts if p[2] == dt]
@@ -112,7 +160,7 @@ def _plots(cases: list[dict]) -> str:
     fig.tight_layout()
     svg = _svg(fig)
     plt.close(fig)
-    return svg
+    return svg + note
 
 
 def _row(r: CaseRecord, thresholds: dict | None = None) -> str:
@@ -222,7 +270,8 @@ def render_html(rep: dict, summary_line: str, *, figures: str = "") -> str:
         "<h2>Worst cases</h2><table>"
         + _HEAD
         + "".join(
-            _row(c, th) for c in sorted((c for c in cases if c.get("out")), key=lambda c: -c["out"]["max_abs"])[:10]
+            _row(c, th)  # NaN-aware: a case returning NaN is the worst, not the best (worst_key)
+            for c in sorted((c for c in cases if c.get("out")), key=lambda c: worst_key(c["out"]), reverse=True)[:10]
         )
         + "</table>",
         "<h2>Errors</h2>" + _plots(cases),

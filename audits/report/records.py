@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
-__all__ = ["CaseRecord", "VERDICTS", "LATER_VERDICTS", "FAILING", "OUT_OF_DOMAIN_KINDS"]
+__all__ = ["CaseRecord", "ContractRecord", "VERDICTS", "LATER_VERDICTS", "FAILING", "OUT_OF_DOMAIN_KINDS"]
 
 #: a case's verdicts (``audits.verdict.gate``), in the order reports count them
-VERDICTS = ("pass", "warn", "fail", "error", "crash", "timeout", "skipped", "out-of-domain")
+#: (``known``: a failing case that an entry of a ``--known`` file describes, ``audits.verdict.known``)
+VERDICTS = ("pass", "warn", "known", "fail", "error", "crash", "timeout", "skipped", "out-of-domain")
 #: verdicts younger than the first reports: a report without their counts had none of them
-LATER_VERDICTS = ("timeout",)
+LATER_VERDICTS = ("timeout", "known")
 #: the verdicts that fail a run (and get their inputs saved for reproduction)
 FAILING = ("fail", "error", "crash", "timeout")
 #: a case record's ``out_of_domain_kind``, beside its ``out_of_domain`` message: the inputs pass
@@ -21,35 +22,77 @@ FAILING = ("fail", "error", "crash", "timeout")
 OUT_OF_DOMAIN_KINDS = ("float32-range", "nonfinite-inputs")
 
 
+class ContractRecord(TypedDict):
+    """A returned tensor that breaks the audited callable's contract (``audits.kernels.ContractBreach``,
+    its ``as_record``): a case record's ``contract`` (out, LSE) and its backward's (gradients).
+
+    - ``tensor``: "out", "lse", "dq", "dk", "dv" or "dsink"
+    - ``axes``: the expected shape's axes, named by the Case fields that size them
+      (``["batch", "seqlen_q", "heads_q", "dv"]``); ``expected``: that shape, ``expected_dtype``
+      its dtype ("bfloat16") and ``dtype_rule`` the rule it follows ("the input dtype, bfloat16
+      for fp8 inputs")
+    - ``got`` / ``got_dtype``: the shape and dtype returned (None both when no tensor was);
+      ``got_type``: the type's name ("Tensor", "tuple")
+    - ``fault``: the breach without the case's sizes ("seqlen_q and heads_q swapped", "wrong dv"):
+      the same for every case a kernel breaks alike, what failing cases are grouped by
+      (``audits.verdict.separators.fault_groups``); ``reason``: the breach with the case's sizes
+    """
+
+    tensor: str
+    axes: list[str]
+    expected: list[int]
+    expected_dtype: str
+    dtype_rule: str
+    got: list[int] | None
+    got_dtype: str | None
+    got_type: str
+    fault: str
+    reason: str
+
+
 class CaseRecord(TypedDict):
     """One case of a report (JSON object; ``audits.report.schema.CASE`` checks it when read).
 
     - ``case``: the case's name; ``config``: its ``Case`` fields (``audits.suites.cases.Case.as_dict``),
-      ``family`` and ``seed`` its input family and seed
+      ``family`` and ``seed`` its input family and seed; ``case_id``: its identity, from the config
+      alone (``audits.suites.case.canonical_identity``), what comparisons of reports match by
     - ``status``: how the call went ("ran", "error", "skipped", "crash", "timeout"), ``reason``
-      why when it did not run
-    - ``verdict`` (one of :data:`VERDICTS`) and ``reasons`` (a sentence per finding of the gate)
+      why when it did not run; ``contract``: when the kernel returned an out or LSE of another
+      shape or dtype than the contract's (status "error"), one :class:`ContractRecord` per tensor
+    - ``verdict`` (one of :data:`VERDICTS`) and ``reasons`` (a sentence per finding of the gate);
+      a ``known`` case's ``known_id`` (the entry of the ``--known`` file) and ``known_from`` (the
+      failing verdict it had, ``audits.verdict.known``)
     - ``out`` / ``lse``: the errors against the FP64 reference (``numerics.metrics``; ``lse`` None
       when the kernel returned none, ``lse_returned`` False then)
     - ``bound``: the per-element forward bound (``kind`` "fa4" or a peer's, ``violations``,
-      ``lse_violations``, ``tightness``); ``fa_criterion``: FlashAttention's test criterion
+      ``lse_violations``, ``tightness``, ``lse_tightness``; ``nonfinite`` / ``lse_nonfinite``:
+      the violations that are NaN/inf results); ``fa_criterion``: FlashAttention's test criterion
+    - ``model_check``: beside finite bound violations of a kernel other than the models, the FA4
+      model of the analysed arithmetic on the same inputs against the same bound (``numerics``
+      "fa4" or "peer", ``violations``, ``tightness``, ``lse_violations``, ``lse_tightness``): the
+      gate's evidence of whether the kernel or the analysis is at fault
     - ``mpmath_max_abs``: how far the FP64 reference is from the exact row
     - ``out_of_domain`` / ``out_of_domain_kind`` (one of :data:`OUT_OF_DOMAIN_KINDS`): inputs the
       kernel does not claim; ``audit_error``: the failure was the audit's own (FP64 out of memory)
-    - ``backward``: the gradients' record under ``run --backward`` (``audits.engine.backward``)
+    - ``backward``: the gradients' record under ``run --backward`` (``audits.engine.backward``;
+      its ``contract``: a :class:`ContractRecord` per gradient that breaks the contract)
     - ``varlen``: a varlen case's sequences; ``diagnosis`` / ``error_map``: a failing case's
       localization (``audits.verdict.diagnosis``, docs/diagnosis.md)
     - ``seconds``, ``repro`` / ``repro_inputs``: its time and how to reproduce it
     """
 
     case: str
+    case_id: NotRequired[str]
     config: dict[str, Any]
     family: NotRequired[str]
     seed: NotRequired[int]
     status: str
     verdict: str
     reasons: list[str]
+    known_id: NotRequired[str]
+    known_from: NotRequired[str]
     reason: NotRequired[str]
+    contract: NotRequired[list[ContractRecord]]
     seconds: NotRequired[float]
     out: NotRequired[dict[str, Any]]
     lse: NotRequired[dict[str, Any] | None]
@@ -57,6 +100,7 @@ class CaseRecord(TypedDict):
     bound: NotRequired[dict[str, Any] | None]
     fa_criterion: NotRequired[dict[str, Any] | None]
     mpmath_max_abs: NotRequired[float | None]
+    model_check: NotRequired[dict[str, Any]]
     out_of_domain: NotRequired[str | None]
     out_of_domain_kind: NotRequired[str | None]
     audit_error: NotRequired[bool]

@@ -18,6 +18,7 @@ from typing import Any
 
 from audits.kernels import KERNELS, arch_of_capability
 from audits.report.records import FAILING, LATER_VERDICTS, OUT_OF_DOMAIN_KINDS, VERDICTS
+from audits.suites.case import identity_of
 from audits.suites.cases import Case, case_from_dict
 from audits.suites.domain import Domain, DomainError
 from audits.verdict.coverage import basis_of_coverage, coverage_from_basis
@@ -42,6 +43,7 @@ __all__ = [
     "journal_basis",
     "COVERAGE",
     "DIAGNOSIS",
+    "KNOWN",
     "SCHEMA",
     "READABLE",
     "ReportError",
@@ -112,7 +114,8 @@ def check(value, spec, path: str) -> str | None:
     return None if isinstance(value, spec) else f"{path}: expected {_name(spec)}, got {type(value).__name__}"
 
 
-_ERRORS = {"max_abs": NUM, "nonfinite_where_ref_finite": int, "nan_swallowed": int}
+#: an error record (``numerics.metrics.output_errors``); ``checked`` absent before 2026-12-04
+_ERRORS = {"max_abs": NUM, "nonfinite_where_ref_finite": int, "nan_swallowed": int, "checked": Opt(int)}
 _BACKWARD = [
     {"status": str},
     When(
@@ -136,16 +139,21 @@ _DIAGNOSIS = Each({
 CASE = [
     {
         "case": str,
+        "case_id": Opt(str),
         "config": dict,
         "verdict": str,
         "reasons": Each(str),
         "status": str,
+        # a returned tensor of another shape or dtype than the contract's (audits.report.records.ContractRecord)
+        "contract": Opt(Each({"tensor": str, "fault": str, "reason": str})),
         # a varlen case's (audits.engine.evaluate, docs/varlen.md)
         "varlen": Opt({"sequences": int, "total_q": int, "total_k": int, "per_sequence": bool, "entry": Opt(str)}),
         # a failing case's: where its violations concentrate, and its error map's file (maps/<case>.npz)
         "diagnosis": Opt(_DIAGNOSIS),
         "error_map": Opt(str),
     },
+    # a failing case a --known entry describes (audits.verdict.known): which entry, and the verdict it had
+    When("verdict", ("known",), {"known_id": str, "known_from": str}),
     When(
         "status",
         ("ran",),
@@ -154,6 +162,7 @@ CASE = [
             "lse": Opt({**_ERRORS, "mismatched_nonfinite": int}),
             "bound": Opt({"kind": str, "violations": int, "lse_violations": int}),
             "fa_criterion": Opt({"max_abs": NUM, "lowprec_max_abs": NUM, "rounding": NUM}),
+            "model_check": Opt({"numerics": str, "violations": int, "lse_violations": int}),
             "backward": Opt(_BACKWARD),
         },
     ),
@@ -179,11 +188,19 @@ COVERAGE = [
 DIAGNOSIS = {
     "failing": int, "passing": int, "note": Opt(str),
     "separators": Each({"field": str, "rule": str, "failing": int, "passing": int, "exact": bool, "score": NUM}),
+    # the contract's breaches by tensor and fault (audits.verdict.separators.fault_groups)
+    "faults": Opt(Each({"tensor": str, "fault": str, "cases": int, "first": str})),
+}  # fmt: skip
+#: a report's ``known`` (``audits.verdict.known.apply_known``): the --known file applied, per entry its status
+KNOWN = {
+    "file": str, "strict": bool, "not_reproducing": Each(str),
+    "entries": Each({"id": str, "reason": str, "rule": str, "status": str, "matched": int, "exercised": int}),
 }  # fmt: skip
 #: the report's top level and summary (its cases: :data:`CASE`, each)
 REPORT = {
     "schema": str, "kernel": str, "suite": str, "seed": int, "device": str, "environment": dict, "command": str,
     "created": str, "thresholds": dict, "cases": list, "coverage": COVERAGE, "diagnosis": Opt(DIAGNOSIS),
+    "known": Opt(KNOWN),
     "summary": {
         "cases": int,
         "verdicts": {v: int for v in VERDICTS},
@@ -245,9 +262,18 @@ def upgrade_case(rec: dict) -> dict:
     2026-12-01) from the ``out_of_domain`` message; ``audit_error`` (absent in the first
     journals) from the reason of an OOM in the audit's own FP64 work.  Idempotent; a record
     that is not a dict is left for the schema check to name.  A failing record written before
-    diagnoses (2026-12-01) gets an empty ``diagnosis``: nothing localized, as for a crash."""
+    diagnoses (2026-12-01) gets an empty ``diagnosis``: nothing localized, as for a crash.  A
+    record written before case identities (2026-12-04) gets its ``case_id`` from its config
+    (``audits.suites.case.identity_of``; a config that is not a case is left for the check to
+    name).  Its error records written before ``checked`` keep their counts without it (the views
+    then print "N non-finite" without "of M", ``audits.report.html.max_text``)."""
     if not isinstance(rec, dict):
         return rec
+    if "case_id" not in rec and isinstance(rec.get("config"), dict):
+        try:
+            rec["case_id"] = identity_of(rec["config"])
+        except ValueError:
+            pass  # the schema check names the bad config field
     if rec.get("verdict") in FAILING and "diagnosis" not in rec:
         rec["diagnosis"] = {}
     ood = rec.get("out_of_domain")

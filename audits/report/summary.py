@@ -6,9 +6,11 @@ tell its failing cases from its passing ones (``audits.verdict.separators``)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from audits.verdict.separators import separator_text, separators
+from numerics.metrics import nan_aware_max
 
 #: what ``--by`` accepts: Case fields, plus mask (none / causal / local) and heads (MHA / GQA / MQA)
 GROUP_FIELDS = ("mask", "heads", "dtype", "d", "dv", "softcap", "sink", "layout", "family", "seqlen_q", "seqlen_k")
@@ -40,8 +42,23 @@ def group_key(config: dict, by: tuple[str, ...]) -> str:
 
 
 def _max(xs):
+    """The largest of ``xs`` (None ignored; None for none), NaN-aware: NaN if one is NaN, else the
+    usual maximum (inf included).  Python's ``max`` is not: it may return a number past a NaN."""
     xs = [x for x in xs if x is not None]
+    if any(x != x for x in xs):
+        return math.nan
     return max(xs) if xs else None
+
+
+def _true_max(records) -> float | None:
+    """The NaN-aware max |err| of error records (``numerics.metrics.nan_aware_max``): NaN or inf
+    when a kernel returned them where the reference is finite, which the finite ``max_abs`` hides."""
+    return _max(nan_aware_max(e) for e in records if isinstance(e, dict) and "max_abs" in e)
+
+
+def _nonfinite(records) -> int:
+    """Elements NaN or inf where the reference is finite, summed over error records."""
+    return sum(int(e.get("nonfinite_where_ref_finite") or 0) for e in records if isinstance(e, dict))
 
 
 def _grads(cases: list[dict]):
@@ -81,18 +98,38 @@ def summary_rows(reports: list[dict], by: tuple[str, ...], labels: list[str] | N
                     "kernel": labels[i],
                     "cases": len(cs),
                     "judged": len(ran),
-                    "out_max_abs": _max((c.get("out") or {}).get("max_abs") for c in ran),
-                    "rel_l2": _max((c.get("out") or {}).get("rel_l2") for c in ran),
-                    "lse_max_abs": _max((c.get("lse") or {}).get("max_abs") for c in ran),
-                    "tightness": _max((c.get("bound") or {}).get("tightness") for c in ran),
+                    # NaN-aware (numerics.metrics.nan_aware_max): a kernel's NaN is never a 0 here
+                    "out_max_abs": _true_max(c.get("out") for c in ran),
+                    "out_nonfinite": _nonfinite(c.get("out") for c in ran),
+                    "rel_l2": _max(
+                        math.nan if (c.get("out") or {}).get("nonfinite_where_ref_finite") else c["out"].get("rel_l2")
+                        for c in ran
+                        if c.get("out")
+                    ),
+                    "lse_max_abs": _true_max(c.get("lse") for c in ran),
+                    "lse_nonfinite": _nonfinite(c.get("lse") for c in ran),
+                    # a non-finite output at a finite reference is a bound violation without a finite ratio
+                    "tightness": _max(
+                        nan_aware_max(c["out"])
+                        if c.get("out") and c["out"].get("nonfinite_where_ref_finite") and c.get("bound")
+                        else (c.get("bound") or {}).get("tightness")
+                        for c in ran
+                    ),
                     "vs_lowprec": _max(
                         (c["fa_criterion"]["max_abs"] / c["fa_criterion"]["lowprec_max_abs"])
                         if c.get("fa_criterion", {}).get("lowprec_max_abs")
                         else None
                         for c in ran
                     ),
-                    "grad_max_abs": _max(g["max_abs"] for g in _grads(ran)),
-                    "grad_tightness": _max((g.get("bound") or {}).get("tightness") for g in _grads(ran)),
+                    "grad_max_abs": _true_max(_grads(ran)),
+                    "grad_nonfinite": _nonfinite(_grads(ran)),
+                    "grad_tightness": _max(
+                        nan_aware_max(g)
+                        if g.get("nonfinite_where_ref_finite")
+                        else (g.get("bound") or {}).get("tightness")
+                        for g in _grads(ran)
+                        if g.get("bound")
+                    ),
                     "verdicts": verdicts,
                 }
             )
@@ -101,6 +138,14 @@ def summary_rows(reports: list[dict], by: tuple[str, ...], labels: list[str] | N
 
 def summary_markdown(reports: list[dict], by: tuple[str, ...], labels: list[str] | None = None) -> str:
     f = lambda x: "—" if x is None else f"{x:.3g}"
+
+    def figure(r: dict, key: str) -> str:
+        """A cell; a max |err| over elements some of which the kernel returned as NaN or inf (where
+        the reference is finite) says how many."""
+        count = {"out_max_abs": "out_nonfinite", "lse_max_abs": "lse_nonfinite", "grad_max_abs": "grad_nonfinite"}
+        n = r.get(count.get(key, ""), 0)
+        return f(r[key]) + (f" ({n:,} non-finite)" if n else "")
+
     bwd = any(c.get("backward") for rep in reports for c in rep["cases"])
     head = (
         " / ".join(by),
@@ -119,7 +164,7 @@ def summary_markdown(reports: list[dict], by: tuple[str, ...], labels: list[str]
     L = ["| " + " | ".join((*head, "verdicts")) + " |", "|" + "---|" * (len(head) + 1)]
     for r in summary_rows(reports, by, labels):
         v = ", ".join(f"{k} {n}" for k, n in sorted(r["verdicts"].items()))
-        figures = [f(r[k]) for k in keys]
+        figures = [figure(r, k) for k in keys]
         L.append("| " + " | ".join([r["group"], r["kernel"], str(r["cases"]), str(r["judged"]), *figures, v]) + " |")
     return "\n".join(L) + "\n" + separators_markdown(reports, labels=labels)
 

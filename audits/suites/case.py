@@ -1,14 +1,17 @@
 """An audit case: :class:`Case`, one configuration of the audited call plus its inputs' family and
 seed, and its JSON forms (:func:`case_from_dict`, :func:`case_from_json`, :func:`cases_from_file`).
 :meth:`Case.call` gives the parts of it that select production's code path, which
-``fa4.code_paths.classes_of`` maps to code-path classes."""
+``fa4.code_paths.classes_of`` maps to code-path classes.  :meth:`Case.identity` (and
+:func:`identity_of` for a report's ``config``) is a case's identity: what reports are compared by."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import lzma
 import zlib
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from audits.common import read_bytes
@@ -26,6 +29,9 @@ __all__ = [
     "cases_from_file",
     "varlen_case",
     "seed_of",
+    "identity_of",
+    "canonical_identity",
+    "IDENTITY_PREFIX",
 ]
 
 #: the kinds of the programmable surface a case may use and a domain may declare
@@ -172,6 +178,12 @@ class Case:
         if "block_sparse" in d:
             d["block_sparse"] = list(d["block_sparse"])
         return d
+
+    @property
+    def identity(self) -> str:
+        """This case's identity (:func:`canonical_identity`): a key from its configuration alone,
+        never its name or its place in a suite."""
+        return canonical_identity(self, ignore_seed=False)
 
     def call(self, *, deterministic: bool = False) -> Call:
         """The parts of this case that select production's code path
@@ -344,6 +356,51 @@ def cases_from_file(path) -> list[Case]:
     if not isinstance(doc, list) or not doc:
         raise ValueError(f"case file {p}: expected a non-empty list of Case objects (or a report)")
     return [case_from_dict(d, where=f"case file {p}, entry {i + 1}") for i, d in enumerate(doc)]
+
+
+#: the prefix of every case identity ("cfg-" + 16 hex digits), telling it from a case name
+IDENTITY_PREFIX = "cfg-"
+
+
+def _canonical(value):
+    """A field value in the one JSON form its identity hashes: tuples as lists, recursively."""
+    if isinstance(value, (tuple, list)):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def canonical_identity(case: Case, *, ignore_seed: bool = False) -> str:
+    """A case's identity: ``"cfg-"`` + the first 16 hex digits of the SHA-256 of its canonical
+    configuration, the JSON object (keys sorted, no spaces) of every :class:`Case` field whose value
+    differs from the field's default, float fields as floats (a softcap of 15 and of 15.0 are one
+    case), tuples as lists.  The fields are what determines the inputs and the call (shape, dtype,
+    flags, layout, mods, varlen layout, input family and seed), so two reports hold the same case
+    exactly when its identity is equal, whatever its name (names are for people, and their format
+    has changed between versions) or its place in a suite.  Fields at their default are left out so
+    that a field added to :class:`Case` later (with a default: the behaviour of before) moves no
+    earlier case's identity; ``tests/test_case_identity.py`` pins the identities of fixed
+    configurations, so a changed default, which would move them, is caught.  ``ignore_seed``: the
+    identity without the seed (``diff`` / ``gate --ignore-seed``: the same configuration drawn
+    from another seed).  64 bits: the chance that two of 10^5 distinct cases share one is about
+    3e-10."""
+    canon = {}
+    for f in fields(Case):
+        if ignore_seed and f.name == "seed":
+            continue
+        v = getattr(case, f.name)
+        default = f.default if f.default is not MISSING else None
+        if v == default and (type(v) is type(default) or isinstance(default, float)):  # 0 == 0.0 == False
+            continue
+        canon[f.name] = float(v) if isinstance(default, float) and not isinstance(v, bool) else _canonical(v)
+    text = json.dumps(canon, sort_keys=True, separators=(",", ":"))
+    return IDENTITY_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def identity_of(config: Mapping, *, ignore_seed: bool = False, where: str = "case config") -> str:
+    """The identity (:func:`canonical_identity`) of a case record's ``config`` (``Case.as_dict``,
+    as reports carry it, of any version: absent fields take their defaults); ``ValueError`` naming
+    ``where`` for a config that is not a valid case (:func:`case_from_dict`)."""
+    return canonical_identity(case_from_dict(dict(config), where=where), ignore_seed=ignore_seed)
 
 
 def seed_of(*parts) -> int:

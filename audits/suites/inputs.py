@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from fa4.mods import build_mods
+from numerics.call import AttentionCall
 from numerics.fp import format_of
 from numerics.mod_library import RELBIAS_SPAN
 from numerics.mods import BlockSparse, MaskMod, ScoreMod, bind_aux_scalars, block_sparse_from_mask, visibility
@@ -471,6 +472,13 @@ def _head_max_logits(q: torch.Tensor, k: torch.Tensor, case) -> torch.Tensor:
         mask_mod=mods.get("mask_mod"),
         block_sparse=mods.get("block_sparse_tensors"),
     )
+    call = AttentionCall(
+        causal=case.causal,
+        window_size=tuple(case.window),
+        mask_mod=mask_mod,
+        block_sparse_tensors=blocks,
+        aux_tensors=aux,
+    )
     kd = k.double().repeat_interleave(hq // k.shape[2], dim=2)
     best = torch.full((hq,), -math.inf, dtype=torch.float64, device=q.device)
     rows = max(1, (1 << 24) // max(1, b * hq * sk))
@@ -481,19 +489,7 @@ def _head_max_logits(q: torch.Tensor, k: torch.Tensor, case) -> torch.Tensor:
             s = case.softcap * torch.tanh(s / case.softcap)
         if score_mod is not None:
             s = apply_score_mod(s, score_mod, aux, rows=idx)
-        vis = call_visibility(
-            batch=b,
-            heads=hq,
-            seqlen_q=sq,
-            seqlen_k=sk,
-            causal=case.causal,
-            window_size=tuple(case.window),
-            mask_mod=mask_mod,
-            block_sparse_tensors=blocks,
-            aux_tensors=aux,
-            rows=idx,
-            device=q.device,
-        )
+        vis = call_visibility(batch=b, heads=hq, seqlen_q=sq, seqlen_k=sk, call=call, rows=idx, device=q.device)
         s = s.masked_fill(~(vis & torch.isfinite(s)), -math.inf)
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     return best.cpu()

@@ -86,6 +86,10 @@ def smoke_mods() -> list[Case]:
         ),
         # a mask_mod beside causal=True: the audit's meaning is the intersection; production drops causal
         Case("bfloat16", 64, 64, 1, 2, 2, 130, 200, causal=True, family="flat", mask_mod="causal", seed=6),
+        # runtime scalars (aux_scalars): the temperature mod on one dominant key 12 nats above the
+        # rest, so that its factor (0.5..2, seed 9's) moves the key's weight: a kernel ignoring the
+        # scalars fails here (tests/test_feature_bugs.py)
+        Case("float16", 64, 64, 1, 2, 2, 96, 200, family="peaked", score_mod="temperature", seed=9),
     ]
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from audits.kernels import get_kernel, kernel_domain
 from audits.suites.cases import DTYPES, MOD_KINDS, SM90_HEAD_DIMS, case_from_dict
 from audits.suites.domain import Domain, DomainError
+from audits.suites.signal import features_of, signal
 from fa4.code_paths import Call, classes, classes_of
 
 __all__ = [
@@ -92,12 +93,9 @@ def _features(domain) -> list[str]:
 
 
 def _features_of(case) -> set[str]:
-    mask = "causal" if case.causal else "local" if case.local else "none"
-    got = {f"dtype={case.dtype}", f"mask={mask}"}
-    got |= {"softcap"} if case.softcap > 0 else set()
-    got |= {"sink"} if case.sink else set()
-    got |= set(case.mods)
-    return got | ({"gqa"} if case.heads_q != case.heads_kv else set())
+    """The features ``case`` covers: those it has (``audits.suites.signal.features_of``) that its
+    inputs make matter (``audits.suites.signal.signal``, the one statement of that rule)."""
+    return features_of(case) & signal(case)
 
 
 def coverage(
@@ -218,7 +216,8 @@ def _scan(records: Sequence[dict], by_name: dict, directions: list[str], arch: s
                 bad += 1
                 continue
         for d in hit:
-            got["head_dims"][d].setdefault((case.d, case.dv), case.name)
+            if "head_dims" in signal(case):  # a subnormal-key case computes the same at any scale
+                got["head_dims"][d].setdefault((case.d, case.dv), case.name)
             for f in _features_of(case):
                 got["features"][d].setdefault(f, case.name)
             if arch is not None:  # head dims and features count for every record; classes as it ran

@@ -81,26 +81,66 @@ def _nonfinite(f: Finding) -> str:
 
 
 def _fa_criterion(f: Finding) -> str:
-    """``detail``: ``head`` for dsink, which FA checks per head (``count`` heads off)."""
+    """``detail``: ``head`` for dsink, which FA checks per head (``count`` heads off); ``scale``
+    where the allowance is the floor at the quantity's scale (``audits.verdict.gate.FA_FLOOR``)."""
+    floor = f" (the floor at its scale {f.detail['scale']:.3g})" if f.detail.get("scale") is not None else ""
     if "head" in f.detail:
         return (
             f"FA criterion: dsink of {f.count} head(s) off, head {f.detail['head']}: "
-            f"|err| {f.worst:.3g} > allowed {f.allowed:.3g}"
+            f"|err| {f.worst:.3g} > allowed {f.allowed:.3g}{floor}"
         )
-    return f"FA criterion: max|{f.quantity} - ref| {f.worst:.3g} > allowed {f.allowed:.3g}"
+    return f"FA criterion: max|{f.quantity} - ref| {f.worst:.3g} > allowed {f.allowed:.3g}{floor}"
 
 
-_ANALYSIS = " — a bug in the kernel or in the analysis"
+def _evidence(f: Finding) -> str:
+    """A bound finding's evidence in words (``audits.verdict.gate._evidence``: ``detail`` keys
+    ``fa``, ``certified`` and for the LSE ``lse_ceiling``, each True, False or None for not
+    measured; ``model``: the FA4 model of the analysed arithmetic on the same inputs, within the
+    bound or not, where the record has it), ending in what together they mean.  A record from
+    before they were kept: none."""
+    d, q = f.detail, f.quantity
+    if "certified" not in d:
+        return ""
+    parts, of = [], ("the output" if q in ("out", "LSE") else q)
+    if d.get("fa") is not None:
+        parts.append(f"FA's criterion {'passes' if d['fa'] else 'fails'} {of}")
+    if d.get("lse_ceiling") is not None:
+        parts.append(f"the LSE is {'within' if d['lse_ceiling'] else 'beyond'} its ceiling")
+    ref = "the exact reference" if q in ("out", "LSE") else f"the exact {q}"
+    model = d.get("model")
+    if model is not None:
+        what = "this kernel's FA4 arithmetic" if model["numerics"] == "fa4" else "generic flash-attention arithmetic"
+        where = "stays within the bound" if model["within"] else f"exceeds it too, worst {model['worst']:.3g}x"
+        parts.append(f"the FA4 model of {what} on the same inputs {where}")
+    if model is not None and not model["within"] and d["certified"] is not False:
+        parts.append("so the analysis misses a step of that arithmetic (or the model does)")
+    elif d["certified"] is None:
+        parts.append(f"{ref} was not evaluated on this case, so the FP64 one is unconfirmed")
+    elif not d["certified"]:
+        parts.append(f"{ref} disagrees with the FP64 one, so the reference is suspect")
+    elif d.get("fa") is False or d.get("lse_ceiling") is False:
+        parts.append(f"{ref} agrees, so the kernel errs beyond rounding, not the reference")
+    elif model is not None:
+        parts.append(f"{ref} agrees, so the kernel departs from the arithmetic the bound covers (not the reference)")
+    else:
+        parts.append(f"{ref} agrees, so the kernel's arithmetic is outside the analysed one, not the reference")
+    return "; " + "; ".join(parts)
+
+
+def _bound(f: Finding, noun: tuple[str, str], bound: str) -> str:
+    """A bound finding: the quantity, its count, its own worst error/bound, the evidence."""
+    worst = "worst unknown" if f.worst is None else f"worst {f.worst:.3g}x"
+    return f"{f.quantity}: {count_of(f.count, noun)} exceed the {bound}, {worst}" + _evidence(f)
+
+
+_NOUNS = {"out": ("output", "outputs"), "LSE": ("value", "values")}
 #: each kind's words (``detail`` keys named where a kind reads them)
 _RENDER = {
     "status": lambda f: f.detail["note"],
     "out-of-domain": lambda f: f"inputs outside the kernel design's float32 range: {f.detail['note']}",
     "nonfinite": _nonfinite,
-    # detail: lse_violations
-    "bound": lambda f: (
-        f"{f.count} outputs and {f.detail['lse_violations']} LSE values exceed the forward-pass bound "
-        f"(worst error/bound {f.worst:.3g})" + _ANALYSIS
-    ),
+    # one per quantity (out, LSE); detail: the evidence (_evidence)
+    "bound": lambda f: _bound(f, _NOUNS[f.quantity], "forward-pass bound"),
     "fa-criterion": _fa_criterion,
     "lse-missing": lambda f: "LSE not returned: not audited",
     # detail: max_abs, rel (the [lse] thresholds), ref_max (the largest finite |reference LSE|)
@@ -113,9 +153,8 @@ _RENDER = {
     ),
     "grad-contract": lambda f: f"gradient contract: {f.detail['note']}",
     "grad-missing": lambda f: f"autograd returned no {f.quantity}: the output does not depend on that input",
-    "grad-bound": lambda f: (
-        f"{f.count} {f.quantity} elements exceed the backward bound (worst error/bound {f.worst:.3g})" + _ANALYSIS
-    ),
+    # detail: the evidence (_evidence)
+    "grad-bound": lambda f: _bound(f, ("element", "elements"), "backward bound"),
     # detail: unseen (keys no query sees)
     "unseen-nonzero": lambda f: f"{f.count} {f.quantity} elements of the {f.detail['unseen']} unseen keys are not zero",
     # detail: rows (rows that see no key)
@@ -130,8 +169,14 @@ _RENDER = {
         f"(allowed {f.allowed:g})"
     ),
     "backward": lambda f: f"backward: {f.detail['note']}",
-    # allowed: the [baseline] max_ratio; detail: baseline (its figure)
-    "baseline": lambda f: f"{f.quantity} {f.worst:.3g} > {f.allowed:g} x baseline {f.detail['baseline']:.3g}",
+    # allowed: the [baseline] max_ratio; detail: baseline (its figure), nonfinite / baseline_nonfinite
+    # (elements NaN or inf where the reference is finite, each side; absent: none)
+    "baseline": lambda f: (
+        f"{f.quantity} {f.worst:.3g} > {f.allowed:g} x baseline {f.detail['baseline']:.3g}"
+        if not f.detail.get("nonfinite")
+        else f"{f.quantity} {f.worst:g} ({f.detail['nonfinite']:,} non-finite where the reference is finite) "
+        f"against the baseline's {f.detail['baseline']:.3g} ({f.detail.get('baseline_nonfinite', 0):,} non-finite)"
+    ),
 }
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from audits.common import read_toml
 from audits.report.records import CaseRecord
 from audits.verdict.findings import Finding, render
+from numerics.fp import format_of
+from numerics.metrics import nan_aware_max
 
 __all__ = [
     "DEFAULT_THRESHOLDS",
@@ -27,6 +29,9 @@ __all__ = [
     "backward_verdict",
     "ungated_figures",
     "fa_allowed",
+    "FA_FLOOR",
+    "DSINK_ROUNDED_OUT",
+    "DSINK_TAIL",
     "grad_fa_allowed",
     "lse_allowed",
     "bound_gated",
@@ -203,13 +208,61 @@ def bound_gated(*, m: CaseRecord, th: dict, backward: bool = False) -> bool:
 
 
 def _bound(m: CaseRecord, th: dict) -> list[Finding]:
-    """The per-element forward bound (FA4 numerics, or generic flash-attention numerics for peers)."""
+    """The per-element forward bound (FA4 numerics, or generic flash-attention numerics for peers):
+    one finding per quantity that exceeds it (out, LSE), each with its own count and worst
+    error/bound, and the evidence the record holds on what the excess means (:func:`_evidence`)."""
     b = m.get("bound")
     applies = _bound_gated((b or {}).get("kind"), th["policy"])
-    if b is None or not applies or not (b["violations"] or b["lse_violations"]):
+    if b is None or not applies:
         return []
-    detail = {"lse_violations": b["lse_violations"]}
-    return [Finding("fail", "bound", "out", b["violations"], b["tightness"], 1.0, detail)]
+    found = []
+    # NaN/inf results where the reference is finite are the non-finite finding's (_semantics), said
+    # once there: here only the finite violations, whose worst ratio is the tightness (a record
+    # from before the split counts them all)
+    if n := b["violations"] - b.get("nonfinite", 0):
+        found.append(Finding("fail", "bound", "out", n, b["tightness"], 1.0, _evidence(m, th, "out")))
+    if n := b["lse_violations"] - b.get("lse_nonfinite", 0):  # a record from before lse_tightness: no ratio
+        worst = b.get("lse_tightness")
+        found.append(Finding("fail", "bound", "LSE", n, worst, 1.0, _evidence(m, th, "LSE")))
+    return found
+
+
+def _evidence(m: CaseRecord, th: dict, quantity: str) -> dict:
+    """What case record ``m`` says about a bound violation of ``quantity`` ("out", "LSE", or a
+    gradient), for its words (``audits.verdict.findings``): ``fa`` whether FA's criterion passes
+    the quantity (for the LSE: the output; None where it does not gate the case), ``lse_ceiling``
+    whether the LSE is within the [lse] ceiling (for the LSE), and ``certified`` whether the exact
+    (mpmath) evaluation agrees with the FP64 reference on the sampled row or elements (None: not
+    evaluated on this case), and ``model`` (where the record has ``model_check``): whether the FA4
+    model of the arithmetic the bound analyses stays within it on the same inputs.  Where both
+    references agree, the excess is the kernel's, not the reference's; with FA's criterion
+    passing, the kernel is close to the exact result but outside the arithmetic the bound
+    analyses; with the model beyond the bound too, the analysis misses a step of it."""
+    if quantity in ("out", "LSE"):
+        fa, allowed = m.get("fa_criterion"), fa_allowed(m=m, th=th)
+        passes = None if allowed is None else fa["max_abs"] <= allowed
+        cert, limit = m.get("mpmath_max_abs"), th["reference"]["mpmath_max_abs"]
+    else:
+        b = m.get("backward") or {}
+        fa, allowed = b["grads"][quantity].get("fa_criterion"), grad_fa_allowed(m=m, grad=quantity, th=th)
+        if allowed is None:
+            passes = None
+        elif isinstance(allowed, list):  # dsink, per head
+            passes = all(e <= a for e, a in zip(fa["errors"], allowed))
+        else:
+            passes = fa["max_abs"] <= allowed
+        cert, limit = (b.get("certified") or {}).get(quantity), th["backward"]["mpmath_max_rel"]
+    out = {"fa": passes, "certified": None if cert is None else cert <= limit}
+    mc = m.get("model_check")  # the FA4 model on the same inputs, same bound (audits.engine.evaluate)
+    if mc is not None and quantity in ("out", "LSE"):
+        pre = "" if quantity == "out" else "lse_"
+        n, worst = mc[pre + "violations"], mc[pre + "tightness"]
+        out["model"] = {"numerics": mc["numerics"], "within": n == 0, "worst": worst}
+    if quantity == "LSE":
+        lse, ceiling = m.get("lse"), lse_allowed(m=m, th=th)
+        # NaN-aware: an LSE with NaN/inf where the reference is finite is not within any ceiling
+        out["lse_ceiling"] = None if ceiling is None else nan_aware_max(lse) <= ceiling
+    return out
 
 
 def fa_allowed(*, m: CaseRecord, th: dict) -> float | None:
@@ -221,7 +274,65 @@ def fa_allowed(*, m: CaseRecord, th: dict) -> float | None:
     fa, pol = m.get("fa_criterion"), th["policy"]
     if fa is None or not pol["fa_criterion"] or m["config"]["dtype"] not in pol["fa_criterion_dtypes"]:
         return None
-    return pol["fa_multiplier"] * fa["lowprec_max_abs"] + 2 * fa["rounding"]
+    # never below the float32 rounding at the output's scale (FA_FLOOR); a record from before the
+    # scale was measured keeps FA's allowance alone
+    return max(pol["fa_multiplier"] * fa["lowprec_max_abs"] + 2 * fa["rounding"], _floor(fa.get("scale")))
+
+
+#: FA's criterion's floor, relative to the quantity's scale S (``numerics.metrics.fa_floor``: the
+#: same sum over absolute values, dS's terms before they cancel): the allowance is never below
+#: FA_FLOOR * S (thresholds.toml, [policy] fa_criterion, states the rule and its derivation).
+#: 2**-16 = 256 float32 unit roundoffs (2**-24): where PyTorch's low-precision result is exact
+#: (one key per row: dq = dk = 0 exactly) a correct kernel still errs by its float32 arithmetic,
+#: dot products of length <= 256 (FA4's largest head dim) whose error is at most ~length * 2**-24
+#: of their magnitudes (first order, all roundings aligned).  Loose there (measured: 7.4e-7 of a
+#: floor 2.5e-4, the worst of fa4-model and a float32 FA-style backward at seqlen 3x1), and far
+#: below any 16-bit rounding (bf16 2**-8, fp16 2**-11), so it never lets a seeded bug pass where
+#: FA's allowance failed it.
+FA_FLOOR = 2.0**-16
+
+
+def _floor(scale) -> float:
+    """The floor of FA's criterion at ``scale`` (None: a record without it, no floor)."""
+    return 0.0 if scale is None else FA_FLOOR * scale
+
+
+#: dsink's allowance adds DSINK_ROUNDED_OUT * DSINK_TAIL * u * R per head, u the input dtype's unit
+#: roundoff and R = sqrt(sum_{batch, i, c} (P_sink,i dO_ic O_ic)^2) (the record's ``head_out_rss``,
+#: from ``numerics.grad_reference.attention_grad_reference(scales=True)``): what forming D from the
+#: output rounded to the input dtype moves dsink by, legitimate flash-attention arithmetic that
+#: PyTorch's reference does not do.  FlashAttention's backward preprocessing takes D_i = rowsum(dO_i
+#: * O_i) from the stored 16-bit O (flash_attn/cute/flash_bwd_preprocess.py,
+#: ``FlashAttentionBackwardPreprocess``; FA2: csrc/flash_attn/src/flash_bwd_preprocess_kernel.h,
+#: ``dot_do_o``), while autograd forms D as sum_j P_ij dP_ij and never rounds O, so FA's criterion,
+#: built from PyTorch's error, has no room for it.
+#: Derivation: dsink = -sum_i P_sink,i D_i; the kernel's stored O_hat = fl(O~), O~ its float32
+#: output, so |O_hat - O| <= u |O| + |O~ - O| (1 + u), at most ~2u |O| per element for a kernel whose
+#: float32 output errs at the 16-bit scale (DSINK_ROUNDED_OUT = 2); the float32 dot product over
+#: dv <= 256 adds at most dv * 2**-24 <= u/32 (fp16) of the same terms.  The first-order worst case,
+#: 2u sum_i P_sink,i sum_c |dO_ic| |O_ic|, is vacuous: measured on the 17 H200 release-backward
+#: cases it exceeds |dsink| itself on 12 (down to 1e-3 |dsink|), so a missing dsink would pass.  The
+#: roundings of different elements are independent, zero-mean in the standard probabilistic model
+#: (Higham and Mary, "A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput.
+#: 2019): by Hoeffding's inequality |sum_k delta_k a_k| <= lambda * 2u sqrt(sum a_k^2) with
+#: probability >= 1 - 2 exp(-lambda^2 / 2); DSINK_TAIL = lambda = 4: 1 - 6.7e-4 per head.  Measured
+#: (thresholds.toml, [backward.dsink]): production's dsink errs at most 1.7 u R (0.21 of the term),
+#: while a missing or wrongly signed dsink stays >= 30x the allowance on every one of those cases.
+DSINK_ROUNDED_OUT = 2.0
+DSINK_TAIL = 4.0
+
+
+def _rounded_out(out_rss, dtype: str) -> float:
+    """dsink's share of rounding the output to ``dtype`` at one head's ``out_rss`` (None: a record
+    without it, nothing added): :data:`DSINK_ROUNDED_OUT` * :data:`DSINK_TAIL` * u * out_rss."""
+    return 0.0 if out_rss is None else DSINK_ROUNDED_OUT * DSINK_TAIL * format_of(dtype).unit_roundoff * out_rss
+
+
+def _floor_detail(scale, allowed: float) -> dict:
+    """A FA-criterion finding's ``detail`` when the floor at ``scale`` is the allowance:
+    ``scale``, for its words."""
+    floor = _floor(scale)
+    return {"scale": scale} if floor > 0 and allowed == floor else {}
 
 
 def _fa_criterion(m: CaseRecord, th: dict) -> list[Finding]:
@@ -229,7 +340,8 @@ def _fa_criterion(m: CaseRecord, th: dict) -> list[Finding]:
     fa, allowed = m.get("fa_criterion"), fa_allowed(m=m, th=th)
     if allowed is None or fa["max_abs"] <= allowed:
         return []
-    return [Finding("fail", "fa-criterion", "out", worst=fa["max_abs"], allowed=allowed)]
+    detail = _floor_detail(fa.get("scale"), allowed)
+    return [Finding("fail", "fa-criterion", "out", worst=fa["max_abs"], allowed=allowed, detail=detail)]
 
 
 def lse_allowed(*, m: CaseRecord, th: dict) -> float | None:
@@ -267,18 +379,25 @@ _CHECKS = (_semantics, _bound, _fa_criterion, _lse, _certified)
 _RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 3, "fail": 4, "error": 5, "timeout": 6, "crash": 7}
 
 
-def _grad_values(b: dict, th: dict) -> list[Finding]:
+def _grad_values(b: dict, m: CaseRecord, th: dict) -> list[Finding]:
     """Each gradient against its FP64 reference: non-finite values, the per-element backward
     bound (FA4 numerics; peers by policy), and what autograd failed to return."""
     bt, found = th["backward"], []
-    found += [Finding("error", "grad-contract", detail={"note": why}) for why in b.get("contract", [])]
+    # a ContractRecord per gradient (audits.report.records); a string before they were typed
+    found += [
+        Finding("error", "grad-contract", c["tensor"], detail={"note": c["reason"]})
+        if isinstance(c, dict)
+        else Finding("error", "grad-contract", detail={"note": c})
+        for c in b.get("contract", [])
+    ]
     found += [Finding("fail", "grad-missing", n) for n in b["missing"]]
     for n, g in b["grads"].items():
         found += _nonfinite(g, (f"{n} element", f"{n} elements"), "grad", th, ref="FP64 gradient", quantity=n)
         bd = g.get("bound")
         applies = _bound_gated(b.get("bound_kind"), bt)
-        if bd and applies and bd["violations"]:
-            found.append(Finding("fail", "grad-bound", n, bd["violations"], bd["tightness"], 1.0))
+        if bd and applies and (count := bd["violations"] - bd.get("nonfinite", 0)):  # non-finite: said above
+            evidence = _evidence(m, th, n)
+            found.append(Finding("fail", "grad-bound", n, count, bd["tightness"], 1.0, evidence))
     return found
 
 
@@ -286,9 +405,12 @@ def grad_fa_allowed(*, m: CaseRecord, grad: str, th: dict) -> float | list[float
     """The largest |g - ref| FlashAttention's backward criterion allows gradient ``grad`` of case
     record ``m`` under ``th``: ``multiplier`` x PyTorch's error in the input dtype + 2 x rounding
     (+ ``softcap_abs`` with a softcap); for dsink, which FA checks per head, one value per head
-    with ``ulps`` ULPs of |ref| in place of the rounding term.  None where the criterion does not
-    gate it (off, fp8, not measured).  Public: the verdict and ``audits.verdict.diagnosis`` read
-    the one rule."""
+    with ``ulps`` ULPs of |ref| in place of the rounding term, plus the term rounding the output to
+    the input dtype before D = rowsum(dO * O) contributes (:data:`DSINK_ROUNDED_OUT`, where the
+    record has ``head_out_rss``).  Never below :data:`FA_FLOOR` times
+    the gradient's scale (per head for dsink) where the record has it.
+    None where the criterion does not gate it (off, fp8, not measured).  Public: the verdict and
+    ``audits.verdict.diagnosis`` read the one rule."""
     bt, cfg = th["backward"], m["config"]
     fa = ((((m.get("backward") or {}).get("grads") or {}).get(grad)) or {}).get("fa_criterion")
     if fa is None or not bt["fa_criterion"] or cfg["dtype"] not in th["policy"]["fa_criterion_dtypes"]:
@@ -296,9 +418,15 @@ def grad_fa_allowed(*, m: CaseRecord, grad: str, th: dict) -> float | list[float
     cap = bool(cfg.get("softcap"))
     mult = bt["softcap_multiplier"] if cap else bt[grad]["fa_multiplier"]
     extra = bt["softcap_abs"] if cap else 0.0
-    if grad == "dsink":  # elementwise, 2 ULP of |ref| per head
-        return [mult * fa["lowprec_max_abs"] + bt["dsink"]["ulps"] * u + extra for u in fa["ulps_at_ref"]]
-    return mult * fa["lowprec_max_abs"] + 2 * fa["rounding"] + extra
+    if grad == "dsink":  # elementwise, 2 ULP of |ref| per head, + the rounded output's share of D
+        n = len(fa["ulps_at_ref"])
+        scales = fa.get("head_scales") or [None] * n
+        rounded = [_rounded_out(r, cfg["dtype"]) for r in fa.get("head_out_rss") or [None] * n]
+        return [
+            max(mult * fa["lowprec_max_abs"] + bt["dsink"]["ulps"] * u + extra + r, _floor(s))
+            for u, s, r in zip(fa["ulps_at_ref"], scales, rounded, strict=True)
+        ]
+    return max(mult * fa["lowprec_max_abs"] + 2 * fa["rounding"] + extra, _floor(fa.get("scale")))
 
 
 def _grad_fa_criterion(b: dict, m: CaseRecord, th: dict) -> list[Finding]:
@@ -312,10 +440,13 @@ def _grad_fa_criterion(b: dict, m: CaseRecord, th: dict) -> list[Finding]:
             bad = [i for i, (e, a) in enumerate(zip(fa["errors"], allowed)) if e > a]
             if bad:
                 i = bad[0]
-                found.append(Finding("fail", "fa-criterion", n, len(bad), fa["errors"][i], allowed[i], {"head": i}))
+                scale = (fa.get("head_scales") or [None] * len(allowed))[i]
+                detail = {"head": i, **_floor_detail(scale, allowed[i])}
+                found.append(Finding("fail", "fa-criterion", n, len(bad), fa["errors"][i], allowed[i], detail))
             continue
         if fa["max_abs"] > allowed:
-            found.append(Finding("fail", "fa-criterion", n, worst=fa["max_abs"], allowed=allowed))
+            detail = _floor_detail(fa.get("scale"), allowed)
+            found.append(Finding("fail", "fa-criterion", n, worst=fa["max_abs"], allowed=allowed, detail=detail))
     return found
 
 
@@ -348,7 +479,7 @@ def _backward(m: CaseRecord, th: dict) -> list[Finding]:
     require_backward(th)
     if b.get("out_of_domain") and not th["policy"]["claim_float32_overflow"]:
         return [Finding("out-of-domain", "backward", detail={"note": b["out_of_domain"]})]
-    return _grad_values(b, th) + _grad_fa_criterion(b, m, th) + _grad_semantics(b, th)
+    return _grad_values(b, m, th) + _grad_fa_criterion(b, m, th) + _grad_semantics(b, th)
 
 
 def findings(m: CaseRecord, th: dict) -> list[Finding]:
@@ -413,25 +544,43 @@ def judge_against_baseline(m: CaseRecord, base: CaseRecord, th: dict) -> list[st
     return [render(f) for f in against_baseline(m, base, th)]
 
 
+def _worse_than_baseline(a: dict, b: dict, r: float) -> bool:
+    """Whether error record ``a`` (``numerics.metrics.output_errors`` / ``lse_errors``) is worse
+    than baseline record ``b``, NaN-aware (``numerics.metrics.nan_aware_max``): NaN or inf where
+    the reference is finite is worse than any finite error; against a baseline that had them too,
+    worse when at more elements (a count, no ratio: a NaN is not a rounding error that may grow);
+    finite against finite, when ``a``'s max |err| exceeds ``r`` x ``b``'s."""
+    na, nb = (int(e.get("nonfinite_where_ref_finite") or 0) for e in (a, b))
+    if na or nb:
+        return na > nb
+    return a["max_abs"] > r * b["max_abs"] and a["max_abs"] > 0
+
+
 def against_baseline(m: CaseRecord, base: CaseRecord, th: dict) -> list[Finding]:
-    """Findings of a candidate case record worse than its baseline record by more than
-    ``[baseline] max_ratio`` (empty: not worse)."""
+    """Findings of a candidate case record worse than its baseline record (empty: not worse): per
+    error record (out, LSE, each gradient) its max |err| beyond ``[baseline] max_ratio`` x the
+    baseline's, or NaN/inf where the reference is finite at more elements than the baseline's
+    (:func:`_worse_than_baseline`; ``worst`` and the baseline's figure NaN-aware, and ``detail``
+    ``nonfinite`` / ``baseline_nonfinite`` their counts)."""
     if m.get("status") != "ran" or base.get("status") != "ran":
         return []
     r = th["baseline"]["max_ratio"]
     out = []
     grads = lambda c: (c.get("backward") or {}).get("grads") or {}
     pairs = [
-        ((m.get(key) or {}).get("max_abs"), (base.get(key) or {}).get("max_abs"), label)
-        for key, label in (("out", "max |out - ref|"), ("lse", "LSE max |err|"))
+        (m.get(key), base.get(key), label) for key, label in (("out", "max |out - ref|"), ("lse", "LSE max |err|"))
     ]
-    pairs += [
-        ((grads(m).get(n) or {}).get("max_abs"), (grads(base).get(n) or {}).get("max_abs"), f"max |{n} - ref|")
-        for n in ("dq", "dk", "dv", "dsink")
-    ]
+    pairs += [(grads(m).get(n), grads(base).get(n), f"max |{n} - ref|") for n in ("dq", "dk", "dv", "dsink")]
     for a, b, label in pairs:
-        if a is not None and b is not None and a > r * b and a > 0:
-            out.append(Finding("fail", "baseline", label, worst=a, allowed=r, detail={"baseline": b}))
+        if not (isinstance(a, dict) and isinstance(b, dict) and "max_abs" in a and "max_abs" in b):
+            continue
+        if _worse_than_baseline(a, b, r):
+            detail = {
+                "baseline": nan_aware_max(b),
+                "nonfinite": int(a.get("nonfinite_where_ref_finite") or 0),
+                "baseline_nonfinite": int(b.get("nonfinite_where_ref_finite") or 0),
+            }
+            out.append(Finding("fail", "baseline", label, worst=nan_aware_max(a), allowed=r, detail=detail))
     return out
 
 

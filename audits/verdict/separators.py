@@ -40,6 +40,11 @@ of fields (three thresholds on d say one thing) and per set of cases satisfied. 
 over vectors of the counted cases (numpy), and conjunctions only over the predicates true on
 every failing case (exact) or the :data:`POOL` likeliest (by score): a nightly report's 8,662
 cases take 0.2 to 0.6 s on a loaded 2-core machine (docs/diagnosis.md).
+
+Contract breaches (a returned out, LSE or gradient of another shape or dtype than the contract's,
+``audits.report.records.ContractRecord``) are grouped by tensor and fault, not by the case's sizes:
+:func:`fault_groups` (the diagnosis's ``faults``) and :func:`reasons_by_fault` (the key views
+group failing cases by, ``audits.report.build.collapse_reasons``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import numpy as np
 from audits.report.records import FAILING, CaseRecord
 from audits.suites.cases import case_from_dict
 from audits.verdict.coverage import classes_ran
+from audits.verdict.findings import count_of
 
 __all__ = [
     "PASSING",
@@ -65,6 +71,9 @@ __all__ = [
     "separators",
     "separator_text",
     "where_lines",
+    "contract_breaches_of",
+    "fault_groups",
+    "reasons_by_fault",
 ]
 
 #: the verdicts counted as passing (the failing ones: ``FAILING``); skipped and out-of-domain
@@ -313,6 +322,8 @@ def separators(cases: list[CaseRecord], *, arch: str | None) -> dict:
     failing = np.array([r["verdict"] in FAILING for r in records], dtype=bool)
     nf, np_ = int(failing.sum()), int((~failing).sum())
     out: dict = {"separators": [], "failing": nf, "passing": np_}
+    if faults := fault_groups(records):
+        out["faults"] = faults
     if not nf or not np_:
         out["note"] = (
             "no failing case and no passing one: nothing to separate"
@@ -411,6 +422,9 @@ def separator_text(diag: dict | None) -> tuple[str, list[tuple[str, str]]]:
     seps = diag.get("separators") or []
     counted = f"{nf} failing, {np_} passing cases (skipped and out-of-domain not counted)"
     note = [diag["note"][0].upper() + diag["note"][1:]] if diag.get("note") else []
+    if diag.get("faults"):  # the contract's breaches, one per tensor and fault (fault_groups)
+        each = [f"{g['tensor']}: {g['fault']} ({count_of(g['cases'], ('case', 'cases'))})" for g in diag["faults"]]
+        note.append("Contract breaches by fault: " + "; ".join(each))
     if not seps:
         return ". ".join([counted, *note]), []
     if all(s["exact"] for s in seps):
@@ -425,6 +439,47 @@ def separator_text(diag: dict | None) -> tuple[str, list[tuple[str, str]]]:
         for s in seps
     ]
     return ". ".join([counted, *note, how]), rules
+
+
+# ---- contract breaches: one fault per tensor -------------------------------------------------
+
+
+def contract_breaches_of(rec: CaseRecord) -> list[dict]:
+    """The case's contract breaches (``audits.report.records.ContractRecord``): its out's and
+    LSE's (``contract``), then its gradients' (``backward.contract``); a report written before
+    they were typed (a gradient's breach as a string) has none."""
+    bwd = rec.get("backward") if isinstance(rec.get("backward"), dict) else {}
+    return [c for c in [*(rec.get("contract") or []), *(bwd.get("contract") or [])] if isinstance(c, dict)]
+
+
+def reasons_by_fault(rec: CaseRecord) -> tuple[str, ...]:
+    """The case's ``reasons`` with each contract breach's reason (its sizes) replaced by its tensor
+    and fault ("out: seqlen_q and heads_q swapped"): equal for every case a kernel breaks alike,
+    whatever their sizes, so that views grouping cases by reasons (``audits.report.build.collapse_reasons``)
+    show one group per fault."""
+    breaches = contract_breaches_of(rec)
+    out = []
+    for text in rec.get("reasons") or []:
+        for c in breaches:
+            text = text.replace(c["reason"], f"{c['tensor']}: {c['fault']}")
+        out.append(text)
+    return tuple(out)
+
+
+def fault_groups(records: list[CaseRecord]) -> list[dict]:
+    """The failing cases' contract breaches grouped by fault: ``[{"tensor", "fault", "cases",
+    "first"}]`` (``cases``: how many failing cases break it; ``first``: the first's name), tensors
+    in the order of :data:`TENSORS`, then by first appearance; empty when no case breaks the contract."""
+    groups: dict[tuple[str, str], dict] = {}
+    for rec in records:
+        if rec.get("verdict") not in FAILING:
+            continue
+        for c in contract_breaches_of(rec):
+            g = groups.setdefault((c["tensor"], c["fault"]), {**{k: c[k] for k in ("tensor", "fault")}, "cases": 0})
+            g["cases"] += 1
+            g.setdefault("first", rec.get("case", ""))
+    order = {t: i for i, t in enumerate(TENSORS)}
+    return sorted(groups.values(), key=lambda g: order.get(g["tensor"], len(TENSORS)))
 
 
 def where_lines(rec: CaseRecord) -> list[str]:

@@ -105,6 +105,7 @@ def _production_bounds(x: dict, do, pg: dict, ref: dict) -> dict:
     the out and LSE production's forward returned: violations and max error / bound."""
     from fa4.model import FA4Numerics
     from numerics.backward_bound import backward_error_bound
+    from numerics.call import AttentionCall
     from numerics.metrics import bound_check
 
     q, k, v, kw = x["q"], x["k"], x["v"], x["kw"]
@@ -112,7 +113,8 @@ def _production_bounds(x: dict, do, pg: dict, ref: dict) -> dict:
         "sm90", q, k, v, causal=kw["causal"], window_size=kw["window_size"], mask_mod=kw.get("mask_mod"),
         block_sparse_tensors=kw.get("block_sparse_tensors"),
     )  # fmt: skip
-    b = backward_error_bound(q, k, v, do, pg["out"], pg["lse"], nm, reference=ref, **kw)
+    call = AttentionCall.from_kwargs(**kw)
+    b = backward_error_bound(q, k, v, do, pg["out"], pg["lse"], nm, call=call, reference=ref)
     res = {}
     for n, bound in b.items():
         if bound is not None and n in pg:
@@ -122,6 +124,7 @@ def _production_bounds(x: dict, do, pg: dict, ref: dict) -> dict:
 
 
 def run_case(name: str, case: Case, production, model, device, deterministic: bool = False) -> dict:
+    from numerics.call import AttentionCall
     from numerics.grad_reference import attention_grad_reference
     from numerics.reference import attention_reference
 
@@ -131,7 +134,7 @@ def run_case(name: str, case: Case, production, model, device, deterministic: bo
     t0 = time.perf_counter()
     pg = _grads(production, x, do, deterministic=deterministic)
     mg = _grads(model, x, do, deterministic=deterministic)
-    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, **x["kw"])
+    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=AttentionCall.from_kwargs(**x["kw"]))
     rec = {"case": name, "config": case.as_dict(), "seconds": None, "grads": {}}
     bounds = _production_bounds(x, do, pg, ref)
     for n in ("dq", "dk", "dv", "dsink"):
@@ -147,7 +150,7 @@ def run_case(name: str, case: Case, production, model, device, deterministic: bo
             "model_max_err": err(mg[n]),
             "production_vs_bound": bounds[n],
         }
-    ro, rl = attention_reference(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    ro, rl = attention_reference(x["q"], x["k"], x["v"], call=AttentionCall.from_kwargs(**x["kw"]), return_lse=True)
     rec["forward"] = {
         "out": _compare(mg["out"], pg["out"], ro),
         "lse_identical": float((mg["lse"].view(torch.int32) == pg["lse"].view(torch.int32)).double().mean()),

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fa4.mods import build_mods  # noqa: E402
+from numerics.call import AttentionCall  # noqa: E402
 from numerics.grad_reference import attention_grad_reference  # noqa: E402
 from numerics.mods import ScoreMod  # noqa: E402
 
@@ -120,7 +121,7 @@ def main() -> int:
             o = o[0] if isinstance(o, tuple) else o
             dq, dk, dv = torch.autograd.grad(o, (qq, kk, vv), do)
             torch.cuda.synchronize()
-            ref = attention_grad_reference(q, k, v, do, score_mod=mod, aux_tensors=aux)
+            ref = attention_grad_reference(q, k, v, do, call=AttentionCall(score_mod=mod, aux_tensors=aux))
             o = o.detach()
             report[name] = _compare({"out": o, "dq": dq, "dk": dk, "dv": dv}, ref)
         except Exception as exc:  # each variant on its own: report and go on

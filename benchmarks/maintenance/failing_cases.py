@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from audits.common import read_bytes
-from audits.engine.evaluate import FAILING
+from audits.report.schema import FAILING
 
 
 def failing_configs(paths: list[str]) -> list[dict]:

@@ -20,8 +20,8 @@ from pathlib import Path
 from PIL import Image
 
 from audits.common import read_bytes
-from audits.engine.evaluate import FAILING
 from audits.report.build import validate_report, write_report
+from audits.report.schema import FAILING
 from audits.verdict.separators import separators
 
 #: maps rendered into a committed report (PNG only: the SVGs and the npz data stay out of the repo)

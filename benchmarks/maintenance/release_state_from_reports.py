@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from audits.engine import journal  # noqa: E402
 from audits.engine.backward import BackwardOptions  # noqa: E402
-from audits.engine.evaluate import is_audit_error, shard_cases  # noqa: E402
+from audits.engine.run import is_audit_error  # noqa: E402
+from audits.engine.shards import shard_cases  # noqa: E402
 from audits.suites.cases import release_suite  # noqa: E402
 from audits.verdict.gate import load_thresholds  # noqa: E402
 

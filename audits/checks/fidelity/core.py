@@ -22,6 +22,7 @@ from audits.suites.cases import Case, fidelity_cases
 from audits.suites.inputs import make_inputs
 from fa4.model import FA4Numerics, attention, hardware_exp2
 from fa4.production import ex2_kernel
+from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
 from numerics.fp import ulp_distance
 from numerics.metrics import bound_check, lse_errors, output_errors, row_scaled_ulp_diff, ulp_diff_histogram
@@ -60,9 +61,10 @@ def run_case(label: str, c: Case, production, device, *, mma: str = "exact") -> 
     )
     nm = dataclasses.replace(nm, mma=mma)
     mo, ml = attention(q, k, v, return_lse=True, numerics=nm, **kw)
-    ref, rl = attention_reference(q, k, v, return_lse=True, **kw)
+    call = AttentionCall.from_kwargs(**kw)
+    ref, rl = attention_reference(q, k, v, call=call, return_lse=True)
     hist = ulp_diff_histogram(mo, po)
-    ob, lb = forward_error_bound(q, k, v, nm, **kw)
+    ob, lb = forward_error_bound(q, k, v, nm, call=call)
 
     def against_bound(out, lse):
         r = bound_check(out, ref, ob, lse, rl, lb)

@@ -18,6 +18,7 @@ import torch
 
 from audits.checks.invariance.compare import call_fixed, pair, verdict
 from audits.suites.inputs import make_inputs
+from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
 from numerics.reference import attention_reference, visible_mask
 
@@ -34,13 +35,14 @@ class FixedInputs:
         self.case = case
         x = make_inputs(case, device=device)
         self.q, self.k, self.v, self.kw = x["q"], x["k"], x["v"], x["kw"]
+        self.attention_call = AttentionCall.from_kwargs(**self.kw)
         self._ref = None
         self._bounds: dict = {}
         self._full: dict = {}
 
     def ref(self):
         if self._ref is None:
-            self._ref = attention_reference(self.q, self.k, self.v, return_lse=True, **self.kw)
+            self._ref = attention_reference(self.q, self.k, self.v, call=self.attention_call, return_lse=True)
         return self._ref
 
     def bound(self, t):
@@ -50,7 +52,9 @@ class FixedInputs:
             return None, None
         if t.name not in self._bounds:
             nm = t.nmf(self.q, self.k, self.v, self.case.causal, tuple(self.case.window))
-            self._bounds[t.name] = forward_error_bound(self.q, self.k, self.v, nm, reference=self.ref(), **self.kw)
+            self._bounds[t.name] = forward_error_bound(
+                self.q, self.k, self.v, nm, call=self.attention_call, reference=self.ref()
+            )
         return self._bounds[t.name]
 
     def full(self, t):

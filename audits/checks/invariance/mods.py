@@ -62,6 +62,7 @@ from audits.suites.inputs import make_inputs
 from audits.suites.strategies import mask_mod_of, random_mask
 from fa4.code_paths import sm90_fwd_tile
 from fa4.mods import build_mods
+from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
 from numerics.mod_library import SOFTCAP_CAP, WINDOW
 from numerics.mods import block_sparse_from_mask, index_grid, visibility
@@ -133,7 +134,9 @@ class ModInputs:
 
     def ref(self, label: str, kw: dict):
         if label not in self._refs:
-            self._refs[label] = attention_reference(self.q, self.k, self.v, return_lse=True, **kw)
+            self._refs[label] = attention_reference(
+                self.q, self.k, self.v, call=AttentionCall.from_kwargs(**kw), return_lse=True
+            )
         return self._refs[label]
 
     def bound(self, t, label: str, kw: dict):
@@ -143,7 +146,10 @@ class ModInputs:
         key = (t.name, label)
         if key not in self._bounds:
             nm = t.nmf(self.q, self.k, self.v, bool(kw.get("causal")), tuple(kw.get("window_size", (None, None))))
-            self._bounds[key] = forward_error_bound(self.q, self.k, self.v, nm, reference=self.ref(label, kw), **kw)
+            call = AttentionCall.from_kwargs(**kw)
+            self._bounds[key] = forward_error_bound(
+                self.q, self.k, self.v, nm, call=call, reference=self.ref(label, kw)
+            )
         return self._bounds[key]
 
 

@@ -14,9 +14,18 @@ def _diffs(res: dict) -> list[str]:
         if m and m["differ"]:
             e = m["max_err_fp64"]
             wb = {True: ", within bound", False: ", BEYOND bound"}.get(m.get("within_bound"), "")
+            # the non-finite mismatches by kind (compare.compare), so that a NaN against a number
+            # is never read as a rounding difference
+            kinds = [
+                f"{m[k]} {what}"
+                for k, what in (("nan_mismatch", "NaN against a number"), ("inf_sign_mismatch", "+inf against -inf"))
+                if m.get(k)
+            ]
+            steps = f"max {m['max_steps']} steps " if m["max_steps"] >= 0 else ""
             parts.append(
-                f"{t}: {m['differ']}/{m['compared']} differ, max {m['max_steps']} steps "
-                f"({m['max_ulp']:.3g} ULP at FP64), "
+                f"{t}: {m['differ']}/{m['compared']} differ"
+                + (f" ({', '.join(kinds)})" if kinds else "")
+                + f", {steps}({m['max_ulp']:.3g} ULP at FP64), "
                 f"max err vs FP64 {e[0]:.3g} / {e[1]:.3g}{wb}"
             )
     return parts

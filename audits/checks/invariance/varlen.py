@@ -30,6 +30,7 @@ from audits.checks.invariance.fixed import DECODE_ROWS, decode_rows, rows_case
 from audits.suites import inputs  # its ``paged`` pool builder, beside this module's ``paged`` property
 from audits.suites.inputs import make_inputs, make_varlen_inputs
 from fa4.varlen import packs_gqa, sequence_numerics, split_counts
+from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
 from numerics.reference import attention_reference
 
@@ -180,7 +181,9 @@ class VarlenInputs:
 
     def ref(self, i: int):
         if i not in self._refs:
-            self._refs[i] = attention_reference(*self.parts[i], return_lse=True, **self.common)
+            self._refs[i] = attention_reference(
+                *self.parts[i], call=AttentionCall.from_kwargs(**self.common), return_lse=True
+            )
         return self._refs[i]
 
     def bound(self, t, i: int, call: VarlenCall, j: int):
@@ -209,7 +212,8 @@ class VarlenInputs:
         extra = bound_keywords(call.splits(t.arch, j), pack)  # split-KV: numerics.forward_bound.split_error_bound
         key = (i, nm, tuple(sorted(extra.items())))  # calls of the same numerics share one
         if key not in self._bounds:
-            self._bounds[key] = forward_error_bound(q, k, v, nm, reference=self.ref(i), **self.common, **extra)
+            call = AttentionCall.from_kwargs(**self.common)
+            self._bounds[key] = forward_error_bound(q, k, v, nm, call=call, reference=self.ref(i), **extra)
         return self._bounds[key]
 
     def lazy(self, t, i: int, rows: slice, a: tuple[VarlenCall, int], b: tuple[VarlenCall, int]):
