@@ -140,7 +140,7 @@ def _doubled_grad(q, kw):
     if mod is None or mod.grad is None:
         return kw
     right = mod.grad
-    wrong = dataclasses.replace(mod, grad=lambda g, *a: 2.0 * right(g, *a), forms={})
+    wrong = dataclasses.replace(mod, grad=lambda g, *a, **k: 2.0 * right(g, *a, **k), forms={})
     return {**kw, "score_mod": wrong}
 
 
@@ -149,7 +149,9 @@ def _neighbour_head(q, kw):
     if mod is None:
         return kw
     heads, right = q.shape[2], mod.fn
-    wrong = dataclasses.replace(mod, fn=lambda s, b, h, *a: right(s, b, (h + 1) % heads, *a), forms={})
+    wrong = dataclasses.replace(
+        mod, fn=lambda s, b, h, *a, **k: right(s, b, (h + 1) % heads, *a, **k), forms={}
+    )  # runtime scalars pass through
     return {**kw, "score_mod": wrong}
 
 

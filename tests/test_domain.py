@@ -320,12 +320,12 @@ def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_
     from audits.suites.cases import smoke_suite
 
     outside = {c.name for c in smoke_suite() if c.softcap or c.sink or c.dtype.startswith("float8") or c.mods}
-    assert len(outside) == 17  # 8 fp8, 2 softcap, 2 sink, 5 mods (smoke_mods' 4, varlen_mods' smoke case)
+    assert len(outside) == 18  # 8 fp8, 2 softcap, 2 sink, 6 mods (smoke_mods' 5, varlen_mods' smoke case)
     out = tmp_path / "two"
     argv = ["run", "--kernel", "fa4-model", "--kernel", "sdpa-math", "--suite", "smoke", "--quiet"]
     cli.main([*argv, "--out", str(out)])
-    # outside: SDPA's flags and dtypes, and smoke's 5 mod cases (SDPA declares no mods)
-    assert f"sdpa-math skips 17 of {len(smoke_suite())} cases outside its declared domain" in capsys.readouterr().err
+    # outside: SDPA's flags and dtypes, and smoke's 6 mod cases (SDPA declares no mods)
+    assert f"sdpa-math skips 18 of {len(smoke_suite())} cases outside its declared domain" in capsys.readouterr().err
     reps = {k: json.loads((out / k / "report.json").read_text()) for k in ("fa4-model", "sdpa-math")}
     assert [c["case"] for c in reps["fa4-model"]["cases"]] == [c.name for c in smoke_suite()]
     assert [c["case"] for c in reps["sdpa-math"]["cases"]] == [c.name for c in smoke_suite()]
@@ -334,7 +334,7 @@ def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_
     unrestricted = Domain(mods=MOD_KINDS).as_dict()
     assert info == reps["fa4-model"]["domain"] and info["rule"] == "union" and info["domain"] == unrestricted
     sdpa = info["kernels"]["sdpa-math"]
-    assert sdpa["domain"]["softcap"] is False and sdpa["cases_outside"] == 17
+    assert sdpa["domain"]["softcap"] is False and sdpa["cases_outside"] == 18
     assert info["kernels"]["fa4-model"] == {"domain": unrestricted, "cases_outside": 0}
     declared = {c["case"] for c in reps["sdpa-math"]["cases"]
                 if c["reasons"][0].startswith("outside the kernel's declared domain: ")}  # fmt: skip

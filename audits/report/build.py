@@ -312,10 +312,18 @@ def _gradients_part(report: dict) -> str:
     if not (isinstance(th.get("backward"), dict) and isinstance(th.get("policy"), dict)):
         ran = sum((c.get("backward") or {}).get("status") == "ran" for c in cases)
         return f"; gradients: ran in {ran} of {len(cases)} cases"
-    got = [backward_verdict(case=c, thresholds=th) or "not run" for c in cases]
+    got = [_gradients_verdict(c, th) for c in cases]
     counts = ", ".join(f"{v} {got.count(v)}" for v in (*VERDICTS, "not run") if got.count(v))
-    audited = sum(got.count(v) for v in ("pass", "warn", "fail"))
+    audited = sum(got.count(v) for v in ("pass", "warn", "fail", "known"))
     return f"; gradients: {audited} of {len(cases)} cases audited ({counts})"
+
+
+def _gradients_verdict(case: dict, th: dict) -> str:
+    """A case's gradients' verdict for the summary: ``known`` where a ``--known`` entry describes
+    the case's failure (``audits.verdict.known``: it covers every failing finding, the gradients'
+    included), else their own (``audits.verdict.gate.backward_verdict``; "not run": none)."""
+    got = backward_verdict(case=case, thresholds=th) or "not run"
+    return "known" if case.get("verdict") == "known" and got in FAILING else got
 
 
 #: the unrestricted domain, against which a report's declared one is shown

@@ -720,8 +720,9 @@ def known_lines(report: dict) -> list[str]:
         elif e["status"] == "no longer reproducing":
             fails = "; fails the run (--strict-known)" if k.get("strict") else ""
             lines.append(
-                f"  NO LONGER REPRODUCING {e['id']}: no failing case in the {e['exercised']} case(s) its rule "
-                f"covers{fails}: {head}{up}"
+                f"  NO LONGER REPRODUCING {e['id']}: none of the {e['exercised']} case(s) of its configuration "
+                f"failed its way in this run (fixed, or inputs that do not trigger it: docs/known.md){fails}: "
+                f"{head}{up}"
             )
     quiet = [e["id"] for e in k["entries"] if e["status"] == "not exercised"]
     if quiet:

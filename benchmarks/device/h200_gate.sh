@@ -6,6 +6,8 @@
 # `release` (forward), with `--known fa4`, the shipped known defects; each release its own compile
 # cache. Everything stops by LIMIT seconds (default 540); a run stopped there reports what it ran.
 # Reports come back small (md, json.xz) in $OUT/reports.tgz. Device tool, carry [".fa4dev"].
+# MODE=rest (carry [".fa4dev", ".gate-state"] too): release's cases that a first call left unrun,
+# read from its partial reports .gate-state/<release>/report.json.xz, as a case file.
 set -uo pipefail
 . benchmarks/device/h200_env.sh
 nvidia-smi -L
@@ -20,7 +22,21 @@ gate() {  # release, extra PYTHONPATH entry
   (
     export PYTHONPATH=$pre$PYTHONPATH FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache-$rel
     python -c "import importlib.metadata as m; print('$rel: flash-attn-4', m.version('flash-attn-4'))"
-    for step in "smoke-backward --suite smoke --backward --jobs 3" "release --suite release --jobs 5"; do
+    local steps=("smoke-backward --suite smoke --backward --jobs 3" "release --suite release --jobs 5")
+    if [ "${MODE:-all}" = rest ]; then  # release's selection (fa4's domain on this GPU) less the cases run
+      python - "$rel" <<'PY'
+import json, sys
+from audits.suites.case import cases_from_file
+from audits.suites.selection import select_cases
+rel = sys.argv[1]
+done = {c.name for c in cases_from_file(f".gate-state/{rel}/report.json.xz")}
+rest = [c.as_dict() for c in select_cases(suite="release", kernels=["fa4"]).cases if c.name not in done]
+json.dump(rest, open(f"/tmp/gate/{rel}-rest.json", "w"))
+print(f"{rel}: {len(done)} release cases run before, {len(rest)} left")
+PY
+      steps=("release-rest --case-file /tmp/gate/$rel-rest.json --jobs 5")
+    fi
+    for step in "${steps[@]}"; do
       set -- $step
       local name=$1; shift
       local left=$((LIMIT - (SECONDS - START)))
