@@ -9,19 +9,19 @@
   closest model of production on Hopper; on the CPU it costs about 60x the default at b1 h8
   s512 (docs/performance.md).
 * ``sdpa-math``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: PyTorch's SDPA backends
-  as peers.  SDPA has no softcap, sink, fp8 or LSE output: the first three are outside its
-  declared domain (the runner skips them before calling); what a domain cannot say raises
-  ``NotImplementedError`` at run time (rows with no visible key: SDPA gives NaN there where FA's
+  as peers (their adapters: ``audits.peers``).  SDPA has no softcap, sink, fp8 or LSE output:
+  the first three are outside its declared domain (the runner skips them before calling); what
+  a domain cannot say raises ``NotImplementedError`` at run time (rows with no visible key: SDPA gives NaN there where FA's
   convention is 0; bottom-right causal masks on flash and cudnn; efficient and cudnn off CUDA,
-  ``sdpa_unavailable``), and ``return_lse`` yields
+  ``audits.peers.sdpa_unavailable``), and ``return_lse`` yields
   ``None``.
 * ``flex``: PyTorch's ``flex_attention`` as a peer (compiled on CUDA, eager and forward-only on
   the CPU), with the mods (``numerics.mods``) in flex's own form; no sink, no fp8.
 * ``module:attr`` or ``path/to/file.py:fn``: any callable with that signature.
 
 Each built-in declares its domain (``fn.fa4_audit_domain``, ``audits.suites.domain``): production's per
-GPU architecture (``fa4.production.production_domain``), the models' (``_MODEL_DOMAINS``),
-SDPA's per backend (``_sdpa_domain``), flex's (``_flex.fa4_audit_domain``).
+GPU architecture (``fa4.refusals.production_domain``), the models' (``_MODEL_DOMAINS``),
+SDPA's per backend and flex's (``audits.peers``).  What a kernel must return: ``audits.contract``.
 
 ``fa4_numerics(name)`` says which ``FA4Numerics`` family a kernel implements, so the runner
 can hold it to ``numerics.forward_bound``; None for the peers.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
 import os
 import sys
 import traceback
@@ -39,24 +38,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention import flex_attention as flex_module
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from audits.common import UsageError
+from audits.peers import flex, sdpa
 from audits.suites.domain import Domain, DomainError, domain_of
-from fa4.mods import block_sparse_index_lists
-from fa4.production import (
-    REFUSALS,
-    ProductionUnavailable,
-    flash_attn,
-    flash_attn_varlen,
-    production_domain,
-    refusal_in_call,
-    require_production,
-)
-from numerics.mods import bind_aux_scalars
-from numerics.reference import effective_window, visible_mask
+from fa4.production import ProductionUnavailable, flash_attn, flash_attn_varlen, require_production
+from fa4.refusals import REFUSALS, production_domain, refusal_in_call
 
 __all__ = [
     "KERNELS",
@@ -70,19 +57,9 @@ __all__ = [
     "cuda_arch",
     "arch_of_capability",
     "claims_nonfinite_inputs",
-    "contract_error",
-    "SDPA_DEVICES",
-    "sdpa_unavailable",
-    "ContractBreach",
-    "contract_breaches",
-    "breach_of",
-    "OUT_AXES",
-    "LSE_AXES",
     "VARLEN_KERNELS",
     "get_varlen_kernel",
     "per_sequence",
-    "varlen_contract_error",
-    "varlen_contract_breaches",
     "fa4_varlen_numerics",
     "fa4_varlen_splits",
 ]
@@ -162,347 +139,18 @@ def cuda_arch() -> str | None:
 
 
 _production.fa4_audit_arch = cuda_arch
-#: per GPU architecture, evaluated when asked (fa4.production.production_domain cites the source)
+#: per GPU architecture, evaluated when asked (fa4.refusals.production_domain cites the source)
 _production.fa4_audit_domain = production_domain
-
-
-#: the device types on which PyTorch builds each SDPA backend: on the CPU its dispatcher chooses
-#: between flash and math only (``aten/src/ATen/native/transformers/sdp_utils_cpp.cpp``,
-#: ``select_sdp_backend_cpp``); the memory-efficient and cuDNN backends are CUDA kernels
-#: (``sdp_utils.cpp``, ``select_sdp_backend``); math runs wherever torch does (None: any device)
-SDPA_DEVICES: dict[str, tuple[str, ...] | None] = {
-    "math": None,
-    "flash": ("cpu", "cuda"),
-    "efficient": ("cuda",),
-    "cudnn": ("cuda",),
-}
-
-
-def sdpa_unavailable(*, backend: str, device: torch.device) -> str | None:
-    """Why PyTorch's SDPA ``backend`` cannot run on ``device``, decided before any call (None: it
-    may; what it refuses per configuration is still raised by the call): the backend is not built
-    for that device type (:data:`SDPA_DEVICES`), or this torch build lacks it on CUDA
-    (``torch.backends.cuda.is_flash_attention_available``, ``torch.backends.cudnn.is_available``).
-    Never read from an exception's wording: torch says the same absence as "No viable backend"
-    or "No available kernel" depending on its version."""
-    where = SDPA_DEVICES[backend]
-    if where is not None and device.type not in where:
-        return (
-            f"sdpa-{backend}: PyTorch has no {backend} SDPA backend on device {device.type!r} "
-            f"(it is built for {', '.join(where)} only)"
-        )
-    if device.type == "cuda" and backend == "flash" and not torch.backends.cuda.is_flash_attention_available():
-        return f"sdpa-flash: this torch build ({torch.__version__}) has no flash SDPA backend on device 'cuda'"
-    if device.type == "cuda" and backend == "cudnn" and not torch.backends.cudnn.is_available():
-        return f"sdpa-cudnn: this torch build ({torch.__version__}) has no cuDNN on device 'cuda'"
-    return None
-
-
-def _sdpa(backend: str) -> Callable:
-    def run(
-        q,
-        k,
-        v,
-        *,
-        softmax_scale=None,
-        causal=False,
-        window_size=(None, None),
-        softcap=0.0,
-        learnable_sink=None,
-        return_lse=False,
-    ):
-        # softcap, the sink, fp8 and (flash, cudnn) windows are outside its declared domain:
-        # the runner skips those cases before calling (run.fa4_audit_domain below); a backend
-        # absent from this device is a refusal decided from the device, before the call
-        if (absent := sdpa_unavailable(backend=backend, device=q.device)) is not None:
-            raise NotImplementedError(absent)
-        sq, sk = q.shape[1], k.shape[1]
-        vis = visible_mask(sq, sk, causal=causal, window_size=window_size, device=q.device)
-        if not bool(vis.any(-1).all()):
-            raise NotImplementedError("SDPA returns NaN for rows with no visible key (FA returns 0)")
-        mask = None
-        is_causal = False
-        if causal and sq == sk and all(w is None for w in window_size):
-            is_causal = True
-        elif not bool(vis.all()):
-            if backend in ("flash", "cudnn"):  # causal with seqlen_q != seqlen_k: not a domain key
-                raise NotImplementedError(f"sdpa-{backend} takes no arbitrary mask (bottom-right causal, windows)")
-            mask = vis
-        be = {
-            "math": SDPBackend.MATH,
-            "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION,
-        }[backend]
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        try:
-            with sdpa_kernel(be):
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    qt,
-                    kt,
-                    vt,
-                    attn_mask=mask,
-                    is_causal=is_causal,
-                    scale=softmax_scale,
-                    enable_gqa=q.shape[2] != k.shape[2],
-                )
-        except RuntimeError as exc:  # "No available kernel": the backend refuses this configuration
-            if "No available kernel" in str(exc) or "not supported" in str(exc).lower():
-                raise NotImplementedError(f"sdpa-{backend}: {str(exc).splitlines()[0]}") from exc
-            raise
-        o = o.transpose(1, 2)
-        return (o, None) if return_lse else o
-
-    run.fa4_audit_domain = _sdpa_domain(backend)
-    return run
-
-
-def _sdpa_domain(backend: str) -> dict:
-    """SDPA's declared domain: ``scaled_dot_product_attention`` has no softcap and no sink
-    parameter, takes no fp8 inputs, and has no ``deterministic`` flag (the backward runs, its
-    run-to-run differences are measured, never promised away: ``accepts_deterministic`` is False).
-    flash and cudnn take no ``attn_mask`` (``sdpa_kernel``'s constraints), so no windows; math and
-    efficient take the window as a boolean mask.  Not expressible here, so raised at run time:
-    rows with no visible key (SDPA gives NaN, FA 0), bottom-right causal with seqlen_q !=
-    seqlen_k on flash and cudnn, a backend absent from the device the call runs on (efficient and
-    cudnn off CUDA: :func:`sdpa_unavailable`, decided from the device before the call; a domain
-    has no device key) and whatever a backend refuses on this device ("No available kernel": GQA
-    on some backends, head dims, the GPU)."""
-    d = {"dtypes": ["bfloat16", "float16"], "softcap": False, "sink": False, "deterministic": False}
-    return {**d, "local": False} if backend in ("flash", "cudnn") else d
-
-
-#: flex_attention's recompile allowance on CUDA: dynamo specialises the compiled kernel on the
-#: score_mod / mask_mod closures, which change with every case's mods (their constants, aux
-#: tensors), and past torch's default of 8 it would fall back to the unfused eager path
-#: silently; an audit run's distinct mod configurations stay well under this
-FLEX_RECOMPILE_LIMIT = 512
-
-
-def _flex_compiled():
-    """``flex_attention`` compiled by ``torch.compile`` (once per process): the fused Triton
-    kernel the peer audits on CUDA (eager flex materialises the scores, another algorithm)."""
-    global _FLEX_COMPILED
-    if _FLEX_COMPILED is None:
-        import torch._dynamo.config as dynamo_config  # lazy: dynamo only where flex is compiled (CUDA)
-        from torch.nn.attention.flex_attention import flex_attention
-
-        for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
-            if hasattr(dynamo_config, knob):
-                setattr(dynamo_config, knob, max(getattr(dynamo_config, knob), FLEX_RECOMPILE_LIMIT))
-        # specialize_float: a mod's float constant (softcap's cap) would otherwise enter the graph
-        # as a 0-d CPU float64 input, which flex's lowering rejects (InductorError "unbacked_bindings",
-        # every softcap case on the H200, torch 2.11, 2026-12-02); dynamic=False: one kernel per shape,
-        # as flex is used (no symbolic lengths in its block masks)
-        if hasattr(dynamo_config, "specialize_float"):
-            dynamo_config.specialize_float = True
-        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
-    return _FLEX_COMPILED
-
-
-_FLEX_COMPILED = None
-
-
-def _flag_mask(causal: bool, window_size, seqlen_q: int, seqlen_k: int) -> Callable | None:
-    """The flags' mask as a flex mask_mod ``(b, h, q_idx, kv_idx) -> bool`` (None: keeps every
-    key): ``numerics.reference.visible_key_range``'s rule, bottom-right aligned."""
-    left, right = effective_window(causal=causal, window_size=window_size)
-    if left is None and right is None:
-        return None
-    off = seqlen_k - seqlen_q
-
-    def keep(b, h, q_idx, kv_idx):
-        diag = q_idx + off
-        ok = kv_idx >= diag - left if left is not None else kv_idx >= 0
-        return ok & (kv_idx <= diag + right) if right is not None else ok
-
-    return keep
-
-
-def _flex_block_mask(bs, mask_mod, seqlen_q: int, seqlen_k: int, device):
-    """flex's ``BlockMask`` of a :class:`numerics.mods.BlockSparse`: the partial blocks as its
-    ``kv_num_blocks`` / ``kv_indices`` (``mask_mod`` applied there), the full ones as
-    ``full_kv_*`` (not masked), the lists ascending as ``create_block_mask`` orders them;
-    ``BlockMask.from_kv_blocks`` derives the transposed lists the backward walks."""
-    cnt, idx = block_sparse_index_lists(bs.partial.to(device))
-    full_cnt, full_idx = block_sparse_index_lists(bs.full.to(device))
-    return BlockMask.from_kv_blocks(
-        cnt,
-        idx,
-        full_cnt,
-        full_idx,
-        BLOCK_SIZE=tuple(bs.block_size),
-        mask_mod=mask_mod,
-        seq_lengths=(seqlen_q, seqlen_k),
-    )
-
-
-def _eager_block_mask_mod(bs, mask_mod, device) -> Callable:
-    """The block structure of ``bs`` folded into the mask_mod: ``full | (partial & mask_mod)``
-    per key.  flex's eager path (the CPU) evaluates only the BlockMask's mask_mod, on every score
-    (``torch._higher_order_ops.flex_attention``, ``_math_attention_inner``), never its block
-    lists; on a partial block this is the mask_mod itself, so where the block lists are used
-    (the compiled kernel) it changes nothing."""
-    full, part = bs.full.to(device), bs.partial.to(device)
-    bq, bk = bs.block_size
-
-    def keep(b, h, q_idx, kv_idx):
-        bb = b if full.shape[0] > 1 else torch.zeros_like(b)
-        hh = h if full.shape[1] > 1 else torch.zeros_like(h)
-        i, j = q_idx // bq, kv_idx // bk
-        inner = part[bb, hh, i, j] if mask_mod is None else part[bb, hh, i, j] & mask_mod(b, h, q_idx, kv_idx)
-        return full[bb, hh, i, j] | inner
-
-    return keep
-
-
-def _working_score(s: torch.Tensor) -> torch.Tensor:
-    """The score a mod's form sees under flex: at least float32.  flex traces a score_mod on an
-    example score of the query's dtype (``torch/_higher_order_ops/flex_attention.py``,
-    ``trace_flex_attention`` and the functionalization rule: ``query.new_zeros(())``), so a
-    form's ``.to(s.dtype)`` (the bias of ``alibi`` and ``relbias``, ``numerics/mod_library.py``)
-    would be recorded as a cast to bf16/fp16 and the bias computed in the input dtype, while
-    flex's scores are float32 (its Triton template, ``forward_block_mn``; the eager path's
-    ``_math_attention_inner``): on the CPU that cost an ALiBi case of smoke 2.8 times the LSE bound
-    (docs/peers.md).  Promoting the example to float32 makes the forms compute in the scores'
-    own precision; at run time, on a float32 (or float64) score, it is a no-op."""
-    return s.to(torch.promote_types(s.dtype, torch.float32))
-
-
-def _flex_mods(q, k, *, causal, window_size, softcap, score_mod, mask_mod, aux, block_sparse):
-    """(score_mod, block_mask) of a flex call for the contract's flags and mods (:func:`_flex`)."""
-    b, sq, hq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
-    flags = _flag_mask(causal, window_size, sq, sk)
-    sm = None
-    if score_mod is not None:
-        fn = score_mod.fn
-        sm = lambda s, bi, hi, qi, ki: fn(_working_score(s), bi, hi, qi, ki, aux)  # noqa: E731
-    elif softcap and softcap > 0:
-        cap = float(softcap)
-        sm = lambda s, bi, hi, qi, ki: cap * torch.tanh(s / cap)  # noqa: E731
-    mm_obj = mask_mod if mask_mod is not None else (block_sparse.mask_mod if block_sparse is not None else None)
-    mm = None
-    if mm_obj is not None:
-        mfn = mm_obj.fn
-        mm = lambda bi, hi, qi, ki: mfn(bi, hi, qi, ki, aux)  # noqa: E731
-    if block_sparse is not None:
-        if not q.is_cuda:
-            mm = _eager_block_mask_mod(block_sparse, mm, q.device)
-        block_mask = _flex_block_mask(block_sparse, mm, sq, sk, q.device)
-        if flags is None:
-            return sm, block_mask
-        inner = sm
-
-        def flagged(s, bi, hi, qi, ki):  # the flags hold on full blocks too: -inf where they hide the key
-            s2 = inner(s, bi, hi, qi, ki) if inner is not None else s
-            return torch.where(flags(bi, hi, qi, ki), s2, torch.full_like(s2, -math.inf))
-
-        return flagged, block_mask
-    if mm is not None and flags is not None:
-        inner_mm = mm
-        mm = lambda bi, hi, qi, ki: inner_mm(bi, hi, qi, ki) & flags(bi, hi, qi, ki)  # noqa: E731
-    elif mm is None:
-        mm = flags
-    if mm is None:
-        return sm, None
-    per_head = mm_obj is not None and mm_obj.per_head
-    return sm, create_block_mask(mm, b, hq if per_head else None, sq, sk, device=q.device)
-
-
-def _flex(
-    q,
-    k,
-    v,
-    *,
-    softmax_scale=None,
-    causal=False,
-    window_size=(None, None),
-    softcap=0.0,
-    learnable_sink=None,
-    return_lse=False,
-    score_mod=None,
-    mask_mod=None,
-    aux_tensors=None,
-    block_sparse_tensors=None,
-    aux_scalars=None,
-):
-    """PyTorch's ``flex_attention`` as a peer (kernel ``flex``): compiled on CUDA, eager on the
-    CPU (forward only there: flex refuses a CPU backward, NotImplementedError).  The mods are
-    the contract's (``numerics.mods``) reference forms, which flex evaluates on its own
-    (``score_mod(score, b, h, q_idx, kv_idx)`` on ``scale * q.k``, the semantics production's
-    forms share), closing over the call's ``aux_tensors`` and ``aux_scalars`` (the latter handed to
-    the forms only when the call has some: ``numerics.mods.bind_aux_scalars``).  The flags intersect a mask_mod (the
-    audit's meaning, ``numerics.mods``): without block sparsity both go into the mask_mod of
-    ``create_block_mask``; with it the blocks are the BlockSparse's (``BlockMask.from_kv_blocks``,
-    the mask_mod on partial blocks only; on the CPU, whose eager flex reads no block lists, the
-    blocks are folded into the mask_mod: :func:`_eager_block_mask_mod`) and the flags, which
-    must hold on full blocks too, become a score_mod setting hidden keys to -inf.  ``softcap``
-    becomes the score_mod ``c * tanh(s / c)`` (with a score_mod too it is refused, as
-    production refuses it); ``learnable_sink`` is refused (flex has no sink).  The LSE
-    (``return_aux=AuxRequest(lse=True)``; ``return_lse`` before torch 2.9) is natural-log (flex
-    rescales its base-2 statistics: ``_finalize_outputs``); GQA through ``enable_gqa``."""
-    if learnable_sink is not None:
-        raise NotImplementedError("flex_attention has no learnable sink")
-    if softcap and score_mod is not None:
-        raise NotImplementedError("softcap and a score_mod together: one score_mod only (production refuses it too)")
-    score_mod, mask_mod, block_sparse_tensors = bind_aux_scalars(
-        aux_scalars, score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse_tensors
-    )
-    sm, block_mask = _flex_mods(
-        q,
-        k,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        aux=list(aux_tensors or []),
-        block_sparse=block_sparse_tensors,
-    )
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    run = _flex_compiled() if q.is_cuda else flex_module.flex_attention
-    # torch >= 2.9 asks for the LSE through return_aux (return_lse deprecated); older, return_lse
-    request = {"return_aux": flex_module.AuxRequest(lse=True)} if hasattr(flex_module, "AuxRequest") else {}
-    try:
-        res = run(
-            qt,
-            kt,
-            vt,
-            score_mod=sm,
-            block_mask=block_mask,
-            scale=softmax_scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-            **(request or {"return_lse": True}),
-        )
-    except Exception as exc:
-        cause = exc.__cause__ or exc.__context__
-        while cause is not None and not isinstance(cause, NotImplementedError):
-            cause = cause.__cause__ or cause.__context__
-        if isinstance(exc, NotImplementedError) or cause is not None:  # flex's own refusal (maybe wrapped)
-            raise NotImplementedError(f"flex_attention: {cause or exc}") from exc
-        raise
-    o, stats = res
-    lse = stats.lse if request else stats
-    o = o.transpose(1, 2)
-    return (o, lse.float()) if return_lse else o
-
-
-_flex.fa4_audit_domain = {
-    "dtypes": ["bfloat16", "float16"],
-    "sink": False,
-    "deterministic": False,
-    "mods": ["score_mod", "mask_mod", "block_sparse", "aux_scalars"],
-}
 
 
 KERNELS: dict[str, Callable] = {
     "fa4": _production,
     **{name: _model_of(*family) for name, family in MODELS.items()},
-    "sdpa-math": _sdpa("math"),
-    "sdpa-flash": _sdpa("flash"),
-    "sdpa-efficient": _sdpa("efficient"),
-    "sdpa-cudnn": _sdpa("cudnn"),
-    "flex": _flex,
+    "sdpa-math": sdpa("math"),
+    "sdpa-flash": sdpa("flash"),
+    "sdpa-efficient": sdpa("efficient"),
+    "sdpa-cudnn": sdpa("cudnn"),
+    "flex": flex,
 }
 
 
@@ -706,155 +354,6 @@ def kernel_domain(spec: str) -> Domain:
     return domain_of(get_kernel(spec))
 
 
-#: the axes of the audited callable's output and LSE (README, "Audit your kernel"), named by the
-#: Case fields that size them (``audits.suites.cases.Case``), as a shape error names them
-OUT_AXES = ("batch", "seqlen_q", "heads_q", "dv")
-LSE_AXES = ("batch", "heads_q", "seqlen_q")
-
-
-@dataclasses.dataclass(frozen=True)
-class ContractBreach:
-    """One returned tensor that breaks the audited callable's contract: ``tensor`` ("out", "lse",
-    "dq", "dk", "dv", "dsink"), what the contract expects (``expected`` shape with its ``axes``
-    named, ``expected_dtype`` and the rule it follows, ``dtype_rule``) and what the kernel returned
-    (``got`` shape and ``got_dtype``, both None when it is no tensor; ``got_type``, the type's
-    name).  Its :attr:`reason` says the case's shapes; its :attr:`fault` the same breach without
-    them, so that every case a kernel breaks the same way (a transposed output at any size) is one
-    fault (``audits.verdict.separators.fault_groups``).  The record a report keeps: :meth:`as_record`
-    (``audits.report.records.ContractRecord``)."""
-
-    tensor: str
-    axes: tuple[str, ...]
-    expected: tuple[int, ...]
-    expected_dtype: str
-    dtype_rule: str
-    got: tuple[int, ...] | None
-    got_dtype: str | None
-    got_type: str
-
-    @property
-    def shape_wrong(self) -> bool:
-        return self.got is not None and self.got != self.expected
-
-    @property
-    def dtype_wrong(self) -> bool:
-        return self.got_dtype is not None and self.got_dtype != self.expected_dtype
-
-    def _shape_fault(self) -> str:
-        """The shape's fault in axis names only: another number of axes; the axes whose sizes
-        differ, "swapped" (two) or "permuted" (more) when their sizes are the expected ones in
-        another order (a transposed tensor), else "wrong"."""
-        got, want = self.got or (), self.expected
-        if len(got) != len(want):
-            return f"{len(got)} axes returned, {len(want)} expected ({', '.join(self.axes)})"
-        off = [i for i in range(len(want)) if got[i] != want[i]]
-        names = [self.axes[i] for i in off]
-        if len(off) >= 2 and sorted(got[i] for i in off) == sorted(want[i] for i in off):
-            return f"{' and '.join(names)} swapped" if len(off) == 2 else f"{', '.join(names)} permuted"
-        return f"wrong {' and '.join(names)}"
-
-    @property
-    def fault(self) -> str:
-        """The breach without the case's sizes: "seqlen_q and heads_q swapped", "wrong dv", "3 axes
-        returned, 4 expected (...)", "dtype float32 returned (expected the input dtype, bfloat16 for
-        fp8 inputs)", "a tuple returned, not a tensor"."""
-        if self.got is None:
-            return f"a {self.got_type} returned, not a tensor"
-        parts = [self._shape_fault()] if self.shape_wrong else []
-        if self.dtype_wrong:
-            parts.append(f"dtype {self.got_dtype} returned (expected {self.dtype_rule})")
-        return "; ".join(parts)
-
-    @property
-    def reason(self) -> str:
-        """The breach with the case's sizes, after the tensor's name: "out: shape (1, 2, 17, 32)
-        returned, (1, 17, 2, 32) expected (batch, seqlen_q, heads_q, dv): seqlen_q and heads_q swapped"."""
-        want = f"{self.expected} ({', '.join(self.axes)}) and dtype {self.expected_dtype}"
-        if self.got is None:
-            return f"{self.tensor}: a {self.got_type} returned, a tensor of shape {want} expected"
-        parts = []
-        if self.shape_wrong:
-            parts.append(
-                f"shape {self.got} returned, {self.expected} expected ({', '.join(self.axes)}): {self._shape_fault()}"
-            )
-        if self.dtype_wrong:
-            parts.append(f"dtype {self.got_dtype} returned, {self.expected_dtype} expected ({self.dtype_rule})")
-        return f"{self.tensor}: {'; '.join(parts)}"
-
-    def as_record(self) -> dict:
-        """The JSON record (``audits.report.records.ContractRecord``): the fields, shapes as lists,
-        with the :attr:`fault` and :attr:`reason` they say."""
-        rec = dataclasses.asdict(self)
-        rec["axes"], rec["expected"] = list(self.axes), list(self.expected)
-        rec["got"] = None if self.got is None else list(self.got)
-        return {**rec, "fault": self.fault, "reason": self.reason}
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
-
-
-def breach_of(
-    *, tensor: str, got, expected: tuple[int, ...], axes: tuple[str, ...], dtype: torch.dtype, dtype_rule: str
-) -> ContractBreach | None:
-    """The :class:`ContractBreach` of returned ``got`` against the ``expected`` shape (its ``axes``
-    named) and ``dtype`` (``dtype_rule``: that dtype's rule in words), or None when it keeps both."""
-    is_tensor = isinstance(got, torch.Tensor)
-    shape = tuple(got.shape) if is_tensor else None
-    if is_tensor and shape == tuple(expected) and got.dtype == dtype:
-        return None
-    return ContractBreach(
-        tensor=tensor,
-        axes=tuple(axes),
-        expected=tuple(int(n) for n in expected),
-        expected_dtype=_dtype_name(dtype),
-        dtype_rule=dtype_rule,
-        got=shape,
-        got_dtype=_dtype_name(got.dtype) if is_tensor else None,
-        got_type=type(got).__name__,
-    )
-
-
-#: the output's dtype rule (README): the input dtype, bfloat16 for the 1-byte fp8 inputs
-_OUT_DTYPE_RULE = "the input dtype, bfloat16 for fp8 inputs"
-
-
-def _out_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.bfloat16 if q.dtype.itemsize == 1 else q.dtype
-
-
-def contract_breaches(*, q: torch.Tensor, v: torch.Tensor, out, lse) -> list[ContractBreach]:
-    """How a kernel's returned ``out``/``lse`` break the audited-callable contract (README): out
-    ``(batch, seqlen_q, heads_q, dv)`` (:data:`OUT_AXES`) in the input dtype (bfloat16 for fp8
-    inputs), lse ``(batch, heads_q, seqlen_q)`` (:data:`LSE_AXES`) float32 when returned; each
-    tensor's breach, empty when they keep it."""
-    b, sq, hq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
-    found = [
-        breach_of(
-            tensor="out",
-            got=out,
-            expected=(b, sq, hq, dv),
-            axes=OUT_AXES,
-            dtype=_out_dtype(q),
-            dtype_rule=_OUT_DTYPE_RULE,
-        )
-    ]
-    if lse is not None:
-        found.append(
-            breach_of(
-                tensor="lse", got=lse, expected=(b, hq, sq), axes=LSE_AXES, dtype=torch.float32, dtype_rule="float32"
-            )
-        )
-    return [x for x in found if x is not None]
-
-
-def contract_error(q: torch.Tensor, v: torch.Tensor, out, lse) -> str | None:
-    """Why a kernel's returned ``out``/``lse`` break the audited-callable contract
-    (:func:`contract_breaches`, their reasons joined), None when they keep it."""
-    found = contract_breaches(q=q, v=v, out=out, lse=lse)
-    return "; ".join(x.reason for x in found) if found else None
-
-
 # ---- the varlen contract (docs/varlen.md) ----------------------------------------------------
 
 
@@ -936,30 +435,3 @@ def per_sequence(fn: Callable) -> Callable:
 
     run.fa4_audit_contract = "varlen"
     return run
-
-
-def varlen_contract_breaches(*, q: torch.Tensor, v: torch.Tensor, out, lse, packed: bool) -> list[ContractBreach]:
-    """How a varlen kernel's ``out``/``lse`` break the varlen contract (docs/varlen.md): out shaped
-    as q with v's head dim, in the input dtype (bf16 for fp8); lse (heads_q, total_q) when q is
-    packed, else (batch, heads_q, seqlen_q), float32.  Empty when they keep it."""
-    axes = ("total_q", "heads_q", "dv") if packed else OUT_AXES
-    want = (*q.shape[:-1], v.shape[-1])
-    found = [
-        breach_of(tensor="out", got=out, expected=want, axes=axes, dtype=_out_dtype(q), dtype_rule=_OUT_DTYPE_RULE)
-    ]
-    if lse is not None:
-        want_lse, lse_axes = ((q.shape[-2], q.shape[0]), ("heads_q", "total_q")) if packed else (
-            (q.shape[0], q.shape[2], q.shape[1]), LSE_AXES)  # fmt: skip
-        found.append(
-            breach_of(
-                tensor="lse", got=lse, expected=want_lse, axes=lse_axes, dtype=torch.float32, dtype_rule="float32"
-            )
-        )
-    return [x for x in found if x is not None]
-
-
-def varlen_contract_error(q: torch.Tensor, v: torch.Tensor, out, lse, *, packed: bool) -> str | None:
-    """Why a varlen kernel's ``out``/``lse`` break the varlen contract
-    (:func:`varlen_contract_breaches`, their reasons joined), None when they keep it."""
-    found = varlen_contract_breaches(q=q, v=v, out=out, lse=lse, packed=packed)
-    return "; ".join(x.reason for x in found) if found else None

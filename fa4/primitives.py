@@ -254,7 +254,7 @@ def check_block_sparse(bs, batch: int, heads: int, sq: int, sk: int, tile_m: int
             f"block masks of shape {tuple(bs.full.shape)} do not fit batch {batch}, heads {heads}, block size "
             f"{(bq, bk)} and seqlens ({sq}, {sk}): expected (1|{batch}, 1|{heads}, {want[0]}, {want[1]})"
         )
-    # production refuses these (fa4.production.REFUSALS maps its ValueErrors to refusals): so does
+    # production refuses these (fa4.refusals.REFUSALS maps its ValueErrors to refusals): so does
     # the model, with production's words, and the audit reports the case skipped, not an error
     if bq % tile_m:
         raise NotImplementedError(

@@ -53,7 +53,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fa4.mods import build_mods, production_kwargs
-from fa4.production import refusal_of
+from fa4.refusals import refusal_of
 
 __all__ = ["main", "KERNEL_MARK", "AUX_KERNELS", "MOD_ATTRIBUTES"]
 
@@ -262,7 +262,7 @@ def _no_ptx(err: Exception | None, dump: str) -> int:
     """No kernel PTX was written: say why on stderr; REFUSED or 1."""
     shutil.rmtree(dump, ignore_errors=True)
     msg = f"{type(err).__name__}: {err}" if err is not None else "no kernel PTX was written"
-    rule = refusal_of(err) if err is not None else None  # fa4.production.REFUSALS: documented refusals only
+    rule = refusal_of(err) if err is not None else None  # fa4.refusals.REFUSALS: documented refusals only
     refused = rule is not None
     print(
         (f"production refuses this configuration ({rule.source}): " if refused else "compile failed: ")

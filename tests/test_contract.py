@@ -41,7 +41,7 @@ def report(out):
 @pytest.fixture
 def fake_production(monkeypatch):
     """``flash_attn.cute.flash_attn_func`` replaced by a stub that raises what the test sets."""
-    from fa4 import production
+    from fa4 import production, refusals
 
     box = {}
 
@@ -55,10 +55,10 @@ def fake_production(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
     monkeypatch.setattr(production, "require_production", lambda: None)
-    # the refusal rules read the GPU and the release (fa4.production.call_features): the test's
+    # the refusal rules read the GPU and the release (fa4.refusals.call_features): the test's
     box.update(arch=10, version="4.0.0b40")
-    monkeypatch.setattr(production, "device_arch", lambda device: box["arch"])
-    monkeypatch.setattr(production, "production_version", lambda: box["version"])
+    monkeypatch.setattr(refusals, "device_arch", lambda device: box["arch"])
+    monkeypatch.setattr(refusals, "production_version", lambda: box["version"])
     return box
 
 
@@ -94,7 +94,7 @@ def test_static_compile_refusal_and_timeout(monkeypatch, tmp_path):
     import subprocess
 
     from audits.checks.static import core
-    from fa4.production import refusal_of
+    from fa4.refusals import refusal_of
 
     assert refusal_of(AssertionError("(head_dim, head_dim_v)=(192, 192) is not supported on SM100/SM110."))
     assert refusal_of(ValueError("(head_dim, head_dim_v)=(192, 192) is not supported on SM100/SM110.")) is None
@@ -123,7 +123,7 @@ def test_backward_refusals_follow_the_same_rules(production, exc, status):
     a documented production refusal, or a user kernel's NotImplementedError."""
     from audits.engine.backward import BackwardOptions, grad_call
     from audits.kernels import get_kernel
-    from fa4.production import REFUSALS
+    from fa4.refusals import REFUSALS
 
     assert get_kernel("fa4").fa4_audit_refusals is REFUSALS  # production's adapter is marked
 

@@ -27,7 +27,7 @@ from audits.verdict.coverage import (
     pair_pieces,
     unjudgeable,
 )
-from fa4.production import production_domain
+from fa4.refusals import production_domain
 
 ROOT = Path(__file__).parents[1]
 #: tiny cases of the test kernel (tests/coverage_kernels.py): bf16, one head, 32 x 32

@@ -351,7 +351,7 @@ def test_two_kernels_share_one_union_suite_each_skipping_outside_its_domain(tmp_
 
 # --- head dims as sets and ranges; separate length multiples (issue 24) ---------------------------
 
-#: production SM100's head dims in the compact forms (fa4.production.SM100_HEAD_DIMS)
+#: production SM100's head dims in the compact forms (fa4.refusals.SM100_HEAD_DIMS)
 SM100_FORMS = [{"d": {"min": 8, "max": 128, "step": 8}, "dv": {"min": 8, "max": 128, "step": 8}}, [192, 128], 256,
                [64, 512], 512]  # fmt: skip
 SM100_TOML = """head_dims = [

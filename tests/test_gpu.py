@@ -60,7 +60,7 @@ def test_model_on_cuda_equals_model_on_cpu():
 
 
 def test_production_refusals_match_the_rules_and_everything_else_is_judged():
-    """On this GPU, production's own refusals are matched by ``fa4.production.REFUSALS`` (fp8
+    """On this GPU, production's own refusals are matched by ``fa4.refusals.REFUSALS`` (fp8
     before SM100), and a configuration it runs is judged with its LSE audited."""
     from audits.engine.evaluate import evaluate_case
     from audits.suites.cases import Case

@@ -13,7 +13,16 @@ PACKAGES = ("numerics", "fa4", "audits")
 ALLOWED = {"numerics": {"numerics"}, "fa4": {"numerics", "fa4"}, "audits": {"numerics", "fa4", "audits"}}
 #: the layers of ``audits``, lowest first: the library every entry point shares; the checks beside
 #: the case runner, each in its own folder over the library; the one audit API; and its callers
-LIBRARY = ("audits.common", "audits.kernels", "audits.suites", "audits.verdict", "audits.report", "audits.engine")
+LIBRARY = (
+    "audits.common",
+    "audits.kernels",
+    "audits.peers",
+    "audits.contract",
+    "audits.suites",
+    "audits.verdict",
+    "audits.report",
+    "audits.engine",
+)
 #: what each layer may import from ``audits`` (a check also its own folder)
 LAYERS = {
     "library": LIBRARY,

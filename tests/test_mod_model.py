@@ -351,7 +351,7 @@ def test_refusals():
         _causal_mod(200, 300), batch=1, heads=2, seqlen_q=200, seqlen_k=300, block_size=(128, 256)
     )
     nm = FA4Numerics.for_inputs("sm90", q, k, v, block_sparse=(128, 256))
-    # production's refusals (its ValueErrors, fa4.production.REFUSALS): the model refuses alike
+    # production's refusals (its ValueErrors, fa4.refusals.REFUSALS): the model refuses alike
     with pytest.raises(NotImplementedError, match="to match tile_n=128"):
         attention(q, k, v, block_sparse_tensors=bs, numerics=nm)
     with pytest.raises(NotImplementedError, match="must be a multiple of 256"):  # SM100: q_stage 2 x 128 rows
@@ -445,7 +445,7 @@ def test_sm90_deterministic_block_sparse_backward_is_refused_as_production_refus
     from audits.suites.cases import Case
     from audits.suites.inputs import make_inputs
     from fa4.model_bwd import bwd_plan
-    from fa4.production import REFUSALS, refusal_of
+    from fa4.refusals import REFUSALS, refusal_of
 
     c = Case("bfloat16", 64, 64, 1, 2, 2, 128, 128, mask_mod="causal", block_sparse=(128, 128))
     x = make_inputs(c)

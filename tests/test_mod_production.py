@@ -1,5 +1,5 @@
 """The mods' kernel side: ``fa4.mods`` (build_mods, the production conversion), production's
-mod refusals (``fa4.production.REFUSALS``) and the ``flex`` peer (``audits.kernels``).
+mod refusals (``fa4.refusals.REFUSALS``) and the ``flex`` peer (``audits.kernels``).
 
 CPU: the aux layout of a call, the block masks of each library mask mod, production's index
 lists against a brute-force re-derivation, the forms' laziness, production's mod refusals; and,
@@ -17,7 +17,7 @@ import torch
 
 from audits.kernels import KERNELS, claims_nonfinite_inputs, get_kernel
 from fa4.mods import MASK_FORMS, SCORE_FORMS, LazyForms, block_sparse_index_lists, build_mods
-from fa4.production import PRODUCTION_MODS, REFUSALS, production_domain, refusal_of
+from fa4.refusals import PRODUCTION_MODS, REFUSALS, production_domain, refusal_of
 from numerics.mod_library import MASK_MODS, SCORE_MODS, make_mask_mod, make_score_mod
 from numerics.mods import BlockSparse, bind_aux_scalars, index_grid, visibility
 from numerics.reference import visible_mask

@@ -1,6 +1,6 @@
 """PyTorch's kernels as peers judged fairly (issue 33, item 3; docs/peers.md): flex's score_mods see
-a float32 score (``audits.kernels._working_score``), SDPA backends absent from the device are
-refused from the device before the call (``audits.kernels.sdpa_unavailable``), and PyTorch's own
+a float32 score (``audits.peers._working_score``), SDPA backends absent from the device are
+refused from the device before the call (``audits.peers.sdpa_unavailable``), and PyTorch's own
 defects are recorded in the shipped known file ``--known torch`` (``audits/verdict/known_torch.toml``),
 each entry matching exactly its defect's failing cases."""
 
@@ -16,7 +16,8 @@ import torch
 
 from audits import cli
 from audits.common import read_json
-from audits.kernels import KERNELS, SDPA_DEVICES, _flex_mods, sdpa_unavailable
+from audits.kernels import KERNELS
+from audits.peers import SDPA_DEVICES, _flex_mods, sdpa_unavailable
 from audits.report.build import exit_code
 from audits.report.records import FAILING
 from audits.report.schema import validate_report

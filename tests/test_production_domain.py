@@ -1,4 +1,4 @@
-"""fa4.production.production_domain against production's own head-dim check.
+"""fa4.refusals.production_domain against production's own head-dim check.
 
 The source test reads ``_validate_head_dims`` from production's ``flash_attn/cute/interface.py``
 (flash-attn-4 4.0.0b36) without importing the package (it imports the CuTe DSL, which needs
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from audits.suites.domain import Domain
-from fa4.production import production_domain
+from fa4.refusals import production_domain
 
 #: every (d, dv) the source test judges: past production's largest head dim (512) on both sides
 GRID = range(1, 521)

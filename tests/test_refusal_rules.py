@@ -1,4 +1,4 @@
-"""Production's refusals decided by rule (fa4.production.REFUSALS), not by wording.
+"""Production's refusals decided by rule (fa4.refusals.REFUSALS), not by wording.
 
 The rules are unit-tested on call features for each supported release (4.0.0b36, 4.0.0b40);
 where the releases' wheels are present (``pip download --no-deps flash-attn-4==VERSION -d DIR``;
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from audits.engine.backward import _refused
-from fa4.production import (
+from fa4.refusals import (
     REFUSALS,
     SUPPORTED_VERSIONS,
     CallFeatures,

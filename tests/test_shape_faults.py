@@ -1,7 +1,7 @@
 """Shape errors name the tensor and group by fault (issue 33, item 9): a kernel whose out, LSE or
 gradient breaks the contract's shape gets a reason naming that tensor, the shape it returned and
 the shape expected with its axes; the run's failing cases form one group per tensor and fault
-(``audits.kernels.ContractBreach``, ``audits.verdict.separators.fault_groups``), whatever the
+(``audits.contract.ContractBreach``, ``audits.verdict.separators.fault_groups``), whatever the
 cases' sizes.  The kernels below are this file's (module:attr specs), each breaking one tensor."""
 
 import json
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from audits import cli
+from audits.contract import contract_breaches, varlen_contract_breaches
 from audits.engine.backward import _autograd_breach
-from audits.kernels import contract_breaches, varlen_contract_breaches
 from audits.report.build import collapse_reasons
 from audits.report.records import FAILING
 from tests.bugged_backward import clean as clean_backward

@@ -18,7 +18,7 @@ from audits.checks.static.facts import PtxFormatError, f32_hex
 from audits.checks.static.facts_bwd import KERNEL_MARK, _flushes_subnormals, backward_facts
 from audits.suites.cases import Case, release_suite
 from fa4.ex2 import POLY_EX2
-from fa4.production import refusal_of
+from fa4.refusals import refusal_of
 from tests.test_static import _production_importable
 
 DATA = Path(__file__).parent / "data" / "ptx"

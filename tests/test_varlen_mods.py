@@ -327,7 +327,7 @@ def test_production_varlen_block_refusal_is_a_refusal_rule():
     """Production's ValueError for a varlen sparse query block other than q_stage * tile_m
     (``block_sparsity.normalize_block_sparse_config``, its f-string with values filled in) maps to a
     refusal (the case skipped on production, as on the model), and only that message does."""
-    from fa4.production import refusal_of
+    from fa4.refusals import refusal_of
 
     msg = "Varlen block sparsity requires sparse_block_size[0]=128 (= q_stage * tile_m); got 256."
     rule = refusal_of(ValueError(msg))

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from audits.contract import ContractBreach, breach_of
 from audits.engine.failures import failure_reason
-from audits.kernels import ContractBreach, breach_of
 from audits.suites.cases import Case
 from audits.suites.inputs import make_grad_output, make_inputs
-from fa4.production import ProductionRefusal, refusal_of
+from fa4.refusals import ProductionRefusal, refusal_of
 from numerics.backward_bound import backward_error_bound
 from numerics.call import AttentionCall
 from numerics.fp import bit_view, format_of, ulp_distance, ulp_of
@@ -74,8 +74,8 @@ def accepts_deterministic(fn) -> bool:
 
 def _refused(exc: BaseException, fn, call: tuple) -> str | None:
     """The documented refusal ``exc`` is, or None (then it is an error).  A production adapter
-    refuses only by its rules: its forward's refusals arrive as ``fa4.production.ProductionRefusal``;
-    what the backward raises is decided by ``fn.fa4_audit_refusal`` (``fa4.production.refusal_in_call``:
+    refuses only by its rules: its forward's refusals arrive as ``fa4.refusals.ProductionRefusal``;
+    what the backward raises is decided by ``fn.fa4_audit_refusal`` (``fa4.refusals.refusal_in_call``:
     a rule predicted from the call's features, ``call`` = (q, k, v, kw)), or, for a kernel marked
     with rules only (``fn.fa4_audit_refusals``), by the rules' wording; any other kernel refuses by
     ``NotImplementedError``."""
@@ -181,7 +181,7 @@ def _grad_axes(name: str, leaf: torch.Tensor) -> tuple[str, ...]:
 
 def _contract(name: str, got: torch.Tensor, leaf: torch.Tensor) -> dict | None:
     """The gradient ``name``'s breach of the contract (shape and dtype of its input ``leaf``) as a
-    record (``audits.kernels.ContractBreach.as_record``), None when it keeps it."""
+    record (``audits.contract.ContractBreach.as_record``), None when it keeps it."""
     bad = breach_of(
         tensor=name,
         got=got,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from audits.contract import contract_breaches, varlen_contract_breaches
 from audits.engine.backward import BackwardOptions, analyse_backward, case_references
 from audits.engine.failures import failure_reason, traceback_of
 from audits.engine.worker import (
@@ -39,11 +40,9 @@ from audits.engine.worker import (
 from audits.kernels import (
     MODELS,
     claims_nonfinite_inputs,
-    contract_breaches,
     fa4_arch,
     fa4_varlen_numerics,
     fa4_varlen_splits,
-    varlen_contract_breaches,
 )
 from audits.report.schema import FAILING
 from audits.suites.cases import Case
@@ -224,7 +223,7 @@ def _measure(
 def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
     """Call the kernel: ({"status": "ran"}, (out, lse)) or the status and reason of why not.
     Only ``NotImplementedError`` is a refusal (skipped); production's adapter raises it only
-    for its documented refusals (``fa4.production.REFUSALS``); any other exception is an error."""
+    for its documented refusals (``fa4.refusals.REFUSALS``); any other exception is an error."""
     try:
         res = fn(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
     except WorkerCrashed as exc:  # its worker died (audits.engine.worker): the reason says how

@@ -23,7 +23,7 @@ OUT_OF_DOMAIN_KINDS = ("float32-range", "nonfinite-inputs")
 
 
 class ContractRecord(TypedDict):
-    """A returned tensor that breaks the audited callable's contract (``audits.kernels.ContractBreach``,
+    """A returned tensor that breaks the audited callable's contract (``audits.contract.ContractBreach``,
     its ``as_record``): a case record's ``contract`` (out, LSE) and its backward's (gradients).
 
     - ``tensor``: "out", "lse", "dq", "dk", "dv" or "dsink"

@@ -443,7 +443,7 @@ def pair_pieces(*, pairs: Iterable) -> tuple[list[tuple[list[int], list[int]]], 
     widen it to every dv whose d-set holds that set and then to every d whose dv-set holds the
     widened dv set, remove it, repeat; the pairs with d = dv are one diagonal piece instead when
     they outnumber the best product.  A production domain is one product (SM90,
-    ``fa4.production.production_domain(9)``) or one product and four single pairs (SM100)."""
+    ``fa4.refusals.production_domain(9)``) or one product and four single pairs (SM100)."""
     rest = {(int(p[0]), int(p[1])) for p in pairs}
     products: list[tuple[list[int], list[int]]] = []
     diagonal: list[int] = []

@@ -206,7 +206,7 @@ def main() -> None:
         chosen = {n: c for n, c in chosen.items() if n in args.only.split(",")}
     for name, case in chosen.items():
         # production's SM90 block-sparse backward has no deterministic mode (flash_bwd_sm90.py dQaccum_store
-        # asserts it; fa4.production.REFUSALS): such a case runs without, and dQ's atomics order differs
+        # asserts it; fa4.refusals.REFUSALS): such a case runs without, and dQ's atomics order differs
         det = args.deterministic and not case.block_sparse
         rec = run_case(name, case, production, model, device, det)
         rec["deterministic"] = det

@@ -23,9 +23,9 @@ import math
 
 import torch
 
+from audits.contract import contract_error, varlen_contract_error
 from audits.engine.failures import failure_reason, traceback_of
 from audits.engine.worker import KernelTimeout, WorkerCrashed
-from audits.kernels import contract_error, varlen_contract_error
 from numerics.fp import bit_view, format_of, step_distance, ulp_of
 
 __all__ = [
