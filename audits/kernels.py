@@ -11,9 +11,9 @@
 * ``sdpa-math``, ``sdpa-flash``, ``sdpa-efficient``, ``sdpa-cudnn``: PyTorch's SDPA backends
   as peers (their adapters: ``audits.peers``).  SDPA has no softcap, sink, fp8 or LSE output:
   the first three are outside its declared domain (the runner skips them before calling); what
-  a domain cannot say raises ``NotImplementedError`` at run time (rows with no visible key: SDPA gives NaN there where FA's
-  convention is 0; bottom-right causal masks on flash and cudnn; efficient and cudnn off CUDA,
-  ``audits.peers.sdpa_unavailable``), and ``return_lse`` yields
+  a domain cannot say raises ``NotImplementedError`` at run time (rows with no visible key: SDPA
+  gives NaN there where FA's convention is 0; bottom-right causal masks on flash and cudnn;
+  efficient and cudnn off CUDA, ``audits.peers.sdpa_unavailable``), and ``return_lse`` yields
   ``None``.
 * ``flex``: PyTorch's ``flex_attention`` as a peer (compiled on CUDA, eager and forward-only on
   the CPU), with the mods (``numerics.mods``) in flex's own form; no sink, no fp8.
