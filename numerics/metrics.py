@@ -14,6 +14,9 @@ output against another's.
 * :func:`ulp_diff_histogram` — integer ULP distance between two tensors of the same 16- or
   8-bit float dtype (model vs production): counts of 0, 1, 2 and > 2 steps apart.
 * :func:`row_scaled_ulp_diff` — the same in ULPs at each row's largest reference magnitude.
+* :func:`bit_diff` — one kernel's tensor against another's of the same dtype, bit for bit: how
+  many elements differ, their ULP distances (a histogram, the largest and where), and how the
+  NaN/inf pattern changed (``fa4-audit compare``).
 * :func:`fa_criterion` — FlashAttention's own test: max|out - ref| <= 2 max|out_lp - ref| + 2
   * rounding error of the output dtype at the reference's max magnitude.
 * :func:`fa_floor` — the terms of that test as the audit records them, with the rounding at the
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from numerics.fp import format_of, ordered_bits, ulp_error, ulp_of
+from numerics.fp import bit_view, format_of, ordered_bits, step_distance, ulp_error, ulp_of
 
 __all__ = [
     "output_errors",
@@ -38,6 +41,8 @@ __all__ = [
     "VALUE_CLASSES",
     "ulp_diff_histogram",
     "row_scaled_ulp_diff",
+    "bit_diff",
+    "ULP_BUCKETS",
     "fa_criterion",
     "fa_floor",
     "bound_check",
@@ -209,6 +214,54 @@ def row_scaled_ulp_diff(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> 
         "max": float(d.max()) if n else 0.0,
         "total": n,
     }
+
+
+#: the ULP-distance buckets of :func:`bit_diff`'s histogram: (label, lowest, highest distance)
+ULP_BUCKETS = (("1", 1, 1), ("2", 2, 2), ("3-4", 3, 4), ("5-16", 5, 16), ("17-256", 17, 256), (">256", 257, None))
+
+
+def bit_diff(base: torch.Tensor, cand: torch.Tensor) -> dict:
+    """``cand`` against ``base`` (same shape and dtype: two kernels' results on the same inputs),
+    bit for bit.  ``differ``: elements whose bit patterns differ (a NaN's payload and a zero's
+    sign count: bit-identical means every bit); of those, ``ulp_histogram`` (:data:`ULP_BUCKETS`)
+    and ``max_ulp`` over pairs where both are finite, ``max_ulp_at`` its index and the two values
+    there, ``max_abs_change`` the largest |cand - base| there; ``nan_payload`` (both NaN, other
+    bits), ``signed_zero`` (+0 against -0), ``new_nonfinite`` (finite in ``base``, NaN or inf in
+    ``cand``), ``lost_nonfinite`` (the reverse) and ``nonfinite_changed`` (both non-finite, not
+    the same value: NaN against inf, or the sign of an inf).  All counts are exact integers."""
+    if base.shape != cand.shape or base.dtype != cand.dtype:
+        raise ValueError(
+            f"bit_diff needs tensors of one shape and dtype (the same call's results), got "
+            f"{base.dtype}{tuple(base.shape)} and {cand.dtype}{tuple(cand.shape)}"
+        )
+    n = base.numel()
+    diff = bit_view(base) != bit_view(cand)
+    rec = {"elements": n, "differ": int(diff.sum())}
+    fa, fb = torch.isfinite(base.float()), torch.isfinite(cand.float())  # .float(): fp8 has no isfinite kernel
+    nan_a, nan_b = torch.isnan(base.float()), torch.isnan(cand.float())
+    both = fa & fb & diff
+    zero = both & (base.float() == 0) & (cand.float() == 0)
+    rec["signed_zero"] = int(zero.sum())
+    rec["nan_payload"] = int((nan_a & nan_b & diff).sum())
+    rec["new_nonfinite"] = int((fa & ~fb).sum())
+    rec["lost_nonfinite"] = int((~fa & fb).sum())
+    rec["nonfinite_changed"] = int((~fa & ~fb & diff & ~(nan_a & nan_b)).sum())
+    steps = torch.where(both, step_distance(base, cand), torch.zeros((), dtype=torch.int64, device=base.device))
+    hist = {}
+    for label, lo, hi in ULP_BUCKETS:
+        sel = steps >= lo if hi is None else (steps >= lo) & (steps <= hi)
+        hist[label] = int(sel.sum())
+    rec["ulp_histogram"] = hist
+    rec["max_ulp"] = int(steps.max()) if n else 0
+    rec["max_ulp_at"] = None
+    rec["max_abs_change"] = 0.0
+    if rec["max_ulp"] > 0:
+        flat = int(steps.flatten().argmax())
+        idx = _index(flat, base.shape)
+        rec["max_ulp_at"] = {"index": list(idx), "base": float(base[idx]), "cand": float(cand[idx])}
+        change = (cand.double() - base.double()).abs()
+        rec["max_abs_change"] = float(torch.where(both, change, torch.zeros_like(change)).max())
+    return rec
 
 
 def fa_criterion(out: torch.Tensor, ref: torch.Tensor, out_lowprec: torch.Tensor) -> dict:

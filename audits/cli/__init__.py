@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from audits.cli import bounds as bounds_cli
+from audits.cli import compare as compare_cli
 from audits.cli import ex2 as ex2_cli
 from audits.cli import fidelity as fidelity_cli
 from audits.cli import invariance as invariance_cli
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for mod in (runner_cli, cli_reports, ex2_cli, fidelity_cli, static_cli, bounds_cli, invariance_cli):
+    for mod in (runner_cli, compare_cli, cli_reports, ex2_cli, fidelity_cli, static_cli, bounds_cli, invariance_cli):
         mod.register(sub)
     return p
 

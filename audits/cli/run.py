@@ -34,7 +34,10 @@ from audits.verdict.known import known_lines
 
 #: what a run writes into OUT (and OUT/<kernel>/ with several kernels); --overwrite removes
 #: exactly these, nothing else a user keeps there
-RUN_FILES = ("report.json", "report.md", "report.html", "report.junit.xml", "journal.jsonl")
+RUN_FILES = (
+    "report.json", "report.md", "report.html", "report.junit.xml", "journal.jsonl",
+    "compare.json", "compare.md", "compare.html",
+)  # fmt: skip
 RUN_DIRS = ("repro", "jobs")
 #: failing cases listed (with their reproducers) at the end of a failing run
 SHOW_FAILING = 10
@@ -100,7 +103,7 @@ def _prepare_out(args: argparse.Namespace) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def _audit(kernels: list[str], cases: list, options: RunOptions, header: dict) -> Report:
+def audit_run(kernels: list[str], cases: list, options: RunOptions, header: dict) -> Report:
     """The run (``audits.api.audit``: in this process, or with ``--jobs`` in its children) under a
     progress bar on stderr; ``--resume`` onto another run's journal is a usage error."""
     failing = [0]
@@ -205,7 +208,7 @@ _STOP_ADVICE = {
 }
 
 
-def _report_runs(args: argparse.Namespace, report: Report) -> int:
+def report_runs(args: argparse.Namespace, report: Report) -> int:
     """Write each kernel's report (partial when cases were not run: ``report.stopped`` says why),
     print its verdicts and failing cases; the exit code (``report.exit_code``; 1 for a
     ``--require-coverage`` missed)."""
@@ -242,8 +245,9 @@ def _report_runs(args: argparse.Namespace, report: Report) -> int:
     return code
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-
+def prepare_run(args: argparse.Namespace) -> tuple[list[str], list, RunOptions, dict]:
+    """(kernels, cases, options, report header) of a ``run`` (or ``compare``) from its flags, OUT
+    prepared; a ``UsageError`` (exit 2) for anything wrong before a case runs."""
     if args.jobs < 1:
         raise UsageError(f"--jobs {args.jobs}: expected a positive number of processes")
     if args.maps < 0:
@@ -271,9 +275,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     _prepare_out(args)
     header = {**_run_header(args, device), "coverage": bases}
-    report = _audit(kernels, cases, options, header)
+    return kernels, cases, options, header
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+
+    kernels, cases, options, header = prepare_run(args)
+    report = audit_run(kernels, cases, options, header)
     with finishing("the report"):  # every case run is in the report, even when Ctrl-C comes now
-        return _report_runs(args, report)
+        return report_runs(args, report)
 
 
 def register(sub) -> None:
@@ -293,6 +303,13 @@ def register(sub) -> None:
         help="fa4, fa4-model, fa4-model-sm90, fa4-model-sm90-tc, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, "
         "module:attr or path/to/file.py:fn; repeat to audit several kernels on shared inputs and references",
     )
+    add_run_arguments(r)
+    r.set_defaults(func=cmd_run)
+
+
+def add_run_arguments(r: argparse.ArgumentParser) -> None:
+    """Every flag of ``run`` but ``--kernel``: the case selection, where and how the cases run,
+    the report (``compare`` takes the same)."""
     add_case_arguments(r, default_suite="smoke")
     r.add_argument("--label", default=None, help=argparse.SUPPRESS)  # the reports' suite label (hidden)
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernels run (default cpu)")
@@ -393,4 +410,3 @@ def register(sub) -> None:
         "sequence on its rows and used keys (without it, such a kernel skips varlen cases; kernels with a varlen "
         "entry, fn.fa4_audit_contract = 'varlen', run them through it either way)",
     )
-    r.set_defaults(func=cmd_run)

@@ -456,12 +456,15 @@ def evaluate_case(
     per_sequence: bool = False,
     *,
     error_map: dict | None = None,
+    tensors: dict | None = None,
 ) -> dict:
     """Measurements and verdict of one case (a JSON-able dict); with ``backward``, its gradients
     too (``rec["backward"]``).  ``fn``: the kernel (``audits.engine.worker.KernelCalls``, or a plain
     callable called in this process).  A failing case gets ``rec["diagnosis"]``, where its violations
     lie (``audits.verdict.diagnosis``, from the tensors kept until the verdict); its error-map
-    data goes into ``error_map["map"]`` when given (``ErrorMap``: the caller writes the file).
+    data goes into ``error_map["map"]`` when given (``ErrorMap``: the caller writes the file), and
+    the kernel's results with their references (``CaseTensors``) into ``tensors["keep"]`` when
+    given (``fa4-audit compare`` holds them against another kernel's).
     ``domain`` (``audits.suites.domain.Domain``, the kernel's declared one): a case outside it is
     ``skipped`` with the reason, decided before the kernel is called.  A varlen case runs through
     the kernel's varlen entry, else with ``per_sequence`` through ``fn`` once per sequence, else
@@ -509,6 +512,8 @@ def evaluate_case(
         rec["diagnosis"], emap = _diagnose(rec, thresholds, keep)
         if emap is not None and error_map is not None:
             error_map["map"] = emap
+    if tensors is not None:
+        tensors["keep"] = keep
     rec["seconds"] = time.perf_counter() - t0
     return rec
 

@@ -36,7 +36,9 @@ class RunOptions:
     pinned to ``gpus`` ("0,1"; None: all visible); ``quiet``: no progress; ``maps``: error maps
     rendered per report; ``shard``: "I/N" when this run is one slice of a sharded run; ``known``:
     the known defects (``audits.verdict.known.load_known``) applied to each kernel's report, and
-    ``strict_known``: an entry no longer reproducing fails the run."""
+    ``strict_known``: an entry no longer reproducing fails the run; ``baseline``: the kernel the
+    others are compared with, bit for bit, case by case (``fa4-audit compare``: each other
+    kernel's record gets ``compare``, ``audits.engine.compare``)."""
 
     device: str = "cpu"
     out: str = "reports/run-latest"
@@ -58,6 +60,7 @@ class RunOptions:
     shard: str | None = None
     known: KnownFile | None = None
     strict_known: bool = False
+    baseline: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "device", str(self.device))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from audits.engine import journal
+from audits.engine.compare import compare_case
 from audits.engine.options import RunOptions
 from audits.engine.session import open_session
 from audits.engine.shards import run_order
@@ -181,35 +182,57 @@ def _save_inputs(st: dict, c: Case) -> str:
     return f"repro/{c.name}.pt"
 
 
+def _record(st: dict, i: int, rec: dict) -> None:
+    """Case ``i``'s record into the kernel's records, then its journal (first: a Ctrl-C during
+    the journal's fsync keeps it in the report)."""
+    st["records"][i] = rec
+    journal.append(st["journal"], {**rec, journal.AT: i})
+
+
 def _loop(order, cases, state, options: RunOptions, progress, deadline) -> StopReason | None:
-    """Run the cases in ``order``; why it stopped early (budget, exitfirst), or None."""
-    device, backward = options.torch_device, options.backward
+    """Run the cases in ``order``; why it stopped early (budget, exitfirst), or None.  With
+    ``options.baseline``, every kernel runs a case before any is journalled, and each other
+    kernel's record gets ``compare``: its results against the baseline's, bit for bit
+    (``audits.engine.compare``)."""
+    device, backward, base = options.torch_device, options.backward, options.baseline
     for n, i in enumerate(order):
         c = cases[i]
-        stop = False
         fresh = any(c.name not in st["done"] for st in state.values())
         if fresh and deadline is not None and time.monotonic() >= deadline:
             return StopReason.BUDGET  # resumed records cost nothing: the budget stops only new work
+        kept, made = {}, {}
         for kern, st in state.items():
             if c.name in st["done"]:
-                rec = {**st["done"][c.name], "resumed": True}
+                continue
+            emap, held = {}, {} if base is not None else None
+            rec = st["session"].evaluate(c, error_map=emap, tensors=held)
+            rec["repro"] = st["repro"](c)
+            if rec["verdict"] in FAILING:
+                rec["repro_inputs"] = _save_inputs(st, c)
+            if "map" in emap:  # the error map beside the report, named in the record (kept by --resume)
+                rec["error_map"] = f"maps/{c.name}.npz"
+                save_map(st["out"] / rec["error_map"], error_map=emap.pop("map"))
+            made[kern], kept[kern] = rec, (held or {}).get("keep")
+            if base is None:  # journalled now; compared records once every kernel has run the case
+                _record(st, i, rec)
+        if base is not None:
+            for kern, rec in made.items():
+                if kern != base:
+                    rec["compare"] = {"baseline": base, **compare_case(case=c, base=kept.get(base), cand=kept[kern])}
+                _record(state[kern], i, rec)
+        kept.clear()
+        stop = False
+        for kern, st in state.items():
+            if kern in made:
+                rec = made[kern]
             else:
-                emap = {}
-                rec = st["session"].evaluate(c, error_map=emap)
-                rec["repro"] = st["repro"](c)
-                if rec["verdict"] in FAILING:
-                    rec["repro_inputs"] = _save_inputs(st, c)
-                if "map" in emap:  # the error map beside the report, named in the record (kept by --resume)
-                    rec["error_map"] = f"maps/{c.name}.npz"
-                    save_map(st["out"] / rec["error_map"], error_map=emap.pop("map"))
-                st["records"][i] = rec  # first: a Ctrl-C during the journal's fsync keeps it in the report
-                journal.append(st["journal"], {**rec, journal.AT: i})
+                rec = {**st["done"][c.name], "resumed": True}
             st["records"][i] = rec
-            if device.type == "cuda" and c.cost > (1 << 28 if backward is not None else 1 << 32):
-                torch.cuda.empty_cache()  # give the FP64 intermediates back: parallel jobs share the GPU
             if progress is not None:
                 progress(kern, rec)
             stop |= options.exitfirst and rec["verdict"] in FAILING
+        if device.type == "cuda" and c.cost > (1 << 28 if backward is not None else 1 << 32):
+            torch.cuda.empty_cache()  # give the FP64 intermediates back: parallel jobs share the GPU
         if stop:
             return StopReason.EXITFIRST if n + 1 < len(order) else None
     return None

@@ -31,9 +31,10 @@ class Session:
     domain: Domain
     calls: KernelCalls
 
-    def evaluate(self, case: Case, *, error_map: dict | None = None) -> dict:
+    def evaluate(self, case: Case, *, error_map: dict | None = None, tensors: dict | None = None) -> dict:
         """The record of ``case`` (``audits.engine.evaluate.evaluate_case``); a failing case's
-        error-map data into ``error_map["map"]`` when given."""
+        error-map data into ``error_map["map"]``, and the kernel's results into
+        ``tensors["keep"]``, when given."""
         o = self.options
         return evaluate_case(
             self.kernel,
@@ -45,6 +46,7 @@ class Session:
             self.domain,
             o.per_sequence,
             error_map=error_map,
+            tensors=tensors,
         )
 
     def kill(self) -> None:

@@ -60,6 +60,7 @@ __all__ = [
     "concentration",
     "Layout",
     "layout_of",
+    "canonical",
     "localize",
     "CaseTensors",
     "ErrorMap",
@@ -257,7 +258,7 @@ def layout_of(*, case: Case, level: str, tile: int) -> Layout:
     )
 
 
-def _canonical(name: str, t: torch.Tensor) -> torch.Tensor:
+def canonical(name: str, t: torch.Tensor) -> torch.Tensor:
     """``t`` as (B, L, H, D) (:class:`Layout`): lse (B, H, L) -> (B, L, H, 1), dsink (H,) ->
     (1, 1, H, 1); the others as they are."""
     if name == "lse":
@@ -554,7 +555,7 @@ def _part(name, got, ref, crit: dict, den, err, lay: Layout, tiles) -> _Part:
             counts[k] = int(crit[k].sum())
     g, r = got.double(), ref.double()
     ratio = _ratio(err, g, r, den, mask)
-    c = lambda t: _canonical(name, t)
+    c = lambda t: canonical(name, t)
     return _Part(name, c(mask), {k: v for k, v in counts.items() if v}, c(ratio), lay, tiles)
 
 

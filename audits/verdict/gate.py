@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_THRESHOLDS",
     "load_thresholds",
     "require_backward",
+    "require_compare",
     "judge",
     "judge_against_baseline",
     "rejudge",
@@ -84,6 +85,8 @@ def load_thresholds(path: str | Path | None = None) -> dict:
         _table(p, data, "backward", {**_BACKWARD_KEYS, **{g: dict for g in _GRAD_KEYS}})
         for g, keys in _GRAD_KEYS.items():
             _table(p, bwd, g, keys, name=f"backward.{g}")
+    if "compare" in data:  # fa4-audit compare's regression rule; optional like [backward]
+        _table(p, data, "compare", _COMPARE_KEYS)
     for key in ("nan_swallowed", "lse_missing"):
         if data["policy"][key] not in ("warn", "fail"):
             raise ThresholdsError(f"{p}: [policy] {key} must be 'warn' or 'fail', got {data['policy'][key]!r}")
@@ -109,6 +112,19 @@ def _table(p: Path, data: dict, section: str, keys: dict, *, name: str | None = 
     if unknown:
         bad = ", ".join(sorted(unknown))
         raise ThresholdsError(f"{p}: [{name}] has unknown key(s) {bad}; accepted: {', '.join(keys)}")
+
+
+#: [compare]: what ``fa4-audit compare`` calls a tightness regression (``audits.report.compare``)
+_COMPARE_KEYS = {"tightness_ratio": float, "tightness_floor": float}
+
+
+def require_compare(th: dict) -> None:
+    """ThresholdsError unless ``th`` has the [compare] table ``fa4-audit compare`` judges by."""
+    if "compare" not in th:
+        raise ThresholdsError(
+            f"{th.get('path', 'thresholds')}: no [compare] table, which compare needs; copy [compare] from the "
+            f"shipped {DEFAULT_THRESHOLDS}"
+        )
 
 
 def require_backward(th: dict) -> None:

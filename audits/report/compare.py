@@ -1,0 +1,376 @@
+"""What changed between a baseline kernel and each candidate run on the same inputs in one run
+(``fa4-audit compare``, docs/compare.md): read from the kernels' records (each candidate's record
+holds ``compare``, its results against the baseline's bit for bit: ``audits.engine.compare``),
+one :class:`Comparison` per candidate, rendered once to the console lines, Markdown, HTML and
+JSON.
+
+A **regression** is what the command exits 1 on: a verdict worse than the baseline's on the same
+case (passing -> warn or failing, warn -> failing, known -> failing, ran -> refused), a bound
+tightness (error / per-element bound, forward and each gradient) worse than the baseline's by
+more than ``[compare] tightness_ratio`` where it reaches ``[compare] tightness_floor`` (the
+thresholds file says why), or a non-finite value where the baseline's is finite.  A case whose
+results could not be compared is counted apart, never as identical."""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from audits.common import atomic_write
+from audits.engine.compare import COMPARED
+from audits.report.records import FAILING
+from audits.verdict.gate import fa_allowed
+from numerics.metrics import ULP_BUCKETS
+
+__all__ = [
+    "Comparison",
+    "Regression",
+    "compare_reports",
+    "summary_lines",
+    "render_md",
+    "render_html",
+    "write_comparison",
+]
+
+#: how bad a verdict is, for "worse" and "better" (a refusal is judged apart: ran -> skipped)
+_RANK = {"pass": 0, "out-of-domain": 0, "warn": 1, "known": 2, **{v: 3 for v in FAILING}}
+#: tensors of the forward; the others are gradients
+_FORWARD = ("out", "lse")
+#: differing cases listed in full in report.md / html (all are in compare.json)
+LISTED = 40
+
+
+@dataclass
+class Regression:
+    """One regression: the case, what got worse (``kind``: verdict | refused | tightness |
+    nonfinite) and how, in words."""
+
+    case: str
+    kind: str
+    detail: str
+
+
+@dataclass
+class Comparison:
+    """A candidate against the baseline over the cases both ran: counts, the ULP histogram summed
+    over differing elements, the cases that differ, verdict changes and the regressions."""
+
+    baseline: str
+    candidate: str
+    versions: dict
+    cases: int = 0
+    compared: int = 0
+    not_compared: list = field(default_factory=list)
+    forward: dict = field(default_factory=lambda: {"compared": 0, "identical": 0})
+    backward: dict = field(default_factory=lambda: {"compared": 0, "identical": 0})
+    ulp_histogram: dict = field(default_factory=lambda: {label: 0 for label, _, _ in ULP_BUCKETS})
+    max_ulp: int = 0
+    max_row_ulp: float = 0.0
+    nan_payload: int = 0
+    signed_zero: int = 0
+    differing: list = field(default_factory=list)
+    verdicts: dict = field(default_factory=dict)
+    better: list = field(default_factory=list)
+    regressions: list = field(default_factory=list)
+    tightness: dict = field(default_factory=lambda: {"judged": 0, "worst_ratio": None, "worst_case": None})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tightness(rec: dict) -> dict[str, float]:
+    """A record's bound tightness per quantity (error / per-element bound: out, lse, each gradient)."""
+    got = {}
+    b = rec.get("bound") or {}
+    for name, key in (("out", "tightness"), ("lse", "lse_tightness")):
+        if isinstance(b.get(key), (int, float)):
+            got[name] = float(b[key])
+    for g, gr in ((rec.get("backward") or {}).get("grads") or {}).items():
+        t = (gr.get("bound") or {}).get("tightness")
+        if isinstance(t, (int, float)):
+            got[g] = float(t)
+    return got
+
+
+def _fa_margin(rec: dict, th: dict) -> float | None:
+    """|out - ref| over what FA's criterion allows (None where it does not gate the case)."""
+    allowed = fa_allowed(m=rec, th=th) if rec.get("status") == "ran" else None
+    if not allowed:
+        return None
+    return float(rec["fa_criterion"]["max_abs"]) / allowed
+
+
+def _verdict_change(base: dict, cand: dict) -> str | None:
+    """ "worse", "better", "refused" (the baseline ran it, the candidate refused it) or None."""
+    vb, vc = base["verdict"], cand["verdict"]
+    if vb == vc:
+        return None
+    if vc == "skipped" and base.get("status") == "ran":
+        return "refused"
+    if vb not in _RANK or vc not in _RANK:
+        return None
+    return "worse" if _RANK[vc] > _RANK[vb] else "better" if _RANK[vc] < _RANK[vb] else None
+
+
+def _differing_entry(rec: dict, cmp: dict, base: dict, th: dict) -> dict:
+    """One differing case as the report lists it: per tensor its counts, ULPs and where; each
+    side's verdict, bound tightness per quantity and FA-criterion margin (|err| / allowed)."""
+    tensors = {}
+    for name, d in cmp["tensors"].items():
+        if not d.get("differ"):
+            continue
+        tensors[name] = {
+            "differ": d["differ"],
+            "elements": d["elements"],
+            "max_ulp": d.get("max_ulp"),
+            "max_row_ulp": d.get("max_row_ulp"),
+            "new_nonfinite": d.get("new_nonfinite", 0),
+            "where": ((d.get("where") or {}).get("summary")) or d.get("layout_changed"),
+        }
+    return {
+        "case": rec["case"],
+        "case_id": rec.get("case_id"),
+        "verdicts": [base["verdict"], rec["verdict"]],
+        "tightness": {q: [t, _tightness(rec).get(q)] for q, t in _tightness(base).items()},
+        "fa_margin": [_fa_margin(base, th), _fa_margin(rec, th)],
+        "tensors": tensors,
+    }
+
+
+def _judge_case(c: Comparison, base: dict, rec: dict, th: dict) -> None:
+    """One case of candidate ``rec`` against ``base``: counts, verdict change, tightness, regressions."""
+    name = rec["case"]
+    change = _verdict_change(base, rec)
+    c.verdicts[f"{base['verdict']} -> {rec['verdict']}"] = (
+        c.verdicts.get(f"{base['verdict']} -> {rec['verdict']}", 0) + 1
+    )
+    if change == "worse":
+        c.regressions.append(
+            Regression(name, "verdict", f"{base['verdict']} -> {rec['verdict']}: {'; '.join(rec.get('reasons') or [])}")
+        )
+    elif change == "refused":
+        c.regressions.append(
+            Regression(name, "refused", f"the baseline ran it; the candidate refused it: {rec.get('reason')}")
+        )
+    elif change == "better":
+        c.better.append(name)
+    ratio, floor = th["compare"]["tightness_ratio"], th["compare"]["tightness_floor"]
+    tb, tc = _tightness(base), _tightness(rec)
+    for q in sorted(set(tb) & set(tc)):
+        if tc[q] < floor:
+            continue
+        c.tightness["judged"] += 1
+        r = tc[q] / max(tb[q], floor)
+        if c.tightness["worst_ratio"] is None or r > c.tightness["worst_ratio"]:
+            c.tightness["worst_ratio"], c.tightness["worst_case"] = r, f"{name} ({q})"
+        if r > ratio:
+            c.regressions.append(
+                Regression(name, "tightness", f"{q}: error/bound {tb[q]:.3g} -> {tc[q]:.3g} ({r:.3g}x > {ratio:g}x)")
+            )
+
+
+def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> None:
+    """Bit-level counts of one compared case."""
+    c.compared += 1
+    fwd = [n for n in cmp["tensors"] if n in _FORWARD]
+    bwd = [n for n in cmp["tensors"] if n not in _FORWARD]
+    if fwd:
+        c.forward["compared"] += 1
+        c.forward["identical"] += bool(cmp["forward_identical"])
+    if cmp.get("backward_identical") is not None:
+        c.backward["compared"] += 1
+        c.backward["identical"] += bool(cmp["backward_identical"])
+    new_nf = []
+    for n in fwd + bwd:
+        d = cmp["tensors"][n]
+        for label, count in (d.get("ulp_histogram") or {}).items():
+            c.ulp_histogram[label] = c.ulp_histogram.get(label, 0) + count
+        c.max_ulp = max(c.max_ulp, int(d.get("max_ulp") or 0))
+        c.max_row_ulp = max(c.max_row_ulp, float(d.get("max_row_ulp") or 0.0))
+        c.nan_payload += int(d.get("nan_payload") or 0)
+        c.signed_zero += int(d.get("signed_zero") or 0)
+        if d.get("new_nonfinite"):
+            new_nf.append(f"{n}: {d['new_nonfinite']} of {d['elements']}")
+    if new_nf:
+        c.regressions.append(
+            Regression(rec["case"], "nonfinite", "NaN/inf where the baseline is finite: " + ", ".join(new_nf))
+        )
+    if not cmp["identical"] or cmp.get("missing"):
+        c.differing.append(_differing_entry(rec, cmp, base, th))
+
+
+def compare_reports(
+    reports: dict[str, dict], *, baseline: str, thresholds: dict, versions: dict | None = None
+) -> list[Comparison]:
+    """Each candidate of ``reports`` (kernel -> report, as ``audits.api.audit`` returns them)
+    against ``baseline``, case by case (matched by name: one run, one case list)."""
+    base_cases = {r["case"]: r for r in reports[baseline]["cases"]}
+    out = []
+    for kern, rep in reports.items():
+        if kern == baseline:
+            continue
+        c = Comparison(baseline=baseline, candidate=kern, versions=(versions or {}).get(kern, {}))
+        for rec in rep["cases"]:
+            base = base_cases.get(rec["case"])
+            if base is None:
+                continue
+            c.cases += 1
+            cmp = rec.get("compare") or {}
+            if cmp.get("status") == COMPARED:
+                _add_compared(c, base, rec, cmp, thresholds)
+            elif base.get("status") == "ran" and rec.get("status") == "ran":
+                c.not_compared.append(
+                    {"case": rec["case"], "why": cmp.get("why") or "no comparison recorded (resumed)"}
+                )
+            _judge_case(c, base, rec, thresholds)
+        c.differing.sort(
+            key=lambda e: -max((t.get("max_ulp") or 0) for t in e["tensors"].values()) if e["tensors"] else 0
+        )
+        out.append(c)
+    return out
+
+
+def _share(k: int, n: int) -> str:
+    return f"{k:,} of {n:,}"
+
+
+def summary_lines(c: Comparison) -> list[str]:
+    """The ten-second summary of one candidate (console, report heads)."""
+    lines = []
+    f, b = c.forward, c.backward
+    head = f"{c.candidate} vs {c.baseline}: "
+    if not c.compared:
+        return [head + f"nothing compared ({c.cases} cases; {len(c.not_compared)} without results on one side)"]
+    fwd_diff = f["compared"] - f["identical"]
+    parts = [f"forward bit-identical on {_share(f['identical'], f['compared'])} cases"]
+    if b["compared"]:
+        parts.append(f"backward bit-identical on {_share(b['identical'], b['compared'])}")
+    lines.append(head + "; ".join(parts))
+    if fwd_diff or b["compared"] - b["identical"]:
+        within1 = c.ulp_histogram.get("1", 0)
+        total = sum(c.ulp_histogram.values())
+        row = f", at most {c.max_row_ulp:.3g} ULP of the row's largest value" if c.max_row_ulp else ""
+        lines.append(
+            f"  differs on {len(c.differing)} cases: {total:,} finite elements apart ({within1:,} by 1 ULP), "
+            f"at most {c.max_ulp:,} ULP{row}"
+            + (f"; {c.nan_payload} NaN payloads differ" if c.nan_payload else "")
+            + (f"; {c.signed_zero} zeros changed sign" if c.signed_zero else "")
+        )
+    worse = [r for r in c.regressions if r.kind in ("verdict", "refused")]
+    lines.append(
+        f"  verdicts: {'none worse' if not worse else f'{len(worse)} worse'}"
+        + (f", {len(c.better)} better" if c.better else "")
+        + (
+            f"; tightness worst ratio {c.tightness['worst_ratio']:.3g} ({c.tightness['worst_case']})"
+            if c.tightness["worst_ratio"]
+            else ""
+        )
+    )
+    if c.not_compared:
+        lines.append(f"  {len(c.not_compared)} cases not compared (a side has no result): not counted as identical")
+    if c.regressions:
+        kinds = ", ".join(f"{k} {n}" for k, n in Counter(r.kind for r in c.regressions).items())
+        lines.append(f"  REGRESSION: {len(c.regressions)} ({kinds})")
+        for r in c.regressions[:10]:
+            lines.append(f"    {r.case}: {r.kind}: {r.detail}")
+    return lines
+
+
+def _hist_row(h: dict) -> str:
+    return " | ".join(f"{h.get(label, 0):,}" for label, _, _ in ULP_BUCKETS)
+
+
+def render_md(comparisons: list[Comparison], *, header: dict) -> str:
+    """compare.md: the summaries, then per candidate its histogram, regressions and differing cases."""
+    out = ["# fa4-audit compare", ""]
+    out += [f"- created: {header.get('created')}", f"- command: `{header.get('command')}`", ""]
+    for c in comparisons:
+        out += [f"## {c.candidate} against {c.baseline}", ""]
+        if c.versions:
+            out += ["Versions: " + "; ".join(f"{k}: {v}" for k, v in c.versions.items()), ""]
+        out += [f"    {line}" for line in summary_lines(c)] + [""]
+        out += ["ULP distance of differing finite elements (all tensors):", ""]
+        out += ["| " + " | ".join(label for label, _, _ in ULP_BUCKETS) + " |", "|" + "---|" * len(ULP_BUCKETS)]
+        out += ["| " + _hist_row(c.ulp_histogram) + " |", ""]
+        if c.verdicts:
+            out += ["Verdicts (baseline -> candidate):", ""]
+            out += [f"- {k}: {n}" for k, n in sorted(c.verdicts.items(), key=lambda kv: -kv[1])] + [""]
+        if c.regressions:
+            out += ["### Regressions", "", "| case | kind | what |", "|---|---|---|"]
+            out += [f"| {r.case} | {r.kind} | {r.detail} |" for r in c.regressions] + [""]
+        if c.differing:
+            out += [
+                f"### Cases that differ ({len(c.differing)}; the first {min(LISTED, len(c.differing))} by max ULP)",
+                "",
+            ]
+            out += [
+                "| case | verdicts | tensor | differ | max ULP | max ULP of row max | where |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for e in c.differing[:LISTED]:
+                for name, t in e["tensors"].items():
+                    row_ulp = f"{t['max_row_ulp']:.3g}" if t.get("max_row_ulp") is not None else "—"
+                    ulp = t["max_ulp"] if t["max_ulp"] is not None else "—"
+                    out.append(
+                        f"| {e['case']} | {' -> '.join(e['verdicts'])} | {name} | "
+                        f"{t['differ']:,} of {t['elements']:,} | {ulp} | {row_ulp} | {t['where'] or '—'} |"
+                    )
+            out.append("")
+        if c.not_compared:
+            out += [f"### Not compared ({len(c.not_compared)})", ""]
+            out += [f"- {e['case']}: {e['why']}" for e in c.not_compared[:LISTED]] + [""]
+    return "\n".join(out)
+
+
+def render_html(comparisons: list[Comparison], *, header: dict) -> str:
+    """compare.html: the same content as compare.md, self-contained."""
+    body = [f"<h1>fa4-audit compare</h1><p>{html.escape(str(header.get('command')))}</p>"]
+    for c in comparisons:
+        body.append(f"<h2>{html.escape(c.candidate)} against {html.escape(c.baseline)}</h2>")
+        body.append("<pre>" + html.escape("\n".join(summary_lines(c))) + "</pre>")
+        cells = "".join(f"<th>{html.escape(label)}</th>" for label, _, _ in ULP_BUCKETS)
+        vals = "".join(f"<td>{c.ulp_histogram.get(label, 0):,}</td>" for label, _, _ in ULP_BUCKETS)
+        body.append(f"<table><tr>{cells}</tr><tr>{vals}</tr></table>")
+        if c.regressions:
+            rows = "".join(
+                f"<tr><td>{html.escape(r.case)}</td><td>{r.kind}</td><td>{html.escape(r.detail)}</td></tr>"
+                for r in c.regressions
+            )
+            body.append(f"<h3>Regressions</h3><table><tr><th>case</th><th>kind</th><th>what</th></tr>{rows}</table>")
+        if c.differing:
+            rows = "".join(
+                f"<tr><td>{html.escape(e['case'])}</td><td>{name}</td><td>{t['differ']:,} of {t['elements']:,}</td>"
+                f"<td>{t['max_ulp']}</td><td>{html.escape(str(t['where'] or '—'))}</td></tr>"
+                for e in c.differing[:LISTED]
+                for name, t in e["tensors"].items()
+            )
+            body.append(
+                "<h3>Cases that differ</h3><table><tr><th>case</th><th>tensor</th><th>differ</th><th>max ULP</th>"
+                f"<th>where</th></tr>{rows}</table>"
+            )
+    css = (
+        "body{font:14px/1.4 system-ui,sans-serif;margin:2em}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 6px}"
+    )
+    head = f"<!doctype html><html><head><meta charset='utf-8'><style>{css}</style></head>"
+    return f"{head}<body>{''.join(body)}</body></html>\n"
+
+
+def write_comparison(out_dir: str | Path, comparisons: list[Comparison], *, header: dict) -> dict[str, Path]:
+    """compare.json, compare.md and compare.html in ``out_dir`` (each written atomically)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {**header, "comparisons": [c.as_dict() for c in comparisons]}
+    texts = {
+        "json": json.dumps(doc, indent=1, default=str) + "\n",
+        "md": render_md(comparisons, header=header),
+        "html": render_html(comparisons, header=header),
+    }
+    paths = {}
+    for ext, text in texts.items():
+        paths[ext] = out / f"compare.{ext}"
+        atomic_write(paths[ext], text)
+    return paths
