@@ -42,7 +42,7 @@ def _where(case: Case, name: str, diff_mask, base: CaseTensors) -> dict | None:
         lay = layout_of(case=case, level=level, tile=tiles[0] if level == "row" else tiles[1])
     except ValueError:
         return None
-    return localize(tensor=name, mask=canonical(name, diff_mask), layout=lay)
+    return localize(tensor=name, mask=canonical(name, diff_mask), layout=lay, words=("element", "identical"))
 
 
 def row_ulp_change(base, cand, ref) -> float:

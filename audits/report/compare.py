@@ -75,23 +75,27 @@ class Comparison:
     verdicts: dict = field(default_factory=dict)
     better: list = field(default_factory=list)
     regressions: list = field(default_factory=list)
-    tightness: dict = field(default_factory=lambda: {"judged": 0, "worst_ratio": None, "worst_case": None})
+    tightness: dict = field(
+        default_factory=lambda: {"judged": 0, "worst_ratio": None, "worst_case": None, "other_bound": 0}
+    )
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _tightness(rec: dict) -> dict[str, float]:
-    """A record's bound tightness per quantity (error / per-element bound: out, lse, each gradient)."""
+def _tightness(rec: dict) -> dict[str, tuple[str | None, float]]:
+    """A record's bound tightness per quantity (error / per-element bound: out, lse, each
+    gradient), each with the kind of bound it was measured against ("fa4" or a peer's)."""
     got = {}
     b = rec.get("bound") or {}
     for name, key in (("out", "tightness"), ("lse", "lse_tightness")):
         if isinstance(b.get(key), (int, float)):
-            got[name] = float(b[key])
-    for g, gr in ((rec.get("backward") or {}).get("grads") or {}).items():
+            got[name] = (b.get("kind"), float(b[key]))
+    bwd = rec.get("backward") or {}
+    for g, gr in (bwd.get("grads") or {}).items():
         t = (gr.get("bound") or {}).get("tightness")
         if isinstance(t, (int, float)):
-            got[g] = float(t)
+            got[g] = (bwd.get("bound_kind"), float(t))
     return got
 
 
@@ -134,7 +138,7 @@ def _differing_entry(rec: dict, cmp: dict, base: dict, th: dict) -> dict:
         "case": rec["case"],
         "case_id": rec.get("case_id"),
         "verdicts": [base["verdict"], rec["verdict"]],
-        "tightness": {q: [t, _tightness(rec).get(q)] for q, t in _tightness(base).items()},
+        "tightness": {q: [t[1], (_tightness(rec).get(q) or (None, None))[1]] for q, t in _tightness(base).items()},
         "fa_margin": [_fa_margin(base, th), _fa_margin(rec, th)],
         "tensors": tensors,
     }
@@ -160,15 +164,19 @@ def _judge_case(c: Comparison, base: dict, rec: dict, th: dict) -> None:
     ratio, floor = th["compare"]["tightness_ratio"], th["compare"]["tightness_floor"]
     tb, tc = _tightness(base), _tightness(rec)
     for q in sorted(set(tb) & set(tc)):
-        if tc[q] < floor:
+        (kb, b), (kc, t) = tb[q], tc[q]
+        if kb != kc:  # held to different analyses (FA4's, a peer's): their ratios do not compare
+            c.tightness["other_bound"] += 1
+            continue
+        if t < floor:
             continue
         c.tightness["judged"] += 1
-        r = tc[q] / max(tb[q], floor)
+        r = t / max(b, floor)
         if c.tightness["worst_ratio"] is None or r > c.tightness["worst_ratio"]:
             c.tightness["worst_ratio"], c.tightness["worst_case"] = r, f"{name} ({q})"
         if r > ratio:
             c.regressions.append(
-                Regression(name, "tightness", f"{q}: error/bound {tb[q]:.3g} -> {tc[q]:.3g} ({r:.3g}x > {ratio:g}x)")
+                Regression(name, "tightness", f"{q}: error/bound {b:.3g} -> {t:.3g} ({r:.3g}x > {ratio:g}x)")
             )
 
 
@@ -269,6 +277,11 @@ def summary_lines(c: Comparison) -> list[str]:
             else ""
         )
     )
+    if c.tightness["other_bound"]:
+        lines.append(
+            f"  tightness not compared on {c.tightness['other_bound']} quantities: the two sides are held to "
+            "different bounds (FA4's numerics and a peer's)"
+        )
     if c.not_compared:
         lines.append(f"  {len(c.not_compared)} cases not compared (a side has no result): not counted as identical")
     if c.regressions:

@@ -392,12 +392,16 @@ def _join(parts: list[str]) -> str:
     return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
-def _summary(tensor: str, total: int, elements: int, axes: dict, counts: dict, lay: Layout, h: int) -> str:
+def _summary(
+    tensor: str, total: int, elements: int, axes: dict, counts: dict, lay: Layout, h: int, words: tuple[str, str]
+) -> str:
     """One sentence: the concentrated axes, most specific first; of two that cover the same
     elements (rows that are whole row tiles, heads that are whole GQA groups) only one, the
     other's values in its parentheses; the first axis' clean rest when it is short.  Without a
-    concentrated axis: that the violations spread over every axis that has several values."""
-    n = f"{total:,} {tensor} violation{'s' if total != 1 else ''}"
+    concentrated axis: that the violations spread over every axis that has several values.
+    ``words``: what an element of the mask is, and what the rest is ("violation", "within bound")."""
+    noun, clean_rest = words
+    n = f"{total:,} {tensor} {noun}{'s' if total != 1 else ''}"
     live = {a: [v for v, e in zip(counts[a][0], counts[a][2]) if e > 0] for a in counts}
     if not axes:
         spread = [_NOUNS[a][0] for a in AXES if a in counts and a != "mask_region" and len(live[a]) > 1]
@@ -430,15 +434,19 @@ def _summary(tensor: str, total: int, elements: int, axes: dict, counts: dict, l
     rest = [v for v in live[first] if v not in chosen]
     clean = all(c == 0 for v, c in zip(vals, viol) if v not in chosen)
     if rest and clean and (first == "mask_region" or _ranges(rest, limit=3).count(",") < 2):
-        text += f"; {_phrase(first, rest, live[first], lay, of=False)} within bound"
+        text += f"; {_phrase(first, rest, live[first], lay, of=False)} {clean_rest}"
     return text
 
 
-def localize(*, tensor: str, mask: torch.Tensor, layout: Layout) -> dict:
+def localize(
+    *, tensor: str, mask: torch.Tensor, layout: Layout, words: tuple[str, str] = ("violation", "within bound")
+) -> dict:
     """Where the violations of one tensor lie: ``{"violations", "elements", "axes", "summary"}``
     (docs/diagnosis.md); ``mask``: the violating elements, (B, L, H, D) as :class:`Layout` says
     (``TENSORS``' shapes in that form); ``axes`` holds the concentrated axes only (module doc:
-    :func:`concentration`), each ``{"values", "share_of_violations", "share_of_elements", "of"}``."""
+    :func:`concentration`), each ``{"values", "share_of_violations", "share_of_elements", "of"}``;
+    ``words``: what the summary calls a masked element and the rest (``fa4-audit compare`` locates
+    differing elements with it: "element", "identical")."""
     counts = _axis_counts(mask, layout)
     total = int(mask.sum())
     axes = {}
@@ -455,7 +463,7 @@ def localize(*, tensor: str, mask: torch.Tensor, layout: Layout) -> dict:
             "share_of_elements": round(c.share_of_elements, 6),
             "of": sum(e > 0 for e in elem),
         }
-    summary = _summary(tensor, total, mask.numel(), axes, counts, layout, mask.shape[2])
+    summary = _summary(tensor, total, mask.numel(), axes, counts, layout, mask.shape[2], words)
     return {"violations": total, "elements": mask.numel(), "axes": axes, "summary": summary}
 
 

@@ -1,0 +1,35 @@
+"""Candidate kernels for tests/test_compare.py, each the FA4 model (``fa4-model``) with one change:
+``same`` none (bit-identical), ``last_bit`` one nonzero output element per head nudged by one ULP (a
+correct variant whose numerics changed), ``lse_nan`` the LSE of row 0 made NaN (a new non-finite
+value), ``no_causal`` the causal mask ignored (a seeded regression: its causal cases fail)."""
+
+import torch
+
+from audits.kernels import get_kernel
+
+_model = get_kernel("fa4-model")
+
+
+def same(q, k, v, **kw):
+    return _model(q, k, v, **kw)
+
+
+def last_bit(q, k, v, *, return_lse=False, **kw):
+    out, lse = _model(q, k, v, return_lse=True, **kw)
+    bits = out.view(torch.int16 if out.element_size() == 2 else torch.int32).clone()
+    # the next representable value away from zero (any sign): 1 ULP; an exact 0 (a row that sees
+    # no key) stays 0, as any correct kernel keeps it
+    bits[:, -1, :, 0] += (out[:, -1, :, 0] != 0).to(bits.dtype)
+    out = bits.view(out.dtype)
+    return (out, lse) if return_lse else out
+
+
+def lse_nan(q, k, v, *, return_lse=False, **kw):
+    out, lse = _model(q, k, v, return_lse=True, **kw)
+    lse = lse.clone()
+    lse[:, :, 0] = float("nan")
+    return (out, lse) if return_lse else out
+
+
+def no_causal(q, k, v, *, causal=False, **kw):
+    return _model(q, k, v, causal=False, **kw)

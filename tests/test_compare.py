@@ -1,0 +1,122 @@
+"""``fa4-audit compare`` (docs/compare.md): the bit-level diff, the per-case comparison, and the
+command's summary and exit codes on candidates with known changes (tests/compare_kernels.py)."""
+
+import json
+
+import pytest
+import torch
+
+from audits import cli
+from audits.engine.compare import COMPARED, NOT_COMPARED, compare_case
+from audits.suites.cases import suite
+from audits.verdict.diagnosis import CaseTensors
+from numerics.metrics import bit_diff
+
+KERNELS = "tests/compare_kernels.py"
+#: four smoke cases: causal and not, bf16 and fp16, one with a sink
+CASES = ["bf16-d64-b2h4k2-s200x300-causal-normal-seed0", "f16-d128-b1h4k1-s160x160-uniform-seed0",
+         "f16-d64-b1h3k1-s96x64-causal-sink-normal-seed0", "bf16-d96-b1h2k2-s130x70-causal-peaked-seed0"]  # fmt: skip
+
+
+def _next(x: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """``x`` moved ``n`` representable values away from zero (bf16)."""
+    return (x.view(torch.int16) + n).view(torch.bfloat16)
+
+
+def test_bit_diff_counts_every_kind_of_change():
+    a = torch.tensor([1.0, 2.0, 3.0, 0.0, float("nan"), 5.0, float("inf"), 7.0], dtype=torch.bfloat16)
+    b = a.clone()
+    b[1] = _next(a[1:2])[0]  # 1 ULP
+    b[2] = _next(a[2:3], 3)[0]  # 3 ULP
+    b[3] = -0.0  # the sign of a zero
+    b[4] = (a[4:5].view(torch.int16) ^ 1).view(torch.bfloat16)[0]  # another NaN payload
+    b[5] = float("inf")  # new non-finite
+    b[6] = float("-inf")  # an inf changed sign
+    d = bit_diff(a, b)
+    assert d["elements"] == 8 and d["differ"] == 6
+    assert d["ulp_histogram"]["1"] == 1 and d["ulp_histogram"]["3-4"] == 1 and sum(d["ulp_histogram"].values()) == 2
+    assert d["max_ulp"] == 3 and d["max_ulp_at"]["index"] == [2]
+    assert (d["signed_zero"], d["nan_payload"], d["new_nonfinite"], d["nonfinite_changed"]) == (1, 1, 1, 1)
+    assert bit_diff(a, a.clone())["differ"] == 0
+
+
+def test_bit_diff_refuses_tensors_of_different_calls():
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        bit_diff(torch.zeros(2), torch.zeros(3))
+
+
+def test_compare_case_without_a_result_is_not_compared():
+    case = suite("smoke")[0]
+    got = compare_case(case=case, base=CaseTensors(case), cand=None)
+    assert got["status"] == NOT_COMPARED and "baseline returned no result" in got["why"]
+
+
+def test_compare_case_names_the_tensor_that_differs_and_where():
+    case = suite("smoke")[1]  # f16 d128 b1 h4 160x160
+    out = torch.randn(1, 160, 4, 128).half()
+    lse = torch.randn(1, 4, 160)
+    base = CaseTensors(case, kind="peer", out=out, lse=lse, ref=out.double())
+    moved = out.clone()
+    moved[0, 5, 2, :] = (out[0, 5, 2, :].view(torch.int16) + 1).view(torch.float16)  # one row of head 2
+    got = compare_case(case=case, base=base, cand=CaseTensors(case, kind="peer", out=moved, lse=lse.clone()))
+    assert got["status"] == COMPARED and got["forward_identical"] is False and got["backward_identical"] is None
+    assert got["tensors"]["lse"]["differ"] == 0
+    o = got["tensors"]["out"]
+    assert o["differ"] == 128 and o["max_ulp"] == 1 and o["max_row_ulp"] <= 1
+    assert "head 2" in o["where"]["summary"] and "row" in o["where"]["summary"]
+
+
+def _compare(tmp_path, *kernels, cases=CASES, extra=()):
+    picked = [c.as_dict() for c in suite("smoke") if c.name in cases]
+    (tmp_path / "cases.json").write_text(json.dumps(picked))
+    argv = ["compare", *(a for k in kernels for a in ("--kernel", k)), "--case-file", str(tmp_path / "cases.json")]
+    argv += ["--no-isolate", "--out", str(tmp_path / "c"), "--quiet", *extra]
+    code = cli.main(argv)
+    return code, json.loads((tmp_path / "c" / "compare.json").read_text())["comparisons"]
+
+
+def test_identical_candidate_exits_0_and_says_so(tmp_path, capsys):
+    code, (c,) = _compare(tmp_path, "fa4-model", f"{KERNELS}:same")
+    assert code == 0
+    assert c["compared"] == c["forward"]["compared"] == c["forward"]["identical"] == len(CASES)
+    assert c["differing"] == [] and c["regressions"] == []
+    assert f"forward bit-identical on {len(CASES)} of {len(CASES)} cases" in capsys.readouterr().out
+
+
+def test_last_bit_variant_differs_by_one_ulp_and_exits_0(tmp_path, capsys):
+    code, (c,) = _compare(tmp_path, "fa4-model", f"{KERNELS}:last_bit")
+    assert code == 0 and c["regressions"] == []
+    assert c["forward"]["identical"] == 0 and len(c["differing"]) == len(CASES)
+    assert c["max_ulp"] == 1 and sum(c["ulp_histogram"].values()) == c["ulp_histogram"]["1"]
+    where = {e["case"]: e["tensors"]["out"]["where"] for e in c["differing"]}
+    assert where[CASES[0]].startswith("all 8 out elements in row 199 (of 0..199) and dim 0"), where
+    assert "differs on 4 cases" in capsys.readouterr().out
+
+
+def test_seeded_regression_exits_1_and_names_the_cases(tmp_path, capsys):
+    code, (c,) = _compare(tmp_path, "fa4-model", f"{KERNELS}:no_causal")
+    assert code == 1
+    causal = {n for n in CASES if "causal" in n}
+    worse = {r["case"] for r in c["regressions"] if r["kind"] == "verdict"}
+    assert worse == causal
+    out = capsys.readouterr().out
+    assert "REGRESSION" in out and all(n in out for n in causal)
+
+
+def test_a_new_nan_is_a_regression(tmp_path):
+    code, (c,) = _compare(tmp_path, "fa4-model", f"{KERNELS}:lse_nan", cases=CASES[:1])
+    assert code == 1
+    kinds = {r["kind"] for r in c["regressions"]}
+    assert "nonfinite" in kinds and any("lse: " in r["detail"] for r in c["regressions"] if r["kind"] == "nonfinite")
+
+
+def test_compare_needs_two_kernels(tmp_path, capsys):
+    assert cli.main(["compare", "--kernel", "fa4-model", "--suite", "smoke", "--out", str(tmp_path / "x")]) == 2
+    assert "needs a baseline and at least one candidate" in capsys.readouterr().err
+
+
+def test_nothing_compared_fails(tmp_path, capsys):
+    fp8 = ["f8_e4m3fn-d128-b1h2k2-s128x384-student_t-seed0"]  # outside both SM90 models' domain
+    code, (c,) = _compare(tmp_path, "fa4-model-sm90", "fa4-model-sm90-tc", cases=fp8)
+    assert code == 1 and c["compared"] == 0
+    assert "nothing was compared" in capsys.readouterr().err
