@@ -120,3 +120,14 @@ def test_nothing_compared_fails(tmp_path, capsys):
     code, (c,) = _compare(tmp_path, "fa4-model-sm90", "fa4-model-sm90-tc", cases=fp8)
     assert code == 1 and c["compared"] == 0
     assert "nothing was compared" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two --jobs children: about 9 s
+def test_jobs_children_compare_and_resume_keeps_the_comparison(tmp_path, capsys):
+    """Each --jobs child holds the baseline beside the candidate on its shard; --resume reads the
+    comparison back from the journals (not re-run, not 'not compared')."""
+    code, (c,) = _compare(tmp_path, "fa4-model", f"{KERNELS}:last_bit", extra=["--jobs", "2"])
+    assert code == 0 and c["compared"] == len(CASES) and c["forward"]["identical"] == 0
+    code, (again,) = _compare(tmp_path, "fa4-model", f"{KERNELS}:last_bit", extra=["--resume"])
+    assert code == 0 and again["compared"] == len(CASES) and again["not_compared"] == []
+    assert again["ulp_histogram"] == c["ulp_histogram"]
