@@ -43,7 +43,7 @@ __all__ = [
 
 INSTALL_HINT = (
     "install the production kernel with: pip install 'fa4-audit[gpu]' "
-    "(flash-attn-4==4.0.0b36, nvidia-cutlass-dsl==4.8.1; needs an NVIDIA GPU with CUDA 12.9+ or 13)"
+    "(flash-attn-4 4.0.0b36 to 4.0.0b40, nvidia-cutlass-dsl==4.8.1; needs an NVIDIA GPU with CUDA 12.9+ or 13)"
 )
 EX2_VARIANTS = ("scalar", "packed", "hardware")
 #: Other MUFU approximations production uses: lg2.approx.ftz (LSE), rcp.approx.ftz (final

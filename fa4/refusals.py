@@ -45,8 +45,8 @@ __all__ = [
 #: The flash-attn-4 releases whose validation the refusal rules below mirror: each rule cites, per
 #: release, the file and the raising line (``tests/test_refusal_rules.py`` checks that every cited
 #: line exists in that release's source when the wheels are present: ``pip download --no-deps
-#: flash-attn-4==VERSION``).  4.0.0b36 is the pin of ``fa4-audit[gpu]``; 4.0.0b40 is the newest
-#: release audited on the H200 (issue 33).
+#: flash-attn-4==VERSION``).  ``fa4-audit[gpu]`` accepts both (``fa4.releases``); 4.0.0b40 is the
+#: newest release audited on the H200 (issue 33).
 SUPPORTED_VERSIONS = ("4.0.0b36", "4.0.0b40")
 _B36, _B40 = SUPPORTED_VERSIONS
 _BOTH = SUPPORTED_VERSIONS

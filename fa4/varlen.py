@@ -191,6 +191,7 @@ def varlen_attention(
     arch: str = "sm100",
     num_sms: int = 148,
     mma: str = "exact",
+    overrides: dict | None = None,
     score_mod=None,
     mask_mod=None,
     aux_tensors: list | None = None,
@@ -207,7 +208,8 @@ def varlen_attention(
     queries, seqused_q, splits or pages other than 128, as ``interface._flash_attn_fwd``).
     ``num_sms``: the GPU's SM count (148: B200), which sets SM100's per-sequence split counts on
     varlen queries (:func:`dynamic_splits`).  ``mma``: ``FA4Numerics.mma`` of those per-sequence
-    numerics (ignored with ``numerics``).  ``score_mod`` / ``mask_mod`` / ``aux_tensors``: the contract's
+    numerics (ignored with ``numerics``), ``overrides`` further ``FA4Numerics`` fields set on
+    them (a variant's knobs).  ``score_mod`` / ``mask_mod`` / ``aux_tensors``: the contract's
     mods (``numerics.mods``), applied per sequence as production's varlen entry applies them
     (:func:`sequence_mods`: ``batch_idx`` the sequence, ``q_idx`` / ``kv_idx`` positions within
     it; with a mask_mod the flags are dropped, ``interface._resolve_causal_local_window``);
@@ -275,7 +277,7 @@ def varlen_attention(
                 max_seqlen_q=max_seqlen_q,
                 block_sparse=None if bs is None else tuple(bs.block_size),
             ),
-            mma=mma,
+            **{"mma": mma, **(overrides or {})},
         )
         if bs is not None and packed_q and bs.block_size[0] != nm.tile_m:
             raise NotImplementedError(

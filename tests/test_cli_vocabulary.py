@@ -13,6 +13,7 @@ from audits.cli.options import CASE_OPTIONS
 #: the subcommands that take cases, and what each needs besides them to get as far as choosing
 TAKE_CASES = {
     "run": ["--kernel", "fa4-model"],
+    "compare": ["--kernel", "fa4-model", "--kernel", "fa4-model-sm90"],
     "invariance": ["--kernel", "fa4-model"],
     "static": ["--compile-on", "cpu"],
     "fidelity": ["--production", "fa4-model-sm90"],

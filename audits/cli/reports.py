@@ -27,7 +27,7 @@ from audits.common import device as _device
 from audits.engine.backward import BackwardOptions
 from audits.engine.journal import SCHEMA as JOURNAL_SCHEMA
 from audits.engine.options import RunOptions
-from audits.kernels import KERNELS, usable_kernels
+from audits.kernels import KERNELS, MODELS, VARIANT_KNOBS, usable_kernels
 from audits.report.build import (
     collapse_reasons,
     exit_code,
@@ -508,6 +508,12 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     print("kernels: " + ", ".join(KERNELS) + ", module:attr or path/to/file.py:fn")
+    models = ", ".join(MODELS)
+    print(f"  model variants: MODEL:knob=value[,knob=value...], MODEL one of {models}; e.g. fa4-model:poly_degree=5")
+    for name, (_, accepted) in VARIANT_KNOBS.items():
+        print(f"    {name:18s} {accepted}")
+    print("  fa4@DIR: production FA4 from DIR, a release installed there with:")
+    print("    pip install --no-deps --target DIR flash-attn-4==VERSION")
     print("suites:")
     for name, make in SUITES.items():
         cases = make()

@@ -301,7 +301,10 @@ def register(sub) -> None:
         required=True,
         action="append",
         help="fa4, fa4-model, fa4-model-sm90, fa4-model-sm90-tc, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, "
-        "module:attr or path/to/file.py:fn; repeat to audit several kernels on shared inputs and references",
+        "flex, a model variant MODEL:knob=value[,knob=value...] (e.g. fa4-model:poly_degree=5; fa4-audit list names "
+        "the knobs), fa4@DIR (production from a release installed with pip install --no-deps --target DIR "
+        "flash-attn-4==VERSION; runs in a worker), module:attr or path/to/file.py:fn; repeat to audit several kernels "
+        "on shared inputs and references",
     )
     add_run_arguments(r)
     r.set_defaults(func=cmd_run)

@@ -106,7 +106,7 @@ def known_from_args(args: argparse.Namespace) -> KnownFile | None:
 
 def run_options_from_args(args: argparse.Namespace, *, thresholds: dict, label: str) -> RunOptions:
     """The options of a parsed ``run`` (its cases' ``label``, its loaded ``thresholds``); a
-    ``--no-isolate`` beside a time limit is a :class:`UsageError`."""
+    ``--no-isolate`` beside a time limit or an ``fa4@DIR`` kernel is a :class:`UsageError`."""
     timeout, explicit = timeout_setting(args)
     backward = BackwardOptions(repeat=args.repeat, deterministic=args.deterministic) if args.backward else None
     options = RunOptions(
@@ -132,7 +132,7 @@ def run_options_from_args(args: argparse.Namespace, *, thresholds: dict, label: 
         strict_known=args.strict_known,
     )
     try:
-        options.isolation()
+        options.isolation(kernels=args.kernel)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     return options

@@ -21,6 +21,7 @@ measured together, packed along the tokens as the kernel returns them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import math
 import time
@@ -39,10 +40,12 @@ from audits.engine.worker import (
 )
 from audits.kernels import (
     MODELS,
+    base_kernel,
     claims_nonfinite_inputs,
     fa4_arch,
     fa4_varlen_numerics,
     fa4_varlen_splits,
+    model_overrides,
 )
 from audits.report.schema import FAILING
 from audits.suites.cases import Case
@@ -138,14 +141,15 @@ def _fa4_numerics(kernel: str, x: dict, case: Case):
     """The FA4Numerics a kernel implementing FA4's numerics runs ``case`` with (None for the
     others), the call (inputs ``x``, its mods among ``x["kw"]``) resolved as production resolves
     it: ``FA4Numerics.for_call`` (with a mask_mod, causal and the window dropped; with block
-    sparsity, the tiles fitted to the sparse block)."""
+    sparsity, the tiles fitted to the sparse block); a model variant's overrides on top
+    (``audits.kernels.model_overrides``: the bound analyses the numerics the variant runs)."""
     arch = fa4_arch(kernel)
     if arch is None:
         return None
     from fa4.model import FA4Numerics  # lazy: numba
 
     kw = x["kw"]
-    return FA4Numerics.for_call(
+    nm = FA4Numerics.for_call(
         arch,
         x["q"],
         x["k"],
@@ -155,6 +159,7 @@ def _fa4_numerics(kernel: str, x: dict, case: Case):
         mask_mod=kw.get("mask_mod"),
         block_sparse_tensors=kw.get("block_sparse_tensors"),
     )
+    return dataclasses.replace(nm, **model_overrides(kernel))
 
 
 def _analyse(
@@ -170,7 +175,7 @@ def _analyse(
     _measure(rec, kernel, case, x, out, lse, refs, bounds, (kind, nm), keep)
     b = rec["bound"]
     finite_excess = b["violations"] - b["nonfinite"] + b["lse_violations"] - b.get("lse_nonfinite", 0)
-    if finite_excess and kernel not in MODELS:  # a model's own excess: the model is the kernel
+    if finite_excess and base_kernel(kernel) not in MODELS:  # a model's (variant's) own excess: it is the kernel
         rec["model_check"] = _model_check(x, nm, kind, refs, bounds)
 
 

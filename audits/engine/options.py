@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -74,10 +74,11 @@ class RunOptions:
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
-    def isolation(self) -> bool | Callable[[str], bool]:
+    def isolation(self, *, kernels: Sequence[str] = ()) -> bool | Callable[[str], bool]:
         """Which kernels run in a worker (``audits.engine.worker.isolation``): a bool, or a
-        predicate on the kernel's name; ValueError for ``isolate=False`` with a limit asked for."""
-        return isolation(self.isolate, self.timeout, self.timeout_given)
+        predicate on the kernel's name; ValueError for ``isolate=False`` with a limit asked for,
+        or with an ``fa4@DIR`` among ``kernels``."""
+        return isolation(self.isolate, self.timeout, self.timeout_given, kernels=kernels)
 
     def replace(self, **changes) -> RunOptions:
         return dataclasses.replace(self, **changes)

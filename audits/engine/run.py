@@ -40,7 +40,11 @@ def run_suite(kernel: str, cases: list[Case], options: RunOptions, **kw) -> list
 
 def kernel_dir(out_dir: str | Path, kernel: str, several: bool) -> Path:
     """Where a kernel's journal and report go: ``out_dir`` itself for a single kernel, else a
-    subdirectory named after the kernel (``module:attr`` -> ``module.attr``)."""
+    subdirectory named after the kernel (``module:attr`` -> ``module.attr``, a variant
+    ``fa4-model:poly_degree=5`` -> ``fa4-model.poly_degree=5``; ``fa4@DIR`` -> ``fa4@`` and DIR's
+    last component, e.g. ``fa4@b36``: ``audits.kernels.usable_kernels`` refuses two of one name)."""
+    if several and kernel.startswith("fa4@"):
+        return Path(out_dir) / f"fa4@{Path(kernel[4:]).resolve().name}"
     return Path(out_dir) / kernel.replace(":", ".").replace("/", "_") if several else Path(out_dir)
 
 

@@ -31,14 +31,24 @@ import os
 import pickle
 import signal
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from audits.common import UsageError
 from audits.engine.backward import grad_call
 from audits.engine.failures import RemoteError, RemoteRefusal, error_kind
-from audits.kernels import KERNELS, VARLEN_KERNELS, get_kernel, get_varlen_kernel, per_sequence
+from audits.kernels import (
+    KERNELS,
+    VARLEN_KERNELS,
+    base_kernel,
+    enter_worker_process,
+    get_kernel,
+    get_varlen_kernel,
+    per_sequence,
+    release_dir,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -78,19 +88,32 @@ class KernelTimeout(RuntimeError):
 
 
 def isolated_by_default(kernel: str) -> bool:
-    """Whether ``run`` puts ``kernel`` in a worker without being asked: production (``fa4``) and
-    user kernels (``module:attr``, ``file.py:fn``), whose crashes and hangs are the ones to
-    expect; the built-in model and SDPA run in the audit's process unless ``--timeout`` is given."""
-    return kernel == "fa4" or ":" in kernel
+    """Whether ``run`` puts ``kernel`` in a worker without being asked: production (``fa4``, and
+    ``fa4@DIR``, which runs nowhere else) and user kernels (``module:attr``, ``file.py:fn``),
+    whose crashes and hangs are the ones to expect; the built-in models (their variants too) and
+    SDPA run in the audit's process unless ``--timeout`` is given."""
+    base = base_kernel(kernel)
+    return base == "fa4" or (base == kernel and ":" in kernel)
 
 
 def isolation(
-    isolate: bool | None, timeout: float | None, explicit: bool, *, default: Callable[[str], bool] = isolated_by_default
+    isolate: bool | None,
+    timeout: float | None,
+    explicit: bool,
+    *,
+    default: Callable[[str], bool] = isolated_by_default,
+    kernels: Sequence[str] = (),
 ) -> bool | Callable[[str], bool]:
     """Which kernels run in a worker: every one when a limit was given explicitly (``explicit``
     with ``timeout`` not None: a call in the audit's own process cannot be stopped), else
     ``isolate`` (``--isolate`` / ``--no-isolate``) when given, else ``default`` per kernel.
-    ValueError for ``--no-isolate`` with an explicit limit."""
+    ValueError for ``--no-isolate`` with an explicit limit, or beside an ``fa4@DIR`` among
+    ``kernels`` (its release is imported in a worker only)."""
+    if isolate is False and (pinned := [k for k in kernels if release_dir(k) is not None]):
+        raise ValueError(
+            f"--no-isolate runs the kernels in this process, and {', '.join(pinned)} runs only in a worker process "
+            "(it imports flash_attn from its directory, which the audit's own process must not): drop --no-isolate"
+        )
     if explicit and timeout is not None:
         if isolate is False:
             raise ValueError(
@@ -164,6 +187,7 @@ def serve(conn, kernel: str) -> None:  # pragma: no cover - runs in the child pr
         os.setsid()
     except OSError:
         pass
+    enter_worker_process()  # an fa4@DIR kernel imports its release here, never in the audit's process
     fns = {}
     try:  # the kernel's module imported here, under the startup limit, not the first call's
         fns[None] = _entry_of(kernel, None)
@@ -421,6 +445,8 @@ class InProcess:
         entry = fn if getattr(fn, "fa4_audit_contract", None) == "varlen" else None
         if entry is None and self.kernel in VARLEN_KERNELS and KERNELS.get(self.kernel) is fn:
             entry = VARLEN_KERNELS[self.kernel]
+        elif entry is None and base_kernel(self.kernel) in VARLEN_KERNELS and get_kernel(self.kernel) is fn:
+            entry = get_varlen_kernel(self.kernel)  # a model variant's (one object per spec)
         if entry is not None:
             return entry, "varlen"
         return (per_sequence(fn), "per-sequence") if per_seq else (None, None)
@@ -434,7 +460,12 @@ class InProcess:
 
 def open_kernel(kernel: str, device: torch.device | str, *, isolated: bool, timeout: float | None) -> KernelCalls:
     """Kernel ``kernel`` in a worker process with ``timeout`` seconds per call (``isolated``), else
-    in this process."""
+    in this process; :class:`UsageError` for ``fa4@DIR`` in this process (it runs only in a worker)."""
+    if not isolated and release_dir(kernel) is not None:
+        raise UsageError(
+            f"kernel {kernel} runs only in a worker process (it imports flash_attn from its directory, which the "
+            "audit's own process must not): drop --no-isolate (run), or give --timeout SECONDS"
+        )
     return Isolated(kernel, device, timeout=timeout) if isolated else InProcess(kernel, get_kernel(kernel))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from audits.common import EXIT_INCOMPLETE, atomic_write
 from audits.engine import journal
 from audits.engine.stop import StopReason
-from audits.report.header import versions_line
+from audits.report.header import kernel_environment, versions_line
 from audits.report.html import case_cells, grad_cells, render_html, worst_key
 from audits.report.maps import DEFAULT_MAPS, html_figures, write_maps
 from audits.report.records import FAILING, VERDICTS, CaseRecord
@@ -133,7 +133,7 @@ def build_report(
         "shard": shard,
         "seed": seed,
         "device": device,
-        "environment": environment,
+        "environment": kernel_environment(environment=environment, kernel=kernel),  # its own release (fa4@DIR)
         "command": command,
         "created": created,
         "thresholds": {k: v for k, v in thresholds.items()},

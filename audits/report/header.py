@@ -4,6 +4,7 @@ it, and the environment it ran in.  One function, so that ``run``, ``static``, `
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import shlex
 from collections.abc import Sequence
@@ -13,11 +14,14 @@ import torch
 
 from audits.common import environment
 from audits.engine.journal import package_version
+from audits.kernels import base_kernel, kernel_versions, release_dir
+from fa4.releases import release_note
 
 __all__ = [
     "AUDITED_PACKAGES",
     "audited_versions",
     "command_line",
+    "kernel_environment",
     "now",
     "report_header",
     "run_environment",
@@ -64,14 +68,42 @@ def run_environment(device: torch.device) -> dict:
     return {**environment(device), "fa4_audit": package_version(), "versions": audited_versions()}
 
 
+def kernel_environment(*, environment: dict, kernel: str) -> dict:
+    """``environment`` (:func:`run_environment`, the audit process's) as kernel ``kernel``'s
+    report records it: an ``fa4@DIR`` kernel ran DIR's flash-attn-4 (and the compiler DIR holds,
+    if any: ``audits.kernels.kernel_versions``), not this process's, and its DIR is recorded
+    (``flash_attn_dir``); a production kernel on a release no bit-faithful claim was verified
+    against gets ``release_note`` (``fa4.releases.release_note``).  A copy; idempotent, so that
+    a report rebuilt from its journal or merged says the same, and a report rebuilt where DIR is
+    gone keeps the versions it recorded."""
+    env = copy.deepcopy(environment)
+    if not isinstance(env, dict) or base_kernel(kernel) != "fa4" or not isinstance(env.get("versions"), dict):
+        return env
+    if release_dir(kernel) is not None:
+        try:
+            env["versions"].update(kernel_versions(kernel))
+            env["flash_attn_dir"] = str(release_dir(kernel))
+        except ValueError:
+            pass  # DIR no longer holds the release: what the report recorded stands
+    note = release_note(env["versions"].get("flash-attn-4"))
+    if note:
+        env["release_note"] = note
+    else:
+        env.pop("release_note", None)
+    return env
+
+
 def versions_line(environment: dict | None) -> str:
     """The audited versions of a report's ``environment`` in one line (report.md, ``show``):
     "versions: fa4-audit 0.1.0, flash-attn-4 not installed, ..."; a report made before they were
-    recorded says so."""
+    recorded says so; a production release outside the verified ones carries its note
+    (:func:`kernel_environment`)."""
     got = (environment or {}).get("versions")
     if not isinstance(got, dict):
         return "versions: not recorded (a report made before fa4-audit recorded them)"
-    return "versions: " + ", ".join(f"{k} {v if v is not None else 'not installed'}" for k, v in got.items())
+    line = "versions: " + ", ".join(f"{k} {v if v is not None else 'not installed'}" for k, v in got.items())
+    note = (environment or {}).get("release_note")
+    return f"{line} (note: {note})" if note else line
 
 
 def report_header(argv: Sequence[str], *, device: torch.device | None = None) -> dict:

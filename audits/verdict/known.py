@@ -55,6 +55,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from audits.common import read_toml
+from audits.kernels import base_kernel
 from audits.report.records import FAILING, CaseRecord
 from audits.suites.case import Case, case_from_dict
 from audits.verdict.coverage import classes_ran
@@ -546,8 +547,9 @@ def _covered(labels: frozenset, allowed: frozenset) -> bool:
 def _applies(entry: KnownEntry, versions: tuple, report: dict) -> str | None:
     """Why ``entry`` does not apply to ``report`` (its kernel, its device, its flash-attn-4 and
     torch versions), else None."""
-    if entry.kernels and report["kernel"] not in entry.kernels:
-        return f"kernel {report['kernel']} is not one of {', '.join(entry.kernels)}"
+    kernel = report["kernel"]  # fa4@DIR is production, a variant its model (audits.kernels.base_kernel)
+    if entry.kernels and kernel not in entry.kernels and base_kernel(kernel) not in entry.kernels:
+        return f"kernel {kernel} is not one of {', '.join(entry.kernels)}"
     device = str(report.get("device") or "unknown").split(":")[0]
     if entry.devices and device not in entry.devices:
         return f"device {device} is not one of {', '.join(entry.devices)}"
