@@ -68,6 +68,7 @@ __all__ = [
     "portable_spec",
     "fa4_numerics",
     "fa4_arch",
+    "FA4_NUMERICS_ARCHS",
     "production_arch",
     "cuda_arch",
     "arch_of_capability",
@@ -455,13 +456,31 @@ def fa4_numerics(name: str):
     )
 
 
+#: what a user kernel may declare as ``fn.fa4_audit_numerics``: it implements FA4's numerics of
+#: that architecture (production's per-call tables: tiles, lazy rescaling, exp2), so it is held
+#: to FA4's per-element bound rather than a peer's generic one (a fork of FA4, a wrapper of the
+#: model); the FA4Numerics families
+FA4_NUMERICS_ARCHS = ("sm90", "sm100")
+
+
 def fa4_arch(name: str) -> str | None:
     """The FA4Numerics family of a built-in FA4 kernel (production, ``fa4@DIR`` included: this
-    machine's GPU's; a variant: its model's)."""
+    machine's GPU's; a variant: its model's), or of a user kernel that declares one
+    (``fn.fa4_audit_numerics``, :data:`FA4_NUMERICS_ARCHS`; anything else there is a ValueError)."""
     base = base_kernel(name)
     if base == "fa4":  # on this machine's GPU generation
         return production_arch()
-    return MODELS[base][0] if base in MODELS else None
+    if base in MODELS:
+        return MODELS[base][0]
+    if base in KERNELS or ":" not in base:
+        return None
+    arch = getattr(get_kernel(base), "fa4_audit_numerics", None)
+    if arch is not None and arch not in FA4_NUMERICS_ARCHS:
+        raise ValueError(
+            f"kernel {name!r}: fa4_audit_numerics = {arch!r}; accepted: {', '.join(FA4_NUMERICS_ARCHS)} (the FA4 "
+            "numerics it implements), or leave it unset to be judged as a generic flash-attention kernel"
+        )
+    return arch
 
 
 def fa4_varlen_numerics(name: str):
@@ -622,6 +641,8 @@ def usable_kernels(specs: list[str], *, domains: bool = True) -> list[str]:
     for kern in kernels:
         try:
             get_kernel(kern)
+            if ":" in kern and base_kernel(kern) == kern:  # a user kernel: its fa4_audit_numerics, if any
+                fa4_arch(kern)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
     if "fa4" in kernels:

@@ -389,3 +389,16 @@ def test_fa4_at_a_b36_dir_runs_through_its_worker(tmp_path):
     assert mine["cases"][0]["verdict"] == "pass"
     installed = json.loads((out / "fa4" / "report.json").read_text())["environment"]["versions"]["flash-attn-4"]
     assert installed == K.kernel_versions("fa4")["flash-attn-4"]
+
+
+def test_a_user_kernel_declaring_fa4_numerics_is_held_to_fa4s_bound(tmp_path, capsys):
+    """``fn.fa4_audit_numerics = "sm100"``: judged as the model is (FA4's bound), not as a peer;
+    a value that is no FA4 numerics family is a usage error naming the ones accepted."""
+    from audits import cli
+    from audits.kernels import fa4_arch
+
+    assert fa4_arch("tests/compare_kernels.py:same") == "sm100"
+    bad = tmp_path / "bad.py"
+    bad.write_text("def k(q, k, v, **kw):\n    return None\nk.fa4_audit_numerics = 'sm80'\n")
+    assert cli.main(["run", "--kernel", f"{bad}:k", "--suite", "smoke", "--out", str(tmp_path / "o")]) == 2
+    assert "fa4_audit_numerics = 'sm80'; accepted: sm90, sm100" in capsys.readouterr().err

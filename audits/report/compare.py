@@ -267,9 +267,11 @@ def summary_lines(c: Comparison) -> list[str]:
             + (f"; {c.nan_payload} NaN payloads differ" if c.nan_payload else "")
             + (f"; {c.signed_zero} zeros changed sign" if c.signed_zero else "")
         )
-    worse = [r for r in c.regressions if r.kind in ("verdict", "refused")]
+    worse = sum(r.kind == "verdict" for r in c.regressions)
+    refused = sum(r.kind == "refused" for r in c.regressions)
     lines.append(
-        f"  verdicts: {'none worse' if not worse else f'{len(worse)} worse'}"
+        f"  verdicts: {f'{worse} worse' if worse else 'none worse'}"
+        + (f", {refused} newly refused" if refused else "")
         + (f", {len(c.better)} better" if c.better else "")
         + (
             f"; tightness worst ratio {c.tightness['worst_ratio']:.3g} ({c.tightness['worst_case']})"
@@ -286,10 +288,30 @@ def summary_lines(c: Comparison) -> list[str]:
         lines.append(f"  {len(c.not_compared)} cases not compared (a side has no result): not counted as identical")
     if c.regressions:
         kinds = ", ".join(f"{k} {n}" for k, n in Counter(r.kind for r in c.regressions).items())
-        lines.append(f"  REGRESSION: {len(c.regressions)} ({kinds})")
-        for r in c.regressions[:10]:
-            lines.append(f"    {r.case}: {r.kind}: {r.detail}")
+        cases = regressed_cases(c)
+        lines.append(f"  REGRESSION on {len(cases)} cases ({kinds})")
+        for name, found in list(cases.items())[:SHOWN]:
+            lines.append(f"    {name}: " + "; ".join(f"{r.kind}: {_short(r.detail)}" for r in found))
+        if len(cases) > SHOWN:
+            lines.append(f"    ... and {len(cases) - SHOWN} more cases (compare.md lists every one)")
     return lines
+
+
+#: regressed cases the console lists (compare.md and compare.json list every one)
+SHOWN = 10
+
+
+def regressed_cases(c: Comparison) -> dict[str, list[Regression]]:
+    """The candidate's regressions grouped by case, in the order found."""
+    cases: dict[str, list[Regression]] = {}
+    for r in c.regressions:
+        cases.setdefault(r.case, []).append(r)
+    return cases
+
+
+def _short(text: str, limit: int = 160) -> str:
+    """A reason cut at ``limit`` characters (the console's; compare.md keeps it whole)."""
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def _hist_row(h: dict) -> str:
