@@ -49,7 +49,7 @@ from audits.suites.selection import read_domain
 from audits.verdict.coverage import coverage_lines, coverage_summary
 from audits.verdict.gate import ThresholdsError, load_thresholds, rejudge, require_backward
 from audits.verdict.known import KnownError, apply_known, known_lines, strict_failed
-from audits.verdict.separators import separator_text, where_lines
+from audits.verdict.separators import cause_lines, separator_text, where_lines
 
 
 def _is_journal(path: str) -> bool:
@@ -355,6 +355,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                 print(f"{'':13s} gradients {c['grads']}, err/bound {c['grad_tightness']}, run to run {c['spread']}")
             if c["reasons"]:
                 print(f"{'':13s} {c['reasons']}")
+            for w in cause_lines(r):  # the case's tested causes, best first
+                print(f"{'':13s} {w}")
             for w in where_lines(r):  # the case's diagnosis: where its violations concentrate
                 print(f"{'':13s} where: {w}")
         return EXIT_OK
@@ -369,7 +371,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for r in rep["cases"]:
         c = case_cells(r, thresholds=rep.get("thresholds"))  # figures not gated say so
         grads = (c["grads"], c["grad_tightness"]) if bwd else ()
-        why = "\n".join([c["reasons"], *(f"where: {w}" for w in where_lines(r))]).strip("\n")
+        why = "\n".join([*cause_lines(r), c["reasons"], *(f"where: {w}" for w in where_lines(r))]).strip("\n")
         verdict = f"known ({r['known_id']})" if r["verdict"] == "known" else r["verdict"]
         t.add_row(r["case"], verdict, c["max_abs"], c["lse"], c["tightness"], *grads, why)
     console.print(t, crop=False)

@@ -492,7 +492,7 @@ def evaluate_case(
         return _skipped(rec, f"input family not applicable here: {exc}", t0)
     status, res = _call(fn, x)
     rec.update(status)
-    keep = CaseTensors(case)
+    keep = CaseTensors(case, inputs=x)
     if res is not None:
         out, lse = res
         rec["lse_returned"] = lse is not None  # judged by [policy] lse_missing: never silently unchecked

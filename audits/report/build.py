@@ -20,7 +20,7 @@ from audits.suites.domain import Domain
 from audits.verdict.coverage import basis_of, coverage_from_basis, coverage_lines
 from audits.verdict.gate import backward_verdict
 from audits.verdict.known import KNOWN, known_lines, strict_failed
-from audits.verdict.separators import reasons_by_fault, separator_text, separators, where_lines
+from audits.verdict.separators import cause_lines, reasons_by_fault, separator_text, separators, where_lines
 from numerics.metrics import nan_aware_max
 
 __all__ = [
@@ -426,9 +426,11 @@ def _diagnosis_markdown(rep: dict) -> list[str]:
     if head:
         L += ["", "## Separators", "", head + ("." if not rules else ":"), ""]
         L += [f"- `{rule}`" + (f": {detail}" if detail else "") for rule, detail in rules]
-    where = [(r, lines) for r in rep["cases"] if r["verdict"] in FAILING and (lines := where_lines(r))]
+    where = [
+        (r, lines) for r in rep["cases"] if (lines := [*cause_lines(r), *where_lines(r)]) and r["verdict"] != "pass"
+    ]
     if where:
-        L += ["", "## Where the failing cases fail", ""]
+        L += ["", "## Where the failing cases fail, and why", ""]
         for r, lines in where:
             L += [f"- {r['case']} ({r['verdict']})", *(f"  - {x}" for x in lines)]
     return L

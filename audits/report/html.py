@@ -12,7 +12,7 @@ from collections import defaultdict
 from audits.report.records import FAILING, CaseRecord
 from audits.verdict.coverage import DIRECTIONS, coverage_lines, missed_text, pairs_text
 from audits.verdict.gate import ungated_figures
-from audits.verdict.separators import separator_text, where_lines
+from audits.verdict.separators import cause_lines, separator_text, where_lines
 from numerics.metrics import nan_aware_max
 
 __all__ = ["render_html", "case_cells", "grad_cells", "max_text", "worst_key"]
@@ -183,7 +183,8 @@ def _reproduce(cases: list[dict]) -> str:
         return ""
     items = "".join(
         f"<li><b>{html.escape(c['verdict'])}</b> {html.escape(c['case'])}: "
-        f"{html.escape('; '.join(x for x in c['reasons'] if x))}"
+        + "".join(f"<b>{html.escape(w)}</b><br>" for w in cause_lines(c))  # its tested causes, first
+        + f"{html.escape('; '.join(x for x in c['reasons'] if x))}"
         + "".join(f"<br>where: {html.escape(w)}" for w in where_lines(c))  # its diagnosis, per tensor
         + f"<br><code>{html.escape(c.get('repro', ''))}</code></li>"
         for c in bad

@@ -580,7 +580,7 @@ def html_figures(report: dict, out_dir: Path) -> str:
         name = html.escape(rec["case"])
         diag = rec.get("diagnosis") or {}
         sentences = "".join(
-            f"<br>{html.escape(t)}: {html.escape(e['summary'])}" for t, e in diag.items() if e.get("summary")
+            f"<br>{html.escape(t)}: {html.escape(e['summary'])}" for t, e in diag.items() if isinstance(e, dict) and e.get("summary")
         )
         figs.append(
             f"<figure style='margin:1em 0'><img src='data:image/png;base64,{png}' alt='error map of {name}' "

@@ -69,6 +69,8 @@ class Opt:
 @dataclass(frozen=True)
 class Each:
     spec: Any
+    #: of a dict: keys whose values follow a spec of their own instead (``diagnosis.causes``)
+    keys: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ def check(value, spec, path: str) -> str | None:
         if items is None:
             return f"{path}: expected an object or a list, got {type(value).__name__}"
         fmt = "{}.{}" if isinstance(value, dict) else "{}[{}]"
-        return next((e for k, v in items if (e := check(v, spec.spec, fmt.format(path, k)))), None)
+        own = spec.keys or {}
+        return next((e for k, v in items if (e := check(v, own.get(k, spec.spec), fmt.format(path, k)))), None)
     if isinstance(spec, list):  # several specs on one value (a dict spec and its When parts)
         return next((e for s in spec if (e := check(value, s, path))), None)
     if isinstance(spec, When):
@@ -134,7 +137,7 @@ _BACKWARD = [
 _DIAGNOSIS = Each({
     "violations": int, "elements": int, "criteria": Each(int), "summary": str,
     "axes": Each({"values": Each((int, str)), "share_of_violations": NUM, "share_of_elements": NUM, "of": int}),
-})  # fmt: skip
+}, keys={"causes": Each({"cause": str, "detail": str, "evidence": str, "score": NUM})})  # fmt: skip
 #: one case record (the Case fields of ``config`` are checked by ``audits.suites.cases.case_from_dict``)
 CASE = [
     {

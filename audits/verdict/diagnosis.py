@@ -497,7 +497,9 @@ class CaseTensors:
     """What the engine keeps of one case until its verdict, for :func:`diagnose`: the kernel's
     result, the FP64 references and the per-element bounds, as measured (varlen: packed, batch 1).
     ``kind`` / ``numerics``: the bound's kind ("fa4" | "peer") and the FA4Numerics it used (the
-    tiles come from them); the same for the backward (``bwd_kind``, ``bwd_numerics``)."""
+    tiles come from them); the same for the backward (``bwd_kind``, ``bwd_numerics``);
+    ``inputs``: the call's inputs (``audits.suites.inputs.make_inputs``: q, k, v, kw), which the
+    cause hypotheses recompute references from (``audits.verdict.causes``)."""
 
     case: Case
     kind: str | None = None
@@ -513,6 +515,7 @@ class CaseTensors:
     grad_bounds: dict | None = None
     bwd_kind: str | None = None
     bwd_numerics: object = None
+    inputs: dict | None = None
 
 
 @dataclass

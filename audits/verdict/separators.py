@@ -71,6 +71,7 @@ __all__ = [
     "separators",
     "separator_text",
     "where_lines",
+    "cause_lines",
     "contract_breaches_of",
     "fault_groups",
     "reasons_by_fault",
@@ -480,6 +481,18 @@ def fault_groups(records: list[CaseRecord]) -> list[dict]:
             g.setdefault("first", rec.get("case", ""))
     order = {t: i for i, t in enumerate(TENSORS)}
     return sorted(groups.values(), key=lambda g: order.get(g["tensor"], len(TENSORS)))
+
+
+def cause_lines(rec: CaseRecord) -> list[str]:
+    """A case's tested causes (``rec["diagnosis"]["causes"]``, ``audits.verdict.causes``) as lines,
+    best first: "likely cause: mask_edge (window_left admits one key too many): <evidence>", then
+    "also: ..." for the others; empty when no hypothesis fitted (or none was tested)."""
+    found = (rec.get("diagnosis") or {}).get("causes") if isinstance(rec.get("diagnosis"), dict) else None
+    out = []
+    for i, c in enumerate(found or []):
+        head = "likely cause" if i == 0 else "also"
+        out.append(f"{head}: {c['cause']} ({c['detail']}): {c['evidence']}")
+    return out
 
 
 def where_lines(rec: CaseRecord) -> list[str]:
