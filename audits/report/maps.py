@@ -579,8 +579,10 @@ def html_figures(report: dict, out_dir: Path) -> str:
         svg = _image(npz, "svg").relative_to(out_dir).as_posix()
         name = html.escape(rec["case"])
         diag = rec.get("diagnosis") or {}
-        sentences = "".join(
-            f"<br>{html.escape(t)}: {html.escape(e['summary'])}" for t, e in diag.items() if isinstance(e, dict) and e.get("summary")
+        sentences = "".join(  # per tensor (its "causes" list is shown beside the case, not here)
+            f"<br>{html.escape(t)}: {html.escape(e['summary'])}"
+            for t, e in diag.items()
+            if isinstance(e, dict) and e.get("summary")
         )
         figs.append(
             f"<figure style='margin:1em 0'><img src='data:image/png;base64,{png}' alt='error map of {name}' "
