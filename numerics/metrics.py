@@ -21,6 +21,8 @@ output against another's.
   * rounding error of the output dtype at the reference's max magnitude.
 * :func:`fa_floor` — the terms of that test as the audit records them, with the rounding at the
   quantity's own scale (the floor the verdict keeps where PyTorch's error is 0).
+* :func:`signed_bias` — whether errors lean one way: the mean signed error, raw and in ULPs, over
+  its standard error, per element and clustered by row (:func:`bias_record`: a case's out and LSE).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ __all__ = [
     "fa_criterion",
     "fa_floor",
     "bound_check",
+    "signed_bias",
+    "bias_record",
 ]
 
 
@@ -347,3 +351,106 @@ def bound_check(out, ref, out_bound, lse=None, ref_lse=None, lse_bound=None) -> 
         lerr = torch.where(torch.isinf(ref_lse) & (lse.double() == ref_lse), torch.zeros_like(lerr), lerr)
         res["lse_violations"], res["lse_tightness"], res["lse_nonfinite"] = _against(lerr, ref_lse, lse_bound)
     return res
+
+
+def _z(mean: float, stderr: float) -> float:
+    """mean / stderr; 0 for a zero mean, +-inf for a nonzero mean without spread (every error the
+    same nonzero value: a bias no sampling explains)."""
+    if mean == 0:
+        return 0.0
+    return mean / stderr if stderr > 0 else math.copysign(math.inf, mean)
+
+
+def _clustered_z(e: torch.Tensor, both: torch.Tensor, mean: float, n: int, dim: int) -> tuple[int, float]:
+    """(clusters, z) of the mean ``mean`` of ``e`` over ``both``'s ``n`` elements with the
+    cluster-robust standard error, a cluster being the elements that differ only along ``dim``:
+    sqrt(sum_c (sum_{i in c} (e_i - mean))**2) / n, times sqrt(G / (G - 1)) for G clusters."""
+    sums = torch.where(both, e - mean, torch.zeros_like(e)).sum(dim=dim)
+    g = int(both.any(dim=dim).sum())
+    stderr = math.sqrt(float((sums**2).sum())) / n * math.sqrt(g / max(g - 1, 1))
+    return g, _z(mean, stderr)
+
+
+def signed_bias(
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    *,
+    row_dim: int | None = -1,
+    col_dim: int | None = None,
+    ulp_floor: float = 0.0,
+) -> dict:
+    """Whether ``got``'s errors against the float64 reference ``ref`` (same shape) lean one way,
+    over the elements where both are finite: ``n``; ``mean`` the mean signed error (got - ref),
+    ``stderr`` its standard error (std / sqrt(n)) and ``z`` = mean / stderr; ``mean_ulp``,
+    ``stderr_ulp``, ``z_ulp`` the same with each error in ULPs of ``got``'s dtype (float32 for a
+    dtype without a format) at its reference; ``z_rows`` / ``z_cols`` (with ``rows`` / ``cols``
+    clusters) and ``z_cluster``, the smaller of them in magnitude: ``z_ulp`` with the standard error
+    clustered (below).  Error bounds bound magnitudes; a kernel that rounds toward zero instead
+    of to nearest stays inside them while every output leans the same way, and a bias
+    accumulates where an unbiased error averages out (Qiu & Yao, arXiv 2510.04212: biased bf16
+    rounding in P V, where rows hold several tied maxima, derails training).
+
+    Why ULPs: raw errors scale with the values, so a mean over elements of different magnitudes
+    is dominated by the largest and says nothing of the rounding; in ULPs every element's error
+    is on the rounding's own scale and a rounding toward zero reads about -0.5 whatever the
+    magnitudes.  The ULP is taken at the row's largest |reference| (``row_dim``: the dimension a
+    row runs along, e.g. -1 for an output's head-dim columns; None: each element's own), not at
+    the element's: an attention output row is a weighted sum of V rows, its P and its sums round
+    at the row's scale, and an element near 0 measured in its own tiny ULP would swamp the mean.
+    ``ulp_floor``: the ULP is never taken below that magnitude (an LSE near 0 still carries the
+    absolute rounding of log(l) at 1: pass 1.0).
+
+    Caveat: the elements are not independent, so std / sqrt(n) understates the standard error and
+    ``z`` overstates significance.  A row's elements share its P and its normaliser; the elements
+    of one column (``col_dim``: the dimension a column runs along, the query rows of an output)
+    share V, and where the rows' weights are alike their outputs are alike and round alike (on
+    the tied_max family with 1,024 keys the FP64 reference rounded to nearest has z_ulp -8 on a
+    mean of -0.02 ULP).  ``z_rows`` and ``z_cols`` are the cluster-robust z over rows and over
+    columns (a cluster's deviations summed before squaring, :func:`_clustered_z`), and
+    ``z_cluster`` keeps the more conservative.  Correlation across both remains; the verdict's
+    threshold (thresholds.toml ``[bias]``) is therefore set from the largest |z_cluster| measured
+    on correct kernels, with margin, not from a normal tail, and it also requires a mean of at
+    least ``[bias] min_ulps`` ULPs."""
+    if got.shape != ref.shape:
+        raise ValueError(f"shapes differ: got {tuple(got.shape)} vs reference {tuple(ref.shape)}")
+    try:
+        fmt = format_of(got.dtype)
+    except ValueError:
+        fmt = format_of(torch.float32)
+    g, r = got.double(), ref.double()
+    both = torch.isfinite(g) & torch.isfinite(r)
+    mag = torch.where(both, r.abs(), torch.zeros_like(r))
+    if row_dim is not None and mag.dim():
+        mag = mag.amax(dim=row_dim, keepdim=True).expand_as(r)
+    err = torch.where(both, g - r, torch.zeros_like(r))
+    e_ulp = err / ulp_of(mag.clamp(min=ulp_floor), fmt)
+    n = int(both.sum())
+    res = {"n": n, "dtype": fmt.name, "mean": 0.0, "stderr": 0.0, "z": 0.0, "mean_ulp": 0.0, "stderr_ulp": 0.0}
+    res.update(z_ulp=0.0, rows=n, z_rows=0.0, cols=n, z_cols=0.0, z_cluster=0.0)
+    if n == 0:
+        return res
+    for key, e in (("", err), ("_ulp", e_ulp)):
+        mean = float(e.sum()) / n
+        dev = torch.where(both, e - mean, torch.zeros_like(e))
+        stderr = math.sqrt(float((dev**2).sum()) / max(n - 1, 1) / n)
+        res["mean" + key], res["stderr" + key], res["z" + key] = mean, stderr, _z(mean, stderr)
+    res["z_rows"] = res["z_cols"] = res["z_ulp"]
+    for name, dim in (("rows", row_dim), ("cols", col_dim)):
+        if dim is not None and e_ulp.dim():
+            res[name], res["z_" + name] = _clustered_z(e_ulp, both, res["mean_ulp"], n, dim)
+    res["z_cluster"] = min(res["z_rows"], res["z_cols"], key=abs)
+    return res
+
+
+def bias_record(*, out: torch.Tensor, ref: torch.Tensor, lse: torch.Tensor | None, ref_lse: torch.Tensor) -> dict:
+    """A case's signed-bias statistics (:func:`signed_bias`) as its record keeps them
+    (``rec["bias"]``): ``out`` in ULPs of the output dtype at each row's largest |reference| (the
+    head-dim columns are the row), clustered by row and by column (a batch, head and head-dim
+    column over the query rows); ``lse`` (None when the kernel returned none) in float32 ULPs at
+    its own |reference|, never below 1 (the log of a row sum >= 1 rounds at that scale).  Out:
+    (b, s_q, h_q, dv), lse (b, h_q, s_q), as the audited call returns them (a varlen result with a
+    leading batch of 1)."""
+    return {
+        "out": signed_bias(out, ref, row_dim=-1, col_dim=1),
+        "lse": None if lse is None else signed_bias(lse, ref_lse, row_dim=None, ulp_floor=1.0),
+    }

@@ -353,10 +353,10 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"{'':13s} max abs err {c['max_abs']}, LSE err {c['lse']}, err/bound {c['tightness']}")
             if r.get("backward"):
                 print(f"{'':13s} gradients {c['grads']}, err/bound {c['grad_tightness']}, run to run {c['spread']}")
+            for w in cause_lines(r):  # the case's tested causes, best first: before its reasons
+                print(f"{'':13s} {w}")
             if c["reasons"]:
                 print(f"{'':13s} {c['reasons']}")
-            for w in cause_lines(r):  # the case's tested causes, best first
-                print(f"{'':13s} {w}")
             for w in where_lines(r):  # the case's diagnosis: where its violations concentrate
                 print(f"{'':13s} where: {w}")
         return EXIT_OK

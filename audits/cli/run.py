@@ -31,6 +31,7 @@ from audits.report.schema import FAILING
 from audits.verdict.coverage import REQUIRE, arch_of, coverage_summary, missed, unjudgeable
 from audits.verdict.gate import ThresholdsError, load_thresholds, require_backward
 from audits.verdict.known import known_lines
+from audits.verdict.separators import cause_lines
 
 #: what a run writes into OUT (and OUT/<kernel>/ with several kernels); --overwrite removes
 #: exactly these, nothing else a user keeps there
@@ -153,7 +154,10 @@ def _print_failing(kern: str, records: list[dict]) -> None:
     bad = collapse_reasons([r for r in records if r["verdict"] in FAILING])
     for r, n in bad[:SHOW_FAILING]:
         also = f" (x{n} cases; the others in the report)" if n > 1 else ""
-        print(f"  {r['verdict'].upper()} {r['case']}{also}\n    why: {'; '.join(x for x in r['reasons'] if x)}")
+        print(f"  {r['verdict'].upper()} {r['case']}{also}")
+        for line in cause_lines(r)[:1]:  # the best tested cause first; report.md lists them all
+            print(f"    {line}")
+        print(f"    why: {'; '.join(x for x in r['reasons'] if x)}")
         print(f"    reproduce: {r['repro']}")
     if len(bad) > SHOW_FAILING:
         more = sum(n for _, n in bad[SHOW_FAILING:])
@@ -374,6 +378,14 @@ def add_run_arguments(r: argparse.ArgumentParser) -> None:
     )
     add_timeout_argument(r, note=RUN_DEFAULT_NOTE)
     add_known_arguments(r)
+    r.add_argument(
+        "--poison",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="re-run each failing case's kernel call with fresh memory filled with NaN, then a finite pattern, and "
+        "name the result's dependence on memory the kernel never wrote (causes unwritten_output, uninitialized_read; "
+        "docs/diagnosis.md, 'Poisoned runs'); default on",
+    )
     r.add_argument(
         "--quiet",
         action="store_true",

@@ -130,6 +130,7 @@ def run_options_from_args(args: argparse.Namespace, *, thresholds: dict, label: 
         shard=args.shard,
         known=known_from_args(args),
         strict_known=args.strict_known,
+        poison=args.poison,
     )
     try:
         options.isolation(kernels=args.kernel)

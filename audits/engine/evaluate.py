@@ -32,6 +32,7 @@ import torch
 from audits.contract import contract_breaches, varlen_contract_breaches
 from audits.engine.backward import BackwardOptions, analyse_backward, case_references
 from audits.engine.failures import failure_reason, traceback_of
+from audits.engine.poison import poison_causes
 from audits.engine.worker import (
     KernelCalls,
     KernelTimeout,
@@ -50,11 +51,13 @@ from audits.kernels import (
 from audits.report.schema import FAILING
 from audits.suites.cases import Case
 from audits.suites.inputs import NotApplicable, make_grad_output, make_inputs, make_varlen_inputs
+from audits.verdict.bias import bias_cause
+from audits.verdict.causes import Cause, data_causes, rank_causes
 from audits.verdict.diagnosis import CaseTensors, diagnose
 from audits.verdict.gate import judge
 from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
-from numerics.metrics import bound_check, fa_floor, lse_errors, output_errors
+from numerics.metrics import bias_record, bound_check, fa_floor, lse_errors, output_errors
 from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
 
 __all__ = ["evaluate_case"]
@@ -222,6 +225,7 @@ def _measure(
         rec["out_of_domain"] = f"inputs contain NaN/inf and {kernel} claims no semantics for them"
         rec["out_of_domain_kind"] = "nonfinite-inputs"
     rec["fa_criterion"] = fa_floor(out, ref, low, scale=scale)
+    rec["bias"] = bias_record(out=out, ref=ref, lse=lse, ref_lse=rl)  # signed bias: a warn even inside the bound
     rec["mpmath_max_abs"] = cert
 
 
@@ -462,6 +466,7 @@ def evaluate_case(
     *,
     error_map: dict | None = None,
     tensors: dict | None = None,
+    poison: bool = False,
 ) -> dict:
     """Measurements and verdict of one case (a JSON-able dict); with ``backward``, its gradients
     too (``rec["backward"]``).  ``fn``: the kernel (``audits.engine.worker.KernelCalls``, or a plain
@@ -469,7 +474,9 @@ def evaluate_case(
     lie (``audits.verdict.diagnosis``, from the tensors kept until the verdict); its error-map
     data goes into ``error_map["map"]`` when given (``ErrorMap``: the caller writes the file), and
     the kernel's results with their references (``CaseTensors``) into ``tensors["keep"]`` when
-    given (``fa4-audit compare`` holds them against another kernel's).
+    given (``fa4-audit compare`` holds them against another kernel's).  A failing (or biased)
+    case's tested causes go into ``rec["diagnosis"]["causes"]`` (:func:`_causes`; with
+    ``poison``, re-runs of the kernel with poisoned fresh memory among them).
     ``domain`` (``audits.suites.domain.Domain``, the kernel's declared one): a case outside it is
     ``skipped`` with the reason, decided before the kernel is called.  A varlen case runs through
     the kernel's varlen entry, else with ``per_sequence`` through ``fn`` once per sequence, else
@@ -517,10 +524,33 @@ def evaluate_case(
         rec["diagnosis"], emap = _diagnose(rec, thresholds, keep)
         if emap is not None and error_map is not None:
             error_map["map"] = emap
+    causes = _causes(rec, thresholds, keep, fn if poison and res is not None else None, device)
+    if causes:
+        rec.setdefault("diagnosis", {})["causes"] = [c.as_dict() for c in causes]
     if tensors is not None:
         tensors["keep"] = keep
     rec["seconds"] = time.perf_counter() - t0
     return rec
+
+
+def _causes(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device) -> list[Cause]:
+    """The tested causes of a judged case (``audits.verdict.causes``), best first: of a failing
+    case, the hypotheses tested on its data and, when ``poison_call`` is given (``--poison``,
+    the call the case ran through), the poisoned re-runs (``audits.engine.poison``); of any
+    case, its rounding bias (``audits.verdict.bias``).  An OOM in them leaves the case without."""
+    found = []
+    try:
+        if rec["verdict"] in FAILING and rec.get("status") == "ran" and keep.out is not None:
+            found += data_causes(case=keep.case, tensors=keep, rec=rec, th=thresholds)
+            if poison_call is not None:
+                found += poison_causes(call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device)
+        # a bias is a finding inside the bound (a warn); past it, the error is beyond rounding and
+        # its lean says nothing of rounding (2% of outputs moved by +1 lean high too)
+        if rec["verdict"] not in FAILING and (bias := bias_cause(rec, th=thresholds)) is not None:
+            found.append(bias)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+    return rank_causes(found)
 
 
 def _diagnose(rec: dict, thresholds: dict, keep: CaseTensors) -> tuple:

@@ -38,7 +38,9 @@ class RunOptions:
     the known defects (``audits.verdict.known.load_known``) applied to each kernel's report, and
     ``strict_known``: an entry no longer reproducing fails the run; ``baseline``: the kernel the
     others are compared with, bit for bit, case by case (``fa4-audit compare``: each other
-    kernel's record gets ``compare``, ``audits.engine.compare``)."""
+    kernel's record gets ``compare``, ``audits.engine.compare``); ``poison``: re-run each failing
+    case's kernel call with fresh memory poisoned (``audits.engine.poison``: NaN, then a pattern)
+    to tell whether its result depends on memory the kernel never wrote."""
 
     device: str = "cpu"
     out: str = "reports/run-latest"
@@ -61,6 +63,7 @@ class RunOptions:
     known: KnownFile | None = None
     strict_known: bool = False
     baseline: str | None = None
+    poison: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "device", str(self.device))

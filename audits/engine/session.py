@@ -47,6 +47,7 @@ class Session:
             o.per_sequence,
             error_map=error_map,
             tensors=tensors,
+            poison=o.poison,
         )
 
     def kill(self) -> None:

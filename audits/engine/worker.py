@@ -22,6 +22,10 @@ the limit.
 
 :class:`InProcess` is the same interface (:class:`KernelCalls`) for a kernel called in the audit's own
 process, so that the engine calls either alike (:func:`open_kernel`, :func:`as_calls`).
+
+A poisoned run (``audits.engine.poison``: fresh memory filled with NaN, then a pattern) must
+poison the process that runs the kernel: its fill travels with the call as the keyword
+``audits.engine.poison.POISON_KW``, which :func:`serve` removes and applies around the kernel call.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 from audits.common import UsageError
 from audits.engine.backward import grad_call
 from audits.engine.failures import RemoteError, RemoteRefusal, error_kind
+from audits.engine.poison import POISON_KW, poisoned
 from audits.kernels import (
     KERNELS,
     VARLEN_KERNELS,
@@ -202,6 +207,7 @@ def serve(conn, kernel: str) -> None:  # pragma: no cover - runs in the child pr
         if msg is None:
             return
         (q, k, v, kw), device, bwd, entry = msg
+        fill = kw.pop(POISON_KW, None)  # a poisoned run (audits.engine.poison): the poisoning happens here
         try:
             if entry not in fns:
                 fns[entry] = _entry_of(kernel, entry)
@@ -213,7 +219,9 @@ def serve(conn, kernel: str) -> None:  # pragma: no cover - runs in the child pr
                 x = {"q": q, "k": k, "v": v, "kw": kw}
                 reply = ("ok", to_device(grad_call(fn, x, do.to(dev), opts), "cpu"))
             else:
-                reply = ("ok", to_device(fn(q, k, v, return_lse=True, **kw), "cpu"))
+                with poisoned(fill, device=dev):
+                    res = fn(q, k, v, return_lse=True, **kw)
+                reply = ("ok", to_device(res, "cpu"))
         except Exception as exc:  # sent back and raised in the parent; this worker goes on
             reply = _exception_reply(exc)
         _reply(conn, reply)
@@ -300,6 +308,9 @@ class Isolated:
     Only the kernel call crosses the process boundary; references and verdicts stay in the
     parent (and its caches)."""
 
+    #: a poisoned run (``audits.engine.poison``) poisons the worker's memory: the fill goes with the call
+    poisons_in_worker = True
+
     def __init__(self, kernel: str, device: torch.device | str, *, timeout: float | None = None):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout {timeout!r}: expected seconds > 0, or None for no limit")
@@ -373,7 +384,12 @@ class Isolated:
     def entry(self, name: str | None) -> Callable:
         """A callable for the kernel's entry ``name`` run in the worker: None the fixed-length
         one, "varlen" its varlen entry, "per-sequence" the fixed-length one per sequence."""
-        return lambda q, k, v, *, return_lse=True, **kw: self._ask(q, k, v, kw, None, name)
+
+        def call(q, k, v, *, return_lse=True, **kw):
+            return self._ask(q, k, v, kw, None, name)
+
+        call.poisons_in_worker = True  # as the forward call: audits.engine.poison's fill goes with the call
+        return call
 
     def varlen_entry(self, per_seq: bool) -> tuple[Callable | None, str | None]:
         """``audits.engine.evaluate``'s varlen entry in the worker: the kernel's varlen entry,

@@ -72,6 +72,9 @@ class CaseRecord(TypedDict):
       "fa4" or "peer", ``violations``, ``tightness``, ``lse_violations``, ``lse_tightness``): the
       gate's evidence of whether the kernel or the analysis is at fault
     - ``mpmath_max_abs``: how far the FP64 reference is from the exact row
+    - ``bias``: whether out's and the LSE's errors lean one way (``{"out": ..., "lse": ...}``, each
+      ``numerics.metrics.signed_bias``: the mean signed error, raw and in ULPs, its z, clustered;
+      ``lse`` None without an LSE); the gate's ``rounding-bias`` warning reads it
     - ``out_of_domain`` / ``out_of_domain_kind`` (one of :data:`OUT_OF_DOMAIN_KINDS`): inputs the
       kernel does not claim; ``audit_error``: the failure was the audit's own (FP64 out of memory)
     - ``backward``: the gradients' record under ``run --backward`` (``audits.engine.backward``;
@@ -101,6 +104,7 @@ class CaseRecord(TypedDict):
     fa_criterion: NotRequired[dict[str, Any] | None]
     mpmath_max_abs: NotRequired[float | None]
     model_check: NotRequired[dict[str, Any]]
+    bias: NotRequired[dict[str, Any]]
     out_of_domain: NotRequired[str | None]
     out_of_domain_kind: NotRequired[str | None]
     audit_error: NotRequired[bool]

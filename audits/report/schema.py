@@ -166,6 +166,8 @@ CASE = [
             "bound": Opt({"kind": str, "violations": int, "lse_violations": int}),
             "fa_criterion": Opt({"max_abs": NUM, "lowprec_max_abs": NUM, "rounding": NUM}),
             "model_check": Opt({"numerics": str, "violations": int, "lse_violations": int}),
+            # the signed bias of out and LSE (numerics.metrics.bias_record; docs/diagnosis.md, "Rounding bias")
+            "bias": Opt(dict),
             "backward": Opt(_BACKWARD),
         },
     ),

@@ -15,7 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from audits.common import read_bytes
-from audits.suites.inputs import FAMILIES
+from audits.suites.inputs import ADVERSARIAL_FAMILIES, FAMILIES
 from fa4.code_paths import Call
 from numerics.mod_library import MASK_MODS, SCALAR_SCORE_MODS, SCORE_MODS
 
@@ -244,7 +244,7 @@ def case_from_dict(d: dict, *, where: str = "case") -> Case:
     cap = kw.get("softcap", 0.0)
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
         raise ValueError(f"{where}: softcap = {kw['softcap']!r} must be a number >= 0 (0: off)")
-    for key, accepted in (("dtype", DTYPES), ("layout", LAYOUTS), ("family", tuple(FAMILIES))):
+    for key, accepted in (("dtype", DTYPES), ("layout", LAYOUTS), ("family", (*FAMILIES, *ADVERSARIAL_FAMILIES))):
         if key in kw and kw[key] not in accepted:
             raise ValueError(f"{where}: {key} = {kw[key]!r} is not accepted; accepted: {', '.join(accepted)}")
     _varlen_fields(kw, where)

@@ -10,7 +10,8 @@ causal and not (:func:`head_dim_sweep`); ``nightly`` is release with three seeds
 32k, and ``head-dims``; ``fidelity`` is the fixed list the model is compared with production on
 (``fa4-audit fidelity``); ``mods`` is every library score_mod and mask_mod, alone and paired,
 dense and block-sparse, with the cross-check pairs (``audits.suites.mod_cases``, ``docs/mods.md``),
-part of release and nightly; smoke has a few mod cases.
+part of release and nightly; smoke has a few mod cases.  ``bias`` is the fixed list of the adversarial
+``tied_max`` family (:func:`bias_suite`), which no generated suite places.
 
 :func:`build_suite` builds a suite inside a domain (``audits.suites.domain``): the unrestricted
 one (or one restricting only the mod kinds) gives the suite as defined; a restricted one builds
@@ -64,6 +65,7 @@ __all__ = [
     "build_suite",
     "smoke_suite",
     "release_suite",
+    "bias_suite",
     "nightly_suite",
     "head_dims_suite",
     "fidelity_suite",
@@ -482,6 +484,24 @@ def fidelity_suite() -> list[Case]:
     return list(fidelity_cases().values())
 
 
+def bias_suite() -> list[Case]:
+    """``bias``: the ``tied_max`` family (``audits.suites.inputs.ADVERSARIAL_FAMILIES``: several
+    keys per row tie at the max, P = 1 on each, V of one sign), where a rounding that is not to
+    nearest in P V shows as a signed bias (docs/diagnosis.md, "Rounding bias"): both 16-bit
+    dtypes and fp8, GQA, causal, a local window, a learnable sink, a softcap, batch 2.  A fixed
+    list, small enough for the CPU (the model runs it in seconds)."""
+    fam = "tied_max"
+    return [
+        Case("bfloat16", 64, 64, 1, 4, 2, 128, 384, family=fam),  # GQA
+        Case("bfloat16", 128, 128, 2, 2, 2, 200, 300, causal=True, family=fam),
+        Case("float16", 64, 64, 1, 2, 2, 128, 256, family=fam),
+        Case("bfloat16", 128, 128, 1, 2, 2, 256, 256, window=(64, 0), family=fam),
+        Case("bfloat16", 64, 64, 1, 3, 1, 64, 1024, sink=True, family=fam),  # MQA
+        Case("float16", 128, 128, 1, 2, 2, 128, 128, softcap=15.0, causal=True, family=fam),
+        Case("float8_e4m3fn", 64, 64, 1, 2, 2, 128, 256, family=fam),
+    ]
+
+
 def smoke_suite() -> list[Case]:
     """``smoke`` as defined (:func:`smoke_within` in the unrestricted domain)."""
     return suite("smoke")
@@ -511,6 +531,7 @@ SUITES = {
     "head-dims": head_dims_suite,
     "fidelity": fidelity_suite,
     "mods": mods_suite,
+    "bias": bias_suite,
 }
 #: how each generated suite is built in a domain; a suite of :data:`SUITES` not here is a fixed list
 _WITHIN = {

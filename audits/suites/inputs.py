@@ -34,6 +34,8 @@ from numerics.reference import apply_score_mod, call_visibility, visible_mask
 __all__ = [
     "Family",
     "FAMILIES",
+    "ADVERSARIAL_FAMILIES",
+    "TIED_STRIDE",
     "SINK_PLACES",
     "TILE_STEPS_LOG2",
     "make_inputs",
@@ -180,6 +182,40 @@ def _subnormal(sq, sk, sv, case, g):
     return q, sub(sk), sub(sv)
 
 
+#: tied_max: every TIED_STRIDE-th key from key 0 on ties at the row max (so that every row that
+#: sees key 0, or a window of TIED_STRIDE keys, sees a tie), the others TIED_GAP natural-log units
+#: below it before a per-row term of at most TIED_ROW_SPREAD either way (P in about
+#: e**-3.5..e**-0.75: about half the row's mass, rounded in P V)
+TIED_STRIDE = 8
+TIED_GAP = (0.25, 2.0)
+TIED_ROW_SPREAD = 0.5
+
+
+def _tied_max(sq, sk, sv, case, g):
+    """Several keys per row whose logits tie at the max exactly: the tied keys are copies of one
+    key (every channel), so every kernel computes their scores with the same bits and P = 1 on
+    each; V of one sign (log-normal, median 1), the similar representations under which Qiu & Yao
+    (arXiv 2510.04212) find bf16 rounding in P V biased: a rounding that is not to nearest then
+    moves every output the same way instead of averaging out.  Channel 1 adds a_i b_j to logit
+    (i, j) (a_i, b_j uniform in +-1, b the same on tied keys) so that rows differ: on identical
+    rows (the logit channel alone) every row's rounding error repeats, and a mean over rows
+    counts one error many times."""
+    n, w = sk[1], TIED_ROW_SPREAD
+    lo, hi = TIED_GAP
+    t = -(lo + 2 * w + (hi - lo) * torch.rand(n, generator=g, dtype=torch.float64))  # below any tie by >= lo
+    tied = torch.arange(0, n, TIED_STRIDE)
+    t[tied] = 0.0
+    q, k, _ = _logit_channel(sq, sk, sv, case, g, t)
+    a = 2 * torch.rand(sq[:-1], generator=g, dtype=torch.float64) - 1
+    b = 2 * w * torch.rand(n, generator=g, dtype=torch.float64) - w
+    c, scale = 4.0, 1 / math.sqrt(sq[-1])
+    q[..., 1] = c * a
+    k[..., 1] = (b / (scale * c)).view(1, -1, 1)
+    k[:, tied] = k[:, :1].clone()
+    v = torch.exp(0.5 * torch.randn(sv, generator=g, dtype=torch.float64))
+    return q, k, v
+
+
 def _seen_by_all(nq: int, nk: int, case, near: int) -> int:
     """The key every one of ``nq`` queries sees under ``case``'s mask (bottom-right aligned, as
     ``numerics.reference``) nearest ``near``; ``near`` when no key is seen by all."""
@@ -261,6 +297,19 @@ _FAMS = [
     ),
 ]
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMS}
+#: families of named adversarial suites only (``bias``: ``audits.suites.cases.bias_suite``), not placed
+#: in every generated suite as :data:`FAMILIES` are (smoke, release and nightly cover those); cases
+#: and make_inputs accept them alike
+ADVERSARIAL_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "tied_max",
+            "several keys per row tie at the max exactly (P = 1 on each), V of one sign: rounding bias in P V",
+            _tied_max,
+        ),
+    )
+}
 
 
 def _layout(t: torch.Tensor, layout: str, g: torch.Generator) -> torch.Tensor:
@@ -278,14 +327,16 @@ def make_inputs(case, *, device: str | torch.device = "cpu") -> dict:
     arguments of the audited call for ``case`` (an ``audits.suites.cases.Case``), with its mods
     (``fa4.mods.build_mods``: score_mod, mask_mod, aux_tensors, block_sparse_tensors) when it
     has any; :class:`NotApplicable` where the family's or a mod's precondition fails."""
-    if case.family not in FAMILIES:
-        raise ValueError(f"unknown input family {case.family!r}; accepted: {', '.join(FAMILIES)}")
+    family = FAMILIES.get(case.family) or ADVERSARIAL_FAMILIES.get(case.family)
+    if family is None:
+        accepted = ", ".join([*FAMILIES, *ADVERSARIAL_FAMILIES])
+        raise ValueError(f"unknown input family {case.family!r}; accepted: {accepted}")
     g = torch.Generator().manual_seed(case.seed)
     dt = getattr(torch, case.dtype)
     sq = (case.batch, case.seqlen_q, case.heads_q, case.d)
     sk = (case.batch, case.seqlen_k, case.heads_kv, case.d)
     sv = (case.batch, case.seqlen_k, case.heads_kv, case.dv)
-    q, k, v = FAMILIES[case.family].build(sq, sk, sv, case, g)
+    q, k, v = family.build(sq, sk, sv, case, g)
     if (
         case.layout == "packed_qkv"
         and case.heads_q == case.heads_kv

@@ -169,6 +169,12 @@ _RENDER = {
         f"(allowed {f.allowed:g})"
     ),
     "backward": lambda f: f"backward: {f.detail['note']}",
+    # worst: the clustered z of the mean signed error; allowed: [bias] z_max; detail: mean_ulp, min_ulps, dtype
+    "rounding-bias": lambda f: (
+        f"rounding bias: {f.quantity} biased {'low' if f.detail['mean_ulp'] < 0 else 'high'} by "
+        f"{abs(f.detail['mean_ulp']):.3g} {f.detail['dtype']} ULP on average over {f.count:,} elements "
+        f"(z = {f.worst:.3g}; |z| > {f.allowed:g} and > {f.detail['min_ulps']:g} ULP is a bias)"
+    ),
     # allowed: the [baseline] max_ratio; detail: baseline (its figure), nonfinite / baseline_nonfinite
     # (elements NaN or inf where the reference is finite, each side; absent: none)
     "baseline": lambda f: (

@@ -38,6 +38,7 @@ __all__ = [
     "bound_gated",
     "findings",
     "against_baseline",
+    "bias_findings",
 ]
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
@@ -87,6 +88,8 @@ def load_thresholds(path: str | Path | None = None) -> dict:
             _table(p, bwd, g, keys, name=f"backward.{g}")
     if "compare" in data:  # fa4-audit compare's regression rule; optional like [backward]
         _table(p, data, "compare", _COMPARE_KEYS)
+    if "bias" in data:  # the rounding-bias warning; optional: without it, no bias finding
+        _table(p, data, "bias", _BIAS_KEYS)
     for key in ("nan_swallowed", "lse_missing"):
         if data["policy"][key] not in ("warn", "fail"):
             raise ThresholdsError(f"{p}: [policy] {key} must be 'warn' or 'fail', got {data['policy'][key]!r}")
@@ -116,6 +119,10 @@ def _table(p: Path, data: dict, section: str, keys: dict, *, name: str | None = 
 
 #: [compare]: what ``fa4-audit compare`` calls a tightness regression (``audits.report.compare``)
 _COMPARE_KEYS = {"tightness_ratio": float, "tightness_floor": float}
+
+
+#: [bias]: when a case's signed bias is a finding (:func:`bias_findings`; thresholds.toml says why)
+_BIAS_KEYS = {"z_max": float, "min_ulps": float, "lse_min_ulps": float}
 
 
 def require_compare(th: dict) -> None:
@@ -391,7 +398,34 @@ def _certified(m: CaseRecord, th: dict) -> list[Finding]:
     return [Finding("fail", "uncertified", "reference", worst=cert, allowed=allowed)]
 
 
-_CHECKS = (_semantics, _bound, _fa_criterion, _lse, _certified)
+def bias_findings(*, m: CaseRecord, th: dict) -> list[Finding]:
+    """Rounding bias (a warning, inside any bound): per tensor of case record ``m``'s ``bias``
+    (``numerics.metrics.bias_record``: out, LSE), a finding when its clustered z
+    (``z_cluster``) exceeds ``[bias] z_max`` in magnitude and its mean signed error exceeds
+    ``min_ulps`` ULPs of the output dtype (``lse_min_ulps`` float32 ULPs for the LSE): a mean
+    the standard error cannot explain, and large enough to be the rounding's, not the last bits
+    of a sum.  None without a [bias] table (older thresholds files) or a record without ``bias``.
+    Public: ``audits.verdict.bias`` names the cause from the same rule."""
+    bt, rec = th.get("bias"), m.get("bias")
+    if not isinstance(bt, dict) or not isinstance(rec, dict):
+        return []
+    found = []
+    for key, quantity, floor in (("out", "out", bt["min_ulps"]), ("lse", "LSE", bt["lse_min_ulps"])):
+        b = rec.get(key)
+        if not isinstance(b, dict) or not b.get("n"):
+            continue
+        z, mean = b.get("z_cluster", b.get("z_ulp", 0.0)), b.get("mean_ulp", 0.0)
+        if abs(z) > bt["z_max"] and abs(mean) > floor:
+            detail = {"mean_ulp": mean, "z_max": bt["z_max"], "min_ulps": floor, "dtype": b.get("dtype", "")}
+            found.append(Finding("warn", "rounding-bias", quantity, b["n"], z, bt["z_max"], detail))
+    return found
+
+
+def _bias(m: CaseRecord, th: dict) -> list[Finding]:
+    return bias_findings(m=m, th=th)
+
+
+_CHECKS = (_semantics, _bound, _fa_criterion, _lse, _certified, _bias)
 _RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 3, "fail": 4, "error": 5, "timeout": 6, "crash": 7}
 
 

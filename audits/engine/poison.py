@@ -1,0 +1,390 @@
+"""Poisoned runs: does a result depend on memory the kernel never wrote? (docs/diagnosis.md,
+"Poisoned runs"; causes ``unwritten_output`` and ``uninitialized_read``, ``audits.verdict.causes``).
+
+A failing case's kernel call is re-run three times on the same inputs and each result compared
+with the normal one bit for bit:
+
+* ``control``: nothing poisoned, to tell run-to-run differences (atomics, a kernel that reads
+  garbage that happens to differ) from what the fills cause;
+* ``nan``: ``torch.use_deterministic_algorithms(True, warn_only=True)`` with
+  ``torch.utils.deterministic.fill_uninitialized_memory = True``: torch then fills every fresh
+  float allocation (``torch.empty``, ``empty_like``, ``empty_strided``, ``new_empty``, ``resize_``;
+  in C++ too, on CPU and CUDA, so an extension's ``at::empty`` is reached) with NaN (integers with
+  their maximum).  Both settings (and the warn-only flag) are restored in ``finally``;
+* ``pattern``: fresh memory filled with the byte :data:`POISON_BYTE` repeated, a finite value in
+  every float dtype (:data:`PATTERN_VALUES`).  On CUDA the caching allocator is pre-filled: its
+  unused cached blocks released (``torch.cuda.empty_cache``), then large and small blocks
+  allocated, filled and freed, so that the kernel's next allocations on the current stream are
+  carved from them (an allocation larger than what was pre-filled, or on another stream, gets
+  fresh device memory, not the pattern).  On CPU there is no allocator cache to pre-fill
+  (glibc returns large blocks to the system and hands fresh pages out zeroed), so a
+  ``TorchDispatchMode`` fills each float tensor that ``aten.empty*`` / ``new_empty*`` returns:
+  it reaches the allocations a kernel makes through torch's dispatcher from Python, not those a
+  C++ extension makes inside its own op (those get NaN only, from the ``nan`` run).
+
+An element that took the fill in both poisoned runs (NaN, and the pattern's value) was never
+written: ``unwritten_output``.  An element that changed in a poisoned run but not to the fill
+(NaN where the normal run was finite, or a pattern-run value differing from a stable normal one)
+mixed a never-written value into its arithmetic: ``uninitialized_read``.  Where the pattern did
+not reach (an extension's own allocation on CPU), a NaN of the ``nan`` run alone cannot tell the
+two apart: whole rows count as unwritten, scattered elements as read, and the evidence says so.
+
+For a kernel in a worker (``audits.engine.worker.Isolated``) the poisoning must happen in the
+worker's process: the fill travels with the call as the keyword :data:`POISON_KW`, which the
+worker's ``serve`` removes and applies with :func:`poisoned` around the kernel call.  Callables
+that run elsewhere say so with a true attribute ``poisons_in_worker``; any other callable is
+poisoned here, in this process.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.utils import deterministic as _deterministic
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from audits.verdict.causes import Cause
+
+__all__ = ["POISON_KW", "POISON_BYTE", "PATTERN_VALUES", "FILLS", "poisoned", "poison_causes"]
+
+#: the call keyword that carries a fill to the process that runs the kernel (the worker's ``serve``)
+POISON_KW = "fa4_audit_poison"
+#: the fills of the poisoned runs, in the order they run
+FILLS = ("nan", "pattern")
+#: the byte the ``pattern`` run fills fresh memory with: 0x4646 is 6.27 as float16 and 12672 as
+#: bfloat16, 0x46464646 is 12689.57 as float32 (its bfloat16 rounding is 0x4646 again): finite and
+#: recognisable in every float dtype
+POISON_BYTE = 0x46
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: the pattern read as each float dtype
+PATTERN_VALUES = {dt: float(torch.full((8,), POISON_BYTE, dtype=torch.uint8).view(dt)[0]) for dt in _FLOATS}
+#: how many bytes of the CUDA caching allocator's large pool are pre-filled, at least
+_CUDA_PREFILL_LARGE = 256 << 20
+#: small-pool blocks (requests of at most 1 MiB are carved from 2 MiB segments) pre-filled
+_CUDA_PREFILL_SMALL = 64
+
+_aten = torch.ops.aten
+_EMPTIES = (_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.empty_permuted, _aten.new_empty)
+_EMPTIES += (_aten.new_empty_strided,)
+
+
+def _fill_storage(t: torch.Tensor) -> None:
+    """Every byte of ``t``'s storage set to :data:`POISON_BYTE` (a fresh tensor owns all of it)."""
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    raw.fill_(POISON_BYTE)
+
+
+class _FillEmpty(TorchDispatchMode):
+    """Float tensors returned by torch's uninitialized-allocation ops filled with the pattern."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _EMPTIES and isinstance(out, torch.Tensor):
+            if (out.is_floating_point() or out.is_complex()) and out.device.type in ("cpu", "cuda"):
+                _fill_storage(out)
+        return out
+
+
+def _prefill_cuda(device: torch.device) -> None:
+    """The caching allocator's free blocks on ``device``'s current stream, pattern-filled."""
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # unused cached blocks released: the free blocks are all ours
+        free = torch.cuda.mem_get_info()[0]
+        large = min(_CUDA_PREFILL_LARGE, free // 4)
+        blocks = [torch.empty(large // 4, dtype=torch.uint8, device=device) for _ in range(4)]
+        blocks += [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(_CUDA_PREFILL_SMALL)]
+        for b in blocks:
+            b.fill_(POISON_BYTE)
+        torch.cuda.synchronize()
+        del blocks  # back to the allocator's cache, not to the device: the next allocations reuse them
+
+
+@contextmanager
+def poisoned(fill: str | None, *, device: torch.device | str) -> Iterator[None]:
+    """Fresh memory poisoned with ``fill`` ("nan", "pattern"; None: nothing) while the block runs,
+    on ``device``; torch's global settings restored after, whatever happens."""
+    if fill is None:
+        yield
+        return
+    if fill not in FILLS:
+        raise ValueError(f"poison fill {fill!r}: expected one of {', '.join(FILLS)}")
+    try:
+        yield from _poisoned(fill, torch.device(device))
+    finally:
+        _forget_compiled()
+
+
+def _forget_compiled() -> None:
+    """Drop what torch.compile traced during a poisoned run: a graph traced under the fill's
+    settings (a dispatch mode, deterministic mode) and its failures stay in Dynamo's caches and
+    broke the kernel's next normal call (eager flex_attention on the CPU, which traces through
+    Dynamo, raised ``Unsupported`` on every later case, 2026-12-04)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+
+
+def _poisoned(fill: str, dev: torch.device) -> Iterator[None]:
+    """:func:`poisoned`'s body for a fill."""
+    if fill == "nan":
+        was = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            _deterministic.fill_uninitialized_memory,
+        )
+        try:
+            _deterministic.fill_uninitialized_memory = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            with warnings.catch_warnings():  # warn_only's "no deterministic implementation" warnings
+                warnings.simplefilter("ignore")
+                yield
+        finally:
+            torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+            _deterministic.fill_uninitialized_memory = was[2]
+        return
+    if dev.type == "cuda":
+        _prefill_cuda(dev)
+        yield
+    else:
+        with _FillEmpty():
+            yield
+
+
+# ---- comparing the runs ----------------------------------------------------------------------
+
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the same bits."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return torch.zeros(a.shape, dtype=torch.bool, device=a.device)
+    if a.dtype.is_floating_point and a.dtype.itemsize in _INTS:
+        return a.contiguous().view(_INTS[a.dtype.itemsize]) == b.contiguous().view(_INTS[b.dtype.itemsize])
+    return a == b
+
+
+def _is_pattern(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise: ``t`` holds the pattern, as its own dtype or another float dtype's cast to it."""
+    if not t.dtype.is_floating_point:
+        return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+    values = torch.tensor([PATTERN_VALUES[dt] for dt in _FLOATS], dtype=torch.float64)
+    values = torch.unique(values.to(t.dtype).double()).to(t.device)
+    return torch.isin(t.double(), values)
+
+
+def _ranges(values: list[int], *, limit: int = 4) -> str:
+    """``[0, 1, 2, 5]`` as "0..2, 5"; past ``limit`` runs, the first ones and how many more."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    text = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in runs[:limit])
+    return text + (f" and {len(runs) - limit} more runs" if len(runs) > limit else "")
+
+
+def _rows_of(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as (batch, row, head, column): out (b, s, h, d), lse (b, h, s); a varlen
+    packed out (tokens, h, d) or lse (h, tokens) as one batch of tokens."""
+    if name == "lse":
+        t = t.unsqueeze(0) if t.dim() == 2 else t
+        return t.transpose(1, 2).unsqueeze(-1)
+    return t.unsqueeze(0) if t.dim() == 3 else t
+
+
+def _where(name: str, mask: torch.Tensor) -> tuple[str, int]:
+    """Where ``mask`` (over tensor ``name``) lies, in rows: "out rows 199 of every batch (2), every
+    head"; and how many of its elements lie in whole rows (every column of a (batch, row, head))."""
+    m = _rows_of(name, mask)
+    whole = m.all(dim=-1)  # (b, s, h)
+    in_rows = int(whole.sum()) * m.shape[-1]
+    if not bool(whole.any()):
+        return f"{name}: {int(mask.sum()):,} scattered elements, no whole row", 0
+    heads = whole.any(dim=(0, 1)).nonzero().flatten().tolist()
+    every_head = whole.all(dim=2) == whole.any(dim=2)
+    head_text = "every head" if len(heads) == m.shape[2] and bool(every_head.all()) else f"heads {_ranges(heads)}"
+    per_batch = [whole[b].any(dim=-1).nonzero().flatten().tolist() for b in range(m.shape[0])]
+    batches = [b for b, r in enumerate(per_batch) if r]
+    s = m.shape[1]
+    if len(batches) == m.shape[0] and all(r == per_batch[0] for r in per_batch) and len(per_batch[0]) < s:
+        where = f"rows {_ranges(per_batch[0])} of every batch ({m.shape[0]})"
+    else:
+        said = {b: "every row" if len(per_batch[b]) == s else f"rows {_ranges(per_batch[b])}" for b in batches}
+        parts = [f"batch {b}: {rows}" for b, rows in said.items()]
+        where = "; ".join(parts[:4]) + (f"; and {len(parts) - 4} more batches" if len(parts) > 4 else "")
+    if mask.dim() == (2 if name == "lse" else 3):  # varlen: packed tokens, one "batch"
+        where = where.replace("batch 0: ", "").replace("rows", "tokens").replace(" of every batch (1)", "")
+    rest = int(mask.sum()) - in_rows
+    extra = f", and {rest:,} elements in partial rows" if rest else ""
+    return f"{name} {where}, {head_text}{extra}", in_rows
+
+
+def _results(res) -> dict[str, torch.Tensor]:
+    """A kernel call's result as {"out": ..., "lse": ...} (no lse when it returned none)."""
+    out, lse = res if isinstance(res, tuple) else (res, None)
+    got = {"out": out}
+    if lse is not None:
+        got["lse"] = lse
+    return got
+
+
+def _run(call: Callable, x: dict, fill: str | None, device) -> tuple[dict | None, str | None]:
+    """One run of ``call`` on ``x`` under ``fill``: (its results, None) or (None, why it failed)."""
+    kw = dict(x["kw"])
+    remote = bool(getattr(call, "poisons_in_worker", False))
+    if remote and fill is not None:
+        kw[POISON_KW] = fill
+    try:
+        with torch.no_grad(), poisoned(None if remote else fill, device=device):
+            res = call(x["q"], x["k"], x["v"], return_lse=True, **kw)
+        return {n: t.detach() for n, t in _results(res).items()}, None
+    except Exception as exc:  # the case's own call succeeded: a poisoned run's failure is evidence, not a crash
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n:,} {what}" + ("" if n == 1 else "s")
+
+
+def poison_causes(
+    *,
+    call: Callable,
+    x: dict,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    device: torch.device | str,
+    violations: dict[str, torch.Tensor] | None = None,
+) -> list[Cause]:
+    """The poison causes of a case whose normal run of ``call`` on inputs ``x`` (``make_inputs``:
+    q, k, v, kw) returned ``out`` and ``lse``: ``unwritten_output`` and/or ``uninitialized_read``,
+    best first; [] when no poisoned run changes the result.  ``call`` is the callable the engine
+    ran (an ``audits.engine.worker.KernelCalls`` or its varlen entry: one with ``poisons_in_worker``
+    is poisoned in its worker); ``device`` where the kernel runs.  Each cause's score is the share
+    of the case's violating elements it accounts for when ``violations`` gives them ({"out": mask,
+    "lse": mask}, each in its tensor's shape), else the share of the result's elements (out and
+    lse) it accounts for; capped at 1."""
+    normal = {"out": out} if lse is None else {"out": out, "lse": lse}
+    normal = {n: t.detach() for n, t in normal.items()}
+    runs, failed = {}, {}
+    for fill in (None, *FILLS):
+        runs[fill], why = _run(call, x, fill, device)
+        if why is not None:
+            failed[fill or "control"] = why
+    control, nan_run, pat_run = runs[None], runs["nan"], runs["pattern"]
+    if nan_run is None and pat_run is None:
+        return []
+    total = sum(t.numel() for t in normal.values())
+    unwritten: dict[str, torch.Tensor] = {}
+    read: dict[str, torch.Tensor] = {}
+    nan_only_rows = unstable_total = 0
+    for name, o in normal.items():
+        zero = torch.zeros(o.shape, dtype=torch.bool, device=o.device)
+        c, n, p = (_of(run, name, o) for run in (control, nan_run, pat_run))
+        nan_new = torch.isnan(n) & ~torch.isnan(o) if n is not None else zero
+        pat_new = _is_pattern(p) & ~_is_pattern(o) if p is not None else zero
+        if n is not None and p is not None:
+            # the fill in both runs, whatever the normal run's stale memory held there: never written
+            both = torch.isnan(n) & _is_pattern(p)
+            # a NaN that only the NaN fill brings (the pattern run is finite there) came from the fill
+            fill_nan = torch.isnan(n) & ~torch.isnan(p)
+            # NaN where the pattern run is what the normal run was: the pattern did not reach that
+            # allocation (one it cannot fill), and whole rows of NaN are taken as never written
+            nan_alone = nan_new & _same(p, o)
+            if bool(nan_alone.any()):
+                whole = _whole_rows(name, nan_alone)
+                nan_only_rows += int(whole.sum())
+                both = both | whole
+        else:  # one run failed: the other's fill where the normal run differs
+            both, fill_nan = nan_new | pat_new, nan_new
+        unwritten[name] = both
+        # a kernel whose unpoisoned re-run differs outside its unwritten elements (atomics; garbage
+        # that differs run to run): a pattern-run change is no evidence there, only NaN is
+        unstable = int((~_same(c, o) & ~both).sum()) if c is not None else o.numel()
+        unstable_total += unstable
+        p_changed = ~_same(p, o) if p is not None and unstable == 0 else zero
+        read[name] = (fill_nan | nan_new | p_changed) & ~both
+    causes = []
+    fills = f"NaN (torch fill_uninitialized_memory) and byte 0x{POISON_BYTE:02X} ({_pattern_words()})"
+    failed_text = "".join(f"; the {f} run failed ({why})" for f, why in failed.items())
+    unstable_text = ""
+    if unstable_total and "control" not in failed:
+        unstable_text = (
+            f"; an unpoisoned re-run differs from the normal run at {_plural(unstable_total, 'element')}, so only NaN "
+            "under the NaN fill counted"
+        )
+    n_unw = sum(int(m.sum()) for m in unwritten.values())
+    if n_unw:
+        wheres = [_where(name, m)[0] for name, m in unwritten.items() if bool(m.any())]
+        alone = f" ({nan_only_rows:,} of them NaN only: the second fill did not reach them)" if nan_only_rows else ""
+        causes.append(
+            Cause(
+                cause="unwritten_output",
+                detail="; ".join(wheres),
+                evidence=f"re-run with fresh memory filled with {fills}: {_plural(n_unw, 'element')} of {total:,} took "
+                f"the fill in both runs{alone}, so the kernel never wrote them{failed_text}",
+                score=_score(unwritten, violations, total),
+            )
+        )
+    n_read = sum(int(m.sum()) for m in read.values())
+    if n_read:
+        wheres = [_where(name, m)[0] for name, m in read.items() if bool(m.any())]
+        n_nan = sum(int((m & _nan_mask(nan_run, name, m)).sum()) for name, m in read.items())
+        causes.append(
+            Cause(
+                cause="uninitialized_read",
+                detail="; ".join(wheres),
+                evidence=f"re-run with fresh memory filled with {fills}: {_plural(n_read, 'element')} of {total:,} "
+                f"changed without taking the fill ({n_nan:,} became NaN under the NaN fill), so they mix values read "
+                f"from memory the kernel never wrote into their arithmetic{unstable_text}{failed_text}",
+                score=_score(read, violations, total),
+            )
+        )
+    return sorted(causes, key=lambda c: -c.score)
+
+
+def _whole_rows(name: str, mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` (over tensor ``name``) kept where it covers a whole row (every column of a
+    (batch, row, head)), in the tensor's own shape."""
+    m = _rows_of(name, mask)
+    whole = m.all(dim=-1, keepdim=True).expand(m.shape)
+    if name == "lse":
+        return whole.squeeze(-1).transpose(1, 2).reshape(mask.shape)
+    return whole.reshape(mask.shape)
+
+
+def _score(masks: dict[str, torch.Tensor], violations: dict[str, torch.Tensor] | None, total: int) -> float:
+    """The share of the violating elements that ``masks`` cover (of all ``total`` elements,
+    without violations given or with none of the right shape), at most 1."""
+    viol = {n: v.to(masks[n].device) for n, v in (violations or {}).items() if n in masks and v.shape == masks[n].shape}
+    n_viol = sum(int(v.sum()) for v in viol.values())
+    if n_viol:
+        return min(1.0, sum(int((masks[n] & v).sum()) for n, v in viol.items()) / n_viol)
+    return min(1.0, sum(int(m.sum()) for m in masks.values()) / max(total, 1))
+
+
+def _of(run: dict | None, name: str, like: torch.Tensor) -> torch.Tensor | None:
+    """A poisoned run's tensor ``name`` on ``like``'s device; None without one of ``like``'s shape and dtype."""
+    t = None if run is None else run.get(name)
+    if t is None or t.shape != like.shape or t.dtype != like.dtype:
+        return None
+    return t.to(like.device)
+
+
+def _nan_mask(run: dict | None, name: str, like: torch.Tensor) -> torch.Tensor:
+    """Where the NaN run's ``name`` is NaN (all False without one)."""
+    if run is None or name not in run or run[name].shape != like.shape:
+        return torch.zeros(like.shape, dtype=torch.bool, device=like.device)
+    return torch.isnan(run[name].to(like.device))
+
+
+def _pattern_words() -> str:
+    """The pattern's values in words, in the dtypes kernels write."""
+    shown = (dt for dt in PATTERN_VALUES if dt != torch.float64)
+    return ", ".join(f"{PATTERN_VALUES[dt]:.6g} as {str(dt).removeprefix('torch.')}" for dt in shown)
