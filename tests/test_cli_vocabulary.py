@@ -83,7 +83,8 @@ MISTAKES = {
     ),
     "unknown suite": (
         ["--suite", "smok"],
-        "unknown suite 'smok'; accepted: smoke, release, nightly, head-dims, fidelity, mods, bias, or a suite file FILE.toml",
+        "unknown suite 'smok'; accepted: smoke, release, nightly, head-dims, fidelity, mods, bias, or a suite file "
+        "FILE.toml",
     ),
     "glob matching nothing": (["--suite", "smoke", "--case", "zzz*"], "--case 'zzz*' matches no case of 'smoke'"),
     "bad config": (["--config", '{"colour": 1}'], "--config #1: unknown key(s) colour; accepted: dtype, d"),
