@@ -524,24 +524,30 @@ def evaluate_case(
         rec["diagnosis"], emap = _diagnose(rec, thresholds, keep)
         if emap is not None and error_map is not None:
             error_map["map"] = emap
-    causes = _causes(rec, thresholds, keep, fn if poison and res is not None else None, device)
+    causes, broke = _causes(rec, thresholds, keep, fn if poison and res is not None else None, device)
     if causes:
         rec.setdefault("diagnosis", {})["causes"] = [c.as_dict() for c in causes]
+    if broke:  # the verdict stands; the diagnosis says its cause analysis broke, and how
+        rec.setdefault("diagnosis", {})["causes_error"] = broke
     if tensors is not None:
         tensors["keep"] = keep
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
 
-def _causes(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device) -> list[Cause]:
-    """The tested causes of a judged case (``audits.verdict.causes``), best first: of a failing
-    case, the hypotheses tested on its data and, when ``poison_call`` is given (``--poison``,
-    the call the case ran through), the poisoned re-runs (``audits.engine.poison``); of any
-    case, its rounding bias (``audits.verdict.bias``).  An OOM in them leaves the case without."""
-    found = []
+def _causes(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device) -> tuple[list[Cause], str | None]:
+    """The tested causes of a judged case (``audits.verdict.causes``), best first, and why their
+    analysis broke (None when it did not): of a failing case, the hypotheses tested on its data
+    and, when ``poison_call`` is given (``--poison``, the call the case ran through), the
+    poisoned re-runs (``audits.engine.poison``); of a case inside its bound, its rounding bias
+    (``audits.verdict.bias``).  An exception in an analysis is recorded, never the case's verdict."""
+    found, broke = [], None
     try:
         if rec["verdict"] in FAILING and rec.get("status") == "ran" and keep.out is not None:
-            found += data_causes(case=keep.case, tensors=keep, rec=rec, th=thresholds)
+            try:
+                found += data_causes(case=keep.case, tensors=keep, rec=rec, th=thresholds)
+            except Exception as exc:  # noqa: BLE001 - recorded beside the verdict, which stands
+                broke = f"data hypotheses: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if poison_call is not None:
                 found += poison_causes(call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device)
         # a bias is a finding inside the bound (a warn); past it, the error is beyond rounding and
@@ -550,7 +556,8 @@ def _causes(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device)
             found.append(bias)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
-    return rank_causes(found)
+        broke = "out of GPU memory"
+    return rank_causes(found), broke
 
 
 def _diagnose(rec: dict, thresholds: dict, keep: CaseTensors) -> tuple:

@@ -137,7 +137,10 @@ _BACKWARD = [
 _DIAGNOSIS = Each({
     "violations": int, "elements": int, "criteria": Each(int), "summary": str,
     "axes": Each({"values": Each((int, str)), "share_of_violations": NUM, "share_of_elements": NUM, "of": int}),
-}, keys={"causes": Each({"cause": str, "detail": str, "evidence": str, "score": NUM})})  # fmt: skip
+}, keys={
+    "causes": Each({"cause": str, "detail": str, "evidence": str, "score": NUM}),
+    "causes_error": str,  # why the cause analysis broke (the verdict stands)
+})  # fmt: skip
 #: one case record (the Case fields of ``config`` are checked by ``audits.suites.cases.case_from_dict``)
 CASE = [
     {

@@ -492,6 +492,8 @@ def cause_lines(rec: CaseRecord) -> list[str]:
     for i, c in enumerate(found or []):
         head = "likely cause" if i == 0 else "also"
         out.append(f"{head}: {c['cause']} ({c['detail']}): {c['evidence']}")
+    if isinstance(rec.get("diagnosis"), dict) and rec["diagnosis"].get("causes_error"):
+        out.append(f"causes not fully tested: {rec['diagnosis']['causes_error']}")
     return out
 
 
