@@ -134,11 +134,12 @@ def _differing_entry(rec: dict, cmp: dict, base: dict, th: dict) -> dict:
             "new_nonfinite": d.get("new_nonfinite", 0),
             "where": ((d.get("where") or {}).get("summary")) or d.get("layout_changed"),
         }
+    cand_t = _tightness(rec)
     return {
         "case": rec["case"],
         "case_id": rec.get("case_id"),
         "verdicts": [base["verdict"], rec["verdict"]],
-        "tightness": {q: [t[1], (_tightness(rec).get(q) or (None, None))[1]] for q, t in _tightness(base).items()},
+        "tightness": {q: [t[1], (cand_t.get(q) or (None, None))[1]] for q, t in _tightness(base).items()},
         "fa_margin": [_fa_margin(base, th), _fa_margin(rec, th)],
         "tensors": tensors,
     }
