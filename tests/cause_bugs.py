@@ -177,3 +177,30 @@ def nan_from_masked_keys(q, k, v, **kw):
     from tests.bugged_kernels import bug_nan_leak
 
     return bug_nan_leak(q, k, v, **kw)
+
+
+# ---- the backward's poisoned runs (audits.engine.poison.grad_poison_causes) -----------------------
+
+
+class _StaleDqAccumulator(torch.autograd.Function):
+    """The identity on q whose backward adds an fp32 accumulator to dq that is zeroed only for
+    the first half of the query rows (a first row tile, say): the rest holds whatever the memory
+    held, as production's SM90 dQ accumulator did at head dims its padding rules disagree on."""
+
+    @staticmethod
+    def forward(ctx, q):
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, g):
+        acc = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+        acc[:, : g.shape[1] // 2] = 0
+        # scaled before it is added (as a softmax scale would be): a stale value reaches dq moved,
+        # not as it was, which is what tells a read from an element never written
+        return (g.float() + acc * 2.0**-4).to(g.dtype)
+
+
+def stale_dq_accumulator(q, k, v, **kw):
+    """Cause uninitialized_read in dq (the backward's poisoned runs): rows from s_q // 2 on add
+    a never-zeroed accumulator to the right gradient; the forward is the model's, exact."""
+    return attention(_StaleDqAccumulator.apply(q), k, v, **kw)

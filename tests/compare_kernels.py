@@ -1,7 +1,9 @@
 """Candidate kernels for tests/test_compare.py, each the FA4 model (``fa4-model``) with one change:
 ``same`` none (bit-identical), ``last_bit`` one nonzero output element per head nudged by one ULP past
 the model's rounding (margin lost where the bound is tight), ``lse_nan`` the LSE of row 0 made NaN (a new non-finite
-value), ``no_causal`` the causal mask ignored (a seeded regression: its causal cases fail)."""
+value), ``no_causal`` the causal mask ignored (a seeded regression: its causal cases fail),
+``jitter_dq`` a nondeterministic backward: dQ moved by 1 ULP on different elements at each backward
+call, as atomics make production's SM90 dQ differ from run to run."""
 
 import torch
 
@@ -35,6 +37,30 @@ def no_causal(q, k, v, *, causal=False, **kw):
     return _model(q, k, v, causal=False, **kw)
 
 
+class _JitterDQ(torch.autograd.Function):
+    """The identity on q whose backward moves about 1 in 64 nonzero elements of dQ one representable
+    value away from zero, chosen by a generator seeded from a call counter: deterministic from one
+    test run to the next, different between two backward runs on one graph."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, q):
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, g):
+        _JitterDQ.calls += 1
+        pick = torch.rand(g.shape, generator=torch.Generator().manual_seed(_JitterDQ.calls)) < 1 / 64
+        bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32).clone()
+        bits += (pick.to(g.device) & (g != 0)).to(bits.dtype)
+        return bits.view(g.dtype)
+
+
+def jitter_dq(q, k, v, **kw):
+    return _model(_JitterDQ.apply(q), k, v, **kw)
+
+
 # each is the model's SM100 arithmetic: held to FA4's bound, as the model is (audits.kernels.fa4_arch)
-for _fn in (same, last_bit, lse_nan, no_causal):
+for _fn in (same, last_bit, lse_nan, no_causal, jitter_dq):
     _fn.fa4_audit_numerics = "sm100"

@@ -10,6 +10,7 @@ the per-element bounds and the inputs it keeps in ``CaseTensors``), then ``data_
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,31 @@ def test_cause_as_dict_rounds_its_score():
     c = Cause("mask_edge", "window_left admits one key too many", "e", 0.123456)
     assert c.as_dict() == {"cause": "mask_edge", "detail": "window_left admits one key too many", "evidence": "e",
                            "score": 0.1235}  # fmt: skip
+
+
+#: a release case whose learnable sink overflowed production's LSE on the H200 (4.0.0b36 and
+#: 4.0.0b40; benchmarks/device/sink_overflow_cases.json): the SM90 model overflows the same way
+SINK_CASE = "f16-d64-b2h4k1-s640x128-causal-sink-outliers-seed0"
+
+
+@pytest.mark.parametrize("inspected", [None, 64])
+def test_a_sink_overflow_is_named_against_the_float32_row_sum(inspected, monkeypatch):
+    """The sink joins the float32 row sum: its term is held to float32's range, whatever the
+    input dtype (fp16 here); past MAX_OVERFLOW_ROWS non-finite rows, evenly spaced rows are
+    inspected and their share scaled up, so a large case is still named (the H200's 4096 x 4096
+    case had 32,762 such rows and was left unnamed when only the first 4,096 were read)."""
+    import json
+
+    from audits.suites.cases import case_from_dict
+
+    path = Path(__file__).parents[1] / "benchmarks" / "device" / "sink_overflow_cases.json"
+    case = next(c for c in map(case_from_dict, json.loads(path.read_text())) if c.name == SINK_CASE)
+    if inspected is not None:
+        monkeypatch.setattr(C, "MAX_OVERFLOW_ROWS", inspected)
+    _, _, found = _run("fa4-model-sm90", case)
+    assert [c.cause for c in found] == ["overflow"], [c.as_dict() for c in found]
+    assert found[0].detail.startswith("the sink term exp(sink - m) reaches exp(") and found[0].detail.endswith(
+        "past 3.40282e+38"
+    )
+    assert found[0].score >= 0.95
+    assert ("64 evenly spaced rows inspected" in found[0].evidence) == (inspected is not None)

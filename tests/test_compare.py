@@ -8,8 +8,10 @@ import torch
 
 from audits import cli
 from audits.engine.compare import COMPARED, NOT_COMPARED, compare_case
+from audits.report.compare import compare_reports, render_html, render_md, summary_lines
 from audits.suites.cases import suite
 from audits.verdict.diagnosis import CaseTensors
+from audits.verdict.gate import load_thresholds
 from numerics.metrics import bit_diff
 
 KERNELS = "tests/compare_kernels.py"
@@ -64,6 +66,43 @@ def test_compare_case_names_the_tensor_that_differs_and_where():
     o = got["tensors"]["out"]
     assert o["differ"] == 128 and o["max_ulp"] == 1 and o["max_row_ulp"] <= 1
     assert "head 2" in o["where"]["summary"] and "row" in o["where"]["summary"]
+
+
+def _spread(**differing) -> dict:
+    """A case record whose backward runs differed from run 1 on ``differing`` elements per gradient."""
+    return {"backward": {"spread": {g: {"differing": n, "max_ulp": int(n > 0)} for g, n in differing.items()}}}
+
+
+def test_compare_case_sets_differing_gradients_against_each_sides_run_to_run():
+    case = suite("smoke")[1]  # f16 d128 b1 h4 160x160
+    out, lse = torch.randn(1, 160, 4, 128).half(), torch.randn(1, 4, 160)
+    g = {n: torch.randn(1, 160, 4, 128).half() for n in ("dq", "dk", "dv")}
+    base = CaseTensors(case, kind="peer", out=out, lse=lse, ref=out.double(), grads=g, bwd_kind="peer")
+    moved = {n: t.clone() for n, t in g.items()}
+    moved["dq"][0, 3, 1, :] = (g["dq"][0, 3, 1, :].view(torch.int16) + 1).view(torch.float16)
+    cand = CaseTensors(case, kind="peer", out=out.clone(), lse=lse.clone(), grads=moved, bwd_kind="peer")
+    # the candidate's own dq differs from run to run: the difference is not the change's
+    got = compare_case(case=case, base=base, cand=cand, base_rec=_spread(dq=0, dk=0), cand_rec=_spread(dq=7, dk=0))
+    dq = got["tensors"]["dq"]
+    assert dq["run_to_run"] == {"baseline": 0, "candidate": 7} and dq["attributable"] is False
+    assert got["backward_identical"] is False and got["backward_changed"] is False
+    assert "run_to_run" not in got["tensors"]["dk"]  # identical tensors carry no label
+    # both sides reproduce dq bit for bit: the difference is the change
+    got = compare_case(case=case, base=base, cand=cand, base_rec=_spread(dq=0), cand_rec=_spread(dq=0))
+    assert got["tensors"]["dq"]["attributable"] is True and got["backward_changed"] is True
+    # one side's dq is steady, the other's not measured (one backward run): unknown, not attributable
+    got = compare_case(case=case, base=base, cand=cand, base_rec=_spread(dq=0), cand_rec={"backward": {"spread": {}}})
+    assert got["tensors"]["dq"]["run_to_run"] == {"baseline": 0, "candidate": None}
+    assert got["tensors"]["dq"]["attributable"] is False and got["backward_changed"] is None
+    # a differing forward tensor is always attributable (the forward is called once per kernel)
+    cand.out = cand.out.clone()
+    cand.out[0, 0, 0, 0] = -cand.out[0, 0, 0, 0] if cand.out[0, 0, 0, 0] != 0 else 1.0
+    got = compare_case(case=case, base=base, cand=cand, base_rec=_spread(dq=3), cand_rec=_spread(dq=3))
+    assert got["tensors"]["out"]["attributable"] is True and "run_to_run" not in got["tensors"]["out"]
+    assert got["backward_changed"] is False  # the forward's change is not the backward's
+    no_grads = CaseTensors(case, out=out, lse=lse)
+    assert compare_case(case=case, base=no_grads, cand=no_grads)["backward_changed"] is None
+    assert compare_case(case=case, base=base, cand=no_grads)["backward_changed"] is True  # gradients went missing
 
 
 def _compare(tmp_path, *kernels, cases=CASES, extra=()):
@@ -146,3 +185,73 @@ def test_jobs_children_compare_and_resume_keeps_the_comparison(tmp_path, capsys)
     code, (again,) = _compare(tmp_path, "fa4-model", "fa4-model:poly_degree=5", extra=["--resume"])
     assert code == 0 and again["compared"] == len(CASES) and again["not_compared"] == []
     assert again["ulp_histogram"] == c["ulp_histogram"]
+
+
+def test_a_nondeterministic_backward_differs_only_run_to_run(tmp_path, capsys):
+    """jitter_dq moves dQ by 1 ULP on other elements at each backward call: it differs from the
+    model in dQ, and so does it from itself; the summary says so rather than 'differs'."""
+    code, (c,) = _compare(
+        tmp_path, "fa4-model", f"{KERNELS}:jitter_dq", cases=[CASES[1], CASES[3]], extra=["--backward"]
+    )
+    assert code == 0 and c["forward"]["identical"] == 2
+    assert c["backward"]["compared"] == 2 and c["backward"]["identical"] == 0
+    assert (c["backward"]["run_to_run_only"], c["backward"]["changed"], c["backward"]["unknown"]) == (2, 0, 0)
+    assert c["backward"]["run_to_run_tensors"] == {"dq": 2}
+    for e in c["differing"]:
+        assert e["backward_changed"] is False and list(e["tensors"]) == ["dq"]
+        r = e["tensors"]["dq"]["run_to_run"]
+        assert r["baseline"] == 0 and r["candidate"] > 0 and e["tensors"]["dq"]["attributable"] is False
+    out = capsys.readouterr().out
+    assert (
+        "backward bit-identical on 0 of 2; 2 differ only in gradients that also differ between two runs of the same "
+        "kernel (run-to-run: dq; compare with --deterministic to tell), 0 differ beyond that"
+    ) in out
+    md = (tmp_path / "c" / "compare.md").read_text()
+    assert "| run-to-run |" in md and f"| 0/{c['differing'][0]['tensors']['dq']['run_to_run']['candidate']:,} |" in md
+
+
+def test_a_deterministic_backward_change_is_attributable(tmp_path, capsys):
+    """The degree-5 exp2 moves the gradients; the model reproduces them bit for bit from run to
+    run, so the difference is the change."""
+    code, (c,) = _compare(tmp_path, "fa4-model", "fa4-model:poly_degree=5", cases=[CASES[2]], extra=["--backward"])
+    assert code == 0 and (c["backward"]["changed"], c["backward"]["run_to_run_only"]) == (1, 0)
+    (e,) = c["differing"]
+    assert e["backward_changed"] is True
+    assert all(t["attributable"] and t["run_to_run"] == {"baseline": 0, "candidate": 0} for g, t in e["tensors"].items()
+               if g not in ("out", "lse"))  # fmt: skip
+    assert "1 differ where both kernels' own runs are bit-identical" in capsys.readouterr().out
+    assert "| 0/0 |" in (tmp_path / "c" / "compare.md").read_text()
+
+
+def test_one_backward_run_leaves_the_run_to_run_variation_unknown(tmp_path, capsys):
+    code, (c,) = _compare(
+        tmp_path, "fa4-model", "fa4-model:poly_degree=5", cases=[CASES[2]], extra=["--backward", "--repeat", "1"]
+    )
+    assert code == 0 and (c["backward"]["unknown"], c["backward"]["changed"]) == (1, 0)
+    (e,) = c["differing"]
+    assert e["backward_changed"] is None and e["tensors"]["dq"]["run_to_run"] == {"baseline": None, "candidate": None}
+    assert "1 differ with run-to-run variation unknown" in capsys.readouterr().out
+    assert "| ?/? |" in (tmp_path / "c" / "compare.md").read_text()
+
+
+def test_records_from_before_run_to_run_render_as_unknown(tmp_path):
+    """Case records (journals, report.json) written before the run-to-run fields still compare and
+    render: their differing gradients are unknown, never run-to-run or changed."""
+    _compare(tmp_path, "fa4-model", "fa4-model:poly_degree=5", cases=[CASES[2]], extra=["--backward"])
+    reports = {}
+    for kern, d in (("fa4-model", "fa4-model"), ("fa4-model:poly_degree=5", "fa4-model.poly_degree=5")):
+        reports[kern] = json.loads((tmp_path / "c" / d / "report.json").read_text())
+        for rec in reports[kern]["cases"]:
+            cmp = rec.get("compare") or {}
+            cmp.pop("backward_changed", None)
+            for t in (cmp.get("tensors") or {}).values():
+                t.pop("run_to_run", None), t.pop("attributable", None)
+    (c,) = compare_reports(reports, baseline="fa4-model", thresholds=load_thresholds())
+    assert c.backward["unknown"] == 1 and c.backward["changed"] == c.backward["run_to_run_only"] == 0
+    assert "1 differ with run-to-run variation unknown" in summary_lines(c)[0]
+    md, page = render_md([c], header={}), render_html([c], header={})
+    assert "| unknown |" in md and "<td>unknown</td>" in page
+    # a comparison written before the counts (compare.json) has none of them
+    for k in ("run_to_run_only", "changed", "unknown", "run_to_run_tensors"):
+        del c.backward[k]
+    assert summary_lines(c)[0].endswith("backward bit-identical on 0 of 1; 1 differ, run-to-run variation unknown")

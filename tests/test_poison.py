@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch.utils import deterministic
 
-from audits.engine.poison import PATTERN_VALUES, poison_causes, poisoned
+from audits.engine.backward import BackwardOptions
+from audits.engine.poison import PATTERN_VALUES, grad_poison_causes, poison_causes, poisoned
 from audits.engine.worker import InProcess, Isolated
 from audits.kernels import get_kernel
 from audits.suites.cases import suite
-from audits.suites.inputs import make_inputs
+from audits.suites.inputs import make_grad_output, make_inputs
 from audits.verdict.causes import CAUSES
 from tests import bugged_kernels, cause_bugs
 
@@ -205,3 +206,39 @@ def test_poison_is_a_run_option_on_by_default(command, tmp_path):
     assert options().poison is True and RunOptions().poison is True
     assert options("--no-poison").poison is False
     assert options("--poison").poison is True
+
+
+@pytest.mark.parametrize("where", ["in-process", "worker"])
+def test_a_backward_accumulator_never_zeroed_is_named_by_the_backward_poison_runs(where, _cwd):
+    """dq rows past the first half add memory the backward never zeroed: the backward re-run under
+    the NaN fill turns them NaN, under the pattern moves them off the normal run (not to the fill):
+    ``uninitialized_read`` in dq rows 100..199, and nothing in dk or dv.  In a worker, the fill
+    travels with the backward call."""
+    x = make_inputs(CASE, device="cpu")
+    if where == "worker":
+        calls = Isolated("tests.cause_bugs:stale_dq_accumulator", "cpu", timeout=120)
+    else:
+        calls = InProcess("stale_dq", cause_bugs.stale_dq_accumulator)
+    do, opts = make_grad_output(CASE, device="cpu")[0], BackwardOptions()
+    try:
+        status, res = calls.grad(x, do, opts)
+        assert status == {"status": "ran"}, status
+        causes = grad_poison_causes(calls=calls, x=x, do=do, opts=opts, grads=res[2][0], device="cpu")
+    finally:
+        calls.close()
+    assert [c.cause for c in causes] == ["uninitialized_read"], [c.as_dict() for c in causes]
+    assert causes[0].detail == "dq rows 100..199 of every batch (2), every head"
+    assert causes[0].evidence.startswith("backward re-run with fresh memory filled with NaN")
+
+
+def test_a_correct_backward_gets_no_backward_poison_cause():
+    x = make_inputs(CASE, device="cpu")
+    calls = InProcess("fa4-model", get_kernel("fa4-model"))
+    do, opts = make_grad_output(CASE, device="cpu")[0], BackwardOptions()
+    status, res = calls.grad(x, do, opts)
+    assert status == {"status": "ran"}
+    trace = {}
+    assert grad_poison_causes(calls=calls, x=x, do=do, opts=opts, grads=res[2][0], device="cpu", trace=trace) == []
+    # the negative finding is stated (a failing case's diagnosis["poisoned"]), not silent
+    assert trace["summary"].startswith("backward re-run with fresh memory filled (nan and pattern): dq, dk, dv ")
+    assert "does not depend on memory the kernel never wrote" in trace["summary"]

@@ -3,7 +3,11 @@ run (``fa4-audit compare``, docs/compare.md): per tensor (out, LSE, each gradien
 bit is the same and, where not, how far apart (``numerics.metrics.bit_diff``: ULP histogram,
 largest distance, NaN/inf changes) and where the differing elements lie (the diagnosis axes,
 ``audits.verdict.diagnosis.localize``).  The verdicts, bounds and criteria of each side are in
-each kernel's own record; the run's comparison (``audits.report.compare``) reads both."""
+each kernel's own record; the run's comparison (``audits.report.compare``) reads both.
+
+A gradient that differs is set against each side's own run-to-run spread (the backward's runs on
+one graph, ``audits.engine.backward``): a kernel that accumulates with atomics differs from
+itself, so a difference in such a tensor says nothing about the change between the kernels."""
 
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from numerics.fp import bit_view, format_of, ulp_of
 from numerics.metrics import bit_diff
 
 __all__ = ["compare_case", "COMPARED", "NOT_COMPARED"]
+
+#: the forward's tensors; the others are gradients
+_FORWARD = ("out", "lse")
 
 #: a comparison's ``status``: both sides' tensors were compared, or they could not be
 COMPARED, NOT_COMPARED = "compared", "not compared"
@@ -59,13 +66,53 @@ def row_ulp_change(base, cand, ref) -> float:
     return float(d.max()) if d.numel() else 0.0
 
 
-def compare_case(*, case: Case, base: CaseTensors | None, cand: CaseTensors | None) -> dict:
+def _run_to_run(rec: dict | None, name: str) -> int | None:
+    """How many elements of gradient ``name`` differed between the kernel's own backward runs on
+    one graph (its record's ``backward.spread``), or None where not measured (one run, no backward)."""
+    spread = ((rec or {}).get("backward") or {}).get("spread") or {}
+    n = (spread.get(name) or {}).get("differing")
+    return int(n) if isinstance(n, int) else None
+
+
+def _backward_changed(rec: dict) -> bool | None:
+    """Whether the gradients changed beyond what each kernel changes from run to run: True where a
+    gradient is missing on one side or differs and is attributable; False where every differing
+    gradient also differs between a side's own runs (or none differs); None without gradients, or
+    where a differing gradient's run-to-run spread was not measured on a side (unknown)."""
+    if rec["backward_identical"] is None:
+        return None
+    if any(n not in _FORWARD for n in rec["missing"]):
+        return True
+    differing = [d for n, d in rec["tensors"].items() if n not in _FORWARD and d["differ"]]
+    if any(d["attributable"] for d in differing):
+        return True
+    noisy = lambda d: any(v for v in d["run_to_run"].values())  # a side known to differ from itself
+    return False if all(noisy(d) for d in differing) else None
+
+
+def compare_case(
+    *,
+    case: Case,
+    base: CaseTensors | None,
+    cand: CaseTensors | None,
+    base_rec: dict | None = None,
+    cand_rec: dict | None = None,
+) -> dict:
     """The candidate's results on ``case`` against the baseline's: ``{"status": COMPARED,
-    "identical", "forward_identical", "backward_identical" (None without gradients), "tensors":
-    {name: bit_diff record + "where" and, for out and dq/dk/dv, ``max_row_ulp`` (the largest
-    change in ULPs at its row's largest reference magnitude) when elements differ}, "missing": tensors only one side
+    "identical", "forward_identical", "backward_identical" (None without gradients),
+    "backward_changed" (``_backward_changed``), "tensors": {name: bit_diff record + "where" and,
+    for out and dq/dk/dv, ``max_row_ulp`` (the largest change in ULPs at its row's largest
+    reference magnitude), and "attributable" when elements differ}, "missing": tensors only one side
     returned}``, or ``{"status": NOT_COMPARED, "why"}`` when a side has no result (it did not run,
-    or its record was resumed from a journal)."""
+    or its record was resumed from a journal).
+
+    ``base_rec``, ``cand_rec``: the two kernels' case records (``evaluate_case``'s).  A differing
+    gradient gets ``run_to_run``: ``{"baseline", "candidate"}``, the elements that differed between
+    that side's own backward runs (None where not measured: ``--repeat 1``, no record), and is
+    ``attributable`` to the change only where both are known to be 0: a tensor that differs from
+    itself from run to run may differ between the kernels by that alone.  A differing forward tensor
+    is always ``attributable``: an assumption, since the forward is called once per kernel and its
+    run-to-run spread is not measured (a forward that differs from itself would read as a change)."""
     if base is None or cand is None or base.out is None or cand.out is None:
         side = "the baseline" if base is None or base.out is None else "the candidate"
         return {"status": NOT_COMPARED, "why": f"{side} returned no result on this case"}
@@ -91,8 +138,17 @@ def compare_case(*, case: Case, base: CaseTensors | None, cand: CaseTensors | No
                 # integer ULPs overstate changes of entries near 0; this reads them at the row's scale
                 d["max_row_ulp"] = row_ulp_change(x, y, ref.to(x.device))
         rec["tensors"][name] = d
-    fwd = [n for n in ("out", "lse") if n in rec["tensors"]]
-    bwd = [n for n in rec["tensors"] if n not in ("out", "lse")]
+    for name, d in rec["tensors"].items():
+        if not d["differ"]:
+            continue
+        if name in _FORWARD:
+            d["attributable"] = True
+            continue
+        d["run_to_run"] = {"baseline": _run_to_run(base_rec, name), "candidate": _run_to_run(cand_rec, name)}
+        # another shape or dtype is the change itself, whatever either side's runs do
+        d["attributable"] = "layout_changed" in d or all(n == 0 for n in d["run_to_run"].values())
+    fwd = [n for n in _FORWARD if n in rec["tensors"]]
+    bwd = [n for n in rec["tensors"] if n not in _FORWARD]
     same = lambda names: all(rec["tensors"][n]["differ"] == 0 for n in names)
     rec["forward_identical"] = same(fwd) and not any(n in ("out", "lse") for n in rec["missing"])
     rec["backward_identical"] = (
@@ -101,4 +157,5 @@ def compare_case(*, case: Case, base: CaseTensors | None, cand: CaseTensors | No
         else None
     )
     rec["identical"] = rec["forward_identical"] and rec["backward_identical"] is not False
+    rec["backward_changed"] = _backward_changed(rec)
     return rec

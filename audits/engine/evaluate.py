@@ -32,7 +32,7 @@ import torch
 from audits.contract import contract_breaches, varlen_contract_breaches
 from audits.engine.backward import BackwardOptions, analyse_backward, case_references
 from audits.engine.failures import failure_reason, traceback_of
-from audits.engine.poison import poison_causes
+from audits.engine.poison import grad_poison_causes, poison_causes
 from audits.engine.worker import (
     KernelCalls,
     KernelTimeout,
@@ -524,22 +524,43 @@ def evaluate_case(
         rec["diagnosis"], emap = _diagnose(rec, thresholds, keep)
         if emap is not None and error_map is not None:
             error_map["map"] = emap
-    causes, broke = _causes(rec, thresholds, keep, fn if poison and res is not None else None, device)
-    if causes:
-        rec.setdefault("diagnosis", {})["causes"] = [c.as_dict() for c in causes]
-    if broke:  # the verdict stands; the diagnosis says its cause analysis broke, and how
-        rec.setdefault("diagnosis", {})["causes_error"] = broke
+    grad_poison = (calls, backward) if poison and backward is not None and keep.grads else None
+    _record_causes(rec, thresholds, keep, fn if poison and res is not None else None, device, grad_poison)
     if tensors is not None:
         tensors["keep"] = keep
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
 
-def _causes(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device) -> tuple[list[Cause], str | None]:
+def _record_causes(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device, grad_poison) -> None:
+    """:func:`_causes` into the record's diagnosis: ``causes``, ``poisoned`` (what the poisoned
+    re-runs showed when no cause came of them) and ``causes_error`` (why the analysis broke; the
+    verdict stands)."""
+    poisoned: dict[str, str] = {}
+    causes, broke = _causes(rec, thresholds, keep, poison_call, device, grad_poison, poisoned)
+    if causes:
+        rec.setdefault("diagnosis", {})["causes"] = [c.as_dict() for c in causes]
+    if poisoned:
+        rec.setdefault("diagnosis", {})["poisoned"] = poisoned
+    if broke:
+        rec.setdefault("diagnosis", {})["causes_error"] = broke
+
+
+def _causes(
+    rec: dict,
+    thresholds: dict,
+    keep: CaseTensors,
+    poison_call,
+    device,
+    grad_poison: tuple | None = None,
+    poisoned: dict | None = None,
+) -> tuple[list[Cause], str | None]:
     """The tested causes of a judged case (``audits.verdict.causes``), best first, and why their
     analysis broke (None when it did not): of a failing case, the hypotheses tested on its data
     and, when ``poison_call`` is given (``--poison``, the call the case ran through), the
-    poisoned re-runs (``audits.engine.poison``); of a case inside its bound, its rounding bias
+    poisoned re-runs (``audits.engine.poison``), of its backward too when ``grad_poison``
+    (its ``KernelCalls`` and ``BackwardOptions``) is given (what they showed when no cause came of
+    them goes into ``poisoned`` as {"forward"|"backward": sentence}); of a case inside its bound, its rounding bias
     (``audits.verdict.bias``).  An exception in an analysis is recorded, never the case's verdict."""
     found, broke = [], None
     try:
@@ -549,7 +570,22 @@ def _causes(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device)
             except Exception as exc:  # noqa: BLE001 - recorded beside the verdict, which stands
                 broke = f"data hypotheses: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if poison_call is not None:
-                found += poison_causes(call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device)
+                trace: dict = {}
+                found += poison_causes(
+                    call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device, trace=trace
+                )
+                if trace and poisoned is not None:
+                    poisoned["forward"] = trace["summary"]
+            if grad_poison is not None:  # the same seeded dO as the case's backward
+                calls, opts = grad_poison
+                do = make_grad_output(keep.case, device=device)[0]
+                grads = keep.grads
+                trace = {}
+                found += grad_poison_causes(
+                    calls=calls, x=keep.inputs, do=do, opts=opts, grads=grads, device=device, trace=trace
+                )
+                if trace and poisoned is not None:
+                    poisoned["backward"] = trace["summary"]
         # a bias is a finding inside the bound (a warn); past it, the error is beyond rounding and
         # its lean says nothing of rounding (2% of outputs moved by +1 lean high too)
         if rec["verdict"] not in FAILING and (bias := bias_cause(rec, th=thresholds)) is not None:

@@ -38,6 +38,7 @@ poisoned here, in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -49,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from audits.verdict.causes import Cause
 
-__all__ = ["POISON_KW", "POISON_BYTE", "PATTERN_VALUES", "FILLS", "poisoned", "poison_causes"]
+__all__ = ["POISON_KW", "POISON_BYTE", "PATTERN_VALUES", "FILLS", "poisoned", "poison_causes", "grad_poison_causes"]
 
 #: the call keyword that carries a fill to the process that runs the kernel (the worker's ``serve``)
 POISON_KW = "fa4_audit_poison"
@@ -221,6 +222,8 @@ def _where(name: str, mask: torch.Tensor) -> tuple[str, int]:
         where = "; ".join(parts[:4]) + (f"; and {len(parts) - 4} more batches" if len(parts) > 4 else "")
     if mask.dim() == (2 if name == "lse" else 3):  # varlen: packed tokens, one "batch"
         where = where.replace("batch 0: ", "").replace("rows", "tokens").replace(" of every batch (1)", "")
+    if name in ("dk", "dv"):  # a key gradient's rows are keys
+        where = where.replace("rows", "keys")
     rest = int(mask.sum()) - in_rows
     extra = f", and {rest:,} elements in partial rows" if rest else ""
     return f"{name} {where}, {head_text}{extra}", in_rows
@@ -261,6 +264,7 @@ def poison_causes(
     lse: torch.Tensor | None,
     device: torch.device | str,
     violations: dict[str, torch.Tensor] | None = None,
+    trace: dict | None = None,
 ) -> list[Cause]:
     """The poison causes of a case whose normal run of ``call`` on inputs ``x`` (``make_inputs``:
     q, k, v, kw) returned ``out`` and ``lse``: ``unwritten_output`` and/or ``uninitialized_read``,
@@ -272,13 +276,60 @@ def poison_causes(
     lse) it accounts for; capped at 1."""
     normal = {"out": out} if lse is None else {"out": out, "lse": lse}
     normal = {n: t.detach() for n, t in normal.items()}
+    return _findings(normal, lambda fill: _run(call, x, fill, device), violations, "re-run", trace)
+
+
+def grad_poison_causes(
+    *,
+    calls,
+    x: dict,
+    do: torch.Tensor,
+    opts,
+    grads: dict,
+    device: torch.device | str,
+    violations: dict[str, torch.Tensor] | None = None,
+    trace: dict | None = None,
+) -> list[Cause]:
+    """:func:`poison_causes` of a case's backward: its forward and backward re-run under each fill
+    through ``calls.grad`` (``audits.engine.worker.KernelCalls``: in the kernel's worker when it has
+    one) with the same inputs ``x`` and output gradient ``do``, one backward run each (``opts``
+    with ``repeat`` 1), and dq, dk, dv compared bit for bit with ``grads`` (the normal run's first
+    backward).  A gradient accumulated in memory the backward never zeroes changes with the fill
+    (``uninitialized_read``); one never written takes it (``unwritten_output``).  dk and dv are
+    read per key (their rows are keys); the sink's gradient (one per head) is not analysed."""
+    normal = {n: grads[n].detach() for n in ("dq", "dk", "dv") if grads.get(n) is not None}
+    if not normal:
+        return []
+    one = dataclasses.replace(opts, repeat=1)
+    return _findings(normal, lambda fill: _run_grad(calls, x, do, one, fill), violations, "backward re-run", trace)
+
+
+def _run_grad(calls, x: dict, do: torch.Tensor, opts, fill: str | None) -> tuple[dict | None, str | None]:
+    """One forward and backward of ``calls`` under ``fill``: (its gradients, None) or (None, why not)."""
+    try:
+        status, res = calls.grad(x, do, opts, fill=fill)
+    except Exception as exc:  # noqa: BLE001 - the case's own backward ran: a poisoned run's failure is evidence
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if res is None:
+        return None, status.get("reason") or status.get("status", "no result")
+    return {n: t for n, t in res[2][0].items() if t is not None}, None
+
+
+def _findings(normal: dict, run, violations, what: str, trace: dict | None = None) -> list[Cause]:
+    """The poison causes of results ``normal`` ({name: tensor}) from ``run(fill)`` (results and
+    why a run failed) under no fill, then each of :data:`FILLS`; ``what`` names the re-run.
+    ``trace`` (when given) gets ``"summary"``: what the runs showed when no cause came of them (every
+    result bit-identical under the fills, or every poisoned run failed), so that a negative
+    finding is stated, not silent."""
     runs, failed = {}, {}
     for fill in (None, *FILLS):
-        runs[fill], why = _run(call, x, fill, device)
+        runs[fill], why = run(fill)
         if why is not None:
             failed[fill or "control"] = why
     control, nan_run, pat_run = runs[None], runs["nan"], runs["pattern"]
     if nan_run is None and pat_run is None:
+        if trace is not None:
+            trace["summary"] = f"{what}s under the fills all failed: {_said(failed)}"
         return []
     total = sum(t.numel() for t in normal.values())
     unwritten: dict[str, torch.Tensor] = {}
@@ -327,7 +378,7 @@ def poison_causes(
             Cause(
                 cause="unwritten_output",
                 detail="; ".join(wheres),
-                evidence=f"re-run with fresh memory filled with {fills}: {_plural(n_unw, 'element')} of {total:,} took "
+                evidence=f"{what} with fresh memory filled with {fills}: {_plural(n_unw, 'element')} of {total:,} took "
                 f"the fill in both runs{alone}, so the kernel never wrote them{failed_text}",
                 score=_score(unwritten, violations, total),
             )
@@ -340,13 +391,28 @@ def poison_causes(
             Cause(
                 cause="uninitialized_read",
                 detail="; ".join(wheres),
-                evidence=f"re-run with fresh memory filled with {fills}: {_plural(n_read, 'element')} of {total:,} "
+                evidence=f"{what} with fresh memory filled with {fills}: {_plural(n_read, 'element')} of {total:,} "
                 f"changed without taking the fill ({n_nan:,} became NaN under the NaN fill), so they mix values read "
                 f"from memory the kernel never wrote into their arithmetic{unstable_text}{failed_text}",
                 score=_score(read, violations, total),
             )
         )
+    if not causes and trace is not None:
+        trace["summary"] = _unchanged(normal, runs, what, failed_text + unstable_text)
     return sorted(causes, key=lambda c: -c.score)
+
+
+def _said(failed: dict) -> str:
+    return "; ".join(f"{f}: {w}" for f, w in failed.items())
+
+
+def _unchanged(normal: dict, runs: dict, what: str, notes: str) -> str:
+    """The sentence of poisoned runs that changed nothing attributable to a fill."""
+    ran = " and ".join(f for f in FILLS if runs[f] is not None)
+    return (
+        f"{what} with fresh memory filled ({ran}): {', '.join(normal)} bit-identical to the normal run wherever "
+        f"it was stable, so the result does not depend on memory the kernel never wrote{notes}"
+    )
 
 
 def _whole_rows(name: str, mask: torch.Tensor) -> torch.Tensor:

@@ -222,7 +222,10 @@ def _loop(order, cases, state, options: RunOptions, progress, deadline) -> StopR
         if base is not None:
             for kern, rec in made.items():
                 if kern != base:
-                    rec["compare"] = {"baseline": base, **compare_case(case=c, base=kept.get(base), cand=kept[kern])}
+                    got = compare_case(
+                        case=c, base=kept.get(base), cand=kept[kern], base_rec=made.get(base), cand_rec=rec
+                    )
+                    rec["compare"] = {"baseline": base, **got}
                 _record(state[kern], i, rec)
         kept.clear()
         stop = False

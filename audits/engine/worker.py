@@ -217,11 +217,12 @@ def serve(conn, kernel: str) -> None:  # pragma: no cover - runs in the child pr
             if bwd is not None:  # the backward half: the caller's grad_call here, tensors sent back on the CPU
                 do, opts, grad_call = bwd  # (a function pickles by name: imported here when it arrives)
                 x = {"q": q, "k": k, "v": v, "kw": kw}
-                reply = ("ok", to_device(grad_call(fn, x, do.to(dev), opts), "cpu"))
+                with poisoned(fill, device=dev):
+                    res = grad_call(fn, x, do.to(dev), opts)
             else:
                 with poisoned(fill, device=dev):
                     res = fn(q, k, v, return_lse=True, **kw)
-                reply = ("ok", to_device(res, "cpu"))
+            reply = ("ok", to_device(res, "cpu"))
         except Exception as exc:  # sent back and raised in the parent; this worker goes on
             reply = _exception_reply(exc)
         _reply(conn, reply)
@@ -399,11 +400,13 @@ class Isolated:
             return None, None
         return self.entry(entry), entry
 
-    def grad(self, x: dict, do: torch.Tensor, opts) -> tuple[dict, tuple | None]:
+    def grad(self, x: dict, do: torch.Tensor, opts, *, fill: str | None = None) -> tuple[dict, tuple | None]:
         """The backward half in the worker (``audits.engine.backward.grad_call``, which returns a
-        status and never raises); a crash or a timeout there is the case's backward status."""
+        status and never raises); a crash or a timeout there is the case's backward status.
+        ``fill``: fresh memory poisoned in the worker meanwhile (``audits.engine.poison``)."""
+        kw = x["kw"] if fill is None else {**x["kw"], POISON_KW: fill}
         try:
-            return self._ask(x["q"], x["k"], x["v"], x["kw"], (do.cpu(), opts, grad_call))
+            return self._ask(x["q"], x["k"], x["v"], kw, (do.cpu(), opts, grad_call))
         except WorkerCrashed as exc:
             return {"status": "crash", "reason": str(exc)}, None
         except KernelTimeout as exc:
@@ -432,7 +435,7 @@ class KernelCalls(Protocol):
 
     def __call__(self, q, k, v, *, return_lse=True, **kw): ...
 
-    def grad(self, x: dict, do: torch.Tensor, opts) -> tuple[dict, tuple | None]: ...
+    def grad(self, x: dict, do: torch.Tensor, opts, *, fill: str | None = None) -> tuple[dict, tuple | None]: ...
 
     def varlen_entry(self, per_seq: bool) -> tuple[Callable | None, str | None]: ...
 
@@ -450,8 +453,9 @@ class InProcess:
     def __call__(self, q, k, v, *, return_lse=True, **kw):
         return self.fn(q, k, v, return_lse=return_lse, **kw)
 
-    def grad(self, x: dict, do: torch.Tensor, opts) -> tuple[dict, tuple | None]:
-        return grad_call(self.fn, x, do, opts)
+    def grad(self, x: dict, do: torch.Tensor, opts, *, fill: str | None = None) -> tuple[dict, tuple | None]:
+        with poisoned(fill, device=do.device):
+            return grad_call(self.fn, x, do, opts)
 
     def varlen_entry(self, per_seq: bool) -> tuple[Callable | None, str | None]:
         """(the callable that runs a varlen case, "varlen" | "per-sequence"), or (None, None): the

@@ -9,7 +9,14 @@ case (passing -> warn or failing, warn -> failing, known -> failing, ran -> refu
 tightness (error / per-element bound, forward and each gradient) worse than the baseline's by
 more than ``[compare] tightness_ratio`` where it reaches ``[compare] tightness_floor`` (the
 thresholds file says why), or a non-finite value where the baseline's is finite.  A case whose
-results could not be compared is counted apart, never as identical."""
+results could not be compared is counted apart, never as identical.
+
+A case whose gradients differ is split by each kernel's own run-to-run variation (the backward's
+runs on one graph): it differs **only run to run** when every differing gradient also differs
+between two runs of one of the kernels (atomics: the difference need not be the change), it
+**changed** when a gradient differs that both kernels reproduce bit for bit, and it is unknown
+where a side's variation was not measured (one backward run, or a record from before it was
+kept).  This splits the counts only: regressions stay verdict, tightness and non-finite based."""
 
 from __future__ import annotations
 
@@ -65,7 +72,16 @@ class Comparison:
     compared: int = 0
     not_compared: list = field(default_factory=list)
     forward: dict = field(default_factory=lambda: {"compared": 0, "identical": 0})
-    backward: dict = field(default_factory=lambda: {"compared": 0, "identical": 0})
+    backward: dict = field(
+        default_factory=lambda: {
+            "compared": 0,
+            "identical": 0,
+            "run_to_run_only": 0,
+            "changed": 0,
+            "unknown": 0,
+            "run_to_run_tensors": {},
+        }
+    )
     ulp_histogram: dict = field(default_factory=lambda: {label: 0 for label, _, _ in ULP_BUCKETS})
     max_ulp: int = 0
     max_row_ulp: float = 0.0
@@ -133,6 +149,8 @@ def _differing_entry(rec: dict, cmp: dict, base: dict, th: dict) -> dict:
             "max_row_ulp": d.get("max_row_ulp"),
             "new_nonfinite": d.get("new_nonfinite", 0),
             "where": ((d.get("where") or {}).get("summary")) or d.get("layout_changed"),
+            "run_to_run": d.get("run_to_run"),
+            "attributable": d.get("attributable"),
         }
     cand_t = _tightness(rec)
     return {
@@ -141,6 +159,7 @@ def _differing_entry(rec: dict, cmp: dict, base: dict, th: dict) -> dict:
         "verdicts": [base["verdict"], rec["verdict"]],
         "tightness": {q: [t[1], (cand_t.get(q) or (None, None))[1]] for q, t in _tightness(base).items()},
         "fa_margin": [_fa_margin(base, th), _fa_margin(rec, th)],
+        "backward_changed": cmp.get("backward_changed"),
         "tensors": tensors,
     }
 
@@ -192,6 +211,8 @@ def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> 
     if cmp.get("backward_identical") is not None:
         c.backward["compared"] += 1
         c.backward["identical"] += bool(cmp["backward_identical"])
+        if cmp["backward_identical"] is False:
+            _add_run_to_run(c, cmp)
     new_nf = []
     for n in fwd + bwd:
         d = cmp["tensors"][n]
@@ -209,6 +230,23 @@ def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> 
         )
     if not cmp["identical"] or cmp.get("missing"):
         c.differing.append(_differing_entry(rec, cmp, base, th))
+
+
+def _add_run_to_run(c: Comparison, cmp: dict) -> None:
+    """One case whose gradients differ, counted as run-to-run only, changed or unknown (a record
+    without ``backward_changed``, from before it was kept, is unknown)."""
+    changed = cmp.get("backward_changed")
+    if changed is None:
+        c.backward["unknown"] += 1
+        return
+    if changed:
+        c.backward["changed"] += 1
+        return
+    c.backward["run_to_run_only"] += 1
+    seen = c.backward["run_to_run_tensors"]
+    for n, d in cmp["tensors"].items():
+        if n not in _FORWARD and d.get("differ"):
+            seen[n] = seen.get(n, 0) + 1
 
 
 def compare_reports(
@@ -246,6 +284,29 @@ def _share(k: int, n: int) -> str:
     return f"{k:,} of {n:,}"
 
 
+def _backward_split(b: dict) -> str:
+    """The cases whose gradients differ, split by the kernels' own run-to-run variation, in words
+    (a comparison without the counts, written before they were kept, says unknown)."""
+    differ = b["compared"] - b["identical"]
+    noise, changed = b.get("run_to_run_only"), b.get("changed")
+    if noise is None or changed is None:
+        return f"{differ:,} differ, run-to-run variation unknown"
+    unknown = differ - noise - changed
+    parts = []
+    if noise:
+        seen = sorted((b.get("run_to_run_tensors") or {}).items(), key=lambda kv: -kv[1])
+        names = ", ".join(n if len(seen) == 1 else f"{n} {k:,}" for n, k in seen)
+        parts.append(
+            f"{noise:,} differ only in gradients that also differ between two runs of the same kernel "
+            f"(run-to-run: {names}; compare with --deterministic to tell), {changed:,} differ beyond that"
+        )
+    elif changed:
+        parts.append(f"{changed:,} differ where both kernels' own runs are bit-identical")
+    if unknown:
+        parts.append(f"{unknown:,} differ with run-to-run variation unknown (one backward run, or an older record)")
+    return ", ".join(parts)
+
+
 def summary_lines(c: Comparison) -> list[str]:
     """The ten-second summary of one candidate (console, report heads)."""
     lines = []
@@ -257,6 +318,8 @@ def summary_lines(c: Comparison) -> list[str]:
     parts = [f"forward bit-identical on {_share(f['identical'], f['compared'])} cases"]
     if b["compared"]:
         parts.append(f"backward bit-identical on {_share(b['identical'], b['compared'])}")
+        if b["compared"] - b["identical"]:
+            parts.append(_backward_split(b))
     lines.append(head + "; ".join(parts))
     if fwd_diff or b["compared"] - b["identical"]:
         within1 = c.ulp_histogram.get("1", 0)
@@ -319,6 +382,19 @@ def _hist_row(h: dict) -> str:
     return " | ".join(f"{h.get(label, 0):,}" for label, _, _ in ULP_BUCKETS)
 
 
+def _run_to_run_cell(name: str, t: dict) -> str:
+    """A differing tensor's run-to-run column: "12/9", the elements that differed between the
+    baseline's own backward runs and the candidate's ("?" where a side did not measure it); "—"
+    for the forward (called once); "unknown" in a record from before the counts were kept."""
+    if name in _FORWARD:
+        return "—"
+    r = t.get("run_to_run")
+    if not r:
+        return "unknown"
+    side = lambda n: "?" if n is None else f"{n:,}"
+    return f"{side(r.get('baseline'))}/{side(r.get('candidate'))}"
+
+
 def render_md(comparisons: list[Comparison], *, header: dict) -> str:
     """compare.md: the summaries, then per candidate its histogram, regressions and differing cases."""
     out = ["# fa4-audit compare", ""]
@@ -343,8 +419,8 @@ def render_md(comparisons: list[Comparison], *, header: dict) -> str:
                 "",
             ]
             out += [
-                "| case | verdicts | tensor | differ | max ULP | max ULP of row max | where |",
-                "|---|---|---|---|---|---|---|",
+                "| case | verdicts | tensor | differ | max ULP | max ULP of row max | run-to-run | where |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for e in c.differing[:LISTED]:
                 for name, t in e["tensors"].items():
@@ -352,7 +428,8 @@ def render_md(comparisons: list[Comparison], *, header: dict) -> str:
                     ulp = t["max_ulp"] if t["max_ulp"] is not None else "—"
                     out.append(
                         f"| {e['case']} | {' -> '.join(e['verdicts'])} | {name} | "
-                        f"{t['differ']:,} of {t['elements']:,} | {ulp} | {row_ulp} | {t['where'] or '—'} |"
+                        f"{t['differ']:,} of {t['elements']:,} | {ulp} | {row_ulp} | {_run_to_run_cell(name, t)} | "
+                        f"{t['where'] or '—'} |"
                     )
             out.append("")
         if c.not_compared:
@@ -379,13 +456,14 @@ def render_html(comparisons: list[Comparison], *, header: dict) -> str:
         if c.differing:
             rows = "".join(
                 f"<tr><td>{html.escape(e['case'])}</td><td>{name}</td><td>{t['differ']:,} of {t['elements']:,}</td>"
-                f"<td>{t['max_ulp']}</td><td>{html.escape(str(t['where'] or '—'))}</td></tr>"
+                f"<td>{t['max_ulp']}</td><td>{_run_to_run_cell(name, t)}</td>"
+                f"<td>{html.escape(str(t['where'] or '—'))}</td></tr>"
                 for e in c.differing[:LISTED]
                 for name, t in e["tensors"].items()
             )
             body.append(
                 "<h3>Cases that differ</h3><table><tr><th>case</th><th>tensor</th><th>differ</th><th>max ULP</th>"
-                f"<th>where</th></tr>{rows}</table>"
+                f"<th>run-to-run</th><th>where</th></tr>{rows}</table>"
             )
     css = (
         "body{font:14px/1.4 system-ui,sans-serif;margin:2em}table{border-collapse:collapse}"

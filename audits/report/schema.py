@@ -140,6 +140,7 @@ _DIAGNOSIS = Each({
 }, keys={
     "causes": Each({"cause": str, "detail": str, "evidence": str, "score": NUM}),
     "causes_error": str,  # why the cause analysis broke (the verdict stands)
+    "poisoned": Each(str),  # what the poisoned re-runs showed when no cause came of them
 })  # fmt: skip
 #: one case record (the Case fields of ``config`` are checked by ``audits.suites.cases.case_from_dict``)
 CASE = [

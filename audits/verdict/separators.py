@@ -494,6 +494,8 @@ def cause_lines(rec: CaseRecord) -> list[str]:
         out.append(f"{head}: {c['cause']} ({c['detail']}): {c['evidence']}")
     if isinstance(rec.get("diagnosis"), dict) and rec["diagnosis"].get("causes_error"):
         out.append(f"causes not fully tested: {rec['diagnosis']['causes_error']}")
+    for part, text in ((rec.get("diagnosis") or {}).get("poisoned") or {}).items():
+        out.append(f"poisoned ({part}): {text}")
     return out
 
 

@@ -1,0 +1,102 @@
+"""examples/triton_tutorial.py: the adapter that audits Triton's fused-attention tutorial (loaded at
+run time, never shipped).  Without a GPU and Triton, a stand-in module with the tutorial's
+interface (``_attention.forward(ctx, q, k, v, causal, sm_scale)`` saving ``q, k, v, o, M``, the
+autotuned ``_attn_fwd_tma`` and its ``_tma_pre_hook``) checks what the adapter adds: the layout
+both ways, the LSE from M (log2 units), the pinned configuration, the declared domain, and the
+message when the tutorial is missing."""
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from audits.kernels import get_kernel
+from audits.suites.selection import select_cases
+from examples import triton_tutorial as tt
+from tests.bugged_kernels import exact
+
+#: the tutorial's interface, computed exactly: (Z, H, N, D) in, M = log2 of the row's sum of exp2 of
+#: the log2-unit scores, as its kernel stores it
+STAND_IN = """
+import math
+import torch
+
+class _attention:
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, USE_TMA=True):
+        s = torch.einsum("zhid,zhjd->zhij", q.double(), k.double()) * sm_scale * 1.44269504
+        if causal:
+            n = q.shape[2]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        m = torch.logsumexp(s * math.log(2.0), dim=-1) / math.log(2.0)
+        o = torch.einsum("zhij,zhjd->zhid", torch.softmax(s * math.log(2.0), dim=-1), v.double()).to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, m.float())
+        return o
+
+class _Tuned:
+    configs = ["every", "configuration"]
+
+_attn_fwd_tma = _Tuned()
+
+def _tma_pre_hook(nargs):
+    pass
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    path = tmp_path / "06-fused-attention.py"
+    path.write_text(STAND_IN)
+    monkeypatch.setenv("FA4_AUDIT_TRITON_TUTORIAL", str(path))
+    config = lambda kwargs, num_stages, num_warps, pre_hook: {
+        **kwargs,
+        "num_stages": num_stages,
+        "num_warps": num_warps,
+    }  # noqa: E731
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(Config=config))
+    monkeypatch.setattr(tt, "_module", None)
+    yield
+    tt._module = None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_adapter_lays_out_both_ways_and_takes_the_lse_from_m(stand_in, causal):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 128, 4, 64, generator=g).half() for _ in range(3))
+    out, lse = tt.attention(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = (t.double() for t in exact(q, k, v, causal=causal, return_lse=True))
+    assert out.shape == q.shape and lse.shape == (2, 4, 128)
+    assert (out.double() - ref).abs().max() <= 2**-10  # the stand-in rounds once, to fp16
+    assert (lse.double() - ref_lse).abs().max() <= 1e-5  # M in log2 units times ln 2
+    assert tt.load_tutorial()._attn_fwd_tma.configs == [tt.PINNED]  # every case runs one compiled kernel
+
+
+def test_what_the_tutorial_lacks_is_refused_not_run(stand_in):
+    q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="no local window, softcap or learnable sink"):
+        tt.attention(q, q, q, window_size=(64, 0))
+
+
+def test_a_missing_tutorial_says_where_it_looked_and_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA4_AUDIT_TRITON_TUTORIAL", str(tmp_path / "absent.py"))
+    monkeypatch.setattr(tt, "_module", None)
+    with pytest.raises(FileNotFoundError, match=r"absent\.py .*loaded at run time, not shipped: see the docstring"):
+        tt.load_tutorial()
+    assert (
+        "git -C /tmp/triton show 003da478d84f5bb0f51b3988cf0ea0bbe60282b7:python/tutorials/06-fused-attention.py"
+        in (tt.__doc__)
+    )
+
+
+def test_smoke_is_built_inside_the_tutorials_domain():
+    """22 smoke cases (measured 2026-12-04), every one at batch 2: the batch offset needs a second batch."""
+    get_kernel("examples/triton_tutorial.py:attention")  # the spec resolves without the tutorial present
+    cases = select_cases(suite="smoke", kernels=["examples/triton_tutorial.py:attention"]).cases
+    assert len(cases) == 22
+    assert all(
+        c.batch == 2 and c.dtype == "float16" and c.seqlen_q == c.seqlen_k and c.seqlen_q % 128 == 0 for c in cases
+    )
+    assert all(c.heads_q == c.heads_kv and c.d in (64, 128) and not c.sink for c in cases)
+    assert math.isclose(sum(c.causal for c in cases) / len(cases), 0.5, abs_tol=0.2)
