@@ -18,7 +18,7 @@ from audits.verdict.diagnosis import CaseTensors, backward_tiles, canonical, for
 from numerics.fp import bit_view, format_of, ulp_of
 from numerics.metrics import bit_diff
 
-__all__ = ["compare_case", "COMPARED", "NOT_COMPARED"]
+__all__ = ["compare_case", "label_run_to_run", "COMPARED", "NOT_COMPARED"]
 
 #: the forward's tensors; the others are gradients
 _FORWARD = ("out", "lse")
@@ -138,15 +138,6 @@ def compare_case(
                 # integer ULPs overstate changes of entries near 0; this reads them at the row's scale
                 d["max_row_ulp"] = row_ulp_change(x, y, ref.to(x.device))
         rec["tensors"][name] = d
-    for name, d in rec["tensors"].items():
-        if not d["differ"]:
-            continue
-        if name in _FORWARD:
-            d["attributable"] = True
-            continue
-        d["run_to_run"] = {"baseline": _run_to_run(base_rec, name), "candidate": _run_to_run(cand_rec, name)}
-        # another shape or dtype is the change itself, whatever either side's runs do
-        d["attributable"] = "layout_changed" in d or all(n == 0 for n in d["run_to_run"].values())
     fwd = [n for n in _FORWARD if n in rec["tensors"]]
     bwd = [n for n in rec["tensors"] if n not in _FORWARD]
     same = lambda names: all(rec["tensors"][n]["differ"] == 0 for n in names)
@@ -157,5 +148,21 @@ def compare_case(
         else None
     )
     rec["identical"] = rec["forward_identical"] and rec["backward_identical"] is not False
+    return label_run_to_run(rec, base_rec=base_rec, cand_rec=cand_rec)
+
+
+def label_run_to_run(rec: dict, *, base_rec: dict | None, cand_rec: dict | None) -> dict:
+    """``rec`` (a :func:`compare_case` record) with each differing tensor's ``run_to_run`` (both
+    sides' own spread, from their case records) and ``attributable``, and ``backward_changed``;
+    also applied by ``audits.report.compare`` to records journalled before these fields existed."""
+    for name, d in rec["tensors"].items():
+        if not d["differ"]:
+            continue
+        if name in _FORWARD:
+            d["attributable"] = True
+            continue
+        d["run_to_run"] = {"baseline": _run_to_run(base_rec, name), "candidate": _run_to_run(cand_rec, name)}
+        # another shape or dtype is the change itself, whatever either side's runs do
+        d["attributable"] = "layout_changed" in d or all(n == 0 for n in d["run_to_run"].values())
     rec["backward_changed"] = _backward_changed(rec)
     return rec

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from audits.common import atomic_write
-from audits.engine.compare import COMPARED
+from audits.engine.compare import COMPARED, label_run_to_run
 from audits.report.records import FAILING
 from audits.verdict.gate import fa_allowed
 from numerics.metrics import ULP_BUCKETS
@@ -87,6 +87,8 @@ class Comparison:
     max_row_ulp: float = 0.0
     nan_payload: int = 0
     signed_zero: int = 0
+    nonfinite_changed: int = 0
+    lost_nonfinite: int = 0
     differing: list = field(default_factory=list)
     verdicts: dict = field(default_factory=dict)
     better: list = field(default_factory=list)
@@ -222,6 +224,8 @@ def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> 
         c.max_row_ulp = max(c.max_row_ulp, float(d.get("max_row_ulp") or 0.0))
         c.nan_payload += int(d.get("nan_payload") or 0)
         c.signed_zero += int(d.get("signed_zero") or 0)
+        c.nonfinite_changed += int(d.get("nonfinite_changed") or 0)
+        c.lost_nonfinite += int(d.get("lost_nonfinite") or 0)
         if d.get("new_nonfinite"):
             new_nf.append(f"{n}: {d['new_nonfinite']} of {d['elements']}")
     if new_nf:
@@ -267,6 +271,8 @@ def compare_reports(
             c.cases += 1
             cmp = rec.get("compare") or {}
             if cmp.get("status") == COMPARED:
+                if "backward_changed" not in cmp:  # journalled before it was kept: both records hold the spreads
+                    cmp = label_run_to_run(json.loads(json.dumps(cmp)), base_rec=base, cand_rec=rec)
                 _add_compared(c, base, rec, cmp, thresholds)
             elif base.get("status") == "ran" and rec.get("status") == "ran":
                 c.not_compared.append(
@@ -325,12 +331,17 @@ def summary_lines(c: Comparison) -> list[str]:
         within1 = c.ulp_histogram.get("1", 0)
         total = sum(c.ulp_histogram.values())
         row = f", at most {c.max_row_ulp:.3g} ULP of the row's largest value" if c.max_row_ulp else ""
-        lines.append(
-            f"  differs on {len(c.differing)} cases: {total:,} finite elements apart ({within1:,} by 1 ULP), "
-            f"at most {c.max_ulp:,} ULP{row}"
-            + (f"; {c.nan_payload} NaN payloads differ" if c.nan_payload else "")
-            + (f"; {c.signed_zero} zeros changed sign" if c.signed_zero else "")
+        said = (
+            [f"{total:,} finite elements apart ({within1:,} by 1 ULP), at most {c.max_ulp:,} ULP{row}"] if total else []
         )
+        said += [f"{c.nan_payload:,} NaN payloads differ"] if c.nan_payload else []
+        said += [f"{c.signed_zero:,} zeros changed sign"] if c.signed_zero else []
+        # both sides non-finite, not the same value: NaN against inf, or an inf's sign (a leak's form)
+        said += [f"{c.nonfinite_changed:,} non-finite elements changed (NaN against inf, or an inf's sign)"] * bool(
+            c.nonfinite_changed
+        )
+        said += [f"{c.lost_nonfinite:,} elements finite where the baseline is NaN/inf"] if c.lost_nonfinite else []
+        lines.append(f"  differs on {len(c.differing)} cases: " + "; ".join(said or ["no element counted"]))
     worse = sum(r.kind == "verdict" for r in c.regressions)
     refused = sum(r.kind == "refused" for r in c.regressions)
     lines.append(
