@@ -204,3 +204,12 @@ def stale_dq_accumulator(q, k, v, **kw):
     """Cause uninitialized_read in dq (the backward's poisoned runs): rows from s_q // 2 on add
     a never-zeroed accumulator to the right gradient; the forward is the model's, exact."""
     return attention(_StaleDqAccumulator.apply(q), k, v, **kw)
+
+
+def stale_nan_batch(q, k, v, *, return_lse=False, **kw):
+    """No overflow: batch 1's output is left unwritten, holding NaN (as the H200's caching allocator
+    handed Triton's tutorial memory an earlier poisoned run had filled); batch 0 exact."""
+    o, lse = attention(q, k, v, return_lse=True, **kw)
+    o = o.clone()
+    o[1:] = float("nan")
+    return (o, lse) if return_lse else o

@@ -215,3 +215,21 @@ def test_a_sink_overflow_is_named_against_the_float32_row_sum(inspected, monkeyp
     )
     assert found[0].score >= 0.95
     assert ("64 evenly spaced rows inspected" in found[0].evidence) == (inspected is not None)
+
+
+def test_an_overflow_the_finite_rows_contradict_is_not_the_cause(monkeypatch):
+    """Every row of this case has its max rise by far more than ln 65504 between key tiles, so an
+    fp16 P without rescaling would overflow everywhere; batch 1 is NaN for another reason (left
+    unwritten) and batch 0, with the same rises, is finite: "P overflows" explains every NaN row
+    but is contradicted by as many finite ones, so it is not named (the H200's Triton tutorial
+    case ``f16-d128-b2h4k4-s256x256-strided-tile_step_40-seed0`` had it first, at score 1)."""
+    case = Case(**{**D64, "dtype": "float16"}, batch=2, seqlen_q=256, seqlen_k=256, family="tile_step_40")
+    _, keep, found = _run("tests.cause_bugs:stale_nan_batch", case)
+    keep.numerics, keep.kind = None, "peer"  # judged as a kernel of unknown numerics: P in fp16, no offset
+    peer = data_causes(case=case, tensors=keep, rec={"status": "ran"}, th=TH)
+    assert C._overflow(keep, C._tolerances(keep)) is None
+    assert "overflow" not in [c.cause for c in [*found, *peer]], [c.as_dict() for c in found]
+    # with the finite rows' contradiction ignored, it would be named, at score 1
+    monkeypatch.setattr(C, "OVERFLOW_PRECISION", 0.0)
+    raw = C._overflow(keep, C._tolerances(keep))
+    assert raw.score == pytest.approx(0.5) and "it also exceeds in 512 rows the kernel got finite" in raw.evidence

@@ -71,6 +71,10 @@ MAX_KV_SEARCH = 16
 #: non-finite rows the overflow hypothesis inspects at most (evenly spaced; their share scaled up):
 #: a 4096 x 4096 causal case with a sink had 32,762 (H200, 2026-12-04)
 MAX_OVERFLOW_ROWS = 4096
+#: the share of the rows where an intermediate exceeds its range that must be non-finite for the
+#: overflow to be named: an overflow is deterministic, so a finite row where it is predicted
+#: refutes it; the slack is for the hypothesis' model of the row max (no lazy-rescale threshold)
+OVERFLOW_PRECISION = 0.9
 #: violating rows the row-matching search (misplaced_rows) compares with every reference row
 MAX_ROW_SAMPLE = 512
 #: reference rows that search compares them with at most (else: the same head only)
@@ -639,36 +643,55 @@ def _intermediates(t: CaseTensors, call: AttentionCall, idx: torch.Tensor, tile_
     return found
 
 
+def _evenly(rows: torch.Tensor) -> torch.Tensor:
+    """At most :data:`MAX_OVERFLOW_ROWS` of the (n, 3) row indices ``rows``, evenly spaced."""
+    if len(rows) <= MAX_OVERFLOW_ROWS:
+        return rows
+    return rows[torch.linspace(0, len(rows) - 1, MAX_OVERFLOW_ROWS, device=rows.device).round().long()]
+
+
 def _overflow(t: CaseTensors, tols: tuple) -> Cause | None:
     """Non-finite results where the reference is finite, in rows where an intermediate exceeds
     the range of the dtype it is likely held in (:func:`_intermediates`): the logit (float32),
     P = exp(lag) after a row max that rose between key tiles without a rescale (P's dtype), the
-    sink term, the output.  Scored by the share of the violating elements those rows hold."""
+    sink term, the output.  Scored by the share of the violating elements those rows hold, times
+    the share of the rows where the intermediate exceeds that are non-finite, and not named below
+    :data:`OVERFLOW_PRECISION` of them: an overflow that the data predicts in rows the kernel got
+    finite is refuted there (on the H200, Triton's
+    tutorial left a second batch unwritten, holding NaN from an earlier poisoned run, on a case
+    whose every row's max rises by 27.5 nats: "P overflows" held every NaN row, and the other
+    batch's rows, with the same rise, were finite)."""
     bad = _bad_rows(t, tols)
     if not bool(bad.any()):
         return None
-    every = torch.nonzero(bad)
-    idx = every
-    if len(every) > MAX_OVERFLOW_ROWS:  # evenly spaced rows, their share of the failure scaled up
-        idx = every[torch.linspace(0, len(every) - 1, MAX_OVERFLOW_ROWS, device=every.device).round().long()]
+    every, fine = torch.nonzero(bad), torch.nonzero(~bad)
+    idx, idx_fine = _evenly(every), _evenly(fine)
     scale = len(every) / len(idx)
     sampled = f" (of {len(idx):,} evenly spaced rows inspected)" if scale > 1 else ""
     tile_n = forward_tiles(case=t.case, numerics=t.numerics, kind=t.kind)[1]
+    call = AttentionCall.from_kwargs(**t.inputs["kw"])
+    on_fine = _intermediates(t, call, idx_fine, tile_n) if len(idx_fine) else {}
     best = None
-    for m, detail in _intermediates(t, AttentionCall.from_kwargs(**t.inputs["kw"]), idx, tile_n).values():
+    for key, (m, detail) in _intermediates(t, call, idx, tile_n).items():
         rows = torch.zeros_like(bad)
         sel = idx[m.to(idx.device)]
         rows[sel[:, 0], sel[:, 1], sel[:, 2]] = True
         e, v = _explained_nonfinite(t, tols, rows)
         e = min(v, round(e * scale))
-        if e and (best is None or e / v > best.score):
+        # rows where it exceeds yet the result is finite, scaled to all finite rows
+        contra = float(on_fine[key][0].sum()) * len(fine) / len(idx_fine) if key in on_fine else 0.0
+        hit = float(m.sum()) * scale
+        precision = hit / (hit + contra)
+        score = e / v * precision
+        if e and precision >= OVERFLOW_PRECISION and (best is None or score > best.score):
             held = "holds" if scale == 1 else "hold, scaled to all of them,"
+            against = f"; it also exceeds in {round(contra):,} rows the kernel got finite" if contra else ""
             ev = (
                 f"{len(every):,} rows are non-finite where the FP64 reference is finite; in "
                 f"{int(m.sum()):,} of them{sampled} {detail.split(' (')[0]} (key tiles of {tile_n}), which {held} "
-                f"{e:,} of the {v:,} violating elements ({e / v:.0%})"
+                f"{e:,} of the {v:,} violating elements ({e / v:.0%}){against}"
             )
-            best = Cause("overflow", detail, ev, e / v)
+            best = Cause("overflow", detail, ev, score)
     return best
 
 
