@@ -19,6 +19,7 @@ from audits.engine.evaluate import evaluate_case
 from audits.kernels import get_kernel
 from audits.suites.cases import Case, suite
 from audits.verdict import causes as C
+from audits.verdict import nonfinite as NF
 from audits.verdict.causes import CAUSES, MIN_SCORE, Cause, data_causes
 from audits.verdict.gate import load_thresholds
 
@@ -207,7 +208,7 @@ def test_a_sink_overflow_is_named_against_the_float32_row_sum(inspected, monkeyp
     path = Path(__file__).parents[1] / "benchmarks" / "device" / "sink_overflow_cases.json"
     case = next(c for c in map(case_from_dict, json.loads(path.read_text())) if c.name == SINK_CASE)
     if inspected is not None:
-        monkeypatch.setattr(C, "MAX_OVERFLOW_ROWS", inspected)
+        monkeypatch.setattr(NF, "MAX_OVERFLOW_ROWS", inspected)
     _, _, found = _run("fa4-model-sm90", case)
     assert [c.cause for c in found] == ["overflow"], [c.as_dict() for c in found]
     assert found[0].detail.startswith("the sink term exp(sink - m) reaches exp(") and found[0].detail.endswith(
@@ -227,9 +228,9 @@ def test_an_overflow_the_finite_rows_contradict_is_not_the_cause(monkeypatch):
     _, keep, found = _run("tests.cause_bugs:stale_nan_batch", case)
     keep.numerics, keep.kind = None, "peer"  # judged as a kernel of unknown numerics: P in fp16, no offset
     peer = data_causes(case=case, tensors=keep, rec={"status": "ran"}, th=TH)
-    assert C._overflow(keep, C._tolerances(keep)) is None
+    assert NF.overflow_cause(keep, C._tolerances(keep)) is None
     assert "overflow" not in [c.cause for c in [*found, *peer]], [c.as_dict() for c in found]
     # with the finite rows' contradiction ignored, it would be named, at score 1
-    monkeypatch.setattr(C, "OVERFLOW_PRECISION", 0.0)
-    raw = C._overflow(keep, C._tolerances(keep))
+    monkeypatch.setattr(NF, "OVERFLOW_PRECISION", 0.0)
+    raw = NF.overflow_cause(keep, C._tolerances(keep))
     assert raw.score == pytest.approx(0.5) and "it also exceeds in 512 rows the kernel got finite" in raw.evidence

@@ -1,0 +1,38 @@
+"""The cause vocabulary (docs/diagnosis.md, "Causes"): what a tested cause hypothesis reports,
+and the causes in the order ties are broken.  Shared by the data hypotheses
+(``audits.verdict.causes``, ``audits.verdict.nonfinite``), the poisoned runs
+(``audits.engine.poison``) and the rounding bias (``audits.verdict.bias``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Cause", "CAUSES"]
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One tested cause hypothesis of a failing (or biased) case (docs/diagnosis.md, "Causes")."""
+
+    cause: str
+    detail: str
+    evidence: str
+    score: float
+
+    def as_dict(self) -> dict:
+        return {"cause": self.cause, "detail": self.detail, "evidence": self.evidence, "score": round(self.score, 4)}
+
+
+#: the cause vocabulary, in the order ties are broken
+CAUSES = (
+    "softmax_scale",
+    "mask_edge",
+    "head_mapping",
+    "misplaced_rows",
+    "unwritten_output",
+    "uninitialized_read",
+    "overflow",
+    "dropped_tile",
+    "nan_leak",
+    "rounding_bias",
+)
