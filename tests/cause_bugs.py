@@ -213,3 +213,29 @@ def stale_nan_batch(q, k, v, *, return_lse=False, **kw):
     o = o.clone()
     o[1:] = float("nan")
     return (o, lse) if return_lse else o
+
+
+def flat_batch_offset(q, k, v, *, return_lse=False, **kw):
+    """Cause misplaced_rows (the batch stride taken as 1 row) with unwritten_output: Triton's
+    fused-attention tutorial's Hopper addressing, emulated.  q, k, v and out are laid out (Z, H, N, D)
+    and flattened to (Z·H·N) rows; program (z, h) addresses rows ``z + h·N`` (the tutorial's
+    ``offset_y = off_z + off_h * N_CTX``) instead of ``(z·H + h)·N``: batch 1 reads and writes
+    batch 0's rows one row down (past the end: zeros, as a TMA load), its own rows never written
+    (``torch.empty``); programs run batch after batch, so batch 1's writes land last; the LSE is
+    written at the program's own row, as the tutorial writes M.  Each program is the model's."""
+    B, N, H, D = q.shape
+    flat = [t.transpose(1, 2).reshape(B * H * N, t.shape[-1]) for t in (q, k, v)]
+    out = torch.empty(B * H * N, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+    for z in range(B):
+        for h in range(H):
+            start = z + h * N
+            rows = [
+                torch.cat([t[start : start + N], t.new_zeros(max(0, start + N - len(t)), t.shape[1])]) for t in flat
+            ]
+            o, l1 = attention(*(r.view(1, N, 1, -1) for r in rows), return_lse=True, **kw)
+            end = min(start + N, len(out))
+            out[start:end] = o.view(N, -1)[: end - start]
+            lse[z, h] = l1.view(N)
+    out = out.view(B, H, N, -1).transpose(1, 2)
+    return (out, lse) if return_lse else out

@@ -234,3 +234,18 @@ def test_an_overflow_the_finite_rows_contradict_is_not_the_cause(monkeypatch):
     monkeypatch.setattr(NF, "OVERFLOW_PRECISION", 0.0)
     raw = NF.overflow_cause(keep, C._tolerances(keep))
     assert raw.score == pytest.approx(0.5) and "it also exceeds in 512 rows the kernel got finite" in raw.evidence
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_tutorials_batch_addressing_is_named_misplaced_with_its_stride(causal):
+    """tests/cause_bugs.py's ``flat_batch_offset``, Triton's fused-attention tutorial's Hopper
+    addressing emulated (batch 1 reads and writes batch 0's rows one row down): unlike
+    ``batch_offset_unwritten`` what lands in batch 0 is no reference row of batch 1 (the reads move
+    too), so only the batch-stride hypothesis names it, for the half it moved (the unwritten half
+    is the poisoned runs'), and follows the kernel wherever it moves."""
+    case = Case(**D64, dtype="float16", batch=2, heads_q=4, heads_kv=4, seqlen_q=128, seqlen_k=128, causal=causal)
+    _, _, found = _run("tests.cause_bugs:flat_batch_offset", case)
+    assert [c.cause for c in found] == ["misplaced_rows"], [c.as_dict() for c in found]
+    assert found[0].detail == C._STRIDE_WORDS[1]
+    assert 0.45 <= found[0].score < 0.75
+    assert "and the kernel follows it at 100% of the" in found[0].evidence

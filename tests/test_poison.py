@@ -242,3 +242,15 @@ def test_a_correct_backward_gets_no_backward_poison_cause():
     # the negative finding is stated (a failing case's diagnosis["poisoned"]), not silent
     assert trace["summary"].startswith("backward re-run with fresh memory filled (nan and pattern): dq, dk, dv ")
     assert "does not depend on memory the kernel never wrote" in trace["summary"]
+
+
+def test_the_tutorials_batch_addressing_leaves_batch_1_unwritten():
+    """tests/cause_bugs.py's ``flat_batch_offset`` (Triton's tutorial's addressing, emulated) on the
+    shape of the H200's first tutorial case (f16, b2 h4, 128 x 128): the same sentence and counts
+    as the H200 run of the tutorial itself (reports/h200/causes-2026-12-04/triton-tutorial)."""
+    from audits.suites.cases import Case
+
+    case = Case(d=64, dv=64, dtype="float16", batch=2, heads_q=4, heads_kv=4, seqlen_q=128, seqlen_k=128)
+    causes = causes_of(InProcess("flat_batch_offset", cause_bugs.flat_batch_offset), make_inputs(case, device="cpu"))
+    assert [(c.cause, c.detail) for c in causes] == [("unwritten_output", "out batch 1: every row, heads 0..3")]
+    assert "32,704 elements of 66,560 took the fill in both runs" in causes[0].evidence

@@ -500,7 +500,68 @@ def _offset_words(key: tuple, held: torch.Tensor) -> str:
     return "; ".join(w for w in (words, f"head h holds head h{dh:+d}'s output" if dh else "") if w)
 
 
-# ---- overflow and nan_leak (no recomputation: the intermediates themselves) -------------------
+# ---- misplaced_rows: a batch addressed without its stride -------------------------------------
+
+
+#: the batch-stride hypotheses in words, by the stride taken
+_STRIDE_WORDS = {
+    1: "batch z addressed as batch 0's rows z rows down (the batch stride taken as 1 row): read and written there",
+    0: "every batch addressed as batch 0 (the batch stride taken as 0): batch 0's rows written by every batch",
+}
+
+
+def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
+    """A kernel that addresses the (batch, head, row) rows of q, k, v and out flattened head-major
+    (batch, head, seqlen: the layout ``(Z, H, N, D)`` of many Triton kernels) at ``z·s + h·N``
+    instead of ``(z·H + h)·N``: with ``s`` 1 (the batch stride taken as one row; Triton's
+    fused-attention tutorial, ``_attn_fwd_tma``'s ``offset_y = off_z + off_h * N_CTX``) batch z's
+    programs read and write batch 0's rows z rows down, with ``s`` 0 (the batch ignored) batch 0's
+    rows themselves.  The FP64 prediction runs every (z, h) program on the rows it addresses
+    (rows past the tensor's end read as zeros, as a TMA load of them does) and writes its output
+    where it addresses them, later batches over earlier ones (as racing writes may land), its LSE
+    at its own row (the tutorial addresses M correctly); rows no program writes keep the
+    reference (no prediction: ``unwritten_output`` is the poisoned runs' to name).  Only where the
+    heads and sequence lengths of q and k/v agree and no mod sees its indices."""
+    x = t.inputs
+    q, k, v = x["q"], x["k"], x["v"]
+    B, S, H, D = q.shape
+    if B < 2 or k.shape[1:3] != (S, H) or B * H * S * S > 4 * MAX_SCORES:
+        return None
+    call = AttentionCall.from_kwargs(**x["kw"])
+    if call.score_mod is not None or call.has_mask_mods:
+        return None
+    tol, viol, fin, lt, lv, lc, eps = tols
+    flat = [u.double().permute(0, 2, 1, 3).reshape(B * H * S, -1) for u in (q, k, v)]
+    dv = flat[2].shape[-1]
+    sink = call.learnable_sink
+    best = None
+    for stride in (1, 0):
+        pred = t.ref.double().permute(0, 2, 1, 3).reshape(B * H * S, dv).clone()
+        lse = None if t.ref_lse is None else t.ref_lse.double().clone()
+        for z in range(1, B):
+            for h in range(H):
+                start = z * stride + h * S
+                rows = [
+                    torch.cat([u[start : start + S], u.new_zeros(max(0, start + S - len(u)), u.shape[1])]) for u in flat
+                ]
+                one = replace(call, learnable_sink=None if sink is None else sink[h : h + 1])
+                o, l1 = attention_reference(*(r.view(1, S, 1, -1) for r in rows), call=one, return_lse=True)
+                end = min(start + S, len(pred))
+                pred[start:end] = o.view(S, dv)[: end - start]
+                if lse is not None:
+                    lse[z, h] = l1.view(S)
+        o_h = pred.view(B, H, S, dv).permute(0, 2, 1, 3)
+        sc = _Scope(b=torch.arange(B), rows=None, q=q, k=k, v=v, call=call, out=t.out.double(), ref=t.ref.double(),
+                    tol=tol, viol=viol, checked=fin, eps=eps)  # fmt: skip
+        if lv is not None:
+            sc.lse, sc.ref_lse, sc.ltol, sc.lviol, sc.lchecked = t.lse.double(), t.ref_lse.double(), lt, lv, lc
+        counts = _counts(sc, o_h, lse if lv is not None else None)
+        score = _score(counts)
+        if score > 0 and (best is None or score > best.score):
+            detail = _STRIDE_WORDS[stride]
+            what = f"with batch z's programs on the rows z·{stride} + h·seqlen of the head-major rows"
+            best = Cause("misplaced_rows", detail, _evidence(what, counts), score)
+    return best
 
 
 # ---- dropped_tile -----------------------------------------------------------------------------
@@ -564,7 +625,7 @@ def data_causes(*, case, tensors: CaseTensors, rec: dict, th: dict) -> list[Caus
         tols = _tolerances(t)
         if not (bool(tols[1].any()) or (tols[4] is not None and bool(tols[4].any()))):
             return []
-        found = [overflow_cause(t, tols), nan_leak_cause(t, tols), _misplaced_rows(t, tols)]
+        found = [overflow_cause(t, tols), nan_leak_cause(t, tols), _misplaced_rows(t, tols), _batch_stride(t, tols)]
         sc = _scope(t, tols)
         if sc is not None and bool(sc.viol.any() | (sc.lviol.any() if sc.lviol is not None else False)):
             found += [_softmax_scale(sc, case), _mask_edge(sc, case), _head_mapping(sc, case), _dropped_tile(sc, t)]
