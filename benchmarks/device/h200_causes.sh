@@ -28,8 +28,13 @@ run triton-tutorial --kernel examples/triton_tutorial.py:attention --suite smoke
 run sink-overflow --kernel fa4 --case-file benchmarks/device/sink_overflow_cases.json --jobs 4
 run head-dims-minimal --kernel fa4 --case-file benchmarks/device/headdims_minimal.json --backward --jobs 7
 t0=$SECONDS
-FA4_B36_DIR=/tmp/b36 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_poison.py tests/test_kernel_specs.py 2>&1 | tail -15
-echo "gpu tests: exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
+# the whole output in its own file (a tail cut the failures off on 2026-12-04), with and without
+# expandable segments (the pre-fill's test failed under them, unexplained)
+for conf in "" "expandable_segments:True"; do
+  PYTORCH_CUDA_ALLOC_CONF=$conf FA4_B36_DIR=/tmp/b36 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider \
+    -W ignore tests/test_poison.py tests/test_kernel_specs.py > $OUT/pytest-gpu${conf:+-expandable}.txt 2>&1
+  echo "gpu tests (PYTORCH_CUDA_ALLOC_CONF=$conf): exit $? in $((SECONDS - t0)) s"
+done
 } 2>&1 | tee $OUT/log.txt
 (cd /tmp/causes && find . -name report.json -exec xz -k {} \; && tar czf $OUT/causes.tgz \
   --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' --exclude='report.json' --exclude='journal.jsonl' --exclude='*.log' .)

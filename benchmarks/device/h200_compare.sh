@@ -4,7 +4,8 @@
 # 4.0.0b40 (the staged .fa4dev/site.tar.xz, `fa4`), the same inputs handed to both, each release in
 # its own worker process. The two releases share one compile cache: each keys its kernels by a
 # hash of its own sources (flash_attn/cute/cache_utils.py _compute_source_fingerprint, in both).
-# STEPS (default "smoke-backward head-dims-backward"; also "release", "release-rest") run one after
+# STEPS (default "smoke-backward head-dims-backward"; also "release", "release-rest", and the two
+# backward steps with "-deterministic": the atomics' run-to-run variation removed) run one after
 # another, each under what is left of LIMIT seconds (default 540); a step stopped there reports
 # what it ran. release-rest (carry [".fa4dev", ".cmp-state"]): release's cases a first call left
 # unrun, read from its partial candidate report .cmp-state/release/report.json.xz, as a case file.
@@ -26,6 +27,8 @@ for step in ${STEPS:-smoke-backward head-dims-backward}; do
     smoke-backward) args="--suite smoke --backward" ;;
     head-dims-backward) args="--suite head-dims --backward" ;;
     release) args="--suite release" ;;
+    smoke-backward-deterministic) args="--suite smoke --backward --deterministic" ;;
+    head-dims-backward-deterministic) args="--suite head-dims --backward --deterministic" ;;
     release-rest)
       python - <<'PY'
 import json
