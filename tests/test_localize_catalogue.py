@@ -22,6 +22,7 @@ import pytest
 
 from audits import cli
 from audits.suites.cases import case_from_dict
+from audits.verdict.vocabulary import CAUSE_KEYS
 from tests.localizable_kernels import CLEAN, LOCALIZABLE
 
 ROOT = Path(__file__).parents[1]
@@ -199,7 +200,7 @@ def test_diagnosis_names_the_bugs_axis(tmp_path, monkeypatch, bug):
     reports = _audit(tmp_path, monkeypatch, [e.fails, e.control], [bug, e.twin], backward=e.backward)
     failing, control = reports[bug]["cases"]
     assert failing["verdict"] == "fail", f"{bug}: {failing['case']} is {failing['verdict']}"
-    diag = {t: d for t, d in failing["diagnosis"].items() if t != "causes"}  # its causes: tests/test_causes_*.py
+    diag = {t: d for t, d in failing["diagnosis"].items() if t not in CAUSE_KEYS}  # its causes: tests/test_causes_*.py
     assert set(diag) == set(e.expect), f"{bug}: diagnosed tensors {sorted(diag)}, expected {sorted(e.expect)}"
     for tensor, axes in e.expect.items():
         got = {a: v["values"] for a, v in diag[tensor]["axes"].items()}
@@ -238,7 +239,7 @@ def test_scattered_noise_is_diagnosed_nowhere(tmp_path, monkeypatch):
     rep = _audit(tmp_path, monkeypatch, cases, ["scattered_noise"], backward=False)["scattered_noise"]
     for c in rep["cases"]:
         assert c["verdict"] == "fail"
-        assert set(c["diagnosis"]) - {"causes"} == {"out"}, c["diagnosis"]  # the LSE is right
+        assert set(c["diagnosis"]) - set(CAUSE_KEYS) == {"out"}, c["diagnosis"]  # the LSE is right
         assert not c["diagnosis"].get("causes"), c["diagnosis"]["causes"]  # noise has no cause
         out = c["diagnosis"]["out"]
         assert out["axes"] == {}, f"{c['case']}: noise read as a pattern: {out['axes']}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Cause", "CAUSES"]
+__all__ = ["Cause", "CAUSES", "CAUSE_KEYS"]
 
 
 @dataclass(frozen=True)
@@ -36,3 +36,8 @@ CAUSES = (
     "nan_leak",
     "rounding_bias",
 )
+
+
+#: the keys of a case's diagnosis that are its causes, not a tensor's violations: the causes named,
+#: why their analysis broke, what the poisoned re-runs showed when they named none
+CAUSE_KEYS = ("causes", "causes_error", "poisoned")
