@@ -64,3 +64,18 @@ def jitter_dq(q, k, v, **kw):
 # each is the model's SM100 arithmetic: held to FA4's bound, as the model is (audits.kernels.fa4_arch)
 for _fn in (same, last_bit, lse_nan, no_causal, jitter_dq):
     _fn.fa4_audit_numerics = "sm100"
+
+
+_forward_calls = [0]
+
+
+def flaky_forward(q, k, v, *, return_lse=False, **kw):
+    """The model whose every second forward call moves one output element by one ULP: a forward
+    that differs from itself (``--time-calls`` says so by the second call's bits)."""
+    out, lse = _model(q, k, v, return_lse=True, **kw)
+    _forward_calls[0] += 1
+    if _forward_calls[0] % 2 == 0:
+        bits = out.view(torch.int16 if out.element_size() == 2 else torch.int32).clone()
+        bits[0, 0, 0, 0] += 1
+        out = bits.view(out.dtype)
+    return (out, lse) if return_lse else out

@@ -261,3 +261,23 @@ def test_records_from_before_run_to_run_render_as_unknown(tmp_path):
     for k in ("run_to_run_only", "changed", "unknown", "run_to_run_tensors"):
         del c.backward[k]
     assert summary_lines(c)[0].endswith("backward bit-identical on 0 of 1; 1 differ, run-to-run variation unknown")
+
+
+def test_time_calls_times_two_calls_and_tells_a_forward_that_differs_from_itself(tmp_path, capsys):
+    """``--time-calls``: each kernel called twice per case, both calls' seconds kept and summed per
+    side (the first's excess: compilation and first use), and a second call whose bits differ
+    counted (a forward that differs from itself); without it, one call and no time line."""
+    code, (c,) = _compare(tmp_path, "fa4-model", f"{KERNELS}:flaky_forward", cases=CASES[:2], extra=["--time-calls"])
+    out = capsys.readouterr().out
+    base, cand = c["seconds"]["baseline"], c["seconds"]["candidate"]
+    assert base["cases"] == base["timed_twice"] == 2 and base["second_differs"] == 0
+    assert cand["timed_twice"] == 2 and cand["second_differs"] == 2  # every second call is the flaky one
+    assert base["first_of_twice"] > 0 and base["second"] > 0
+    assert "time, baseline fa4-model: forward first calls" in out and "called twice on 2" in out
+    assert "2 second calls with other bits" in out
+    rep = json.loads((tmp_path / "c" / "fa4-model" / "report.json").read_text())
+    assert all(len(r["call_seconds"]) == 2 and r["second_call_identical"] is True for r in rep["cases"])
+    (tmp_path / "once").mkdir()
+    code, (c,) = _compare(tmp_path / "once", "fa4-model", f"{KERNELS}:same", cases=CASES[:1])
+    assert c["seconds"]["baseline"]["cases"] == 1 and c["seconds"]["baseline"]["timed_twice"] == 0
+    assert "time, baseline" not in capsys.readouterr().out

@@ -387,6 +387,12 @@ def add_run_arguments(r: argparse.ArgumentParser) -> None:
         "docs/diagnosis.md, 'Poisoned runs'); default on",
     )
     r.add_argument(
+        "--time-calls",
+        action="store_true",
+        help="call the kernel twice on each case and keep both calls' seconds and whether the second call's result "
+        "has the same bits (the first call's excess is compilation and first use; compare sums them per kernel)",
+    )
+    r.add_argument(
         "--quiet",
         action="store_true",
         help="no progress on stderr (default: a bar on a terminal, else a line every 30 s and at each tenth)",

@@ -131,6 +131,7 @@ def run_options_from_args(args: argparse.Namespace, *, thresholds: dict, label: 
         known=known_from_args(args),
         strict_known=args.strict_known,
         poison=args.poison,
+        time_calls=args.time_calls,
     )
     try:
         options.isolation(kernels=args.kernel)

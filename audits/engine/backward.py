@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -95,8 +96,9 @@ def _refused(exc: BaseException, fn, call: tuple) -> str | None:
 
 def grad_call(fn, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dict, tuple | None]:
     """Forward with gradient-tracking leaves, then ``opts.repeat`` backward runs of the same
-    graph: ``({"status": "ran"}, (out, lse, [grads of run 1, run 2, ...]))`` with grads a dict
-    of ``GRADS`` (None where autograd returned none), or the status and reason of why not."""
+    graph: ``({"status": "ran", "seconds": [forward, run 1, ...]}, (out, lse, [grads of run 1,
+    run 2, ...]))`` with grads a dict of ``GRADS`` (None where autograd returned none), or the
+    status and reason of why not."""
     leaves = {n: x[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
     kw = dict(x["kw"])
     if kw.get("learnable_sink") is not None:
@@ -104,15 +106,20 @@ def grad_call(fn, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dic
     if opts.deterministic and accepts_deterministic(fn):
         kw["deterministic"] = True
     names = ["dq", "dk", "dv", "dsink"][: len(leaves)]
+    seconds = []
     try:
+        t0 = time.perf_counter()
         res = fn(leaves["q"], leaves["k"], leaves["v"], return_lse=True, **kw)
+        seconds.append(time.perf_counter() - t0)
         out, lse = res if isinstance(res, tuple) else (res, None)
         if not isinstance(out, torch.Tensor) or out.grad_fn is None:
             return {"status": "skipped", "reason": "the kernel's output carries no autograd graph: no backward"}, None
         runs = []
         for r in range(opts.repeat):
+            t0 = time.perf_counter()
             g = torch.autograd.grad(out, list(leaves.values()), do, retain_graph=r + 1 < opts.repeat, allow_unused=True)
             runs.append({n: (None if t is None else t.detach()) for n, t in zip(names, g)})
+            seconds.append(time.perf_counter() - t0)
     except Exception as exc:  # a refusal is skipped; any other exception is the case's verdict
         why = _refused(exc, fn, (leaves["q"], leaves["k"], leaves["v"], kw))
         if why is not None:
@@ -124,7 +131,9 @@ def grad_call(fn, x: dict, do: torch.Tensor, opts: BackwardOptions) -> tuple[dic
         cause, why = failure_reason(exc, "backward")  # out-of-memory said as such
         return {"status": "error", "reason": why, "cause": cause, "traceback": traceback.format_exc(limit=3)}, None
     lse = lse.detach() if isinstance(lse, torch.Tensor) else None
-    return {"status": "ran"}, (out.detach(), lse, runs)
+    # the forward with its graph, then each backward run: run 1's excess over run 2 is the
+    # backward's compilation and first use (``fa4-audit compare`` sums them)
+    return {"status": "ran", "seconds": seconds}, (out.detach(), lse, runs)
 
 
 #: each gradient's axes: its input's (q, k, v: the layout of ``make_inputs``; the sink: one per head)

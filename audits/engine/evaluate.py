@@ -57,6 +57,7 @@ from audits.verdict.diagnosis import CaseTensors, diagnose
 from audits.verdict.gate import judge
 from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
+from numerics.fp import bit_view
 from numerics.metrics import bias_record, bound_check, fa_floor, lse_errors, output_errors
 from numerics.reference import attention_lowprec, attention_reference, exact_attention_rows
 
@@ -245,6 +246,32 @@ def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
         cause, why = failure_reason(exc)  # out-of-memory said as such
         return {"status": "error", "reason": why, "cause": cause, "traceback": traceback_of(exc)}, None
     return {"status": "ran"}, (res if isinstance(res, tuple) else (res, None))
+
+
+def _timed_call(fn: Callable, x: dict, rec: dict, twice: bool) -> tuple[dict, tuple | None]:
+    """:func:`_call`, its wall time into ``rec["call_seconds"]`` (a list); with ``twice``, a second
+    call on the same inputs after it, its time appended and ``rec["second_call_identical"]``
+    whether its out and LSE have the first call's bits (a forward that differs from itself makes a
+    comparison's forward differences run to run).  The first call's excess over the second is
+    compilation and first use (a CuTe-DSL or Triton kernel compiles on its first call per compile
+    key); the calls return their results on the CPU, so the time includes the copy back."""
+    t0 = time.perf_counter()
+    status, res = _call(fn, x)
+    rec["call_seconds"] = [time.perf_counter() - t0]
+    if twice and res is not None:
+        t0 = time.perf_counter()
+        _, again = _call(fn, x)
+        rec["call_seconds"].append(time.perf_counter() - t0)
+        rec["second_call_identical"] = again is not None and all(map(_same_bits, res, again))
+    return status, res
+
+
+def _same_bits(a, b) -> bool:
+    """Two results (a tensor or None) with the same shape, dtype and bits."""
+    if a is None or b is None:
+        return a is None and b is None
+    same = a.shape == b.shape and a.dtype == b.dtype
+    return same and torch.equal(bit_view(a.detach().cpu()), bit_view(b.detach().cpu()))
 
 
 def _analyse_or_oom(rec: dict, kernel: str, case: Case, x: dict, out, lse, device, keep: CaseTensors) -> None:
@@ -467,6 +494,7 @@ def evaluate_case(
     error_map: dict | None = None,
     tensors: dict | None = None,
     poison: bool = False,
+    time_calls: bool = False,
 ) -> dict:
     """Measurements and verdict of one case (a JSON-able dict); with ``backward``, its gradients
     too (``rec["backward"]``).  ``fn``: the kernel (``audits.engine.worker.KernelCalls``, or a plain
@@ -476,7 +504,8 @@ def evaluate_case(
     the kernel's results with their references (``CaseTensors``) into ``tensors["keep"]`` when
     given (``fa4-audit compare`` holds them against another kernel's).  A failing (or biased)
     case's tested causes go into ``rec["diagnosis"]["causes"]`` (:func:`_causes`; with
-    ``poison``, re-runs of the kernel with poisoned fresh memory among them).
+    ``poison``, re-runs of the kernel with poisoned fresh memory among them).  ``rec["call_seconds"]``:
+    the kernel call's wall time, and with ``time_calls`` a second call's after it (``_timed_call``).
     ``domain`` (``audits.suites.domain.Domain``, the kernel's declared one): a case outside it is
     ``skipped`` with the reason, decided before the kernel is called.  A varlen case runs through
     the kernel's varlen entry, else with ``per_sequence`` through ``fn`` once per sequence, else
@@ -497,7 +526,7 @@ def evaluate_case(
         x = make_varlen_inputs(case, device=device) if case.varlen else make_inputs(case, device=device)
     except NotApplicable as exc:  # a family's precondition: this case is reported, the run goes on
         return _skipped(rec, f"input family not applicable here: {exc}", t0)
-    status, res = _call(fn, x)
+    status, res = _timed_call(fn, x, rec, time_calls)
     rec.update(status)
     keep = CaseTensors(case, inputs=x)
     if res is not None:

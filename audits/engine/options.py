@@ -40,7 +40,10 @@ class RunOptions:
     others are compared with, bit for bit, case by case (``fa4-audit compare``: each other
     kernel's record gets ``compare``, ``audits.engine.compare``); ``poison``: re-run each failing
     case's kernel call with fresh memory poisoned (``audits.engine.poison``: NaN, then a pattern)
-    to tell whether its result depends on memory the kernel never wrote."""
+    to tell whether its result depends on memory the kernel never wrote; ``time_calls``: call
+    the kernel a second time on each case and keep both calls' seconds (the first one's excess is
+    compilation and first use: ``fa4-audit compare`` sums them per kernel) and whether the second
+    result has the same bits."""
 
     device: str = "cpu"
     out: str = "reports/run-latest"
@@ -64,6 +67,7 @@ class RunOptions:
     strict_known: bool = False
     baseline: str | None = None
     poison: bool = True
+    time_calls: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "device", str(self.device))

@@ -48,6 +48,7 @@ class Session:
             error_map=error_map,
             tensors=tensors,
             poison=o.poison,
+            time_calls=o.time_calls,
         )
 
     def kill(self) -> None:

@@ -89,6 +89,8 @@ class Comparison:
     signed_zero: int = 0
     nonfinite_changed: int = 0
     lost_nonfinite: int = 0
+    #: each side's kernel time over the compared cases ({"baseline"|"candidate": ``call_times``})
+    seconds: dict = field(default_factory=dict)
     differing: list = field(default_factory=list)
     verdicts: dict = field(default_factory=dict)
     better: list = field(default_factory=list)
@@ -279,11 +281,55 @@ def compare_reports(
                     {"case": rec["case"], "why": cmp.get("why") or "no comparison recorded (resumed)"}
                 )
             _judge_case(c, base, rec, thresholds)
+        c.seconds = {"baseline": call_times(reports[baseline]["cases"]), "candidate": call_times(rep["cases"])}
         c.differing.sort(
             key=lambda e: -max((t.get("max_ulp") or 0) for t in e["tensors"].values()) if e["tensors"] else 0
         )
         out.append(c)
     return out
+
+
+def call_times(records: list[dict]) -> dict:
+    """A kernel's time over its case records: ``cases`` timed, ``first`` and ``second`` (the
+    sums of the first and, over the cases that have one, second forward calls: ``--time-calls``),
+    ``timed_twice``, ``second_differs`` (cases whose second call's bits differ), and the backward's
+    ``bwd_cases``, ``bwd_first`` and ``bwd_second`` (its first and second runs on one graph)."""
+    t = dict.fromkeys(("cases", "timed_twice", "second_differs", "bwd_cases"), 0)
+    t.update(dict.fromkeys(("first", "second", "first_of_twice", "bwd_first", "bwd_second"), 0.0))
+    for rec in records:
+        calls = rec.get("call_seconds") or []
+        if calls:
+            t["cases"] += 1
+            t["first"] += calls[0]
+        if len(calls) > 1:
+            t["timed_twice"] += 1
+            t["first_of_twice"] += calls[0]
+            t["second"] += calls[1]
+            t["second_differs"] += rec.get("second_call_identical") is False
+        runs = (rec.get("backward") or {}).get("seconds") or []
+        if len(runs) > 2:  # the forward with its graph, then two backward runs at least
+            t["bwd_cases"] += 1
+            t["bwd_first"] += runs[1]
+            t["bwd_second"] += runs[2]
+    return t
+
+
+def _time_line(side: str, kernel: str, t: dict) -> str | None:
+    """One side's time in words; None when its records carry none."""
+    if not t.get("cases"):
+        return None
+    s = lambda x: f"{x:.3g} s"  # noqa: E731
+    said = f"  time, {side} {kernel}: forward first calls {s(t['first'])} over {t['cases']:,} cases"
+    if t["timed_twice"]:
+        extra = t["first_of_twice"] - t["second"]
+        said += (
+            f"; called twice on {t['timed_twice']:,}: first {s(t['first_of_twice'])}, second {s(t['second'])} "
+            f"(the difference, {s(extra)}, is compilation and first use)"
+        )
+        said += f", {t['second_differs']:,} second calls with other bits" if t["second_differs"] else ""
+    if t["bwd_cases"]:
+        said += f"; backward run 1 {s(t['bwd_first'])}, run 2 {s(t['bwd_second'])} over {t['bwd_cases']:,} cases"
+    return said
 
 
 def _share(k: int, n: int) -> str:
@@ -361,6 +407,10 @@ def summary_lines(c: Comparison) -> list[str]:
         )
     if c.not_compared:
         lines.append(f"  {len(c.not_compared)} cases not compared (a side has no result): not counted as identical")
+    if any((t or {}).get("timed_twice") for t in c.seconds.values()):  # asked for (--time-calls): said
+        for side, kernel in (("baseline", c.baseline), ("candidate", c.candidate)):
+            line = _time_line(side, kernel, c.seconds.get(side) or {})
+            lines += [line] if line else []
     if c.regressions:
         kinds = ", ".join(f"{k} {n}" for k, n in Counter(r.kind for r in c.regressions).items())
         cases = regressed_cases(c)

@@ -158,6 +158,9 @@ CASE = [
         # a failing case's: where its violations concentrate, and its error map's file (maps/<case>.npz)
         "diagnosis": Opt(_DIAGNOSIS),
         "error_map": Opt(str),
+        # the kernel call's seconds, a second call's too with --time-calls (audits.engine.evaluate._timed_call)
+        "call_seconds": Opt(Each(NUM)),
+        "second_call_identical": Opt(bool),
     },
     # a failing case a --known entry describes (audits.verdict.known): which entry, and the verdict it had
     When("verdict", ("known",), {"known_id": str, "known_from": str}),

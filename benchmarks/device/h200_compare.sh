@@ -45,7 +45,7 @@ PY
   left=$((LIMIT - (SECONDS - START)))
   t0=$SECONDS
   timeout -s INT $left python -m audits compare --kernel fa4@/tmp/b36 --kernel fa4 --device cuda --known fa4 \
-    --jobs $JOBS --quiet --out /tmp/cmp/$step $args 2>&1 | grep -v "Warning\|LayoutEnum" | tail -40
+    --jobs $JOBS --quiet --time-calls --out /tmp/cmp/$step $args 2>&1 | grep -v "Warning\|LayoutEnum" | tail -40
   echo "$step: exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
 done
 } 2>&1 | tee $OUT/log.txt
