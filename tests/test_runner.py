@@ -473,6 +473,7 @@ def test_run_options_survive_the_job_file_field_for_field(tmp_path):
     given |= dict(exitfirst=True, isolate=True, timeout=12.5, timeout_given=True, per_sequence=True, budget=2.5)
     given |= dict(backward=BackwardOptions(repeat=3, deterministic=True), jobs=2, gpus="0,1", quiet=False, maps=1)
     given |= dict(known=load_known("fa4"), strict_known=True, baseline="fa4-model", poison=False)
+    given |= dict(time_calls=True)
     options = RunOptions(**given)
     assert set(given) | {"shard"} == {f.name for f in dataclasses.fields(RunOptions)}  # every field but shard
     files = write_jobs(["fa4-model"], TILE_STEPS, options, header={}, coverage={})

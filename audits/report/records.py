@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
-__all__ = ["CaseRecord", "ContractRecord", "VERDICTS", "LATER_VERDICTS", "FAILING", "OUT_OF_DOMAIN_KINDS"]
+__all__ = [
+    "CaseRecord", "ContractRecord", "VERDICTS", "LATER_VERDICTS", "FAILING", "OUT_OF_DOMAIN_KINDS", "TIMING_FIELDS",
+    "without_timing",
+]  # fmt: skip
 
 #: a case's verdicts (``audits.verdict.gate``), in the order reports count them
 #: (``known``: a failing case that an entry of a ``--known`` file describes, ``audits.verdict.known``)
@@ -16,6 +19,20 @@ VERDICTS = ("pass", "warn", "known", "fail", "error", "crash", "timeout", "skipp
 LATER_VERDICTS = ("timeout", "known")
 #: the verdicts that fail a run (and get their inputs saved for reproduction)
 FAILING = ("fail", "error", "crash", "timeout")
+#: a case record's wall-clock fields (the case's seconds, its kernel calls'; its backward's
+#: ``seconds`` too): they differ between two runs that measured the same
+TIMING_FIELDS = ("seconds", "call_seconds")
+
+
+def without_timing(rec: dict) -> dict:
+    """``rec`` without its wall-clock fields (:data:`TIMING_FIELDS`, and its backward's ``seconds``):
+    what two runs of the same code on the same case must agree on."""
+    out = {k: v for k, v in rec.items() if k not in TIMING_FIELDS}
+    if isinstance(out.get("backward"), dict) and "seconds" in out["backward"]:
+        out["backward"] = {k: v for k, v in out["backward"].items() if k != "seconds"}
+    return out
+
+
 #: a case record's ``out_of_domain_kind``, beside its ``out_of_domain`` message: the inputs pass
 #: float32's range by the kernel design's headroom analysis, or hold NaN/inf that the kernel
 #: claims no semantics for (``audits.kernels.claims_nonfinite_inputs``)
