@@ -525,7 +525,7 @@ def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
     x = t.inputs
     q, k, v = x["q"], x["k"], x["v"]
     B, S, H, D = q.shape
-    if B < 2 or k.shape[1:3] != (S, H) or B * H * S * S > 4 * MAX_SCORES:
+    if B < 2 or k.shape[1:3] != (S, H) or B * H * S * S > MAX_SCORES:  # as one recomputation may hold
         return None
     call = AttentionCall.from_kwargs(**x["kw"])
     if call.score_mod is not None or call.has_mask_mods:
