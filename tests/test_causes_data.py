@@ -249,3 +249,28 @@ def test_the_tutorials_batch_addressing_is_named_misplaced_with_its_stride(causa
     assert found[0].detail == C._STRIDE_WORDS[1]
     assert 0.45 <= found[0].score < 0.75
     assert "and the kernel follows it at 100% of the" in found[0].evidence
+
+
+VARLEN = {
+    # sequences 0x50 (no query), 1x1 (one key: nothing past the diagonal), 5x0 (no key) cannot show it
+    "bf16-d64-b6h4k2-s130x200-causal-vl0x50.1x1.37x30.130x130.5x0.64x200-student_t-seed0": "sequences 2..3, 5",
+    # a paged KV cache: each sequence's used keys from the inputs' parts
+    "bf16-d64-b3h4k1-s200x300-causal-vl70x300.1x129.200x200-page64-peaked-seed0": "sequence 2",
+}
+
+
+@pytest.mark.parametrize("name", list(VARLEN))
+def test_a_varlen_case_is_scored_per_sequence_and_merged_by_detail(name):
+    """A fixed-length bug run one sequence at a time (--per-sequence) on a varlen case: each
+    sequence with violations is scored as its own batch-1 case, and the sequences where the same
+    cause fits are named together; the model gets no cause on the same case."""
+    case = SMOKE[name]
+    kept = {}
+    bug = "tests.cause_bugs:causal_diagonal_plus_one"
+    rec = evaluate_case(bug, get_kernel(bug), case, torch.device("cpu"), TH, per_sequence=True, tensors=kept)
+    assert rec["verdict"] == "fail"
+    top = rec["diagnosis"]["causes"][0]
+    assert (top["cause"], top["detail"]) == ("mask_edge", f"{VARLEN[name]}: causal_diagonal admits one key too many")
+    assert top["score"] >= 0.9 and "scored per sequence, weighted by its violations" in top["evidence"]
+    clean = evaluate_case("fa4-model", get_kernel("fa4-model"), case, torch.device("cpu"), TH, tensors=kept)
+    assert clean["verdict"] == "pass" and not (clean.get("diagnosis") or {}).get("causes")

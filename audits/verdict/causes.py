@@ -604,7 +604,7 @@ def data_causes(*, case, tensors: CaseTensors, rec: dict, th: dict) -> list[Caus
     """The cause hypotheses of a failing case that its data bears out, best first (score
     descending; scores equal to 0.01 tie, taken in :data:`CAUSES` order), each at least
     :data:`MIN_SCORE`; [] when none fits, when nothing is past its tolerance, or when the case
-    cannot be recomputed here (a varlen case, a case that did not run, one without its inputs;
+    cannot be recomputed here (a varlen case with mods, a case that did not run, one without its inputs;
     ``rec`` is the case's record, ``th`` its thresholds).  Each hypothesis recomputes an FP64
     reference with one assumption changed (overflow and nan_leak inspect the intermediates and
     the inputs instead) and is scored by how much of the failure it explains (module comment,
@@ -612,8 +612,7 @@ def data_causes(*, case, tensors: CaseTensors, rec: dict, th: dict) -> list[Caus
     not read from the configuration: a causal case that fails need not fail at its diagonal."""
     t = tensors
     if (
-        case.varlen
-        or (rec or {}).get("status", "ran") != "ran"
+        (rec or {}).get("status", "ran") != "ran"
         or t is None
         or t.inputs is None
         or t.out is None
@@ -622,14 +621,62 @@ def data_causes(*, case, tensors: CaseTensors, rec: dict, th: dict) -> list[Caus
     ):
         return []
     with torch.no_grad():
-        tols = _tolerances(t)
-        if not (bool(tols[1].any()) or (tols[4] is not None and bool(tols[4].any()))):
-            return []
-        found = [overflow_cause(t, tols), nan_leak_cause(t, tols), _misplaced_rows(t, tols), _batch_stride(t, tols)]
-        sc = _scope(t, tols)
-        if sc is not None and bool(sc.viol.any() | (sc.lviol.any() if sc.lviol is not None else False)):
-            found += [_softmax_scale(sc, case), _mask_edge(sc, case), _head_mapping(sc, case), _dropped_tile(sc, t)]
+        found = _varlen_causes(case, t) if case.varlen else _fixed_causes(case, t)
     return rank_causes([c for c in found if c is not None and c.score >= MIN_SCORE])
+
+
+def _fixed_causes(case, t: CaseTensors) -> list[Cause | None]:
+    """Every hypothesis' best cause on a fixed-length case (None where one found nothing)."""
+    tols = _tolerances(t)
+    if not (bool(tols[1].any()) or (tols[4] is not None and bool(tols[4].any()))):
+        return []
+    found = [overflow_cause(t, tols), nan_leak_cause(t, tols), _misplaced_rows(t, tols), _batch_stride(t, tols)]
+    sc = _scope(t, tols)
+    if sc is not None and bool(sc.viol.any() | (sc.lviol.any() if sc.lviol is not None else False)):
+        found += [_softmax_scale(sc, case), _mask_edge(sc, case), _head_mapping(sc, case), _dropped_tile(sc, t)]
+    return found
+
+
+def _varlen_causes(case, t: CaseTensors) -> list[Cause | None]:
+    """A varlen case's causes (its tensors packed, batch 1; its inputs' ``parts``: per sequence
+    q, k, v with the keys it uses, ``audits.suites.inputs.make_varlen_inputs``): rows moved
+    along the packed tokens (``misplaced_rows`` on the packed result: a sequence written into
+    its neighbour's rows), then each sequence with violations as a batch-1 fixed-length case,
+    its causes weighted by its share of the case's violations and merged across sequences by
+    detail ("sequences 1..3: causal_diagonal admits one key too many").  Not with mods (their
+    per-sequence forms are ``fa4.varlen.sequence_mods``'), nor without the parts."""
+    kw = t.inputs["kw"]
+    if case.score_mod or case.mask_mod or case.block_sparse or "parts" not in t.inputs or t.out.dim() != 4:
+        return []
+    tols = _tolerances(t)
+    viol, lv = tols[1], tols[4]
+    per_seq = lambda a, b: int(viol[:, a:b].sum()) + (int(lv[:, :, a:b].sum()) if lv is not None else 0)  # noqa: E731
+    cu = kw["cu_seqlens_q"].tolist()
+    total = per_seq(0, cu[-1])
+    if not total:
+        return []
+    found, merged = [_misplaced_rows(t, tols)], {}
+    flags = {n: kw[n] for n in ("causal", "window_size", "softcap", "learnable_sink", "softmax_scale") if n in kw}
+    for i, (qi, ki, vi) in enumerate(t.inputs["parts"]):
+        a, b = cu[i], cu[i + 1]
+        if b == a or not (n := per_seq(a, b)):
+            continue
+        sub = replace(case, batch=1, seqlen_q=b - a, seqlen_k=max(ki.shape[1], 1), seqlens=(), seqused_k=(),
+                      page_size=0, num_splits=1, layout="contiguous")  # fmt: skip
+        cut = lambda x, dim, a=a, b=b: None if x is None else x.narrow(dim, a, b - a)  # noqa: E731
+        st = replace(t, case=sub, out=cut(t.out, 1), lse=cut(t.lse, 2), ref=cut(t.ref, 1), ref_lse=cut(t.ref_lse, 2),
+                     out_bound=cut(t.out_bound, 1), lse_bound=cut(t.lse_bound, 2), grads={}, grad_refs={},
+                     grad_bounds=None, inputs={"q": qi, "k": ki, "v": vi, "kw": flags})  # fmt: skip
+        for c in _fixed_causes(sub, st):
+            if c is not None and c.score >= MIN_SCORE:
+                m = merged.setdefault((c.cause, c.detail), {"seqs": [], "score": 0.0, "evidence": c.evidence})
+                m["seqs"].append(i)
+                m["score"] += c.score * n / total
+    for (cause, detail), m in merged.items():
+        seqs = f"sequence{'s' if len(m['seqs']) > 1 else ''} {runs(m['seqs'])}"
+        evidence = f"{m['evidence']} (sequence {m['seqs'][0]}; scored per sequence, weighted by its violations)"
+        found.append(Cause(cause, f"{seqs}: {detail}", evidence, m["score"]))
+    return found
 
 
 def rank_causes(causes: list[Cause]) -> list[Cause]:
