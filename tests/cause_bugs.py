@@ -207,8 +207,8 @@ def stale_dq_accumulator(q, k, v, **kw):
 
 
 def stale_nan_batch(q, k, v, *, return_lse=False, **kw):
-    """No overflow: batch 1's output is left unwritten, holding NaN (as the H200's caching allocator
-    handed Triton's tutorial memory an earlier poisoned run had filled); batch 0 exact."""
+    """No overflow: batch 1's output is left unwritten, holding NaN (as Triton's tutorial's did on the
+    H200, most likely memory an earlier poisoned run had filled); batch 0 exact."""
     o, lse = attention(q, k, v, return_lse=True, **kw)
     o = o.clone()
     o[1:] = float("nan")

@@ -147,7 +147,7 @@ def overflow_cause(t: CaseTensors, tols: tuple) -> Cause | None:
     the share of the rows where the intermediate exceeds that are non-finite, and not named below
     :data:`OVERFLOW_PRECISION` of them: an overflow that the data predicts in rows the kernel got
     finite is refuted there (on the H200, Triton's
-    tutorial left a second batch unwritten, holding NaN from an earlier poisoned run, on a case
+    tutorial left a second batch unwritten, holding NaN (most likely an earlier poisoned run's), on a case
     whose every row's max rises by 27.5 nats: "P overflows" held every NaN row, and the other
     batch's rows, with the same rise, were finite)."""
     bad = _bad_rows(t, tols)
