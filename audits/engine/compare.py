@@ -18,10 +18,10 @@ from audits.verdict.diagnosis import CaseTensors, backward_tiles, canonical, for
 from numerics.fp import bit_view, format_of, ulp_of
 from numerics.metrics import bit_diff
 
-__all__ = ["compare_case", "label_run_to_run", "COMPARED", "NOT_COMPARED"]
+__all__ = ["compare_case", "label_run_to_run", "COMPARED", "NOT_COMPARED", "FORWARD_TENSORS"]
 
 #: the forward's tensors; the others are gradients
-_FORWARD = ("out", "lse")
+FORWARD_TENSORS = ("out", "lse")
 
 #: a comparison's ``status``: both sides' tensors were compared, or they could not be
 COMPARED, NOT_COMPARED = "compared", "not compared"
@@ -81,9 +81,9 @@ def _backward_changed(rec: dict) -> bool | None:
     where a differing gradient's run-to-run spread was not measured on a side (unknown)."""
     if rec["backward_identical"] is None:
         return None
-    if any(n not in _FORWARD for n in rec["missing"]):
+    if any(n not in FORWARD_TENSORS for n in rec["missing"]):
         return True
-    differing = [d for n, d in rec["tensors"].items() if n not in _FORWARD and d["differ"]]
+    differing = [d for n, d in rec["tensors"].items() if n not in FORWARD_TENSORS and d["differ"]]
     if any(d["attributable"] for d in differing):
         return True
     noisy = lambda d: any(v for v in d["run_to_run"].values())  # a side known to differ from itself
@@ -138,13 +138,13 @@ def compare_case(
                 # integer ULPs overstate changes of entries near 0; this reads them at the row's scale
                 d["max_row_ulp"] = row_ulp_change(x, y, ref.to(x.device))
         rec["tensors"][name] = d
-    fwd = [n for n in _FORWARD if n in rec["tensors"]]
-    bwd = [n for n in rec["tensors"] if n not in _FORWARD]
+    fwd = [n for n in FORWARD_TENSORS if n in rec["tensors"]]
+    bwd = [n for n in rec["tensors"] if n not in FORWARD_TENSORS]
     same = lambda names: all(rec["tensors"][n]["differ"] == 0 for n in names)
-    rec["forward_identical"] = same(fwd) and not any(n in ("out", "lse") for n in rec["missing"])
+    rec["forward_identical"] = same(fwd) and not any(n in FORWARD_TENSORS for n in rec["missing"])
     rec["backward_identical"] = (
-        (same(bwd) and not any(n not in ("out", "lse") for n in rec["missing"]))
-        if (bwd or any(n not in ("out", "lse") for n in rec["missing"]))
+        (same(bwd) and not any(n not in FORWARD_TENSORS for n in rec["missing"]))
+        if (bwd or any(n not in FORWARD_TENSORS for n in rec["missing"]))
         else None
     )
     rec["identical"] = rec["forward_identical"] and rec["backward_identical"] is not False
@@ -158,7 +158,7 @@ def label_run_to_run(rec: dict, *, base_rec: dict | None, cand_rec: dict | None)
     for name, d in rec["tensors"].items():
         if not d["differ"]:
             continue
-        if name in _FORWARD:
+        if name in FORWARD_TENSORS:
             d["attributable"] = True
             continue
         d["run_to_run"] = {"baseline": _run_to_run(base_rec, name), "candidate": _run_to_run(cand_rec, name)}

@@ -464,6 +464,7 @@ def _backward(
     gradients, their measurements (the tensors into ``keep``); an OOM in the audit's own FP64
     work is the case's error."""
     do, fam = make_grad_output(case, device=device)
+    keep.grad_output = do  # the backward's poisoned re-runs use the same dO
     status, res = calls.grad(x, do, opts)
     b = {**status, "do_family": fam, "repeat": opts.repeat, "deterministic": opts.deterministic}
     if res is None:
@@ -565,8 +566,7 @@ def _record_causes(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, 
     """:func:`_causes` into the record's diagnosis: ``causes``, ``poisoned`` (what the poisoned
     re-runs showed when no cause came of them) and ``causes_error`` (why the analysis broke; the
     verdict stands)."""
-    poisoned: dict[str, str] = {}
-    causes, broke = _causes(rec, thresholds, keep, poison_call, device, grad_poison, poisoned)
+    causes, broke, poisoned = _causes(rec, thresholds, keep, poison_call, device, grad_poison)
     if causes:
         rec.setdefault("diagnosis", {})["causes"] = [c.as_dict() for c in causes]
     if poisoned:
@@ -582,16 +582,15 @@ def _causes(
     poison_call,
     device,
     grad_poison: tuple | None = None,
-    poisoned: dict | None = None,
-) -> tuple[list[Cause], str | None]:
-    """The tested causes of a judged case (``audits.verdict.causes``), best first, and why their
-    analysis broke (None when it did not): of a failing case, the hypotheses tested on its data
-    and, when ``poison_call`` is given (``--poison``, the call the case ran through), the
-    poisoned re-runs (``audits.engine.poison``), of its backward too when ``grad_poison``
-    (its ``KernelCalls`` and ``BackwardOptions``) is given (what they showed when no cause came of
-    them goes into ``poisoned`` as {"forward"|"backward": sentence}); of a case inside its bound, its rounding bias
-    (``audits.verdict.bias``).  An exception in an analysis is recorded, never the case's verdict."""
-    found, broke = [], None
+) -> tuple[list[Cause], str | None, dict[str, str]]:
+    """The tested causes of a judged case (``audits.verdict.causes``), best first, why their
+    analysis broke (None when it did not), and what the poisoned re-runs showed where no cause
+    came of them ({"forward"|"backward": sentence}): of a failing case, the hypotheses tested on
+    its data and, when ``poison_call`` is given (``--poison``, the call the case ran through), the
+    poisoned re-runs (``audits.engine.poison``), of its backward too when ``grad_poison`` (its
+    ``KernelCalls`` and ``BackwardOptions``) is given; of a case inside its bound, its rounding
+    bias (``audits.verdict.bias``).  An exception in an analysis is recorded, never the case's verdict."""
+    found, broke, poisoned = [], None, {}
     try:
         if rec["verdict"] in FAILING and rec.get("status") == "ran" and keep.out is not None:
             try:
@@ -603,17 +602,16 @@ def _causes(
                 found += poison_causes(
                     call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device, trace=trace
                 )
-                if trace and poisoned is not None:
+                if trace:
                     poisoned["forward"] = trace["summary"]
-            if grad_poison is not None:  # the same seeded dO as the case's backward
+            if grad_poison is not None:  # the same dO as the case's backward
                 calls, opts = grad_poison
-                do = make_grad_output(keep.case, device=device)[0]
-                grads = keep.grads
                 trace = {}
                 found += grad_poison_causes(
-                    calls=calls, x=keep.inputs, do=do, opts=opts, grads=grads, device=device, trace=trace
-                )
-                if trace and poisoned is not None:
+                    calls=calls, x=keep.inputs, do=keep.grad_output, opts=opts, grads=keep.grads, device=device,
+                    trace=trace,
+                )  # fmt: skip
+                if trace:
                     poisoned["backward"] = trace["summary"]
         # a bias is a finding inside the bound (a warn); past it, the error is beyond rounding and
         # its lean says nothing of rounding (2% of outputs moved by +1 lean high too)
@@ -622,7 +620,7 @@ def _causes(
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         broke = "out of GPU memory"
-    return rank_causes(found), broke
+    return rank_causes(found), broke, poisoned
 
 
 def _diagnose(rec: dict, thresholds: dict, keep: CaseTensors) -> tuple:

@@ -48,7 +48,8 @@ import torch
 from torch.utils import deterministic as _deterministic
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from audits.verdict.causes import Cause
+from audits.verdict.nonfinite import runs
+from audits.verdict.vocabulary import Cause
 
 __all__ = ["POISON_KW", "POISON_BYTE", "PATTERN_VALUES", "FILLS", "poisoned", "poison_causes", "grad_poison_causes"]
 
@@ -179,18 +180,6 @@ def _is_pattern(t: torch.Tensor) -> torch.Tensor:
     return torch.isin(t.double(), values)
 
 
-def _ranges(values: list[int], *, limit: int = 4) -> str:
-    """``[0, 1, 2, 5]`` as "0..2, 5"; past ``limit`` runs, the first ones and how many more."""
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    text = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in runs[:limit])
-    return text + (f" and {len(runs) - limit} more runs" if len(runs) > limit else "")
-
-
 def _rows_of(name: str, t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as (batch, row, head, column): out (b, s, h, d), lse (b, h, s); a varlen
     packed out (tokens, h, d) or lse (h, tokens) as one batch of tokens."""
@@ -210,14 +199,14 @@ def _where(name: str, mask: torch.Tensor) -> tuple[str, int]:
         return f"{name}: {int(mask.sum()):,} scattered elements, no whole row", 0
     heads = whole.any(dim=(0, 1)).nonzero().flatten().tolist()
     every_head = whole.all(dim=2) == whole.any(dim=2)
-    head_text = "every head" if len(heads) == m.shape[2] and bool(every_head.all()) else f"heads {_ranges(heads)}"
+    head_text = "every head" if len(heads) == m.shape[2] and bool(every_head.all()) else f"heads {runs(heads)}"
     per_batch = [whole[b].any(dim=-1).nonzero().flatten().tolist() for b in range(m.shape[0])]
     batches = [b for b, r in enumerate(per_batch) if r]
     s = m.shape[1]
     if len(batches) == m.shape[0] and all(r == per_batch[0] for r in per_batch) and len(per_batch[0]) < s:
-        where = f"rows {_ranges(per_batch[0])} of every batch ({m.shape[0]})"
+        where = f"rows {runs(per_batch[0])} of every batch ({m.shape[0]})"
     else:
-        said = {b: "every row" if len(per_batch[b]) == s else f"rows {_ranges(per_batch[b])}" for b in batches}
+        said = {b: "every row" if len(per_batch[b]) == s else f"rows {runs(per_batch[b])}" for b in batches}
         parts = [f"batch {b}: {rows}" for b, rows in said.items()]
         where = "; ".join(parts[:4]) + (f"; and {len(parts) - 4} more batches" if len(parts) > 4 else "")
     if mask.dim() == (2 if name == "lse" else 3):  # varlen: packed tokens, one "batch"
@@ -321,12 +310,12 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
     ``trace`` (when given) gets ``"summary"``: what the runs showed when no cause came of them (every
     result bit-identical under the fills, or every poisoned run failed), so that a negative
     finding is stated, not silent."""
-    runs, failed = {}, {}
+    results, failed = {}, {}
     for fill in (None, *FILLS):
-        runs[fill], why = run(fill)
+        results[fill], why = run(fill)
         if why is not None:
             failed[fill or "control"] = why
-    control, nan_run, pat_run = runs[None], runs["nan"], runs["pattern"]
+    control, nan_run, pat_run = results[None], results["nan"], results["pattern"]
     if nan_run is None and pat_run is None:
         if trace is not None:
             trace["summary"] = f"{what}s under the fills all failed: {_said(failed)}"
@@ -398,7 +387,7 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
             )
         )
     if not causes and trace is not None:
-        trace["summary"] = _unchanged(normal, runs, what, failed_text + unstable_text)
+        trace["summary"] = _unchanged(normal, results, what, failed_text + unstable_text)
     return sorted(causes, key=lambda c: -c.score)
 
 
@@ -406,9 +395,9 @@ def _said(failed: dict) -> str:
     return "; ".join(f"{f}: {w}" for f, w in failed.items())
 
 
-def _unchanged(normal: dict, runs: dict, what: str, notes: str) -> str:
+def _unchanged(normal: dict, results: dict, what: str, notes: str) -> str:
     """The sentence of poisoned runs that changed nothing attributable to a fill."""
-    ran = " and ".join(f for f in FILLS if runs[f] is not None)
+    ran = " and ".join(f for f in FILLS if results[f] is not None)
     return (
         f"{what} with fresh memory filled ({ran}): {', '.join(normal)} bit-identical to the normal run wherever "
         f"it was stable, so the result does not depend on memory the kernel never wrote{notes}"

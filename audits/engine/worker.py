@@ -214,13 +214,11 @@ def serve(conn, kernel: str) -> None:  # pragma: no cover - runs in the child pr
             fn = fns[entry]
             dev = torch.device(device)
             q, k, v, kw = to_device((q, k, v, kw), dev)
-            if bwd is not None:  # the backward half: the caller's grad_call here, tensors sent back on the CPU
-                do, opts, grad_call = bwd  # (a function pickles by name: imported here when it arrives)
-                x = {"q": q, "k": k, "v": v, "kw": kw}
-                with poisoned(fill, device=dev):
-                    res = grad_call(fn, x, do.to(dev), opts)
-            else:
-                with poisoned(fill, device=dev):
+            with poisoned(fill, device=dev):
+                if bwd is not None:  # the backward half: the caller's grad_call here, tensors sent back on the CPU
+                    do, opts, grad_call = bwd  # (a function pickles by name: imported here when it arrives)
+                    res = grad_call(fn, {"q": q, "k": k, "v": v, "kw": kw}, do.to(dev), opts)
+                else:
                     res = fn(q, k, v, return_lse=True, **kw)
             reply = ("ok", to_device(res, "cpu"))
         except Exception as exc:  # sent back and raised in the parent; this worker goes on

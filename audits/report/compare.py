@@ -20,6 +20,7 @@ kept).  This splits the counts only: regressions stay verdict, tightness and non
 
 from __future__ import annotations
 
+import copy
 import html
 import json
 from collections import Counter
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from audits.common import atomic_write
-from audits.engine.compare import COMPARED, label_run_to_run
+from audits.engine.compare import COMPARED, FORWARD_TENSORS, label_run_to_run
 from audits.report.records import FAILING
 from audits.verdict.gate import fa_allowed
 from numerics.metrics import ULP_BUCKETS
@@ -44,8 +45,6 @@ __all__ = [
 
 #: how bad a verdict is, for "worse" and "better" (a refusal is judged apart: ran -> skipped)
 _RANK = {"pass": 0, "out-of-domain": 0, "warn": 1, "known": 2, **{v: 3 for v in FAILING}}
-#: tensors of the forward; the others are gradients
-_FORWARD = ("out", "lse")
 #: differing cases listed in full in report.md / html (all are in compare.json)
 LISTED = 40
 
@@ -207,8 +206,8 @@ def _judge_case(c: Comparison, base: dict, rec: dict, th: dict) -> None:
 def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> None:
     """Bit-level counts of one compared case."""
     c.compared += 1
-    fwd = [n for n in cmp["tensors"] if n in _FORWARD]
-    bwd = [n for n in cmp["tensors"] if n not in _FORWARD]
+    fwd = [n for n in cmp["tensors"] if n in FORWARD_TENSORS]
+    bwd = [n for n in cmp["tensors"] if n not in FORWARD_TENSORS]
     if fwd:
         c.forward["compared"] += 1
         c.forward["identical"] += bool(cmp["forward_identical"])
@@ -239,8 +238,8 @@ def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> 
 
 
 def _add_run_to_run(c: Comparison, cmp: dict) -> None:
-    """One case whose gradients differ, counted as run-to-run only, changed or unknown (a record
-    without ``backward_changed``, from before it was kept, is unknown)."""
+    """One case whose gradients differ, counted as run-to-run only, changed or unknown
+    (``backward_changed`` None: a side did not measure its run-to-run variation)."""
     changed = cmp.get("backward_changed")
     if changed is None:
         c.backward["unknown"] += 1
@@ -251,7 +250,7 @@ def _add_run_to_run(c: Comparison, cmp: dict) -> None:
     c.backward["run_to_run_only"] += 1
     seen = c.backward["run_to_run_tensors"]
     for n, d in cmp["tensors"].items():
-        if n not in _FORWARD and d.get("differ"):
+        if n not in FORWARD_TENSORS and d.get("differ"):
             seen[n] = seen.get(n, 0) + 1
 
 
@@ -274,7 +273,7 @@ def compare_reports(
             cmp = rec.get("compare") or {}
             if cmp.get("status") == COMPARED:
                 if "backward_changed" not in cmp:  # journalled before it was kept: both records hold the spreads
-                    cmp = label_run_to_run(json.loads(json.dumps(cmp)), base_rec=base, cand_rec=rec)
+                    cmp = label_run_to_run(copy.deepcopy(cmp), base_rec=base, cand_rec=rec)
                 _add_compared(c, base, rec, cmp, thresholds)
             elif base.get("status") == "ran" and rec.get("status") == "ran":
                 c.not_compared.append(
@@ -447,7 +446,7 @@ def _run_to_run_cell(name: str, t: dict) -> str:
     """A differing tensor's run-to-run column: "12/9", the elements that differed between the
     baseline's own backward runs and the candidate's ("?" where a side did not measure it); "—"
     for the forward (called once); "unknown" in a record from before the counts were kept."""
-    if name in _FORWARD:
+    if name in FORWARD_TENSORS:
         return "—"
     r = t.get("run_to_run")
     if not r:

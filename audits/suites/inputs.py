@@ -32,6 +32,7 @@ from numerics.mods import BlockSparse, MaskMod, ScoreMod, bind_aux_scalars, bloc
 from numerics.reference import apply_score_mod, call_visibility, visible_mask
 
 __all__ = [
+    "sequence_case",
     "Family",
     "FAMILIES",
     "ADVERSARIAL_FAMILIES",
@@ -650,7 +651,7 @@ def _varlen_mods(case, device) -> dict:
     return mods
 
 
-def _sequence_case(case, i: int, sq: int, sk: int):
+def sequence_case(case, i: int, sq: int, sk: int):
     """Sequence ``i`` of a varlen case as a batch-1 fixed-length case (its own seed), at least
     one row and key long so that every family can draw (sliced back to the length after)."""
 
@@ -706,7 +707,7 @@ def make_varlen_inputs(case, *, device: str | torch.device = "cpu") -> dict:
     g = torch.Generator().manual_seed(case.seed)
     qs, ks, vs, parts, sink = [], [], [], [], None
     for i, (sq, sk) in enumerate(case.seqlens):
-        sub = _sequence_case(case, i, sq, sk)
+        sub = sequence_case(case, i, sq, sk)
         x = make_inputs(sub, device="cpu")
         q, k, v = x["q"][0, :sq], x["k"][0, :sk], x["v"][0, :sk]
         used = case.seqused_k[i] if case.seqused_k else sk

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from audits.suites.inputs import sequence_case
 from audits.verdict.diagnosis import CaseTensors, forward_tiles
 from audits.verdict.nonfinite import nan_leak_cause, overflow_cause, runs
 from audits.verdict.vocabulary import CAUSES, Cause
@@ -439,25 +440,9 @@ def _misplaced_rows(t: CaseTensors, tols: tuple) -> Cause | None:
             if c and (b2, i2, h2) != (b, i, hh):
                 key = (b2 - b, i2 - i, h2 - hh)
                 offsets[key] = offsets.get(key, 0) + 1
-    best = None
+    best, sc = None, _whole_scope(t, tols)
     for key, _ in sorted(offsets.items(), key=lambda kv: -kv[1])[:3]:
         o_h, l_h = _shifted(ref, t.ref_lse, key)
-        sc = _Scope(
-            b=torch.arange(B),
-            rows=None,
-            q=t.inputs["q"],
-            k=t.inputs["k"],
-            v=t.inputs["v"],
-            call=None,
-            out=out,
-            ref=ref,
-            tol=tol,
-            viol=viol,
-            checked=fin,
-            eps=eps,
-        )
-        if lv is not None:
-            sc.lse, sc.ref_lse, sc.ltol, sc.lviol, sc.lchecked = t.lse.double(), t.ref_lse.double(), lt, lv, lc
         counts = _counts(sc, o_h, l_h if lv is not None else None)
         s = _score(counts)
         if s > 0 and (best is None or s > best.score):
@@ -467,6 +452,18 @@ def _misplaced_rows(t: CaseTensors, tols: tuple) -> Cause | None:
             what = f"with each row replaced by its row at offset (batch, row, head) {key}"
             best = Cause("misplaced_rows", detail, _evidence(what, counts), s)
     return best
+
+
+def _whole_scope(t: CaseTensors, tols: tuple) -> _Scope:
+    """The whole case as the scope a hypothesis that rearranges the reference is scored on (every
+    batch and row; the call is not needed: nothing is recomputed from it)."""
+    tol, viol, fin, lt, lv, lc, eps = tols
+    x = t.inputs
+    sc = _Scope(b=torch.arange(t.ref.shape[0]), rows=None, q=x["q"], k=x["k"], v=x["v"], call=None,
+                out=t.out.double(), ref=t.ref.double(), tol=tol, viol=viol, checked=fin, eps=eps)  # fmt: skip
+    if lv is not None:
+        sc.lse, sc.ref_lse, sc.ltol, sc.lviol, sc.lchecked = t.lse.double(), t.ref_lse.double(), lt, lv, lc
+    return sc
 
 
 def _shifted(ref: torch.Tensor, ref_lse: torch.Tensor | None, key: tuple) -> tuple:
@@ -530,11 +527,10 @@ def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
     call = AttentionCall.from_kwargs(**x["kw"])
     if call.score_mod is not None or call.has_mask_mods:
         return None
-    tol, viol, fin, lt, lv, lc, eps = tols
     flat = [u.double().permute(0, 2, 1, 3).reshape(B * H * S, -1) for u in (q, k, v)]
     dv = flat[2].shape[-1]
     sink = call.learnable_sink
-    best = None
+    best, sc = None, _whole_scope(t, tols)
     for stride in (1, 0):
         pred = t.ref.double().permute(0, 2, 1, 3).reshape(B * H * S, dv).clone()
         lse = None if t.ref_lse is None else t.ref_lse.double().clone()
@@ -551,11 +547,7 @@ def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
                 if lse is not None:
                     lse[z, h] = l1.view(S)
         o_h = pred.view(B, H, S, dv).permute(0, 2, 1, 3)
-        sc = _Scope(b=torch.arange(B), rows=None, q=q, k=k, v=v, call=call, out=t.out.double(), ref=t.ref.double(),
-                    tol=tol, viol=viol, checked=fin, eps=eps)  # fmt: skip
-        if lv is not None:
-            sc.lse, sc.ref_lse, sc.ltol, sc.lviol, sc.lchecked = t.lse.double(), t.ref_lse.double(), lt, lv, lc
-        counts = _counts(sc, o_h, lse if lv is not None else None)
+        counts = _counts(sc, o_h, lse if tols[4] is not None else None)
         score = _score(counts)
         if score > 0 and (best is None or score > best.score):
             detail = _STRIDE_WORDS[stride]
@@ -661,8 +653,7 @@ def _varlen_causes(case, t: CaseTensors) -> list[Cause | None]:
         a, b = cu[i], cu[i + 1]
         if b == a or not (n := per_seq(a, b)):
             continue
-        sub = replace(case, batch=1, seqlen_q=b - a, seqlen_k=max(ki.shape[1], 1), seqlens=(), seqused_k=(),
-                      page_size=0, num_splits=1, layout="contiguous")  # fmt: skip
+        sub = sequence_case(case, i, b - a, ki.shape[1])  # its used keys
         cut = lambda x, dim, a=a, b=b: None if x is None else x.narrow(dim, a, b - a)  # noqa: E731
         st = replace(t, case=sub, out=cut(t.out, 1), lse=cut(t.lse, 2), ref=cut(t.ref, 1), ref_lse=cut(t.ref_lse, 2),
                      out_bound=cut(t.out_bound, 1), lse_bound=cut(t.lse_bound, 2), grads={}, grad_refs={},

@@ -513,6 +513,7 @@ class CaseTensors:
     grads: dict = field(default_factory=dict)
     grad_refs: dict = field(default_factory=dict)
     grad_bounds: dict | None = None
+    grad_output: torch.Tensor | None = None
     bwd_kind: str | None = None
     bwd_numerics: object = None
     inputs: dict | None = None

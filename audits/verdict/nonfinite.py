@@ -159,9 +159,11 @@ def overflow_cause(t: CaseTensors, tols: tuple) -> Cause | None:
     sampled = f" (of {len(idx):,} evenly spaced rows inspected)" if scale > 1 else ""
     tile_n = forward_tiles(case=t.case, numerics=t.numerics, kind=t.kind)[1]
     call = AttentionCall.from_kwargs(**t.inputs["kw"])
-    on_fine = _intermediates(t, call, idx_fine, tile_n) if len(idx_fine) else {}
+    found = _intermediates(t, call, idx, tile_n)
+    # the same intermediates on the rows the kernel got finite, only where some exceed on the bad ones
+    on_fine = _intermediates(t, call, idx_fine, tile_n) if found and len(idx_fine) else {}
     best = None
-    for key, (m, detail) in _intermediates(t, call, idx, tile_n).items():
+    for key, (m, detail) in found.items():
         rows = torch.zeros_like(bad)
         sel = idx[m.to(idx.device)]
         rows[sel[:, 0], sel[:, 1], sel[:, 2]] = True
