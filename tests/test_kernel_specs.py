@@ -28,6 +28,7 @@ from audits.report.build import build_report
 from audits.report.header import kernel_environment, versions_line
 from audits.suites.case import Case, varlen_case
 from audits.suites.inputs import make_inputs
+from audits.suites.selection import select_cases
 from audits.verdict.gate import load_thresholds
 from fa4.knobs import FA4Numerics
 from fa4.releases import VERIFIED_RELEASES, VERIFIED_VERSIONS, release_note
@@ -382,7 +383,10 @@ def test_fa4_at_a_b36_dir_runs_through_its_worker(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.split()[1].startswith(str(Path(B36).resolve())) and res.stdout.split()[2] == "4.0.0b36"
     out = tmp_path / "out"
-    argv = ["run", "--quiet", "--device", "cuda", "--kernel", "fa4", "--kernel", f"fa4@{B36}", "--case", NORMAL]
+    # the case by its config, not its name: on a GPU the suite is built in production's domain for
+    # that GPU, whose smoke cases are not the CPU's (on the H200, 2026-12-04, NORMAL was none of them)
+    config = json.dumps(select_cases(suite="smoke", kernels=["fa4-model"], case_glob=NORMAL).cases[0].as_dict())
+    argv = ["run", "--quiet", "--device", "cuda", "--kernel", "fa4", "--kernel", f"fa4@{B36}", "--config", config]
     assert cli.main([*argv, "--out", str(out)]) == 0
     mine = json.loads((out / f"fa4@{Path(B36).resolve().name}" / "report.json").read_text())
     assert mine["environment"]["versions"]["flash-attn-4"] == "4.0.0b36"

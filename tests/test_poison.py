@@ -9,7 +9,7 @@ import torch
 from torch.utils import deterministic
 
 from audits.engine.backward import BackwardOptions
-from audits.engine.poison import PATTERN_VALUES, grad_poison_causes, poison_causes, poisoned
+from audits.engine.poison import PATTERN_VALUES, _prefill_cuda, grad_poison_causes, poison_causes, poisoned
 from audits.engine.worker import InProcess, Isolated
 from audits.kernels import get_kernel
 from audits.suites.cases import suite
@@ -113,6 +113,36 @@ def test_a_poisoned_run_that_raises_is_said_and_the_other_fill_still_judges():
     assert "the nan run failed (RuntimeError: no deterministic implementation)" in causes[0].evidence
 
 
+def test_nan_only_is_said_only_where_the_pattern_did_not_reach():
+    """Rows the pattern cannot fill (an allocation out of the dispatch mode's sight, as an
+    extension's own) are unwritten on the NaN run alone, and the evidence says the second fill did
+    not reach them. Rows whose normal run already held the pattern (memory an earlier poisoned run
+    filled, as a later case's allocator cache hands back on CUDA) took both fills: no such note
+    (the H200's tutorial run said it of 98,240 elements the pattern had reached, 2026-12-04)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def hidden(q, k, v, *, return_lse=False, **kw):
+        o, lse = bugged_kernels.exact(q, k, v, return_lse=True, **kw)
+        with _disable_current_modes():  # the mode does not see it; the NaN fill (C++) still does
+            out = torch.empty_like(o)
+        if not torch.are_deterministic_algorithms_enabled():  # (fill_uninitialized_memory acts under it)
+            out.zero_()  # fresh pages, as the system hands them out: the same on every run
+        out[:, :-1] = o[:, :-1]
+        return (out, lse) if return_lse else out
+
+    x = make_inputs(CASE, device="cpu")
+    (cause,) = causes_of(InProcess("hidden", hidden), x)
+    assert (cause.cause, cause.detail) == BUGS["unwritten_rows"]
+    assert "512 of them NaN only: the second fill did not reach them" in cause.evidence  # 2 x 4 heads x 64
+
+    call = InProcess("b", cause_bugs.unwritten_rows)
+    out, lse = call(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    out[:, -1] = PATTERN_VALUES[out.dtype]  # the normal run's unwritten rows held the pattern already
+    (cause,) = poison_causes(call=call, x=x, out=out, lse=lse, device="cpu")
+    assert (cause.cause, cause.detail) == BUGS["unwritten_rows"]
+    assert "512 elements" in cause.evidence and "NaN only" not in cause.evidence
+
+
 def test_the_score_is_the_share_of_the_violations_explained():
     x = make_inputs(CASE, device="cpu")
     call = InProcess("b", cause_bugs.unwritten_rows)
@@ -177,11 +207,13 @@ def test_the_poisoning_reaches_a_worker_process():
 
 @pytest.mark.gpu
 def test_the_pattern_prefills_the_cuda_allocator():
-    """On CUDA the pattern comes from the caching allocator's pre-filled blocks: a fresh
-    allocation inside the block holds it, and the unwritten rows are found."""
-    with poisoned("pattern", device="cuda"):
-        assert (torch.empty(1000, device="cuda") == PATTERN_VALUES[torch.float32]).all()
-        assert (torch.empty(3 << 20, dtype=torch.bfloat16, device="cuda") == PATTERN_VALUES[torch.bfloat16]).all()
+    """On CUDA the caching allocator's pre-filled blocks hold the pattern for an allocation that
+    the dispatch mode does not see, and the dispatch mode fills an output allocated after the
+    kernel's own arithmetic took those blocks: the unwritten rows are found (with the pre-fill
+    alone they read as uninitialized_read on the H200, 2026-12-04)."""
+    _prefill_cuda(torch.device("cuda"))  # alone, outside the mode: fresh allocations carved from it
+    assert (torch.empty(1000, device="cuda") == PATTERN_VALUES[torch.float32]).all()
+    assert (torch.empty(3 << 20, dtype=torch.bfloat16, device="cuda") == PATTERN_VALUES[torch.bfloat16]).all()
     x = make_inputs(CASE, device="cuda")
     causes = poison_causes(call=cause_bugs.unwritten_rows, x=x, device="cuda", **_result(cause_bugs.unwritten_rows, x))
     assert [(c.cause, c.detail) for c in causes] == [BUGS["unwritten_rows"]]

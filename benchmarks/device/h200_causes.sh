@@ -8,7 +8,8 @@
 #     overflowed the LSE on 4.0.0b36 (benchmarks/device/sink_overflow_cases.json);
 #   head-dims-minimal: production's backward at the head dims where it is wrong
 #     (benchmarks/device/headdims_minimal.json), --backward: the backward's poisoned re-runs;
-#   then the GPU tests of the poisoned runs and of fa4@DIR (b36 installed with pip --target).
+#   gpu-tests: the GPU tests of the poisoned runs and of fa4@DIR (b36 installed with pip --target).
+# STEPS (default: all four, in that order) picks some of them.
 set -uo pipefail
 . benchmarks/device/h200_env.sh
 nvidia-smi -L
@@ -24,18 +25,24 @@ run() {  # NAME, then the run's arguments
   echo "$name: exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
 }
 {
-run triton-tutorial --kernel examples/triton_tutorial.py:attention --suite smoke --jobs 4
-run sink-overflow --kernel fa4 --case-file benchmarks/device/sink_overflow_cases.json --jobs 4
-run head-dims-minimal --kernel fa4 --case-file benchmarks/device/headdims_minimal.json --backward --jobs 7
-t0=$SECONDS
-# the whole output in its own file (a tail cut the failures off on 2026-12-04), with and without
-# expandable segments (the pre-fill's test failed under them, unexplained)
-for conf in "" "expandable_segments:True"; do
-  PYTORCH_CUDA_ALLOC_CONF=$conf FA4_B36_DIR=/tmp/b36 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider \
-    -W ignore tests/test_poison.py tests/test_kernel_specs.py > $OUT/pytest-gpu${conf:+-expandable}.txt 2>&1
-  echo "gpu tests (PYTORCH_CUDA_ALLOC_CONF=$conf): exit $? in $((SECONDS - t0)) s"
+for step in ${STEPS:-triton-tutorial sink-overflow head-dims-minimal gpu-tests}; do
+  case $step in
+    triton-tutorial) run triton-tutorial --kernel examples/triton_tutorial.py:attention --suite smoke --jobs 4 ;;
+    sink-overflow) run sink-overflow --kernel fa4 --case-file benchmarks/device/sink_overflow_cases.json --jobs 4 ;;
+    head-dims-minimal) run head-dims-minimal --kernel fa4 --case-file benchmarks/device/headdims_minimal.json --backward --jobs 7 ;;
+    gpu-tests)
+      t0=$SECONDS
+      # the whole output in its own file (a tail cut the failures off on 2026-12-04), with and without
+      # expandable segments (the device scripts set them; the pre-fill's test failed under both)
+      for conf in "" "expandable_segments:True"; do
+        PYTORCH_CUDA_ALLOC_CONF=$conf FA4_B36_DIR=/tmp/b36 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider \
+          -W ignore tests/test_poison.py tests/test_kernel_specs.py > $OUT/pytest-gpu${conf:+-expandable}.txt 2>&1
+        echo "gpu tests (PYTORCH_CUDA_ALLOC_CONF=$conf): exit $? in $((SECONDS - t0)) s"
+      done ;;
+    *) echo "unknown step $step" ;;
+  esac
 done
 } 2>&1 | tee $OUT/log.txt
-(cd /tmp/causes && find . -name report.json -exec xz -k {} \; && tar czf $OUT/causes.tgz \
+(cd /tmp/causes && find . -name report.json -exec xz -kf {} \; && tar czf $OUT/causes.tgz \
   --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' --exclude='report.json' --exclude='journal.jsonl' --exclude='*.log' .)
 ls -la $OUT

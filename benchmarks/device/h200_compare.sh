@@ -49,7 +49,7 @@ PY
   echo "$step: exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
 done
 } 2>&1 | tee $OUT/log.txt
-(cd /tmp/cmp && find . -name report.json -exec xz -k {} \; && xz -k */compare.json && tar czf $OUT/reports.tgz \
+(cd /tmp/cmp && find . -name report.json -exec xz -kf {} \; && xz -kf */compare.json && tar czf $OUT/reports.tgz \
   --exclude=jobs --exclude=repro --exclude=maps --exclude='*.html' --exclude='*.junit.xml' --exclude='report.json' \
   --exclude='compare.json' --exclude='journal.jsonl' --exclude='*.log' --exclude='*-rest.json' .)
 ls -la $OUT
