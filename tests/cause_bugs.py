@@ -223,13 +223,31 @@ def flat_batch_offset(q, k, v, *, return_lse=False, **kw):
     batch 0's rows one row down (past the end: zeros, as a TMA load), its own rows never written
     (``torch.empty``); programs run batch after batch, so batch 1's writes land last; the LSE is
     written at the program's own row, as the tutorial writes M.  Each program is the model's."""
+    return _flat_batch(q, k, v, return_lse=return_lse, raced=False, **kw)
+
+
+def flat_batch_offset_raced(q, k, v, *, return_lse=False, **kw):
+    """``flat_batch_offset`` with its racing writes landing both ways: where batch 0's program
+    and batch 1's both write a row, batch 0's write lands last on every other tile of 64 rows
+    (on the H200 the tutorial's batch 0 ended correct on some cases, moved on others, 2026-12-04)."""
+    return _flat_batch(q, k, v, return_lse=return_lse, raced=True, **kw)
+
+
+def flat_batch_offset_two(q, k, v, *, return_lse=False, **kw):
+    """Not a cause of the vocabulary: ``flat_batch_offset`` with the batch stride taken as 2 rows,
+    a control that the batch-stride hypothesis (strides 1 and 0) must not name."""
+    return _flat_batch(q, k, v, return_lse=return_lse, raced=False, stride=2, **kw)
+
+
+def _flat_batch(q, k, v, *, return_lse, raced, stride=1, **kw):
     B, N, H, D = q.shape
     flat = [t.transpose(1, 2).reshape(B * H * N, t.shape[-1]) for t in (q, k, v)]
     out = torch.empty(B * H * N, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+    late = []  # batch 0's tiles written after every other program (raced)
     for z in range(B):
         for h in range(H):
-            start = z + h * N
+            start = z * stride + h * N
             rows = [
                 torch.cat([t[start : start + N], t.new_zeros(max(0, start + N - len(t)), t.shape[1])]) for t in flat
             ]
@@ -237,5 +255,9 @@ def flat_batch_offset(q, k, v, *, return_lse=False, **kw):
             end = min(start + N, len(out))
             out[start:end] = o.view(N, -1)[: end - start]
             lse[z, h] = l1.view(N)
+            if raced and z == 0:
+                late += [(start + i, o.view(N, -1)[i : i + 64]) for i in range(0, N, 128)]
+    for at, tile in late:
+        out[at : at + len(tile)] = tile
     out = out.view(B, H, N, -1).transpose(1, 2)
     return (out, lse) if return_lse else out

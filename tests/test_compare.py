@@ -204,10 +204,30 @@ def test_a_nondeterministic_backward_differs_only_run_to_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert (
         "backward bit-identical on 0 of 2; 2 differ only in gradients that also differ between two runs of the same "
-        "kernel (run-to-run: dq; compare with --deterministic to tell), 0 differ beyond that"
+        "kernel (run-to-run: dq; the baseline's runs on 0, the candidate's on 2; compare with --deterministic to "
+        "tell), 0 differ beyond that"
     ) in out
     md = (tmp_path / "c" / "compare.md").read_text()
     assert "| run-to-run |" in md and f"| 0/{c['differing'][0]['tensors']['dq']['run_to_run']['candidate']:,} |" in md
+
+
+def test_run_to_run_variation_under_deterministic_is_said_as_such(tmp_path, capsys):
+    """With --deterministic the hint to run it is not printed: a side whose deterministic=True runs
+    differ is the finding (4.0.0b36's SM90 dQ on 106 of 124 head-dims cases, the H200, 2026-12-04),
+    and its own verdict fails on it."""
+    code, (c,) = _compare(
+        tmp_path, "fa4-model", f"{KERNELS}:jitter_dq", cases=[CASES[1]], extra=["--backward", "--deterministic"]
+    )
+    assert code == 1  # the candidate's verdict is worse: its deterministic backward is not
+    assert c["backward"]["run_to_run_deterministic"] == 1
+    assert c["backward"]["run_to_run_sides"] == {"baseline": 0, "candidate": 1}
+    out = capsys.readouterr().out
+    assert (
+        "1 differ only in gradients that also differ between two runs of the same kernel (run-to-run: dq; the "
+        "baseline's runs on 0, the candidate's on 1; under deterministic=True, which should make them agree)"
+    ) in out
+    assert "compare with --deterministic" not in out
+    assert "deterministic=True: " in out  # the candidate's own reason
 
 
 def test_a_deterministic_backward_change_is_attributable(tmp_path, capsys):

@@ -286,3 +286,18 @@ def test_the_tutorials_batch_addressing_leaves_batch_1_unwritten():
     causes = causes_of(InProcess("flat_batch_offset", cause_bugs.flat_batch_offset), make_inputs(case, device="cpu"))
     assert [(c.cause, c.detail) for c in causes] == [("unwritten_output", "out batch 1: every row, heads 0..3")]
     assert "32,704 elements of 66,560 took the fill in both runs" in causes[0].evidence
+
+
+def test_the_console_says_both_poisoned_runs_when_no_cause_is_named(tmp_path, capsys):
+    """A backward failure with no cause named: the console prints what the forward's and the
+    backward's poisoned runs showed (the H200's head-dim defect printed the forward's alone, while
+    its answer was the backward's, 2026-12-04)."""
+    from audits import cli
+
+    spec = f"{ROOT / 'tests' / 'bugged_backward.py'}:bug_dq_no_scale"
+    argv = ["run", "--kernel", spec, "--backward", "--case", CASE.name, "--out", str(tmp_path / "o")]
+    assert cli.main(argv) == 1
+    out = capsys.readouterr().out
+    fwd = "    poisoned (forward): re-run with fresh memory filled (nan and pattern): out, lse bit-identical"
+    bwd = "    poisoned (backward): backward re-run with fresh memory filled (nan and pattern): dq, dk, dv bit-"
+    assert fwd in out and bwd in out, out

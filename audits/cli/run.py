@@ -155,7 +155,10 @@ def _print_failing(kern: str, records: list[dict]) -> None:
     for r, n in bad[:SHOW_FAILING]:
         also = f" (x{n} cases; the others in the report)" if n > 1 else ""
         print(f"  {r['verdict'].upper()} {r['case']}{also}")
-        for line in cause_lines(r)[:1]:  # the best tested cause first; report.md lists them all
+        lines = cause_lines(r)
+        # the best tested cause first (report.md lists them all); with none, what each poisoned
+        # re-run showed (forward and backward: a backward failure's answer is the backward's)
+        for line in lines if lines and lines[0].startswith("poisoned (") else lines[:1]:
             print(f"    {line}")
         print(f"    why: {'; '.join(x for x in r['reasons'] if x)}")
         print(f"    reproduce: {r['repro']}")

@@ -79,6 +79,8 @@ class Comparison:
             "changed": 0,
             "unknown": 0,
             "run_to_run_tensors": {},
+            "run_to_run_sides": {"baseline": 0, "candidate": 0},
+            "run_to_run_deterministic": 0,
         }
     )
     ulp_histogram: dict = field(default_factory=lambda: {label: 0 for label, _, _ in ULP_BUCKETS})
@@ -215,7 +217,7 @@ def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> 
         c.backward["compared"] += 1
         c.backward["identical"] += bool(cmp["backward_identical"])
         if cmp["backward_identical"] is False:
-            _add_run_to_run(c, cmp)
+            _add_run_to_run(c, cmp, base, rec)
     new_nf = []
     for n in fwd + bwd:
         d = cmp["tensors"][n]
@@ -237,9 +239,12 @@ def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> 
         c.differing.append(_differing_entry(rec, cmp, base, th))
 
 
-def _add_run_to_run(c: Comparison, cmp: dict) -> None:
+def _add_run_to_run(c: Comparison, cmp: dict, base: dict, rec: dict) -> None:
     """One case whose gradients differ, counted as run-to-run only, changed or unknown
-    (``backward_changed`` None: a side did not measure its run-to-run variation)."""
+    (``backward_changed`` None: a side did not measure its run-to-run variation); for run-to-run
+    only, which side's own runs differed and whether both ran with deterministic=True (the
+    baseline's and candidate's case records ``base`` and ``rec``: then the variation is itself a
+    defect of the side it shows on, and the verdicts say so)."""
     changed = cmp.get("backward_changed")
     if changed is None:
         c.backward["unknown"] += 1
@@ -249,9 +254,16 @@ def _add_run_to_run(c: Comparison, cmp: dict) -> None:
         return
     c.backward["run_to_run_only"] += 1
     seen = c.backward["run_to_run_tensors"]
+    sides = c.backward.setdefault("run_to_run_sides", {"baseline": 0, "candidate": 0})
+    noisy = set()
     for n, d in cmp["tensors"].items():
         if n not in FORWARD_TENSORS and d.get("differ"):
             seen[n] = seen.get(n, 0) + 1
+            noisy |= {side for side, k in (d.get("run_to_run") or {}).items() if k}
+    for side in noisy:
+        sides[side] += 1
+    deterministic = all(((r or {}).get("backward") or {}).get("deterministic") is True for r in (base, rec))
+    c.backward["run_to_run_deterministic"] = c.backward.get("run_to_run_deterministic", 0) + deterministic
 
 
 def compare_reports(
@@ -347,9 +359,17 @@ def _backward_split(b: dict) -> str:
     if noise:
         seen = sorted((b.get("run_to_run_tensors") or {}).items(), key=lambda kv: -kv[1])
         names = ", ".join(n if len(seen) == 1 else f"{n} {k:,}" for n, k in seen)
+        sides = b.get("run_to_run_sides")
+        who = ""
+        if sides:
+            who = f"; the baseline's runs on {sides['baseline']:,}, the candidate's on {sides['candidate']:,}"
+        if b.get("run_to_run_deterministic") == noise:  # --deterministic was asked: no hint to ask for it
+            how = "under deterministic=True, which should make them agree"
+        else:
+            how = "compare with --deterministic to tell"
         parts.append(
             f"{noise:,} differ only in gradients that also differ between two runs of the same kernel "
-            f"(run-to-run: {names}; compare with --deterministic to tell), {changed:,} differ beyond that"
+            f"(run-to-run: {names}{who}; {how}), {changed:,} differ beyond that"
         )
     elif changed:
         parts.append(f"{changed:,} differ where both kernels' own runs are bit-identical")

@@ -187,9 +187,11 @@ def _recompute(sc: _Scope, *, factor: float = 1.0, window=None, kv=None, drop=No
     return out, lse
 
 
-def _counts(sc: _Scope, out_h: torch.Tensor, lse_h: torch.Tensor | None, *, mask=None) -> tuple[int, int, int]:
+def _counts(
+    sc: _Scope, out_h: torch.Tensor, lse_h: torch.Tensor | None, *, mask=None, lse_mask=None
+) -> tuple[int, int, int]:
     """(explained, violating, predicted) of one hypothesis' reference (module comment above);
-    ``mask``: only these out elements (and their rows' LSE) count."""
+    ``mask``: only these out elements count, and their rows' LSE unless ``lse_mask`` says which."""
 
     def one(got, ref, hyp, tol, viol, checked, eps):
         close = ((got - hyp).abs() <= tol + eps * hyp.abs()) | (got == hyp)
@@ -202,8 +204,9 @@ def _counts(sc: _Scope, out_h: torch.Tensor, lse_h: torch.Tensor | None, *, mask
         parts.append(one(sc.lse, sc.ref_lse, lse_h, sc.ltol, sc.lviol, sc.lchecked, 0.0))
     e = v = p = 0
     for i, (expl, viol, pred) in enumerate(parts):
-        if mask is not None:
-            m = mask if i == 0 else mask.any(-1).permute(0, 2, 1)
+        m = mask if i == 0 else (lse_mask if lse_mask is not None else mask)
+        if m is not None:
+            m = m if i == 0 or lse_mask is not None else m.any(-1).permute(0, 2, 1)
             expl, viol, pred = expl & m, viol & m, pred & m
         e, v, p = e + int(expl.sum()), v + int(viol.sum()), p + int(pred.sum())
     return e, v, p
@@ -515,10 +518,17 @@ def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
     programs read and write batch 0's rows z rows down, with ``s`` 0 (the batch ignored) batch 0's
     rows themselves.  The FP64 prediction runs every (z, h) program on the rows it addresses
     (rows past the tensor's end read as zeros, as a TMA load of them does) and writes its output
-    where it addresses them, later batches over earlier ones (as racing writes may land), its LSE
-    at its own row (the tutorial addresses M correctly); rows no program writes keep the
-    reference (no prediction: ``unwritten_output`` is the poisoned runs' to name).  Only where the
-    heads and sequence lengths of q and k/v agree and no mod sees its indices."""
+    where it addresses them, its LSE at its own row (the tutorial addresses M correctly).
+
+    Two kinds of rows are scored apart.  Rows two programs write (batch 0's own program and a
+    later batch's) race: either write may land, tile by tile, and on the H200 (2026-12-04) batch 0
+    ended correct on some of the tutorial's cases and moved on others.  The prediction there is
+    the later batch's; where the kernel holds the reference instead (the other write landed) the
+    element is consistent with the hypothesis and not counted against it.  Rows no program
+    addresses are never written: their violations are left out of the count (whatever they hold is
+    what the hypothesis allows; ``unwritten_output`` is the poisoned runs' to name) and said in
+    the evidence.  Only where the heads and sequence lengths of q and k/v agree and no mod sees
+    its indices."""
     x = t.inputs
     q, k, v = x["q"], x["k"], x["v"]
     B, S, H, D = q.shape
@@ -534,9 +544,14 @@ def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
     for stride in (1, 0):
         pred = t.ref.double().permute(0, 2, 1, 3).reshape(B * H * S, dv).clone()
         lse = None if t.ref_lse is None else t.ref_lse.double().clone()
+        written = torch.zeros(B * H * S, dtype=torch.bool)
+        written[: H * S] = True  # batch 0's programs address their own rows, whatever the stride
+        contested = torch.zeros_like(written)
         for z in range(1, B):
             for h in range(H):
                 start = z * stride + h * S
+                contested[start : start + S] |= written[start : start + S]
+                written[start : start + S] = True
                 rows = [
                     torch.cat([u[start : start + S], u.new_zeros(max(0, start + S - len(u)), u.shape[1])]) for u in flat
                 ]
@@ -547,12 +562,29 @@ def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
                 if lse is not None:
                     lse[z, h] = l1.view(S)
         o_h = pred.view(B, H, S, dv).permute(0, 2, 1, 3)
-        counts = _counts(sc, o_h, lse if tols[4] is not None else None)
+        as_case = lambda rows: rows.view(B, H, S).permute(0, 2, 1).unsqueeze(-1).to(sc.viol.device)  # noqa: E731
+        unwritten, raced = as_case(~written), as_case(contested)
+        mask = ~unwritten & ~(raced & ~sc.viol)  # (B, S, H, Dv): the rows it predicts, moved where raced
+        lse_mask = None if sc.lviol is None else torch.ones_like(sc.lviol)
+        counts = _counts(sc, o_h, lse if tols[4] is not None else None, mask=mask, lse_mask=lse_mask)
         score = _score(counts)
         if score > 0 and (best is None or score > best.score):
             detail = _STRIDE_WORDS[stride]
             what = f"with batch z's programs on the rows z·{stride} + h·seqlen of the head-major rows"
-            best = Cause("misplaced_rows", detail, _evidence(what, counts), score)
+            left = int((sc.viol & unwritten).sum())
+            rows = int((~written).sum())
+            said = _evidence(what, counts) + (
+                "; a row two programs write may hold either write (they race): it counts against the prediction "
+                "only where the kernel holds neither"
+                if bool(contested.any())
+                else ""
+            )
+            if left:
+                said += (
+                    f"; the {left:,} violating elements in the {rows:,} rows no program addresses are not counted "
+                    "(never written, as it predicts: the poisoned runs tell)"
+                )
+            best = Cause("misplaced_rows", detail, said, score)
     return best
 
 
