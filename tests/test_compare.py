@@ -94,11 +94,12 @@ def test_compare_case_sets_differing_gradients_against_each_sides_run_to_run():
     got = compare_case(case=case, base=base, cand=cand, base_rec=_spread(dq=0), cand_rec={"backward": {"spread": {}}})
     assert got["tensors"]["dq"]["run_to_run"] == {"baseline": 0, "candidate": None}
     assert got["tensors"]["dq"]["attributable"] is False and got["backward_changed"] is None
-    # a differing forward tensor is always attributable (the forward is called once per kernel)
+    # a differing forward tensor called once per kernel is attributable (unmeasured: the assumption)
     cand.out = cand.out.clone()
     cand.out[0, 0, 0, 0] = -cand.out[0, 0, 0, 0] if cand.out[0, 0, 0, 0] != 0 else 1.0
     got = compare_case(case=case, base=base, cand=cand, base_rec=_spread(dq=3), cand_rec=_spread(dq=3))
-    assert got["tensors"]["out"]["attributable"] is True and "run_to_run" not in got["tensors"]["out"]
+    assert got["tensors"]["out"]["attributable"] is True
+    assert got["tensors"]["out"]["run_to_run"] == {"baseline": None, "candidate": None}
     assert got["backward_changed"] is False  # the forward's change is not the backward's
     no_grads = CaseTensors(case, out=out, lse=lse)
     assert compare_case(case=case, base=no_grads, cand=no_grads)["backward_changed"] is None
@@ -281,6 +282,31 @@ def test_records_from_before_run_to_run_render_as_unknown(tmp_path):
     for k in ("run_to_run_only", "changed", "unknown", "run_to_run_tensors"):
         del c.backward[k]
     assert summary_lines(c)[0].endswith("backward bit-identical on 0 of 1; 1 differ, run-to-run variation unknown")
+
+
+def test_a_forward_that_differs_from_itself_is_not_taken_as_the_change(tmp_path, capsys):
+    """``--time-calls``: the candidate's compared call differs from the model by one element, and
+    its second call differs from its first by as many: run-to-run, not a change. Without
+    ``--time-calls`` the same difference is taken as the change (unmeasured: the assumption)."""
+    code, (c,) = _compare(tmp_path, "fa4-model", f"{KERNELS}:flaky_first", cases=CASES[:2], extra=["--time-calls"])
+    assert c["forward"]["identical"] == 0 and c["forward"]["run_to_run_only"] == 2
+    for e in c["differing"]:
+        assert e["tensors"]["out"]["run_to_run"] == {"baseline": 0, "candidate": 1}
+        assert e["tensors"]["out"]["attributable"] is False
+    out = capsys.readouterr().out
+    assert (
+        "forward bit-identical on 0 of 2 cases (2 of the others differ only where a kernel's second call on the same "
+        "inputs moved its own bits too)"
+    ) in out
+    assert "| 0/1 |" in (tmp_path / "c" / "compare.md").read_text()
+    (tmp_path / "once").mkdir()
+    code, (c,) = _compare(tmp_path / "once", "fa4-model", f"{KERNELS}:flaky_first", cases=CASES[:1])
+    assert c["forward"]["identical"] == 0 and c["forward"]["run_to_run_only"] == 0
+    (e,) = c["differing"]
+    assert e["tensors"]["out"]["attributable"] is True and e["tensors"]["out"]["run_to_run"] == {
+        "baseline": None,
+        "candidate": None,
+    }
 
 
 def test_time_calls_times_two_calls_and_tells_a_forward_that_differs_from_itself(tmp_path, capsys):

@@ -74,6 +74,17 @@ def _run_to_run(rec: dict | None, name: str) -> int | None:
     return int(n) if isinstance(n, int) else None
 
 
+def _forward_run_to_run(rec: dict | None) -> int | None:
+    """How many out and LSE elements differed between the kernel's two forward calls on the case
+    (``--time-calls``: its record's ``second_call_differing``; 0 from an older record's
+    ``second_call_identical``), or None where it was called once."""
+    rec = rec or {}
+    n = rec.get("second_call_differing")
+    if isinstance(n, int):
+        return n
+    return 0 if rec.get("second_call_identical") is True else None
+
+
 def _backward_changed(rec: dict) -> bool | None:
     """Whether the gradients changed beyond what each kernel changes from run to run: True where a
     gradient is missing on one side or differs and is attributable; False where every differing
@@ -111,8 +122,9 @@ def compare_case(
     that side's own backward runs (None where not measured: ``--repeat 1``, no record), and is
     ``attributable`` to the change only where both are known to be 0: a tensor that differs from
     itself from run to run may differ between the kernels by that alone.  A differing forward tensor
-    is always ``attributable``: an assumption, since the forward is called once per kernel and its
-    run-to-run spread is not measured (a forward that differs from itself would read as a change)."""
+    gets ``run_to_run`` from both sides' second forward calls (``--time-calls``; None where a side
+    called it once) and is ``attributable`` unless a side's second call moved elements: without
+    ``--time-calls`` an assumption (a forward that differs from itself would read as a change)."""
     if base is None or cand is None or base.out is None or cand.out is None:
         side = "the baseline" if base is None or base.out is None else "the candidate"
         return {"status": NOT_COMPARED, "why": f"{side} returned no result on this case"}
@@ -159,7 +171,9 @@ def label_run_to_run(rec: dict, *, base_rec: dict | None, cand_rec: dict | None)
         if not d["differ"]:
             continue
         if name in FORWARD_TENSORS:
-            d["attributable"] = True
+            # measured only with --time-calls; unmeasured, a forward difference is taken as the change
+            d["run_to_run"] = {"baseline": _forward_run_to_run(base_rec), "candidate": _forward_run_to_run(cand_rec)}
+            d["attributable"] = not any(d["run_to_run"].values())
             continue
         d["run_to_run"] = {"baseline": _run_to_run(base_rec, name), "candidate": _run_to_run(cand_rec, name)}
         # another shape or dtype is the change itself, whatever either side's runs do

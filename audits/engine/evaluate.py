@@ -250,9 +250,10 @@ def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
 
 def _timed_call(fn: Callable, x: dict, rec: dict, twice: bool) -> tuple[dict, tuple | None]:
     """:func:`_call`, its wall time into ``rec["call_seconds"]`` (a list); with ``twice``, a second
-    call on the same inputs after it, its time appended and ``rec["second_call_identical"]``
-    whether its out and LSE have the first call's bits (a forward that differs from itself makes a
-    comparison's forward differences run to run).  The first call's excess over the second is
+    call on the same inputs after it, its time appended, ``rec["second_call_identical"]``
+    whether its out and LSE have the first call's bits and ``rec["second_call_differing"]`` how
+    many elements do not (a forward that differs from itself makes a comparison's forward
+    differences run to run: ``audits.engine.compare.label_run_to_run``).  The first call's excess over the second is
     compilation and first use (a CuTe-DSL or Triton kernel compiles on its first call per compile
     key); the calls return their results on the CPU, so the time includes the copy back."""
     t0 = time.perf_counter()
@@ -263,7 +264,19 @@ def _timed_call(fn: Callable, x: dict, rec: dict, twice: bool) -> tuple[dict, tu
         _, again = _call(fn, x)
         rec["call_seconds"].append(time.perf_counter() - t0)
         rec["second_call_identical"] = again is not None and all(map(_same_bits, res, again))
+        if again is not None:  # how many out and LSE elements moved: the forward's own run-to-run count
+            rec["second_call_differing"] = sum(_differing(a, b) for a, b in zip(res, again, strict=True))
     return status, res
+
+
+def _differing(a, b) -> int:
+    """Elements of two results (a tensor or None) whose bits differ; all of them where the shape or
+    dtype changed (or one is None)."""
+    if a is None or b is None:
+        return 0 if a is None and b is None else (a if a is not None else b).numel()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.numel(), b.numel())
+    return int((bit_view(a.detach().cpu()) != bit_view(b.detach().cpu())).sum())
 
 
 def _same_bits(a, b) -> bool:

@@ -70,7 +70,7 @@ class Comparison:
     cases: int = 0
     compared: int = 0
     not_compared: list = field(default_factory=list)
-    forward: dict = field(default_factory=lambda: {"compared": 0, "identical": 0})
+    forward: dict = field(default_factory=lambda: {"compared": 0, "identical": 0, "run_to_run_only": 0})
     backward: dict = field(
         default_factory=lambda: {
             "compared": 0,
@@ -213,6 +213,9 @@ def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> 
     if fwd:
         c.forward["compared"] += 1
         c.forward["identical"] += bool(cmp["forward_identical"])
+        moved = [cmp["tensors"][n] for n in fwd if cmp["tensors"][n].get("differ")]
+        if moved and not any(d.get("attributable", True) for d in moved):  # each side's second call tells
+            c.forward["run_to_run_only"] = c.forward.get("run_to_run_only", 0) + 1
     if cmp.get("backward_identical") is not None:
         c.backward["compared"] += 1
         c.backward["identical"] += bool(cmp["backward_identical"])
@@ -387,6 +390,11 @@ def summary_lines(c: Comparison) -> list[str]:
         return [head + f"nothing compared ({c.cases} cases; {len(c.not_compared)} without results on one side)"]
     fwd_diff = f["compared"] - f["identical"]
     parts = [f"forward bit-identical on {_share(f['identical'], f['compared'])} cases"]
+    if f.get("run_to_run_only"):
+        parts[0] += (
+            f" ({f['run_to_run_only']:,} of the others differ only where a kernel's second call on the same inputs "
+            "moved its own bits too)"
+        )
     if b["compared"]:
         parts.append(f"backward bit-identical on {_share(b['identical'], b['compared'])}")
         if b["compared"] - b["identical"]:
@@ -464,11 +472,12 @@ def _hist_row(h: dict) -> str:
 
 def _run_to_run_cell(name: str, t: dict) -> str:
     """A differing tensor's run-to-run column: "12/9", the elements that differed between the
-    baseline's own backward runs and the candidate's ("?" where a side did not measure it); "—"
-    for the forward (called once); "unknown" in a record from before the counts were kept."""
-    if name in FORWARD_TENSORS:
-        return "—"
+    baseline's own backward runs (for out and LSE: its two forward calls, ``--time-calls``) and the
+    candidate's ("?" where a side did not measure it); "—" for a forward called once by both;
+    "unknown" in a record from before the counts were kept."""
     r = t.get("run_to_run")
+    if name in FORWARD_TENSORS and (not r or all(n is None for n in r.values())):
+        return "—"
     if not r:
         return "unknown"
     side = lambda n: "?" if n is None else f"{n:,}"

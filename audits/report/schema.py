@@ -161,6 +161,7 @@ CASE = [
         # the kernel call's seconds, a second call's too with --time-calls (audits.engine.evaluate._timed_call)
         "call_seconds": Opt(Each(NUM)),
         "second_call_identical": Opt(bool),
+        "second_call_differing": Opt(int),
     },
     # a failing case a --known entry describes (audits.verdict.known): which entry, and the verdict it had
     When("verdict", ("known",), {"known_id": str, "known_from": str}),
