@@ -66,32 +66,30 @@ for _fn in (same, last_bit, lse_nan, no_causal, jitter_dq):
     _fn.fa4_audit_numerics = "sm100"
 
 
-_forward_calls = [0]
+#: forward calls so far, per flaky kernel
+_calls = {"first": 0, "second": 0}
 
 
-_first_calls = [0]
+def _flaky(which: str, moved_on: int, q, k, v, *, return_lse=False, **kw):
+    """The model, one output element moved by one ULP on the calls whose count is ``moved_on``
+    modulo 2 (counted per kernel ``which``)."""
+    out, lse = _model(q, k, v, return_lse=True, **kw)
+    _calls[which] += 1
+    if _calls[which] % 2 == moved_on:
+        bits = out.view(torch.int16 if out.element_size() == 2 else torch.int32).clone()
+        bits[0, 0, 0, 0] += 1
+        out = bits.view(out.dtype)
+    return (out, lse) if return_lse else out
 
 
-def flaky_first(q, k, v, *, return_lse=False, **kw):
+def flaky_first(q, k, v, **kw):
     """The model whose every first forward call of two moves one output element by one ULP: it
     differs from the model in the call compared, and from itself in the second call
     (``--time-calls``), so the difference is its own run-to-run variation, not a change."""
-    out, lse = _model(q, k, v, return_lse=True, **kw)
-    _first_calls[0] += 1
-    if _first_calls[0] % 2 == 1:
-        bits = out.view(torch.int16 if out.element_size() == 2 else torch.int32).clone()
-        bits[0, 0, 0, 0] += 1
-        out = bits.view(out.dtype)
-    return (out, lse) if return_lse else out
+    return _flaky("first", 1, q, k, v, **kw)
 
 
-def flaky_forward(q, k, v, *, return_lse=False, **kw):
+def flaky_forward(q, k, v, **kw):
     """The model whose every second forward call moves one output element by one ULP: a forward
     that differs from itself (``--time-calls`` says so by the second call's bits)."""
-    out, lse = _model(q, k, v, return_lse=True, **kw)
-    _forward_calls[0] += 1
-    if _forward_calls[0] % 2 == 0:
-        bits = out.view(torch.int16 if out.element_size() == 2 else torch.int32).clone()
-        bits[0, 0, 0, 0] += 1
-        out = bits.view(out.dtype)
-    return (out, lse) if return_lse else out
+    return _flaky("second", 0, q, k, v, **kw)
