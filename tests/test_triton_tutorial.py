@@ -14,6 +14,7 @@ import torch
 
 from audits.kernels import get_kernel
 from audits.suites.selection import select_cases
+from audits.verdict.causes import _STRIDE_WORDS
 from examples import triton_tutorial as tt
 from tests.bugged_kernels import exact
 
@@ -100,3 +101,55 @@ def test_smoke_is_built_inside_the_tutorials_domain():
     )
     assert all(c.heads_q == c.heads_kv and c.d in (64, 128) and not c.sink for c in cases)
     assert math.isclose(sum(c.causal for c in cases) / len(cases), 0.5, abs_tol=0.2)
+
+
+# ---- on the GPU: the tutorial itself -----------------------------------------------------------
+
+
+def _tutorial_runs() -> bool:
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None and tt.tutorial_path().exists()
+
+
+#: the batch stride's detail when it is taken as one row (the tutorial's ``offset_y``)
+C_STRIDE_1 = _STRIDE_WORDS[1]
+#: a case's share of batch 0's output elements violating outside the unwritten rows, from which on
+#: its rows count as moved (a whole head of them: 1 of the 4 heads the smoke cases have)
+MOVED_SHARE = 0.25
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _tutorial_runs(), reason="needs CUDA, Triton and the tutorial (examples/triton_tutorial.py)")
+def test_the_tutorial_is_named_misplaced_where_it_moved_and_unwritten_everywhere(tmp_path):
+    """The tutorial on the smoke cases of 128 x 128 inside its domain (batch 2, 4 heads): batch 1
+    is never written, on every failing case (``unwritten_output``, the poisoned runs); batch 1's
+    programs' writes land on batch 0's rows where they win the race, and wherever they won a
+    quarter of batch 0 or more, the batch stride is named first and explains it (0.49 at best
+    under the scoring the H200 ran first, 2026-12-04: ``docs/h200-results.md``)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from audits import cli
+
+    out = tmp_path / "o"
+    spec = f"{Path(tt.__file__)}:attention"
+    argv = ["run", "--quiet", "--device", "cuda", "--kernel", spec, "--suite", "smoke", "--case", "*-s128x128-*"]
+    assert cli.main([*argv, "--out", str(out)]) == 1
+    cases = json.loads((out / "report.json").read_text())["cases"]
+    fails = [c for c in cases if c["verdict"] == "fail"]
+    assert len(fails) >= 7, [(c["case"], c["verdict"]) for c in cases]
+    moved = []
+    for c in fails:
+        found = c["diagnosis"]["causes"]
+        unw = next(x for x in found if x["cause"] == "unwritten_output")
+        assert unw["detail"] == "out batch 1: every row, heads 0..3", (c["case"], found)
+        n_unw = int(re.search(r"([\d,]+) elements? of [\d,]+ took the fill", unw["evidence"])[1].replace(",", ""))
+        batch0 = c["out"]["elements"] // 2
+        if c["diagnosis"]["out"]["violations"] - n_unw >= MOVED_SHARE * batch0:
+            moved.append(c["case"])
+            top = found[0]
+            assert (top["cause"], top["detail"]) == ("misplaced_rows", C_STRIDE_1), (c["case"], found)
+            assert top["score"] >= 0.9, (c["case"], top)
+    assert moved, "no case's race moved batch 0's rows: nothing here tested the batch stride"
