@@ -215,7 +215,7 @@ def _add_compared(c: Comparison, base: dict, rec: dict, cmp: dict, th: dict) -> 
         c.forward["identical"] += bool(cmp["forward_identical"])
         moved = [cmp["tensors"][n] for n in fwd if cmp["tensors"][n].get("differ")]
         if moved and not any(d.get("attributable", True) for d in moved):  # each side's second call tells
-            c.forward["run_to_run_only"] = c.forward.get("run_to_run_only", 0) + 1
+            c.forward["run_to_run_only"] += 1
     if cmp.get("backward_identical") is not None:
         c.backward["compared"] += 1
         c.backward["identical"] += bool(cmp["backward_identical"])
@@ -257,7 +257,7 @@ def _add_run_to_run(c: Comparison, cmp: dict, base: dict, rec: dict) -> None:
         return
     c.backward["run_to_run_only"] += 1
     seen = c.backward["run_to_run_tensors"]
-    sides = c.backward.setdefault("run_to_run_sides", {"baseline": 0, "candidate": 0})
+    sides = c.backward["run_to_run_sides"]
     noisy = set()
     for n, d in cmp["tensors"].items():
         if n not in FORWARD_TENSORS and d.get("differ"):
@@ -266,7 +266,7 @@ def _add_run_to_run(c: Comparison, cmp: dict, base: dict, rec: dict) -> None:
     for side in noisy:
         sides[side] += 1
     deterministic = all(((r or {}).get("backward") or {}).get("deterministic") is True for r in (base, rec))
-    c.backward["run_to_run_deterministic"] = c.backward.get("run_to_run_deterministic", 0) + deterministic
+    c.backward["run_to_run_deterministic"] += deterministic
 
 
 def compare_reports(

@@ -204,9 +204,11 @@ def _counts(
         parts.append(one(sc.lse, sc.ref_lse, lse_h, sc.ltol, sc.lviol, sc.lchecked, 0.0))
     e = v = p = 0
     for i, (expl, viol, pred) in enumerate(parts):
-        m = mask if i == 0 else (lse_mask if lse_mask is not None else mask)
+        if i == 0 or lse_mask is not None:
+            m = mask if i == 0 else lse_mask
+        else:  # the LSE of the rows the out mask touches
+            m = None if mask is None else mask.any(-1).permute(0, 2, 1)
         if m is not None:
-            m = m if i == 0 or lse_mask is not None else m.any(-1).permute(0, 2, 1)
             expl, viol, pred = expl & m, viol & m, pred & m
         e, v, p = e + int(expl.sum()), v + int(viol.sum()), p + int(pred.sum())
     return e, v, p
@@ -572,7 +574,7 @@ def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
             detail = _STRIDE_WORDS[stride]
             what = f"with batch z's programs on the rows z·{stride} + h·seqlen of the head-major rows"
             left = int((sc.viol & unwritten).sum())
-            rows = int((~written).sum())
+            silent = int((~written).sum())
             said = _evidence(what, counts) + (
                 "; a row two programs write may hold either write (they race): it counts against the prediction "
                 "only where the kernel holds neither"
@@ -581,7 +583,7 @@ def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
             )
             if left:
                 said += (
-                    f"; the {left:,} violating elements in the {rows:,} rows no program addresses are not counted "
+                    f"; the {left:,} violating elements in the {silent:,} rows no program addresses are not counted "
                     "(never written, as it predicts: the poisoned runs tell)"
                 )
             best = Cause("misplaced_rows", detail, said, score)

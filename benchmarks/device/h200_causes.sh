@@ -43,9 +43,7 @@ for step in ${STEPS:-triton-tutorial sink-overflow head-dims-minimal gpu-tests};
     *) echo "unknown step $step" ;;
   esac
 done
-# the compile cache's size: whether carrying it to the next call (64 MiB in all) could spare the
-# compilation that keeps release from fitting one call cold (docs/compare.md, "Measured")
-echo "compile cache: $(du -sh $FLASH_ATTENTION_CUTE_DSL_CACHE_DIR 2>/dev/null | cut -f1) in $(find $FLASH_ATTENTION_CUTE_DSL_CACHE_DIR -type f 2>/dev/null | wc -l) files"
+say_compile_cache
 } 2>&1 | tee $OUT/log.txt
 (cd /tmp/causes && find . -name report.json -exec xz -kf {} \; && tar czf $OUT/causes.tgz \
   --exclude=jobs --exclude=repro --exclude='*.html' --exclude='*.junit.xml' --exclude='report.json' --exclude='journal.jsonl' --exclude='*.log' .)

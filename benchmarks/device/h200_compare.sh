@@ -48,9 +48,7 @@ PY
     --jobs $JOBS --quiet --time-calls --out /tmp/cmp/$step $args 2>&1 | grep -v "Warning\|LayoutEnum" | tail -40
   echo "$step: exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
 done
-# the compile cache's size: whether carrying it to the next call (64 MiB in all) could spare the
-# compilation that keeps release from fitting one call cold (docs/compare.md, "Measured")
-echo "compile cache: $(du -sh $FLASH_ATTENTION_CUTE_DSL_CACHE_DIR 2>/dev/null | cut -f1) in $(find $FLASH_ATTENTION_CUTE_DSL_CACHE_DIR -type f 2>/dev/null | wc -l) files"
+say_compile_cache
 } 2>&1 | tee $OUT/log.txt
 (cd /tmp/cmp && find . -name report.json -exec xz -kf {} \; && xz -kf */compare.json && tar czf $OUT/reports.tgz \
   --exclude=jobs --exclude=repro --exclude=maps --exclude='*.html' --exclude='*.junit.xml' --exclude='report.json' \

@@ -52,6 +52,6 @@ gate b40 "" &
 gate b36 "/tmp/b36:" &
 wait
 cat /tmp/gate/b40.log /tmp/gate/b36.log | tee $OUT/log.txt
-(cd /tmp/gate && find . -name report.json -exec xz -k {} \; && tar czf $OUT/reports.tgz --exclude=jobs --exclude=repro \
+(cd /tmp/gate && find . -name report.json -exec xz -kf {} \; && tar czf $OUT/reports.tgz --exclude=jobs --exclude=repro \
   --exclude=maps --exclude='*.html' --exclude='*.junit.xml' --exclude='report.json' --exclude='journal.jsonl' --exclude='*.log' .)
 ls -la $OUT
