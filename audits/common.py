@@ -69,7 +69,34 @@ def environment(device: torch.device) -> dict:
     else:
         env["cpu"] = platform.processor() or platform.machine()
         env["threads"] = torch.get_num_threads()
+        env.update(cpu_numerics())
     return env
+
+
+#: the x86 feature flags (/proc/cpuinfo) that choose a CPU kernel's arithmetic: bf16/fp16 dot-product
+#: and tile instructions, which PyTorch's and oneDNN's kernels use where present, treat subnormal
+#: inputs as zero where the float32 path keeps them (PyTorch's CPU flash SDPA flushed subnormals on
+#: the machines of earlier sessions and not on an AMD EPYC with avx512_bf16 and no AMX, 2026-12-04:
+#: docs/peers.md, "SDPA on the CPU")
+CPU_NUMERIC_FLAGS = ("avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile")
+
+
+def cpu_numerics() -> dict:
+    """What of this CPU decides a CPU kernel's arithmetic, for a report's environment: its model
+    (``cpu_model``, /proc/cpuinfo's "model name"), the vector ISA torch dispatches to
+    (``cpu_capability``) and which of :data:`CPU_NUMERIC_FLAGS` it has (``cpu_flags``).  A known
+    CPU defect reproduces on some CPUs and not others; the report says on which it ran."""
+    out = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: the model and flags are not read
+        return out
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    if model:
+        out["cpu_model"] = model
+    out["cpu_flags"] = [f for f in CPU_NUMERIC_FLAGS if f in flags]
+    return out
 
 
 def device(name: str) -> torch.device:

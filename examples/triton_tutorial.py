@@ -25,6 +25,15 @@ laid out back.  The autotuner is pinned to one of the tutorial's own configurati
 rows, 64 keys, 3 stages, 4 warps): every case then runs the same compiled kernel, without a
 benchmark sweep per shape (the tutorial's comment says the same of its tuning).
 
+**Without a GPU**, with ``TRITON_INTERPRET=1`` (Triton's interpreter, ``pip install triton``), the
+tutorial runs on the CPU as it would on SM90: the interpreter is given a driver whose target is
+``cuda`` at capability 9.0 and whose torch device is the CPU, and ``torch.cuda.get_device_capability``
+answers ``(9, 0)`` while the tutorial is imported and called (its ``keep_tma`` filter at import and
+its ``supports_tma`` test in ``forward`` read it), so that it takes ``_attn_fwd_tma``, the path
+with the batch offset.  The interpreter runs the programs one at a time in grid order, so
+batch 1's programs, after batch 0's, win every row both write: one outcome of the race the GPU
+runs (docs/diagnosis.md, "the batch stride"); its arithmetic is numpy's, not the GPU's.
+
 The domain declared is what the tutorial's forward supports: fp16 (it stores the output as fp16),
 ``d = dv`` (its assertion) limited to 64 and 128 here (each head dim is a compile), equal
 sequence lengths in multiples of 128 (its loads and LSE stores are unmasked), equal head counts
@@ -34,9 +43,11 @@ sink, no backward audited.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -70,7 +81,10 @@ def load_tutorial() -> ModuleType:
         )
     spec = importlib.util.spec_from_file_location("triton_fused_attention_tutorial", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    if interpreted():
+        _activate_interpreter_driver()
+    with _as_sm90():
+        spec.loader.exec_module(module)
     import triton
 
     tuned = module._attn_fwd_tma
@@ -80,6 +94,56 @@ def load_tutorial() -> ModuleType:
     tuned.configs = [config]
     _module = module
     return module
+
+
+def interpreted() -> bool:
+    """Whether the tutorial runs in Triton's interpreter on the CPU: ``TRITON_INTERPRET=1`` (Triton's
+    own switch, read when the tutorial's ``@triton.jit`` functions are made) and no CUDA device."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+
+
+def _activate_interpreter_driver() -> None:
+    """Make Triton's active driver one the tutorial's import-time queries can ask: without a GPU no
+    backend is active (``triton.runtime.driver`` raises "0 active drivers"), and the tutorial asks
+    the driver for its torch device (``DEVICE``) and its target's backend (``is_hip``, ``is_cuda``)
+    before any kernel runs.  The target is SM90's, the GPU the tutorial's TMA path was audited on."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class Sm90Interpreter(DriverBase):
+        @classmethod
+        def is_active(cls) -> bool:
+            return True
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            raise NotImplementedError("the interpreter compiles nothing")
+
+        def get_benchmarker(self):
+            raise NotImplementedError("the adapter pins the autotuner to one configuration: nothing is benchmarked")
+
+    triton.runtime.driver.set_active(Sm90Interpreter())
+
+
+@contextlib.contextmanager
+def _as_sm90() -> Iterator[None]:
+    """Under the interpreter, ``torch.cuda.get_device_capability`` answers ``(9, 0)`` inside the
+    block (a CPU build of torch raises there) and is restored after it; otherwise nothing changes."""
+    if not interpreted():
+        yield
+        return
+    real = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = real
 
 
 class _Saved:
@@ -102,7 +166,8 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, N
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     zhnd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
     ctx = _Saved()
-    o = module._attention.forward(ctx, *zhnd, bool(causal), scale)
+    with _as_sm90():
+        o = module._attention.forward(ctx, *zhnd, bool(causal), scale)
     out = o.transpose(1, 2)
     if not return_lse:
         return out
