@@ -261,3 +261,42 @@ def _flat_batch(q, k, v, *, return_lse, raced, stride=1, **kw):
         out[at : at + len(tile)] = tile
     out = out.view(B, H, N, -1).transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+# ---- passes on memory (audits.engine.evaluate._written_check, the gate's "unwritten") ---------------
+
+
+def _rows_seeing_keys(lse: torch.Tensor) -> torch.Tensor:
+    """(b, s, h): the rows with a visible key (a finite LSE, which is (b, h, s))."""
+    return torch.isfinite(lse).transpose(1, 2)
+
+
+def unwritten_empty_rows(q, k, v, *, return_lse=False, **kw):
+    """Rows that see no key are never written (torch.empty), where FA's output is 0; the LSE is the
+    model's (-inf there).  Where fresh memory holds 0, the output matches the reference."""
+    o, lse = attention(q, k, v, return_lse=True, **kw)
+    out = torch.empty_like(o)
+    seen = _rows_seeing_keys(lse)
+    out[seen] = o[seen]
+    return (out, lse) if return_lse else out
+
+
+def stale_empty_rows(q, k, v, *, return_lse=False, **kw):
+    """Rows that see no key are an accumulator never zeroed (torch.empty) times 2**-30 (divided by
+    a huge row sum, say): 0 while that memory holds 0, another value where it holds another;
+    every other row the model's."""
+    o, lse = attention(q, k, v, return_lse=True, **kw)
+    acc = torch.empty(o.shape, dtype=torch.float32, device=o.device)
+    out = o.clone()
+    empty = ~_rows_seeing_keys(lse)
+    out[empty] = (acc[empty] * 2.0**-30).to(o.dtype)
+    return (out, lse) if return_lse else out
+
+
+def unwritten_later_batches(q, k, v, *, return_lse=False, **kw):
+    """Batches after the first are never written (torch.empty); batch 0 and the LSE the model's.
+    Where the reference is NaN everywhere and fresh memory holds NaN, the output matches it."""
+    o, lse = attention(q, k, v, return_lse=True, **kw)
+    out = torch.empty_like(o)
+    out[0] = o[0]
+    return (out, lse) if return_lse else out

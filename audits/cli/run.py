@@ -387,7 +387,8 @@ def add_run_arguments(r: argparse.ArgumentParser) -> None:
         default=True,
         help="re-run each failing case's kernel call with fresh memory filled with NaN, then a finite pattern, and "
         "name the result's dependence on memory the kernel never wrote (causes unwritten_output, uninitialized_read; "
-        "docs/diagnosis.md, 'Poisoned runs'); default on",
+        "docs/diagnosis.md, 'Poisoned runs'); a case the checks accept is re-run too where its result holds NaN, inf "
+        "or 0 or its reference is non-finite, and fails where memory supplied them; default on",
     )
     r.add_argument(
         "--time-calls",

@@ -557,23 +557,81 @@ def evaluate_case(
         if rec["backward"].get("audit_error"):
             rec["audit_error"] = True
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
+    poison_call = fn if poison and res is not None else None
+    checked = _judged_written(rec, thresholds, keep, poison_call, device)
     if rec["verdict"] in FAILING:
         rec["diagnosis"], emap = _diagnose(rec, thresholds, keep)
         if emap is not None and error_map is not None:
             error_map["map"] = emap
     grad_poison = (calls, backward) if poison and backward is not None and keep.grads else None
-    _record_causes(rec, thresholds, keep, fn if poison and res is not None else None, device, grad_poison)
+    _record_causes(rec, thresholds, keep, poison_call, device, grad_poison, checked)
     if tensors is not None:
         tensors["keep"] = keep
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
 
-def _record_causes(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device, grad_poison) -> None:
+def _memory_like(keep: CaseTensors) -> int:
+    """How many elements of the case's result (out, LSE) the verdict accepted on values fresh
+    memory could have supplied: where the kernel returned NaN, an infinity or 0 (what fresh memory
+    holds as readily as a kernel computes it: a freed tensor's NaN, pages the operating system
+    hands out zeroed), or where the FP64 reference is NaN or infinite (the semantics check compares
+    non-finite classes only).  Anywhere
+    else an element the kernel never wrote would have to hold memory within the bound of the exact
+    value to pass, which the poisoned runs of a failing case already catch."""
+    n = 0
+    for got, ref in ((keep.out, keep.ref), (keep.lse, keep.ref_lse)):
+        if got is None:
+            continue
+        like = ~torch.isfinite(got) | (got == 0)
+        if ref is not None and ref.shape == got.shape:
+            like |= ~torch.isfinite(ref).to(like.device)
+        n += int(like.sum())
+    return n
+
+
+def _written_check(rec: dict, keep: CaseTensors, call, device) -> tuple[list[Cause], dict] | None:
+    """The poisoned runs of a case its verdict passed (or warned), when it accepted values that
+    fresh memory could have supplied (:func:`_memory_like`): a kernel that never writes rows whose
+    reference is NaN, inf or 0 passes on memory that happened to hold them (Triton's tutorial's
+    unwritten batch passed on the H200 and in Triton's interpreter, 2026-12-04, where it held NaN
+    and the reference was NaN).  ``rec["written"]``: ``memory_like`` (that count), ``unwritten``
+    and ``read`` (elements that took both fills, or changed with them:
+    ``audits.engine.poison``), their places (``unwritten_where``, ``read_where``), or ``note``
+    when every poisoned run failed (nothing checked; the verdict stands).  None when the case has
+    no such value (nothing run); else the causes and trace, which the case's causes reuse."""
+    n = _memory_like(keep)
+    if not n:
+        return None
+    trace: dict = {}
+    found = poison_causes(call=call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device, trace=trace)
+    written = {"memory_like": n, **trace.get("counts", {"unwritten": 0, "read": 0})}
+    if "counts" not in trace:
+        written["note"] = trace.get("summary", "no poisoned run ran")
+    for c in found:
+        written["unwritten_where" if c.cause == "unwritten_output" else "read_where"] = c.detail
+    rec["written"] = written
+    return found, trace
+
+
+def _judged_written(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device):
+    """:func:`_written_check` of a judged case the checks accepted (with ``poison_call``: --poison),
+    and the case judged again with what it found (the gate's ``unwritten``, ``memory-read``)."""
+    if poison_call is None or rec["verdict"] in FAILING or rec["status"] != "ran":
+        return None
+    checked = _written_check(rec, keep, poison_call, device)
+    if checked is not None:
+        rec["verdict"], rec["reasons"] = judge(rec, thresholds)
+    return checked
+
+
+def _record_causes(
+    rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device, grad_poison, checked=None
+) -> None:
     """:func:`_causes` into the record's diagnosis: ``causes``, ``poisoned`` (what the poisoned
     re-runs showed when no cause came of them) and ``causes_error`` (why the analysis broke; the
-    verdict stands)."""
-    causes, broke, poisoned = _causes(rec, thresholds, keep, poison_call, device, grad_poison)
+    verdict stands).  ``checked``: the poisoned runs :func:`_written_check` already ran, reused."""
+    causes, broke, poisoned = _causes(rec, thresholds, keep, poison_call, device, grad_poison, checked)
     if causes:
         rec.setdefault("diagnosis", {})["causes"] = [c.as_dict() for c in causes]
     if poisoned:
@@ -589,6 +647,7 @@ def _causes(
     poison_call,
     device,
     grad_poison: tuple | None = None,
+    checked: tuple[list[Cause], dict] | None = None,
 ) -> tuple[list[Cause], str | None, dict[str, str]]:
     """The tested causes of a judged case (``audits.verdict.causes``), best first, why their
     analysis broke (None when it did not), and what the poisoned re-runs showed where no cause
@@ -604,12 +663,14 @@ def _causes(
                 found += data_causes(case=keep.case, tensors=keep, rec=rec, th=thresholds)
             except Exception as exc:  # noqa: BLE001 - recorded beside the verdict, which stands
                 broke = f"data hypotheses: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if poison_call is not None:
+            if checked is not None:  # the passing verdict's poisoned runs (_written_check) failed it
+                found += checked[0]
+            elif poison_call is not None:
                 trace: dict = {}
                 found += poison_causes(
                     call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device, trace=trace
                 )
-                if trace:
+                if "summary" in trace:
                     poisoned["forward"] = trace["summary"]
             if grad_poison is not None:  # the same dO as the case's backward
                 calls, opts = grad_poison
@@ -618,7 +679,7 @@ def _causes(
                     calls=calls, x=keep.inputs, do=keep.grad_output, opts=opts, grads=keep.grads, device=device,
                     trace=trace,
                 )  # fmt: skip
-                if trace:
+                if "summary" in trace:
                     poisoned["backward"] = trace["summary"]
         # a bias is a finding inside the bound (a warn); past it, the error is beyond rounding and
         # its lean says nothing of rounding (2% of outputs moved by +1 lean high too)

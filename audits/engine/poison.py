@@ -313,7 +313,8 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
     why a run failed) under no fill, then each of :data:`FILLS`; ``what`` names the re-run.
     ``trace`` (when given) gets ``"summary"``: what the runs showed when no cause came of them (every
     result bit-identical under the fills, or every poisoned run failed), so that a negative
-    finding is stated, not silent."""
+    finding is stated, not silent; and ``"counts"`` (``{"unwritten": n, "read": n}``, elements of the
+    results) whenever a poisoned run ran."""
     results, failed = {}, {}
     for fill in (None, *FILLS):
         results[fill], why = run(fill)
@@ -359,12 +360,7 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
     causes = []
     fills = f"NaN (torch fill_uninitialized_memory) and byte 0x{POISON_BYTE:02X} ({_pattern_words()})"
     failed_text = "".join(f"; the {f} run failed ({why})" for f, why in failed.items())
-    unstable_text = ""
-    if unstable_total and "control" not in failed:
-        unstable_text = (
-            f"; an unpoisoned re-run differs from the normal run at {_plural(unstable_total, 'element')}, so only NaN "
-            "under the NaN fill counted"
-        )
+    unstable_text = _unstable_words(unstable_total) if "control" not in failed else ""
     n_unw = sum(int(m.sum()) for m in unwritten.values())
     if n_unw:
         wheres = [_where(name, m)[0] for name, m in unwritten.items() if bool(m.any())]
@@ -392,9 +388,21 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
                 score=_score(read, violations, total),
             )
         )
-    if not causes and trace is not None:
-        trace["summary"] = _unchanged(normal, results, what, failed_text + unstable_text)
+    if trace is not None:  # the counts always; the negative sentence where no cause came of the runs
+        negative = {} if causes else {"summary": _unchanged(normal, results, what, failed_text + unstable_text)}
+        trace.update(counts={"unwritten": n_unw, "read": n_read}, **negative)
     return sorted(causes, key=lambda c: -c.score)
+
+
+def _unstable_words(unstable_total: int) -> str:
+    """The evidence's note on a kernel whose unpoisoned re-run differs at ``unstable_total`` elements
+    ("" at none)."""
+    if not unstable_total:
+        return ""
+    return (
+        f"; an unpoisoned re-run differs from the normal run at {_plural(unstable_total, 'element')}, so only NaN "
+        "under the NaN fill counted"
+    )
 
 
 def _said(failed: dict) -> str:

@@ -92,6 +92,12 @@ class CaseRecord(TypedDict):
     - ``bias``: whether out's and the LSE's errors lean one way (``{"out": ..., "lse": ...}``, each
       ``numerics.metrics.signed_bias``: the mean signed error, raw and in ULPs, its z, clustered;
       ``lse`` None without an LSE); the gate's ``rounding-bias`` warning reads it
+    - ``written``: a case the checks accepted on values fresh memory could have held (NaN, inf or
+      0 in the result, or a non-finite reference), re-run with poisoned memory
+      (``audits.engine.evaluate._written_check``): ``memory_like`` (how many such values),
+      ``unwritten`` / ``read`` (elements never written, or reading memory never written; either
+      fails: the gate's ``unwritten`` and ``memory-read``) and their ``unwritten_where`` /
+      ``read_where``, or ``note`` when no poisoned run ran
     - ``out_of_domain`` / ``out_of_domain_kind`` (one of :data:`OUT_OF_DOMAIN_KINDS`): inputs the
       kernel does not claim; ``audit_error``: the failure was the audit's own (FP64 out of memory)
     - ``backward``: the gradients' record under ``run --backward`` (``audits.engine.backward``;
@@ -122,6 +128,7 @@ class CaseRecord(TypedDict):
     mpmath_max_abs: NotRequired[float | None]
     model_check: NotRequired[dict[str, Any]]
     bias: NotRequired[dict[str, Any]]
+    written: NotRequired[dict[str, Any]]
     out_of_domain: NotRequired[str | None]
     out_of_domain_kind: NotRequired[str | None]
     audit_error: NotRequired[bool]

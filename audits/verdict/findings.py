@@ -175,6 +175,18 @@ _RENDER = {
         f"{abs(f.detail['mean_ulp']):.3g} {f.detail['dtype']} ULP on average over {f.count:,} elements "
         f"(z = {f.worst:.3g}; |z| > {f.allowed:g} and > {f.detail['min_ulps']:g} ULP is a bias)"
     ),
+    # detail: where (the elements' places, audits.engine.poison), memory_like (the values the other
+    # checks accepted that fresh memory could have held: NaN, inf, 0, or a non-finite reference)
+    "unwritten": lambda f: (
+        f"{count_of(f.count, ('element', 'elements'))} of the result never written by the kernel "
+        f"({f.detail['where']}): re-run with fresh memory filled with NaN, then a finite pattern, they took the fill "
+        "both times, so what the checks accepted there was memory's, not the kernel's"
+    ),
+    "memory-read": lambda f: (
+        f"{count_of(f.count, ('element', 'elements'))} of the result read memory the kernel never wrote "
+        f"({f.detail['where']}): re-run with fresh memory filled with NaN, then a finite pattern, they changed without "
+        "taking the fill, so what the checks accepted there depends on what that memory held"
+    ),
     # allowed: the [baseline] max_ratio; detail: baseline (its figure), nonfinite / baseline_nonfinite
     # (elements NaN or inf where the reference is finite, each side; absent: none)
     "baseline": lambda f: (

@@ -425,7 +425,26 @@ def _bias(m: CaseRecord, th: dict) -> list[Finding]:
     return bias_findings(m=m, th=th)
 
 
-_CHECKS = (_semantics, _bound, _fa_criterion, _lse, _certified)
+def _written(m: CaseRecord, th: dict) -> list[Finding]:
+    """The result's dependence on memory the kernel never wrote, where the poisoned re-runs of a
+    case the other checks accepted looked (``written``, ``audits.engine.evaluate._written_check``):
+    elements that took both fills were never written, elements that changed with them read such
+    memory; either fails, whatever the values matched, since they were memory's."""
+    w = m.get("written")
+    if not isinstance(w, dict):
+        return []
+    found = []
+    if w.get("unwritten"):
+        detail = {"where": w.get("unwritten_where", ""), "memory_like": w.get("memory_like")}
+        found.append(Finding("fail", "unwritten", "", w["unwritten"], detail=detail))  # out and LSE together
+    if w.get("read"):
+        detail = {"where": w.get("read_where", ""), "memory_like": w.get("memory_like")}
+        found.append(Finding("fail", "memory-read", "", w["read"], detail=detail))
+    return found
+
+
+# _written first: where a result was never written, the other findings are about memory's values
+_CHECKS = (_written, _semantics, _bound, _fa_criterion, _lse, _certified)
 _RANK = {"pass": 0, "warn": 1, "skipped": 2, "out-of-domain": 3, "fail": 4, "error": 5, "timeout": 6, "crash": 7}
 
 

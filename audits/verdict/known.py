@@ -101,6 +101,8 @@ FAILURE_KINDS = {
     "lse-ceiling": "an LSE error above the [lse] ceiling",
     "lse-missing": "no LSE returned, under [policy] lse_missing = fail",
     "uncertified": "the FP64 reference not certified by the exact row",
+    "unwritten": "elements never written, in a result the other checks accepted (the poisoned re-runs; out and LSE)",
+    "memory-read": "elements reading memory never written, in a result the other checks accepted (out and LSE)",
     "grad-bound": "a gradient beyond the backward bound",
     "grad-missing": "autograd returned no gradient for an input",
     "grad-contract": "the backward broke the gradient contract",

@@ -1,0 +1,123 @@
+"""A pass that rests on memory the kernel never wrote (audits/engine/evaluate.py, ``_written_check``;
+the gate's ``unwritten`` and ``memory-read``): a case whose result holds values fresh memory could
+have supplied (NaN, inf, 0, or a non-finite reference) is re-run with poisoned memory, and fails
+where elements took the fill or changed with it.  Fresh memory's contents are set here by a
+dispatch mode (:class:`FreshMemoryHolds`), as the operating system's zeroed pages or a freed NaN
+tensor set them on a real machine: Triton's tutorial's unwritten batch passed so on the H200 and in
+Triton's interpreter (2026-12-04), where it held NaN and the reference was NaN."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch.utils import deterministic
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from audits.engine.evaluate import evaluate_case
+from audits.kernels import get_kernel
+from audits.suites.cases import suite
+from audits.verdict.gate import judge, load_thresholds
+from tests import bugged_kernels, cause_bugs
+
+SMOKE = suite("smoke")
+#: causal, 130 x 70 bottom-right: rows 0..59 of each of its 2 heads see no key (FA's output 0 there)
+EMPTY_ROWS = next(c for c in SMOKE if c.name == "bf16-d96-b1h2k2-s130x70-causal-peaked-seed0")
+#: NaN in K and inf in V where every row sees them: the reference is NaN everywhere; batch 2
+ALL_NAN = dataclasses.replace(
+    next(c for c in SMOKE if c.name == "f16-d64-b1h2k2-s128x128-nan_inf_visible-seed0"), batch=2
+)
+TH = load_thresholds()
+_EMPTIES = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided}
+
+
+class FreshMemoryHolds(TorchDispatchMode):
+    """Fresh float allocations (``torch.empty*``) hold ``value``, as a machine's fresh memory holds
+    zeros or a freed tensor's NaN, except under torch's own NaN fill (the first poisoned run's),
+    which stands: the poisoned runs then see their fills, as on a machine."""
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.value = value
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        filled = deterministic.fill_uninitialized_memory and torch.are_deterministic_algorithms_enabled()
+        if func.overloadpacket in _EMPTIES and out.is_floating_point() and not filled:
+            out.fill_(self.value)
+        return out
+
+
+def _evaluate(fn, case, *, memory: float, poison: bool) -> dict:
+    with FreshMemoryHolds(memory):
+        return evaluate_case("k", fn, case, torch.device("cpu"), TH, poison=poison)
+
+
+def test_the_cases_hold_what_the_tests_need():
+    rec = _evaluate(get_kernel("fa4-model"), EMPTY_ROWS, memory=0.0, poison=False)
+    assert rec["verdict"] == "pass" and rec["out"]["checked"] == rec["out"]["elements"]
+    rec = _evaluate(get_kernel("fa4-model"), ALL_NAN, memory=math.nan, poison=False)
+    assert rec["out"]["checked"] == 0 and rec["out"]["nan_swallowed"] == 0  # NaN agreement only: nothing finite
+    # FA4 returns -inf for a NaN row's LSE (a semantics deviation, [policy] nan_swallowed)
+    assert rec["verdict"] == "warn" and rec["reasons"] == [
+        "512 LSE values: the kernel returns -inf where the FP64 reference is NaN (a visible score is NaN: a NaN or "
+        "inf in q or k) — a semantics deviation"
+    ]
+
+
+def test_rows_never_written_that_memory_zeroed_fail_as_unwritten():
+    """60 rows of 2 heads, d 96: 11,520 elements never written, 0 in memory, 0 in the reference."""
+    assert _evaluate(cause_bugs.unwritten_empty_rows, EMPTY_ROWS, memory=0.0, poison=False)["verdict"] == "pass"
+    rec = _evaluate(cause_bugs.unwritten_empty_rows, EMPTY_ROWS, memory=0.0, poison=True)
+    assert rec["verdict"] == "fail"
+    assert rec["written"]["unwritten"] == 60 * 2 * 96 and rec["written"]["read"] == 0
+    assert rec["reasons"][0].startswith(
+        "11,520 elements of the result never written by the kernel (out rows 0..59 of every batch (1), every head): "
+        "re-run with fresh memory filled with NaN, then a finite pattern, they took the fill both times"
+    ), rec["reasons"]
+    first = rec["diagnosis"]["causes"][0]
+    assert (first["cause"], first["detail"]) == ("unwritten_output", rec["written"]["unwritten_where"])
+
+
+def test_a_batch_never_written_that_memory_made_nan_fails_where_the_reference_is_nan():
+    # without the poisoned runs, the model's LSE deviation alone: the unwritten output passes
+    assert _evaluate(cause_bugs.unwritten_later_batches, ALL_NAN, memory=math.nan, poison=False)["verdict"] == "warn"
+    rec = _evaluate(cause_bugs.unwritten_later_batches, ALL_NAN, memory=math.nan, poison=True)
+    assert rec["verdict"] == "fail" and rec["written"]["unwritten"] == 128 * 2 * 64
+    assert "(out batch 1: every row, every head)" in rec["reasons"][0]
+
+
+def test_rows_computed_from_memory_never_zeroed_fail_as_reading_it():
+    """A stale accumulator, scaled: 0 while memory holds 0, NaN under the NaN fill, not the pattern
+    under the pattern's (12,689.6 x 2**-30)."""
+    assert _evaluate(cause_bugs.stale_empty_rows, EMPTY_ROWS, memory=0.0, poison=False)["verdict"] == "pass"
+    rec = _evaluate(cause_bugs.stale_empty_rows, EMPTY_ROWS, memory=0.0, poison=True)
+    assert rec["verdict"] == "fail" and rec["written"]["unwritten"] == 0 and rec["written"]["read"] == 11_520
+    assert rec["reasons"][0].startswith("11,520 elements of the result read memory the kernel never wrote (out rows")
+    assert rec["diagnosis"]["causes"][0]["cause"] == "uninitialized_read"
+
+
+@pytest.mark.parametrize(("case", "memory"), [(EMPTY_ROWS, 0.0), (ALL_NAN, math.nan)], ids=["zeros", "nan"])
+@pytest.mark.parametrize("kernel", ["fa4-model", "exact"])
+def test_a_correct_kernel_passes_the_check_and_says_it_was_made(kernel, case, memory):
+    fn = get_kernel(kernel) if kernel == "fa4-model" else bugged_kernels.exact  # FP64, rounded once
+    rec = _evaluate(fn, case, memory=memory, poison=True)
+    assert rec["verdict"] in ("pass", "warn") and not any("memory" in r or "written" in r for r in rec["reasons"])
+    assert rec["written"]["memory_like"] > 0 and rec["written"]["unwritten"] == rec["written"]["read"] == 0
+
+
+def test_a_case_without_memory_like_values_is_not_rerun():
+    """Finite, nonzero everywhere: an unwritten element would have to hold memory within the bound."""
+    case = next(c for c in SMOKE if c.family == "normal" and not c.varlen)
+    assert "written" not in _evaluate(get_kernel("fa4-model"), case, memory=0.0, poison=True)
+
+
+def test_the_gate_reads_the_record_alone():
+    """``judge`` on a record: ``written`` fails it, whatever else passed; a record without it is
+    judged as before (reports written before the check)."""
+    rec = _evaluate(get_kernel("fa4-model"), EMPTY_ROWS, memory=0.0, poison=True)
+    assert judge(rec, TH)[0] == "pass"
+    seeded = {**rec, "written": {**rec["written"], "read": 3, "read_where": "out rows 1..3"}}
+    verdict, reasons = judge(seeded, TH)
+    assert verdict == "fail" and reasons[0].startswith("3 elements of the result read memory the kernel never wrote")
+    assert judge({k: v for k, v in rec.items() if k != "written"}, TH)[0] == "pass"
