@@ -300,3 +300,25 @@ def unwritten_later_batches(q, k, v, *, return_lse=False, **kw):
     out = torch.empty_like(o)
     out[0] = o[0]
     return (out, lse) if return_lse else out
+
+
+class _SkippedZeroDqRows(torch.autograd.Function):
+    """The identity on q whose backward writes dq only on the rows whose gradient is not all zero:
+    rows that see no key (FA's dq is 0 there) are skipped, left as torch.empty gave them."""
+
+    @staticmethod
+    def forward(ctx, q):
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, g):
+        dq = torch.empty_like(g)
+        written = (g != 0).any(dim=-1)  # (b, s, h): the rows the kernel computes
+        dq[written] = g[written]
+        return dq
+
+
+def unwritten_empty_dq_rows(q, k, v, **kw):
+    """The backward never writes dq on rows that see no key (where it is 0); the forward and every
+    other gradient the model's.  Where fresh memory holds 0, dq matches the reference."""
+    return attention(_SkippedZeroDqRows.apply(q), k, v, **kw)

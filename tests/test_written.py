@@ -14,6 +14,7 @@ import torch
 from torch.utils import deterministic
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from audits.engine.backward import BackwardOptions
 from audits.engine.evaluate import evaluate_case
 from audits.kernels import get_kernel
 from audits.suites.cases import suite
@@ -48,9 +49,10 @@ class FreshMemoryHolds(TorchDispatchMode):
         return out
 
 
-def _evaluate(fn, case, *, memory: float, poison: bool) -> dict:
+def _evaluate(fn, case, *, memory: float, poison: bool, backward: bool = False) -> dict:
+    opts = BackwardOptions() if backward else None
     with FreshMemoryHolds(memory):
-        return evaluate_case("k", fn, case, torch.device("cpu"), TH, poison=poison)
+        return evaluate_case("k", fn, case, torch.device("cpu"), TH, opts, poison=poison)
 
 
 def test_the_cases_hold_what_the_tests_need():
@@ -121,3 +123,30 @@ def test_the_gate_reads_the_record_alone():
     verdict, reasons = judge(seeded, TH)
     assert verdict == "fail" and reasons[0].startswith("3 elements of the result read memory the kernel never wrote")
     assert judge({k: v for k, v in rec.items() if k != "written"}, TH)[0] == "pass"
+
+
+# ---- the backward: dq, dk, dv --------------------------------------------------------------------
+
+
+def test_dq_rows_never_written_that_memory_zeroed_fail_as_unwritten_gradients():
+    """dq rows whose gradient is 0, never written, 0 in memory: the 60 rows per head that see no key
+    (FA's convention, which ``empty-row-nonzero`` checks) and row 60, which sees one key (P = 1,
+    dP - D = dO.v - dO.o = 0 exactly).  The forward is the model's and passes its own check."""
+    rec = _evaluate(cause_bugs.unwritten_empty_dq_rows, EMPTY_ROWS, memory=0.0, poison=False, backward=True)
+    assert rec["verdict"] == "pass"
+    rec = _evaluate(cause_bugs.unwritten_empty_dq_rows, EMPTY_ROWS, memory=0.0, poison=True, backward=True)
+    assert rec["verdict"] == "fail"
+    assert rec["written"]["unwritten"] == 0  # the forward wrote everything
+    w = rec["backward"]["written"]
+    assert w["unwritten"] == 61 * 2 * 96 and w["read"] == 0
+    assert rec["reasons"][0].startswith(
+        "11,712 elements of the gradients never written by the kernel (dq rows 0..60 of every batch (1), every head)"
+    ), rec["reasons"]
+    assert rec["diagnosis"]["causes"][0]["cause"] == "unwritten_output"
+
+
+def test_a_correct_backward_passes_the_check_and_says_it_was_made():
+    rec = _evaluate(get_kernel("fa4-model"), EMPTY_ROWS, memory=0.0, poison=True, backward=True)
+    assert rec["verdict"] == "pass", rec["reasons"]
+    w = rec["backward"]["written"]
+    assert w["memory_like"] >= 60 * 2 * 96 and w["unwritten"] == w["read"] == 0

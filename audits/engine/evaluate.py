@@ -558,12 +558,12 @@ def evaluate_case(
             rec["audit_error"] = True
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
     poison_call = fn if poison and res is not None else None
-    checked = _judged_written(rec, thresholds, keep, poison_call, device)
+    grad_poison = (calls, backward) if poison and backward is not None and keep.grads else None
+    checked = _judged_written(rec, thresholds, keep, poison_call, device, grad_poison)
     if rec["verdict"] in FAILING:
         rec["diagnosis"], emap = _diagnose(rec, thresholds, keep)
         if emap is not None and error_map is not None:
             error_map["map"] = emap
-    grad_poison = (calls, backward) if poison and backward is not None and keep.grads else None
     _record_causes(rec, thresholds, keep, poison_call, device, grad_poison, checked)
     if tensors is not None:
         tensors["keep"] = keep
@@ -571,16 +571,16 @@ def evaluate_case(
     return rec
 
 
-def _memory_like(keep: CaseTensors) -> int:
-    """How many elements of the case's result (out, LSE) the verdict accepted on values fresh
-    memory could have supplied: where the kernel returned NaN, an infinity or 0 (what fresh memory
-    holds as readily as a kernel computes it: a freed tensor's NaN, pages the operating system
-    hands out zeroed), or where the FP64 reference is NaN or infinite (the semantics check compares
-    non-finite classes only).  Anywhere
-    else an element the kernel never wrote would have to hold memory within the bound of the exact
-    value to pass, which the poisoned runs of a failing case already catch."""
+def _memory_like(pairs) -> int:
+    """How many elements of a case's results the checks accepted on values fresh memory could have
+    supplied, over ``pairs`` of (the kernel's tensor, its FP64 reference; either may be None):
+    where the kernel returned NaN, an infinity or 0 (what fresh memory holds as readily as a kernel
+    computes it: a freed tensor's NaN, pages the operating system hands out zeroed), or where the
+    reference is NaN or infinite (the semantics check compares non-finite classes only there).
+    Anywhere else an element the kernel never wrote would have to hold memory within the bound of
+    the exact value to pass, which the poisoned runs of a failing case already catch."""
     n = 0
-    for got, ref in ((keep.out, keep.ref), (keep.lse, keep.ref_lse)):
+    for got, ref in pairs:
         if got is None:
             continue
         like = ~torch.isfinite(got) | (got == 0)
@@ -590,47 +590,60 @@ def _memory_like(keep: CaseTensors) -> int:
     return n
 
 
-def _written_check(rec: dict, keep: CaseTensors, call, device) -> tuple[list[Cause], dict] | None:
-    """The poisoned runs of a case its verdict passed (or warned), when it accepted values that
-    fresh memory could have supplied (:func:`_memory_like`): a kernel that never writes rows whose
-    reference is NaN, inf or 0 passes on memory that happened to hold them (Triton's tutorial's
-    unwritten batch passed on the H200 and in Triton's interpreter, 2026-12-04, where it held NaN
-    and the reference was NaN).  ``rec["written"]``: ``memory_like`` (that count), ``unwritten``
-    and ``read`` (elements that took both fills, or changed with them:
-    ``audits.engine.poison``), their places (``unwritten_where``, ``read_where``), or ``note``
-    when every poisoned run failed (nothing checked; the verdict stands).  None when the case has
-    no such value (nothing run); else the causes and trace, which the case's causes reuse."""
-    n = _memory_like(keep)
-    if not n:
-        return None
+def _written(n: int, run) -> tuple[dict, tuple[list[Cause], dict]]:
+    """The ``written`` record of poisoned runs made because ``n`` accepted values were memory-like,
+    ``run(trace)`` running them (``audits.engine.poison``): ``memory_like`` (``n``), ``unwritten``
+    and ``read`` (elements that took both fills, or changed with them), their places
+    (``unwritten_where``, ``read_where``), or ``note`` when every poisoned run failed (nothing
+    checked; the verdict stands).  With it, the causes and the trace, which the case's causes reuse."""
     trace: dict = {}
-    found = poison_causes(call=call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device, trace=trace)
+    found = run(trace)
     written = {"memory_like": n, **trace.get("counts", {"unwritten": 0, "read": 0})}
     if "counts" not in trace:
         written["note"] = trace.get("summary", "no poisoned run ran")
     for c in found:
         written["unwritten_where" if c.cause == "unwritten_output" else "read_where"] = c.detail
-    rec["written"] = written
-    return found, trace
+    return written, (found, trace)
 
 
-def _judged_written(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device):
-    """:func:`_written_check` of a judged case the checks accepted (with ``poison_call``: --poison),
-    and the case judged again with what it found (the gate's ``unwritten``, ``memory-read``)."""
-    if poison_call is None or rec["verdict"] in FAILING or rec["status"] != "ran":
-        return None
-    checked = _written_check(rec, keep, poison_call, device)
-    if checked is not None:
+def _judged_written(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device, grad_poison) -> dict:
+    """The poisoned runs of a case the checks accepted (a pass or a warn; with ``--poison``), of each
+    half whose results hold values fresh memory could have supplied (:func:`_memory_like`): a
+    kernel that never writes rows whose reference is NaN, inf or 0 passes on memory that happened to
+    hold them (Triton's tutorial's unwritten batch passed on the H200 and in Triton's interpreter,
+    2026-12-04, where it held NaN and the reference was NaN); a backward that never writes the dq
+    of rows that see no key, or the dk, dv of keys no query sees, passes where memory held 0.
+    ``rec["written"]`` (the forward's out and LSE) and ``rec["backward"]["written"]`` (dq, dk, dv:
+    :func:`_written`), and the case judged again with them (the gate's ``unwritten``,
+    ``memory-read``).  Returns what ran, per half ({"forward"|"backward": (causes, trace)}), for
+    the case's causes to reuse."""
+    checked: dict = {}
+    if rec["verdict"] in FAILING or rec["status"] != "ran":
+        return checked
+    if poison_call is not None and (n := _memory_like(((keep.out, keep.ref), (keep.lse, keep.ref_lse)))):
+        run = lambda trace: poison_causes(  # noqa: E731
+            call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device, trace=trace
+        )
+        rec["written"], checked["forward"] = _written(n, run)
+    grads = {g: keep.grads.get(g) for g in ("dq", "dk", "dv")} if keep.grads else {}
+    pairs = [(t, (keep.grad_refs or {}).get(g)) for g, t in grads.items()]
+    if grad_poison is not None and (n := _memory_like(pairs)):
+        calls, opts = grad_poison
+        run = lambda trace: grad_poison_causes(  # noqa: E731
+            calls=calls, x=keep.inputs, do=keep.grad_output, opts=opts, grads=keep.grads, device=device, trace=trace
+        )
+        rec["backward"]["written"], checked["backward"] = _written(n, run)
+    if checked:
         rec["verdict"], rec["reasons"] = judge(rec, thresholds)
     return checked
 
 
 def _record_causes(
-    rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device, grad_poison, checked=None
+    rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device, grad_poison, checked: dict | None = None
 ) -> None:
     """:func:`_causes` into the record's diagnosis: ``causes``, ``poisoned`` (what the poisoned
     re-runs showed when no cause came of them) and ``causes_error`` (why the analysis broke; the
-    verdict stands).  ``checked``: the poisoned runs :func:`_written_check` already ran, reused."""
+    verdict stands).  ``checked``: the poisoned runs :func:`_judged_written` already ran, reused."""
     causes, broke, poisoned = _causes(rec, thresholds, keep, poison_call, device, grad_poison, checked)
     if causes:
         rec.setdefault("diagnosis", {})["causes"] = [c.as_dict() for c in causes]
@@ -647,7 +660,7 @@ def _causes(
     poison_call,
     device,
     grad_poison: tuple | None = None,
-    checked: tuple[list[Cause], dict] | None = None,
+    checked: dict | None = None,
 ) -> tuple[list[Cause], str | None, dict[str, str]]:
     """The tested causes of a judged case (``audits.verdict.causes``), best first, why their
     analysis broke (None when it did not), and what the poisoned re-runs showed where no cause
@@ -663,8 +676,9 @@ def _causes(
                 found += data_causes(case=keep.case, tensors=keep, rec=rec, th=thresholds)
             except Exception as exc:  # noqa: BLE001 - recorded beside the verdict, which stands
                 broke = f"data hypotheses: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if checked is not None:  # the passing verdict's poisoned runs (_written_check) failed it
-                found += checked[0]
+            checked = checked or {}  # the runs _judged_written made (and that failed the case), reused
+            if "forward" in checked:
+                found += checked["forward"][0]
             elif poison_call is not None:
                 trace: dict = {}
                 found += poison_causes(
@@ -672,7 +686,9 @@ def _causes(
                 )
                 if "summary" in trace:
                     poisoned["forward"] = trace["summary"]
-            if grad_poison is not None:  # the same dO as the case's backward
+            if "backward" in checked:
+                found += checked["backward"][0]
+            elif grad_poison is not None:  # the same dO as the case's backward
                 calls, opts = grad_poison
                 trace = {}
                 found += grad_poison_causes(

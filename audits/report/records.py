@@ -94,14 +94,15 @@ class CaseRecord(TypedDict):
       ``lse`` None without an LSE); the gate's ``rounding-bias`` warning reads it
     - ``written``: a case the checks accepted on values fresh memory could have held (NaN, inf or
       0 in the result, or a non-finite reference), re-run with poisoned memory
-      (``audits.engine.evaluate._written_check``): ``memory_like`` (how many such values),
+      (``audits.engine.evaluate._judged_written``): ``memory_like`` (how many such values),
       ``unwritten`` / ``read`` (elements never written, or reading memory never written; either
       fails: the gate's ``unwritten`` and ``memory-read``) and their ``unwritten_where`` /
       ``read_where``, or ``note`` when no poisoned run ran
     - ``out_of_domain`` / ``out_of_domain_kind`` (one of :data:`OUT_OF_DOMAIN_KINDS`): inputs the
       kernel does not claim; ``audit_error``: the failure was the audit's own (FP64 out of memory)
     - ``backward``: the gradients' record under ``run --backward`` (``audits.engine.backward``;
-      its ``contract``: a :class:`ContractRecord` per gradient that breaks the contract)
+      its ``contract``: a :class:`ContractRecord` per gradient that breaks the contract; its
+      ``written``: as the case's, for dq, dk, dv the checks accepted on memory-like values)
     - ``varlen``: a varlen case's sequences; ``diagnosis`` / ``error_map``: a failing case's
       localization (``audits.verdict.diagnosis``, docs/diagnosis.md)
     - ``seconds``, ``repro`` / ``repro_inputs``: its time and how to reproduce it

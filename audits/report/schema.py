@@ -130,6 +130,8 @@ _BACKWARD = [
             "zeros": {"dq_empty_nonzero": int, "dk_unseen_nonzero": int, "dv_unseen_nonzero": int},
             "spread": Opt(Each({"differing": int})),
             "certified": Opt(Each(NUM)),
+            # the backward's poisoned re-runs of gradients the checks accepted (audits.engine.evaluate._judged_written)
+            "written": Opt({"memory_like": int, "unwritten": int, "read": int}),
         },
     ),
 ]

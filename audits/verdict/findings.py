@@ -176,16 +176,17 @@ _RENDER = {
         f"(z = {f.worst:.3g}; |z| > {f.allowed:g} and > {f.detail['min_ulps']:g} ULP is a bias)"
     ),
     # detail: where (the elements' places, audits.engine.poison), memory_like (the values the other
-    # checks accepted that fresh memory could have held: NaN, inf, 0, or a non-finite reference)
+    # checks accepted that fresh memory could have held: NaN, inf, 0, or a non-finite reference),
+    # what ("result": out and LSE; "gradients": dq, dk, dv)
     "unwritten": lambda f: (
-        f"{count_of(f.count, ('element', 'elements'))} of the result never written by the kernel "
-        f"({f.detail['where']}): re-run with fresh memory filled with NaN, then a finite pattern, they took the fill "
-        "both times, so what the checks accepted there was memory's, not the kernel's"
+        f"{count_of(f.count, ('element', 'elements'))} of the {f.detail.get('what', 'result')} never written by the "
+        f"kernel ({f.detail['where']}): re-run with fresh memory filled with NaN, then a finite pattern, they took the "
+        "fill both times, so what the checks accepted there was memory's, not the kernel's"
     ),
     "memory-read": lambda f: (
-        f"{count_of(f.count, ('element', 'elements'))} of the result read memory the kernel never wrote "
-        f"({f.detail['where']}): re-run with fresh memory filled with NaN, then a finite pattern, they changed without "
-        "taking the fill, so what the checks accepted there depends on what that memory held"
+        f"{count_of(f.count, ('element', 'elements'))} of the {f.detail.get('what', 'result')} read memory the kernel "
+        f"never wrote ({f.detail['where']}): re-run with fresh memory filled with NaN, then a finite pattern, they "
+        "changed without taking the fill, so what the checks accepted there depends on what that memory held"
     ),
     # allowed: the [baseline] max_ratio; detail: baseline (its figure), nonfinite / baseline_nonfinite
     # (elements NaN or inf where the reference is finite, each side; absent: none)

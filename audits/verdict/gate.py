@@ -425,22 +425,25 @@ def _bias(m: CaseRecord, th: dict) -> list[Finding]:
     return bias_findings(m=m, th=th)
 
 
-def _written(m: CaseRecord, th: dict) -> list[Finding]:
-    """The result's dependence on memory the kernel never wrote, where the poisoned re-runs of a
-    case the other checks accepted looked (``written``, ``audits.engine.evaluate._written_check``):
-    elements that took both fills were never written, elements that changed with them read such
-    memory; either fails, whatever the values matched, since they were memory's."""
-    w = m.get("written")
+def _written_findings(w, what: str) -> list[Finding]:
+    """Findings of a ``written`` record (``audits.engine.evaluate._judged_written``): the poisoned
+    re-runs of a half the other checks accepted (``what``: "result", the forward's out and LSE;
+    "gradients", dq, dk, dv).  Elements that took both fills were never written, elements that
+    changed with them read such memory; either fails, whatever the values matched, since they
+    were memory's."""
     if not isinstance(w, dict):
         return []
     found = []
-    if w.get("unwritten"):
-        detail = {"where": w.get("unwritten_where", ""), "memory_like": w.get("memory_like")}
-        found.append(Finding("fail", "unwritten", "", w["unwritten"], detail=detail))  # out and LSE together
-    if w.get("read"):
-        detail = {"where": w.get("read_where", ""), "memory_like": w.get("memory_like")}
-        found.append(Finding("fail", "memory-read", "", w["read"], detail=detail))
+    for key, kind in (("unwritten", "unwritten"), ("read", "memory-read")):
+        if w.get(key):
+            detail = {"where": w.get(f"{key}_where", ""), "memory_like": w.get("memory_like"), "what": what}
+            found.append(Finding("fail", kind, "", w[key], detail=detail))  # no tensor: the half's together
     return found
+
+
+def _written(m: CaseRecord, th: dict) -> list[Finding]:
+    """The forward's result (out, LSE) against memory the kernel never wrote (:func:`_written_findings`)."""
+    return _written_findings(m.get("written"), "result")
 
 
 # _written first: where a result was never written, the other findings are about memory's values
@@ -548,7 +551,8 @@ def _backward(m: CaseRecord, th: dict) -> list[Finding]:
     require_backward(th)
     if b.get("out_of_domain") and not th["policy"]["claim_float32_overflow"]:
         return [Finding("out-of-domain", "backward", detail={"note": b["out_of_domain"]})]
-    return _grad_values(b, m, th) + _grad_fa_criterion(b, m, th) + _grad_semantics(b, th)
+    found = _grad_values(b, m, th) + _grad_fa_criterion(b, m, th) + _grad_semantics(b, th)
+    return _written_findings(b.get("written"), "gradients") + found
 
 
 def findings(m: CaseRecord, th: dict) -> list[Finding]:
