@@ -150,3 +150,18 @@ def test_a_correct_backward_passes_the_check_and_says_it_was_made():
     assert rec["verdict"] == "pass", rec["reasons"]
     w = rec["backward"]["written"]
     assert w["memory_like"] >= 60 * 2 * 96 and w["unwritten"] == w["read"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu test: no CUDA device")
+@pytest.mark.parametrize("bug", ["unwritten_empty_rows", "unwritten_empty_dq_rows"])
+def test_on_cuda_rows_never_written_fail_whatever_memory_held(bug):
+    """On CUDA, memory as the caching allocator hands it out (no emulation): where it held 0 the
+    check fails the case, where it held anything else the bound does; either way the cause is
+    named first, and the forward, or the backward, says where."""
+    opts = BackwardOptions() if bug.endswith("dq_rows") else None
+    rec = evaluate_case("k", getattr(cause_bugs, bug), EMPTY_ROWS, torch.device("cuda"), TH, opts, poison=True)
+    assert rec["verdict"] == "fail", rec["reasons"]
+    first = rec["diagnosis"]["causes"][0]
+    assert first["cause"] == "unwritten_output", rec["diagnosis"]["causes"]
+    assert first["detail"].startswith("dq rows 0..60" if opts else "out rows 0..59"), first

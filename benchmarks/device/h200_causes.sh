@@ -8,7 +8,7 @@
 #     overflowed the LSE on 4.0.0b36 (benchmarks/device/sink_overflow_cases.json);
 #   head-dims-minimal: production's backward at the head dims where it is wrong
 #     (benchmarks/device/headdims_minimal.json), --backward: the backward's poisoned re-runs;
-#   gpu-tests: the GPU tests of the poisoned runs, of fa4@DIR (b36 installed with pip --target) and of
+#   gpu-tests: the GPU tests of the poisoned runs (tests/test_written.py too), of fa4@DIR (b36 installed with pip --target) and of
 #     the tutorial's causes (tests/test_triton_tutorial.py).
 # STEPS (default: all four, in that order) picks some of them.
 set -uo pipefail
@@ -37,7 +37,7 @@ for step in ${STEPS:-triton-tutorial sink-overflow head-dims-minimal gpu-tests};
       # expandable segments (the device scripts set them; the pre-fill's test failed under both)
       for conf in "" "expandable_segments:True"; do
         PYTORCH_CUDA_ALLOC_CONF=$conf FA4_B36_DIR=/tmp/b36 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider \
-          -W ignore tests/test_poison.py tests/test_kernel_specs.py tests/test_triton_tutorial.py > $OUT/pytest-gpu${conf:+-expandable}.txt 2>&1
+          -W ignore tests/test_poison.py tests/test_written.py tests/test_kernel_specs.py tests/test_triton_tutorial.py > $OUT/pytest-gpu${conf:+-expandable}.txt 2>&1
         echo "gpu tests (PYTORCH_CUDA_ALLOC_CONF=$conf): exit $? in $((SECONDS - t0)) s"
       done ;;
     *) echo "unknown step $step" ;;
