@@ -165,3 +165,23 @@ def test_on_cuda_rows_never_written_fail_whatever_memory_held(bug):
     first = rec["diagnosis"]["causes"][0]
     assert first["cause"] == "unwritten_output", rec["diagnosis"]["causes"]
     assert first["detail"].startswith("dq rows 0..60" if opts else "out rows 0..59"), first
+
+
+def test_the_markdown_report_says_what_the_check_re_ran(tmp_path):
+    from audits import cli
+
+    out = tmp_path / "o"
+    assert cli.main(["run", "--quiet", "--kernel", "fa4-model", "--case", EMPTY_ROWS.name, "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert (
+        'Memory the kernel never wrote (docs/diagnosis.md, "A pass that rests on memory"): 1 case whose result held '
+        "NaN, inf or 0 (or a non-finite reference) re-run with poisoned memory: none depends on it." in md
+    ), md[:1500]
+    out = tmp_path / "no-poison"
+    assert (
+        cli.main(
+            ["run", "--quiet", "--kernel", "fa4-model", "--case", EMPTY_ROWS.name, "--no-poison", "--out", str(out)]
+        )
+        == 0
+    )
+    assert "Memory the kernel never wrote" not in (out / "report.md").read_text()

@@ -348,6 +348,34 @@ def _domain_lines(info: dict | None) -> list[str]:
     return L + [""]
 
 
+def _memory_lines(cases: list) -> list[str]:
+    """What the poisoned re-runs of accepted cases checked (``written``, the forward's and the
+    backward's: ``audits.engine.evaluate._judged_written``), for the Markdown report: how many
+    cases were re-run because their results held values fresh memory could have supplied, and how
+    many of them depend on memory the kernel never wrote (those fail, and are listed with the
+    failing cases).  Nothing when no case was re-run so."""
+    halves = {
+        "result": [c["written"] for c in cases if isinstance(c.get("written"), dict)],
+        "gradients": [b["written"] for c in cases if isinstance((b := c.get("backward") or {}).get("written"), dict)],
+    }
+    said = []
+    for what, ws in halves.items():
+        if not ws:
+            continue
+        bad = sum(bool(w.get("unwritten") or w.get("read")) for w in ws)
+        unchecked = sum("note" in w for w in ws)
+        n = f"{len(ws)} case{'' if len(ws) == 1 else 's'}"
+        found = f"{bad} depend{'s' if bad == 1 else ''} on it, and fail" if bad else "none depends on it"
+        text = f"{n} whose {what} held NaN, inf or 0 (or a non-finite reference) re-run with poisoned memory: {found}"
+        if unchecked:
+            text += f" ({unchecked} not checked: every poisoned run failed)"
+        said.append(text)
+    if not said:
+        return []
+    head = 'Memory the kernel never wrote (docs/diagnosis.md, "A pass that rests on memory"): '
+    return [head + "; ".join(said) + ".", ""]
+
+
 def _markdown(rep: dict) -> str:
     s = rep["summary"]
     L = [
@@ -364,6 +392,7 @@ def _markdown(rep: dict) -> str:
     if part := partial_line(rep):
         L += [f"**{part}**: the cases not run were not checked; `fa4-audit run ... --resume` continues the run.", ""]
     L += _domain_lines(rep.get("domain"))
+    L += _memory_lines(rep["cases"])
     for k, w in s["worst"].items():
         if w:
             L.append(f"- worst {k}: {worst_text(w)}")
