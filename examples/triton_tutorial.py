@@ -83,8 +83,16 @@ def load_tutorial() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     if interpreted():
         _activate_interpreter_driver()
-    with _as_sm90():
-        spec.loader.exec_module(module)
+    try:
+        with _as_sm90():
+            spec.loader.exec_module(module)
+    except RuntimeError as exc:  # the tutorial asks Triton's driver for the GPU as it is imported
+        if torch.cuda.is_available() or interpreted():
+            raise
+        raise RuntimeError(
+            f"Triton's fused-attention tutorial could not be imported ({exc}): there is no CUDA device, and it runs "
+            "without one only in Triton's interpreter: set TRITON_INTERPRET=1 (examples/triton_tutorial.py)"
+        ) from exc
     import triton
 
     tuned = module._attn_fwd_tma

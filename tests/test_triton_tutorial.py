@@ -91,6 +91,19 @@ def test_a_missing_tutorial_says_where_it_looked_and_how_to_get_it(tmp_path, mon
     )
 
 
+def test_without_a_gpu_or_the_interpreter_the_error_says_how_to_run_it(tmp_path, monkeypatch):
+    """Triton raises "0 active drivers" as the tutorial asks its driver for the GPU on import (Triton
+    3.9.0 on this CPU machine, 2026-12-04); the adapter says the interpreter is the way."""
+    path = tmp_path / "06-fused-attention.py"
+    path.write_text("raise RuntimeError('0 active drivers ([]). There should only be one.')\n")
+    monkeypatch.setenv("FA4_AUDIT_TRITON_TUTORIAL", str(path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(tt, "_module", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"0 active drivers .*: there is no CUDA device, .* set TRITON_INTERPRET=1"):
+        tt.load_tutorial()
+
+
 def test_smoke_is_built_inside_the_tutorials_domain():
     """22 smoke cases (measured 2026-12-04), every one at batch 2: the batch offset needs a second batch."""
     get_kernel("examples/triton_tutorial.py:attention")  # the spec resolves without the tutorial present
