@@ -177,3 +177,27 @@ def test_fp8_gradients_of_a_user_kernel_are_measured(tmp_path):
     (c,) = json.loads((out / "report.json").read_text())["cases"]
     assert c["backward"]["status"] == "ran" and set(c["backward"]["grads"]) == {"dq", "dk", "dv"}
     assert c["backward"]["zeros"]["dk_unseen_nonzero"] == 0 and c["verdict"] == "pass"
+
+
+def test_the_fp64_gradients_are_certified_at_their_scale_not_at_their_size():
+    """Smoke's s3x3 ``outliers`` case of SDPA's domain: P is one-hot on every row, so dk is ~1e-11 of
+    its terms and max |dk| no scale for the FP64 sum's rounding (it failed "FP64 dk not certified"
+    at 2.3e-7 of max |dk|, 2026-12-04).  At each element's scale S it is certified; an error of
+    1e-9 S seeded into the FP64 dk at the sampled element is not."""
+    from audits.engine.backward import _certify, case_references
+    from audits.kernels import kernel_domain
+    from audits.suites.cases import suite
+    from audits.suites.inputs import make_grad_output, make_inputs
+
+    case = next(
+        c
+        for c in suite("smoke", kernel_domain("sdpa-math"))
+        if c.name == "f16-d192-b2h4k4-s3x3-win128_32-outliers-seed0"
+    )
+    ref, _, cert = case_references(case, "cpu")
+    assert float(ref["dk"].abs().max() / ref["dk_scale"].max()) < 1e-10  # the premise: dk cancels
+    assert cert["dk"] < 1e-15 and cert["dq"] < 1e-15 and cert["dv"] < 1e-15
+    x, (do, _) = make_inputs(case, device="cpu"), make_grad_output(case, device="cpu")
+    seeded = dict(ref)
+    seeded["dk"] = ref["dk"] + 1e-9 * ref["dk_scale"]  # every element, the sampled one among them
+    assert _certify(x, do, seeded, case)["dk"] > 1e-10

@@ -291,9 +291,17 @@ def _certify(x: dict, do: torch.Tensor, ref: dict, case: Case) -> dict:
     on sampled elements: the last query row's dQ always; the dK and dV row of the key the fewest
     (head, row) pairs see, when those rows hold at most 2**14 scores (the exact evaluation costs
     one mpmath softmax per row); dsink of the last head under the same cost limit (all its rows).  Value per
-    gradient: max |FP64 - exact| / max |FP64 gradient| over the whole tensor — the scale its
-    errors are judged at; an element's own size is no scale where dP - D cancels (a peaked row's
-    dQ is ~0 while its terms are not)."""
+    gradient: the largest |FP64 - exact| / S over the sampled elements, S the element's scale
+    (``numerics.grad_reference``, ``scales``: the sum over the absolute values of its terms, dS's
+    two before they cancel).  S is what the FP64 sum's own rounding is proportional to (a sum's
+    error is bounded by its length times float64's unit roundoff times the sum of its terms'
+    absolute values), and the gate never allows a gradient less than ``FA_FLOOR`` (2**-16) times
+    its scale (``audits.verdict.gate``), so an FP64 error below ``[backward] mpmath_max_rel`` times S
+    cannot move a verdict.  Neither an element's own size nor the tensor's largest is a scale
+    where dP - D cancels: on a row whose P is one-hot (smoke's s3x3 ``outliers`` case, 2026-12-04)
+    every dk is ~1e-11 of its terms, and the FP64 dk, right to 2.7e-17 of its scale, differed from the
+    exact one by 2.3e-7 of max |dk|, which failed the case "FP64 dk not certified".  Without the
+    scales (a reference made without ``scales``), max |FP64 gradient| is the scale, as before."""
     b, hk, g = case.batch - 1, case.heads_kv - 1, case.heads_q // case.heads_kv
     seen = _call_vis(case, x["kw"])[b, hk * g : (hk + 1) * g].sum((0, 1))  # (head, row) pairs of kv head hk per key
     j = int(torch.where(seen > 0, seen, 1 << 30).argmin())
@@ -309,11 +317,15 @@ def _certify(x: dict, do: torch.Tensor, ref: dict, case: Case) -> dict:
             if exact is None:
                 continue
             exact = [float(e) for e in (exact if isinstance(exact, list) else [exact])]
-            fp = ref[name][key] if name == "dsink" else ref[name][key[0], key[1], key[2]]
-            fp = fp.reshape(-1).double().cpu().tolist()
-            r = ref[name].double()
-            scale = max(float(r[torch.isfinite(r)].abs().max()) if r.numel() else 0.0, 1e-300)
-            out[name] = max(out.get(name, 0.0), max(abs(a - e) for a, e in zip(fp, exact)) / scale)
+            at = (lambda t: t[key]) if name == "dsink" else (lambda t: t[key[0], key[1], key[2]])  # noqa: E731
+            fp = at(ref[name]).reshape(-1).double().cpu().tolist()
+            if f"{name}_scale" in ref:  # each element at its own scale (the docstring's why)
+                scales = at(ref[f"{name}_scale"]).reshape(-1).double().cpu().tolist()
+            else:
+                r = ref[name].double()
+                scales = [float(r[torch.isfinite(r)].abs().max()) if r.numel() else 0.0] * len(fp)
+            worst = max(abs(a - e) / max(sc, 1e-300) for a, e, sc in zip(fp, exact, scales, strict=True))
+            out[name] = max(out.get(name, 0.0), worst)
     return out
 
 
