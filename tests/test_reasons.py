@@ -277,3 +277,18 @@ def test_run_prints_the_reasons_and_the_gradient_count(tmp_path, capsys, monkeyp
     assert any("the kernel returns -inf where the FP64 reference is" in r for r in c["reasons"]), c["reasons"]
     assert not any("nan_swallowed" in r or "differ where" in r for r in c["reasons"]), c["reasons"]
     assert c["reasons"][0] in (tmp_path / "report.md").read_text()
+
+
+def test_gradients_of_inputs_outside_the_kernels_domain_are_out_of_domain_not_failing():
+    """SDPA claims no semantics for NaN/inf inputs: a case whose forward shows them is out-of-domain,
+    and its gradients with it (the CPU smoke --backward of sdpa-math counted 5 such cases' gradients
+    as "fail 5" beside no failing case, 2026-12-04)."""
+    ood = _peer_record("out-of-domain")
+    ood["out_of_domain"], ood["out_of_domain_kind"] = "inputs contain NaN/inf", "nonfinite-inputs"
+    ood["out"] = {**ood["out"], "nonfinite_where_ref_finite": 3}
+    ood["backward"] = _backward({"dq": (torch.tensor([NAN]), torch.tensor([1.0], dtype=torch.float64))})
+    assert judge(ood, TH)[0] == "out-of-domain"
+    assert backward_verdict(case=ood, thresholds=TH) == "out-of-domain"
+    assert summary_line(_report([ood])) == (
+        "0 of 1 cases evaluated (out-of-domain 1); gradients: 0 of 1 cases audited (out-of-domain 1)"
+    )

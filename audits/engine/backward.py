@@ -42,7 +42,7 @@ from numerics.backward_bound import backward_error_bound
 from numerics.call import AttentionCall
 from numerics.fp import bit_view, format_of, ulp_distance, ulp_of
 from numerics.grad_reference import attention_grad_reference, attention_lowprec_grads, exact_grad_elements
-from numerics.metrics import bound_check, fa_floor, output_errors, ulp_diff_histogram
+from numerics.metrics import bound_check, fa_floor, output_errors, rounded_overflow, ulp_diff_histogram
 from numerics.reference import call_visibility
 
 __all__ = ["BackwardOptions", "GRADS", "GRAD_AXES", "grad_call", "analyse_backward", "accepts_deterministic"]
@@ -317,10 +317,10 @@ def _certify(x: dict, do: torch.Tensor, ref: dict, case: Case) -> dict:
             if exact is None:
                 continue
             exact = [float(e) for e in (exact if isinstance(exact, list) else [exact])]
-            at = (lambda t: t[key]) if name == "dsink" else (lambda t: t[key[0], key[1], key[2]])  # noqa: E731
-            fp = at(ref[name]).reshape(-1).double().cpu().tolist()
+            idx = key if name == "dsink" else (key[0], key[1], key[2])
+            fp = ref[name][idx].reshape(-1).double().cpu().tolist()
             if f"{name}_scale" in ref:  # each element at its own scale (the docstring's why)
-                scales = at(ref[f"{name}_scale"]).reshape(-1).double().cpu().tolist()
+                scales = ref[f"{name}_scale"][idx].reshape(-1).double().cpu().tolist()
             else:
                 r = ref[name].double()
                 scales = [float(r[torch.isfinite(r)].abs().max()) if r.numel() else 0.0] * len(fp)
@@ -373,14 +373,19 @@ def analyse_backward(kernel_numerics, x: dict, do: torch.Tensor, result: tuple, 
         if bad:
             rec["contract"].append(bad)
             continue
-        m = output_errors(got, ref[n])
+        # the reference as the gradient's dtype can hold it: an exact value beyond its range is
+        # that infinity (numerics.metrics.rounded_overflow); beyond_range says how many, for the words
+        r, beyond = rounded_overflow(ref[n], got)
+        m = output_errors(got, r)
+        if beyond:
+            m["beyond_range"] = beyond
         if bound is not None and bound.get(n) is not None:
-            m["bound"] = bound_check(got, ref[n], bound[n])
-            over = torch.isfinite(ref[n]) & ~torch.isfinite(got.float())  # fp8 has no isfinite
+            m["bound"] = bound_check(got, r, bound[n])
+            over = torch.isfinite(r) & ~torch.isfinite(got.float())  # fp8 has no isfinite
             if finite and bool(over.any()) and bool(torch.isinf(bound[n][over]).all()):
                 rec.setdefault("overflow", []).append(f"{int(over.sum())} {n}")
         if low is not None:
-            m["fa_criterion"] = _fa_floor(got, ref[n].double(), low[n], ref.get(f"{n}_scale"), ref.get(f"{n}_out_rss"))
+            m["fa_criterion"] = _fa_floor(got, r, low[n], ref.get(f"{n}_scale"), ref.get(f"{n}_out_rss"))
         rec["grads"][n] = m
     if rec.get("overflow"):  # the analysis itself says these may overflow: the design's range, not a bug
         rec["out_of_domain"] = (

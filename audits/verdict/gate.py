@@ -161,6 +161,11 @@ _CAUSES = {
     "out": {"NaN": "NaN or inf inputs reach the row", "+inf": "an inf in V at a visible key",
             "-inf": "an inf in V at a visible key"},
     "grad": dict.fromkeys(("NaN", "+inf", "-inf"), "from NaN or inf inputs"),
+    # a gradient record with beyond_range: its exact value past the dtype's range, rounded to the
+    # infinity (numerics.metrics.rounded_overflow); with finite inputs nothing else makes it infinite
+    "grad-range": {"NaN": "from NaN or inf inputs",
+                   "+inf": "the exact gradient is beyond the dtype's range: it rounds to +inf",
+                   "-inf": "the exact gradient is beyond the dtype's range: it rounds to -inf"},
 }  # fmt: skip
 
 
@@ -464,7 +469,8 @@ def _grad_values(b: dict, m: CaseRecord, th: dict) -> list[Finding]:
     ]
     found += [Finding("fail", "grad-missing", n) for n in b["missing"]]
     for n, g in b["grads"].items():
-        found += _nonfinite(g, (f"{n} element", f"{n} elements"), "grad", th, ref="FP64 gradient", quantity=n)
+        kind = "grad-range" if g.get("beyond_range") else "grad"
+        found += _nonfinite(g, (f"{n} element", f"{n} elements"), kind, th, ref="FP64 gradient", quantity=n)
         bd = g.get("bound")
         applies = _bound_gated(b.get("bound_kind"), bt)
         if bd and applies and (count := bd["violations"] - bd.get("nonfinite", 0)):  # non-finite: said above
@@ -560,15 +566,21 @@ def findings(m: CaseRecord, th: dict) -> list[Finding]:
     under the thresholds ``th``, in the order of its ``reasons``; none: it passes."""
     if m.get("status") in ("error", "skipped", "crash", "timeout"):
         return [Finding(m["status"], "status", detail={"note": m.get("reason", "")})]
-    # decided by the record's fields only (old records: audits.report.schema.upgrade_case)
-    ood, kind, lse = m.get("out_of_domain"), m.get("out_of_domain_kind"), m.get("lse") or {}
-    nonfinite_claim = kind == "nonfinite-inputs"  # the kernel's own domain (audits.kernels)
-    overflowed = m["out"]["nonfinite_where_ref_finite"] or lse.get("nonfinite_where_ref_finite")
-    if kind is not None and (nonfinite_claim or not th["policy"]["claim_float32_overflow"]) and overflowed:
-        return [Finding("out-of-domain", "out-of-domain", detail={"note": ood})]
+    if _out_of_domain(m, th):
+        return [Finding("out-of-domain", "out-of-domain", detail={"note": m.get("out_of_domain")})]
     found = [f for check in _CHECKS for f in check(m, th)] + _backward(m, th)
     # a rounding bias is a finding inside the bounds; past them the error is no rounding's
     return found + ([] if any(f.severity != "warn" for f in found) else _bias(m, th))
+
+
+def _out_of_domain(m: CaseRecord, th: dict) -> bool:
+    """Whether the case's inputs are outside the kernel's domain and its result shows it: the whole
+    case is out-of-domain then, its gradients with it (the same inputs).  Decided by the record's
+    fields only (old records: audits.report.schema.upgrade_case)."""
+    kind, lse = m.get("out_of_domain_kind"), m.get("lse") or {}
+    nonfinite_claim = kind == "nonfinite-inputs"  # the kernel's own domain (audits.kernels)
+    overflowed = (m.get("out") or {}).get("nonfinite_where_ref_finite") or lse.get("nonfinite_where_ref_finite")
+    return bool(kind is not None and (nonfinite_claim or not th["policy"]["claim_float32_overflow"]) and overflowed)
 
 
 def _worst(found: list[Finding]) -> str:
@@ -590,6 +602,8 @@ def backward_verdict(*, case: CaseRecord, thresholds: dict) -> str | None:
     half on its own to say how many cases' gradients passed."""
     if not case.get("backward"):
         return None
+    if case.get("status") == "ran" and _out_of_domain(case, thresholds):  # the inputs, not the gradients
+        return "out-of-domain"
     return _worst(_backward(case, thresholds))
 
 
