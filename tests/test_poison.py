@@ -86,6 +86,20 @@ def test_correct_kernels_get_no_poison_cause(kernel, case):
     assert causes_of(InProcess(kernel, fn), make_inputs(case, device="cpu")) == []
 
 
+def test_a_normal_run_that_held_the_pattern_already_is_told_apart_by_the_second_pattern():
+    """An accumulator never zeroed whose normal run read memory an earlier pattern run had filled
+    (as a worker's allocator hands it back): the pattern run reproduces the normal run where the NaN
+    run is NaN, as if the pattern had not reached the accumulator; a second pattern moves those
+    elements, so they were read, not left unwritten (the worker test named them unwritten_output in
+    2 of 10 runs, 2026-12-04)."""
+    x = make_inputs(CASE, device="cpu")
+    call = InProcess("b", cause_bugs.uninitialized_accumulator)
+    with poisoned("pattern", device="cpu"):  # the normal run: stale memory that holds the pattern
+        out, lse = call(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    causes = poison_causes(call=call, x=x, out=out, lse=lse, device="cpu")
+    assert [(c.cause, c.detail) for c in causes] == [BUGS["uninitialized_accumulator"]]
+
+
 def test_run_to_run_differences_are_not_an_uninitialized_read():
     """A kernel whose every call differs a little (atomics, say): the control run differs from the
     normal one as much as the pattern run does, so the pattern run's changes are not the fill's."""

@@ -583,7 +583,8 @@ def _memory_like(pairs) -> int:
     for got, ref in pairs:
         if got is None:
             continue
-        like = ~torch.isfinite(got) | (got == 0)
+        g = got.float()  # fp8 has no isfinite or comparisons
+        like = ~torch.isfinite(g) | (g == 0)
         if ref is not None and ref.shape == got.shape:
             like |= ~torch.isfinite(ref).to(like.device)
         n += int(like.sum())

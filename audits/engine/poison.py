@@ -24,6 +24,9 @@ with the normal one bit for bit:
   (glibc returns large blocks to the system and hands fresh pages out zeroed); what the mode
   cannot reach there gets NaN only, from the ``nan`` run.
 
+A fourth run, under a second pattern (:data:`SECOND_PATTERN`), is made only where the pattern
+run reproduced the normal run on elements the NaN run made NaN (:func:`_classify`).
+
 An element that took the fill in both poisoned runs (NaN, and the pattern's value) was never
 written: ``unwritten_output``.  An element that changed in a poisoned run but not to the fill
 (NaN where the normal run was finite, or a pattern-run value differing from a stable normal one)
@@ -59,13 +62,29 @@ __all__ = ["POISON_KW", "POISON_BYTE", "PATTERN_VALUES", "FILLS", "poisoned", "p
 POISON_KW = "fa4_audit_poison"
 #: the fills of the poisoned runs, in the order they run
 FILLS = ("nan", "pattern")
+#: a fill run only where the first two leave it ambiguous whether the pattern reached an element
+#: (:func:`_classify`): the same fill with :data:`SECOND_BYTE`
+SECOND_PATTERN = "pattern2"
 #: the byte the ``pattern`` run fills fresh memory with: 0x4646 is 6.27 as float16 and 12672 as
 #: bfloat16, 0x46464646 is 12689.57 as float32 (its bfloat16 rounding is 0x4646 again): finite and
 #: recognisable in every float dtype
 POISON_BYTE = 0x46
+#: the second pattern's byte: 0x4747 is 7.28 as float16 and 50944 as bfloat16, 0x47474747 is
+#: 51015.28 as float32; finite, and unlike the first in every dtype
+SECOND_BYTE = 0x47
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _values_of(byte: int) -> dict:
+    return {dt: float(torch.full((8,), byte, dtype=torch.uint8).view(dt)[0]) for dt in _FLOATS}
+
+
 #: the pattern read as each float dtype
-PATTERN_VALUES = {dt: float(torch.full((8,), POISON_BYTE, dtype=torch.uint8).view(dt)[0]) for dt in _FLOATS}
+PATTERN_VALUES = _values_of(POISON_BYTE)
+#: the second pattern read as each float dtype
+SECOND_VALUES = _values_of(SECOND_BYTE)
+#: each pattern fill's byte
+_BYTES = {"pattern": POISON_BYTE, SECOND_PATTERN: SECOND_BYTE}
 #: how many bytes of the CUDA caching allocator's large pool are pre-filled, at least
 _CUDA_PREFILL_LARGE = 256 << 20
 #: small-pool blocks (requests of at most 1 MiB are carved from 2 MiB segments) pre-filled
@@ -76,24 +95,28 @@ _EMPTIES = (_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.empty_perm
 _EMPTIES += (_aten.new_empty_strided,)
 
 
-def _fill_storage(t: torch.Tensor) -> None:
-    """Every byte of ``t``'s storage set to :data:`POISON_BYTE` (a fresh tensor owns all of it)."""
+def _fill_storage(t: torch.Tensor, byte: int = POISON_BYTE) -> None:
+    """Every byte of ``t``'s storage set to ``byte`` (a fresh tensor owns all of it)."""
     raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-    raw.fill_(POISON_BYTE)
+    raw.fill_(byte)
 
 
 class _FillEmpty(TorchDispatchMode):
-    """Float tensors returned by torch's uninitialized-allocation ops filled with the pattern."""
+    """Float tensors returned by torch's uninitialized-allocation ops filled with a pattern byte."""
+
+    def __init__(self, byte: int = POISON_BYTE):
+        super().__init__()
+        self.byte = byte
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in _EMPTIES and isinstance(out, torch.Tensor):
             if (out.is_floating_point() or out.is_complex()) and out.device.type in ("cpu", "cuda"):
-                _fill_storage(out)
+                _fill_storage(out, self.byte)
         return out
 
 
-def _prefill_cuda(device: torch.device) -> None:
+def _prefill_cuda(device: torch.device, byte: int = POISON_BYTE) -> None:
     """The caching allocator's free blocks on ``device``'s current stream, pattern-filled."""
     with torch.cuda.device(device):
         torch.cuda.synchronize()
@@ -103,7 +126,7 @@ def _prefill_cuda(device: torch.device) -> None:
         blocks = [torch.empty(large // 4, dtype=torch.uint8, device=device) for _ in range(4)]
         blocks += [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(_CUDA_PREFILL_SMALL)]
         for b in blocks:
-            b.fill_(POISON_BYTE)
+            b.fill_(byte)
         torch.cuda.synchronize()
         del blocks  # back to the allocator's cache, not to the device: the next allocations reuse them
 
@@ -115,8 +138,8 @@ def poisoned(fill: str | None, *, device: torch.device | str) -> Iterator[None]:
     if fill is None:
         yield
         return
-    if fill not in FILLS:
-        raise ValueError(f"poison fill {fill!r}: expected one of {', '.join(FILLS)}")
+    if fill not in (*FILLS, SECOND_PATTERN):
+        raise ValueError(f"poison fill {fill!r}: expected one of {', '.join((*FILLS, SECOND_PATTERN))}")
     try:
         yield from _poisoned(fill, torch.device(device))
     finally:
@@ -156,8 +179,8 @@ def _poisoned(fill: str, dev: torch.device) -> Iterator[None]:
         # 2026-12-04, an output from torch.empty_like after the model's own arithmetic held its
         # intermediates, not the pattern, and tests/test_poison.py's unwritten rows read as
         # uninitialized_read); the dispatch mode alone misses an extension's own at::empty
-        _prefill_cuda(dev)
-    with _FillEmpty():
+        _prefill_cuda(dev, _BYTES[fill])
+    with _FillEmpty(_BYTES[fill]):
         yield
 
 
@@ -175,11 +198,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a == b
 
 
-def _is_pattern(t: torch.Tensor) -> torch.Tensor:
-    """Elementwise: ``t`` holds the pattern, as its own dtype or another float dtype's cast to it."""
+def _is_pattern(t: torch.Tensor, pattern: dict = PATTERN_VALUES) -> torch.Tensor:
+    """Elementwise: ``t`` holds the pattern (``pattern``: its values per dtype), as its own dtype or
+    another float dtype's cast to it."""
     if not t.dtype.is_floating_point:
         return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
-    values = torch.tensor([PATTERN_VALUES[dt] for dt in _FLOATS], dtype=torch.float64)
+    values = torch.tensor([pattern[dt] for dt in _FLOATS], dtype=torch.float64)
     values = torch.unique(values.to(t.dtype).double()).to(t.device)
     return torch.isin(t.double(), values)
 
@@ -329,34 +353,12 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
     unwritten: dict[str, torch.Tensor] = {}
     read: dict[str, torch.Tensor] = {}
     nan_only_rows = unstable_total = 0
+    second = _Once(lambda: run(SECOND_PATTERN)[0])
     for name, o in normal.items():
-        zero = torch.zeros(o.shape, dtype=torch.bool, device=o.device)
-        c, n, p = (_of(run, name, o) for run in (control, nan_run, pat_run))
-        nan_new = torch.isnan(n) & ~torch.isnan(o) if n is not None else zero
-        pat_new = _is_pattern(p) & ~_is_pattern(o) if p is not None else zero
-        if n is not None and p is not None:
-            # the fill in both runs, whatever the normal run's stale memory held there: never written
-            both = torch.isnan(n) & _is_pattern(p)
-            # a NaN that only the NaN fill brings (the pattern run is finite there) came from the fill
-            fill_nan = torch.isnan(n) & ~torch.isnan(p)
-            # NaN where the pattern run is what the normal run was: the pattern did not reach that
-            # allocation (one it cannot fill), and whole rows of NaN are taken as never written;
-            # not where both runs took their fill (a normal run holding the pattern already, from
-            # memory an earlier poisoned run filled: the pattern did reach those)
-            nan_alone = nan_new & _same(p, o) & ~both
-            if bool(nan_alone.any()):
-                whole = _whole_rows(name, nan_alone)
-                nan_only_rows += int(whole.sum())
-                both = both | whole
-        else:  # one run failed: the other's fill where the normal run differs
-            both, fill_nan = nan_new | pat_new, nan_new
-        unwritten[name] = both
-        # a kernel whose unpoisoned re-run differs outside its unwritten elements (atomics; garbage
-        # that differs run to run): a pattern-run change is no evidence there, only NaN is
-        unstable = int((~_same(c, o) & ~both).sum()) if c is not None else o.numel()
+        runs_of = tuple(_of(r, name, o) for r in (control, nan_run, pat_run))
+        unwritten[name], read[name], rows, unstable = _classify(name, o, *runs_of, second)
+        nan_only_rows += rows
         unstable_total += unstable
-        p_changed = ~_same(p, o) if p is not None and unstable == 0 else zero
-        read[name] = (fill_nan | nan_new | p_changed) & ~both
     causes = []
     fills = f"NaN (torch fill_uninitialized_memory) and byte 0x{POISON_BYTE:02X} ({_pattern_words()})"
     failed_text = "".join(f"; the {f} run failed ({why})" for f, why in failed.items())
@@ -392,6 +394,62 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
         negative = {} if causes else {"summary": _unchanged(normal, results, what, failed_text + unstable_text)}
         trace.update(counts={"unwritten": n_unw, "read": n_read}, **negative)
     return sorted(causes, key=lambda c: -c.score)
+
+
+class _Once:
+    """A poisoned run made the first time it is asked for, and only then."""
+
+    def __init__(self, run):
+        self.run, self.done, self.result = run, False, None
+
+    def __call__(self):
+        if not self.done:
+            self.result, self.done = self.run(), True
+        return self.result
+
+
+def _classify(name: str, o, c, n, p, second: _Once) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Tensor ``name``'s elements never written, and read from memory never written (masks), the
+    elements counted unwritten on the NaN run alone (whole rows), and how many elements an
+    unpoisoned re-run moved: from the normal run ``o`` and the control, NaN and pattern runs' ``c``,
+    ``n``, ``p`` (None: that run failed).  ``second``: the run under :data:`SECOND_PATTERN`, asked
+    for only where an element became NaN under the NaN fill while the pattern run reproduced the
+    normal one: the pattern did not reach it (an allocation it cannot fill), or the normal run
+    already held what the pattern gives, from memory an earlier poisoned run filled and freed
+    (tests/test_poison.py's worker test named an accumulator never zeroed ``unwritten_output`` so,
+    2 of 10 runs, 2026-12-04).  Under a second pattern the first case stays put, the second moves."""
+    zero = torch.zeros(o.shape, dtype=torch.bool, device=o.device)
+    nan_new = torch.isnan(n) & ~torch.isnan(o) if n is not None else zero
+    pat_new = _is_pattern(p) & ~_is_pattern(o) if p is not None else zero
+    rows = 0
+    if n is not None and p is not None:
+        # the fill in both runs, whatever the normal run's stale memory held there: never written
+        both = torch.isnan(n) & _is_pattern(p)
+        # a NaN that only the NaN fill brings (the pattern run is finite there) came from the fill
+        fill_nan = torch.isnan(n) & ~torch.isnan(p)
+        # NaN where the pattern run is what the normal run was (not where both runs took their
+        # fill: a normal run holding the pattern already, from memory an earlier poisoned run
+        # filled, the pattern did reach); the second pattern tells whether it reached them
+        nan_alone = nan_new & _same(p, o) & ~both
+        if bool(nan_alone.any()) and (p2 := _of(second(), name, o)) is not None:
+            took = nan_alone & _is_pattern(p2, SECOND_VALUES)
+            # moved by the second pattern, in a kernel whose unpoisoned re-run reproduced the normal
+            # run everywhere else (an atomics kernel's noise would move them too)
+            steady = c is not None and bool(_same(c, o)[~nan_alone].all())
+            moved = nan_alone & ~_same(p2, p) & ~took if steady else zero
+            both = both | took
+            nan_alone = nan_alone & ~took & ~moved  # the moved ones: read (fill_nan holds them)
+        if bool(nan_alone.any()):  # not reached by either pattern: whole rows of NaN are never written
+            whole = _whole_rows(name, nan_alone)
+            rows = int(whole.sum())
+            both = both | whole
+    else:  # one run failed: the other's fill where the normal run differs
+        both, fill_nan = nan_new | pat_new, nan_new
+    # a kernel whose unpoisoned re-run differs outside its unwritten elements (atomics; garbage
+    # that differs run to run): a pattern-run change is no evidence there, only NaN is
+    unstable = int((~_same(c, o) & ~both).sum()) if c is not None else o.numel()
+    p_changed = ~_same(p, o) if p is not None and unstable == 0 else zero
+    return both, (fill_nan | nan_new | p_changed) & ~both, rows, unstable
 
 
 def _unstable_words(unstable_total: int) -> str:
