@@ -263,7 +263,7 @@ def _flat_batch(q, k, v, *, return_lse, raced, stride=1, **kw):
     return (out, lse) if return_lse else out
 
 
-# ---- passes on memory (audits.engine.evaluate._written_check, the gate's "unwritten") ---------------
+# ---- passes on memory (audits.engine.evaluate._judged_written, the gate's "unwritten") ---------------
 
 
 def _rows_seeing_keys(lse: torch.Tensor) -> torch.Tensor:

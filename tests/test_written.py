@@ -1,4 +1,4 @@
-"""A pass that rests on memory the kernel never wrote (audits/engine/evaluate.py, ``_written_check``;
+"""A pass that rests on memory the kernel never wrote (audits/engine/evaluate.py, ``_judged_written``;
 the gate's ``unwritten`` and ``memory-read``): a case whose result holds values fresh memory could
 have supplied (NaN, inf, 0, or a non-finite reference) is re-run with poisoned memory, and fails
 where elements took the fill or changed with it.  Fresh memory's contents are set here by a

@@ -179,7 +179,7 @@ CASE = [
             # the signed bias of out and LSE (numerics.metrics.bias_record; docs/diagnosis.md, "Rounding bias")
             "bias": Opt(dict),
             # the poisoned re-runs of a case the checks accepted on memory-like values
-            # (audits.engine.evaluate._written_check; the gate's "unwritten" and "memory-read")
+            # (audits.engine.evaluate._judged_written; the gate's "unwritten" and "memory-read")
             "written": Opt({"memory_like": int, "unwritten": int, "read": int}),
             "backward": Opt(_BACKWARD),
         },
