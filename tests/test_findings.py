@@ -171,3 +171,25 @@ def test_a_gradient_beyond_its_bound_names_it_with_its_ratio_and_evidence():
     )
     rec["backward"]["certified"] = {}  # dq's exact elements not evaluated
     assert judge(rec, TH)[1][0].endswith("the exact dq was not evaluated on this case, so the FP64 one is unconfirmed")
+
+
+def test_the_reference_is_certified_at_its_rows_scale():
+    """bf16 near_max, |V| ~ 3e38: the FP64 reference differs from the exact row by ~6e22, 1e-16 of
+    the row's scale.  The exact kernel (FP64 rounded once, no float32 overflow) passes; under the
+    absolute threshold alone (a record without its scale) it would fail "not certified"."""
+    import torch
+
+    from audits.engine.evaluate import evaluate_case
+    from audits.suites.cases import Case
+    from tests.bugged_kernels import exact
+
+    case = Case(
+        dtype="bfloat16", d=64, dv=64, batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=200, family="near_max"
+    )
+    rec = evaluate_case("exact", exact, case, torch.device("cpu"), TH)
+    assert rec["verdict"] == "pass", rec["reasons"]
+    assert rec["mpmath_max_abs"] > 1e20 and rec["mpmath_scale"] > 1e38
+    assert rec["mpmath_max_abs"] <= TH["reference"]["mpmath_max_abs"] * rec["mpmath_scale"]
+    unscaled = {k: v for k, v in rec.items() if k != "mpmath_scale"}
+    verdict, reasons = judge(unscaled, TH)
+    assert verdict == "fail" and reasons[0].startswith("FP64 reference not certified: differs from the exact row by")

@@ -64,10 +64,14 @@ from numerics.reference import attention_lowprec, attention_reference, exact_att
 __all__ = ["evaluate_case"]
 
 
-def _certify(x: dict, ref: torch.Tensor, rl: torch.Tensor, row: tuple[int, int, int]) -> float | None:
+def _certify(
+    x: dict, ref: torch.Tensor, rl: torch.Tensor, row: tuple[int, int, int], scale: torch.Tensor
+) -> tuple[float, float] | None:
     """Largest |FP64 reference - exact| over one row's (batch, head, query) outputs and LSE (the
-    exact row from ``numerics.reference.exact_attention_rows``, ~1e-23 relative); None when the
-    row is not certifiable (non-finite inputs reach it: the semantics rules judge it)."""
+    exact row from ``numerics.reference.exact_attention_rows``, ~1e-23 relative), and the row's
+    scale: the largest of its outputs' scales sum_j P_ij |V_jc| (``scale``, the reference's own) and
+    its |LSE|, what the FP64 evaluation's rounding is proportional to.  None when the row is not
+    certifiable (non-finite inputs reach it: the semantics rules judge it)."""
     (got,) = exact_attention_rows(x["q"], x["k"], x["v"], [row], call=AttentionCall.from_kwargs(**x["kw"]))
     if got is None:
         return None
@@ -77,7 +81,9 @@ def _certify(x: dict, ref: torch.Tensor, rl: torch.Tensor, row: tuple[int, int, 
     diffs = [abs(float(a) - b) for a, b in zip(mo, r)]
     if math.isfinite(float(ml)) or math.isfinite(lse):
         diffs.append(abs(float(ml) - lse))  # inf if only one of them is infinite
-    return max(diffs)
+    s = scale[row[0], row[2], row[1]].double()
+    s = float(s[torch.isfinite(s)].max()) if bool(torch.isfinite(s).any()) else 0.0
+    return max(diffs), max(s, abs(lse) if math.isfinite(lse) else 0.0)
 
 
 @functools.lru_cache(maxsize=4)  # consecutive kernels on one case share it; GPU memory is better spent elsewhere
@@ -91,7 +97,7 @@ def _reference(case: Case, device: str) -> tuple:
     call = AttentionCall.from_kwargs(**x["kw"])
     ref, rl, scale = attention_reference(x["q"], x["k"], x["v"], call=call, return_lse=True, return_scale=True)
     low = attention_lowprec(x["q"], x["k"], x["v"], call=call)
-    cert = _certify(x, ref, rl, (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1))
+    cert = _certify(x, ref, rl, (case.batch - 1, case.heads_q - 1, case.seqlen_q - 1), scale)
     return ref, rl, low, cert, scale
 
 
@@ -227,7 +233,9 @@ def _measure(
         rec["out_of_domain_kind"] = "nonfinite-inputs"
     rec["fa_criterion"] = fa_floor(out, ref, low, scale=scale)
     rec["bias"] = bias_record(out=out, ref=ref, lse=lse, ref_lse=rl)  # signed bias: a warn even inside the bound
-    rec["mpmath_max_abs"] = cert
+    rec["mpmath_max_abs"] = None if cert is None else cert[0]
+    if cert is not None:
+        rec["mpmath_scale"] = cert[1]  # the certified row's scale: the gate allows its share of it
 
 
 def _call(fn: Callable, x: dict) -> tuple[dict, tuple | None]:
@@ -358,7 +366,7 @@ def _varlen_reference(case: Case, device: str) -> tuple:
         lows.append(attention_lowprec(q, k, v, call=call))
         scales.append(scale)
         if _used_k(case, i):
-            cert = ({"q": q, "k": k, "v": v, "kw": kw}, ref, rl, (0, case.heads_q - 1, sq - 1))
+            cert = ({"q": q, "k": k, "v": v, "kw": kw}, ref, rl, (0, case.heads_q - 1, sq - 1), scale)
     cert = None if cert is None else _certify(*cert)  # the last sequence with queries and keys
     if not refs:  # no sequence has a query: nothing to compare, empty tensors of the right shapes
         q = x["q"]

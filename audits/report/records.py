@@ -88,7 +88,8 @@ class CaseRecord(TypedDict):
       model of the analysed arithmetic on the same inputs against the same bound (``numerics``
       "fa4" or "peer", ``violations``, ``tightness``, ``lse_violations``, ``lse_tightness``): the
       gate's evidence of whether the kernel or the analysis is at fault
-    - ``mpmath_max_abs``: how far the FP64 reference is from the exact row
+    - ``mpmath_max_abs``: how far the FP64 reference is from the exact row; ``mpmath_scale``: that
+      row's scale (its outputs' sum_j P_ij |V_jc| and its |LSE|), at which the gate allows it
     - ``bias``: whether out's and the LSE's errors lean one way (``{"out": ..., "lse": ...}``, each
       ``numerics.metrics.signed_bias``: the mean signed error, raw and in ULPs, its z, clustered;
       ``lse`` None without an LSE); the gate's ``rounding-bias`` warning reads it
@@ -127,6 +128,7 @@ class CaseRecord(TypedDict):
     bound: NotRequired[dict[str, Any] | None]
     fa_criterion: NotRequired[dict[str, Any] | None]
     mpmath_max_abs: NotRequired[float | None]
+    mpmath_scale: NotRequired[float]
     model_check: NotRequired[dict[str, Any]]
     bias: NotRequired[dict[str, Any]]
     written: NotRequired[dict[str, Any]]
