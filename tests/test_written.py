@@ -185,3 +185,16 @@ def test_the_markdown_report_says_what_the_check_re_ran(tmp_path):
         == 0
     )
     assert "Memory the kernel never wrote" not in (out / "report.md").read_text()
+
+
+def test_a_case_the_backward_check_fails_still_says_what_its_forward_runs_showed():
+    """dq reads an accumulator never zeroed (0 in memory, so the checks accept it): the backward's
+    poisoned runs fail the case, and the forward's, made by the same check and finding nothing,
+    leave their negative sentence, as a failing case's own poisoned runs do."""
+    rec = _evaluate(cause_bugs.stale_dq_accumulator, EMPTY_ROWS, memory=0.0, poison=True, backward=True)
+    assert rec["verdict"] == "fail" and rec["backward"]["written"]["read"] == 12_480
+    assert rec["written"]["unwritten"] == rec["written"]["read"] == 0
+    assert rec["diagnosis"]["poisoned"]["forward"].startswith(
+        "re-run with fresh memory filled (nan and pattern): out, lse bit-identical to the normal run"
+    )
+    assert [c["cause"] for c in rec["diagnosis"]["causes"]] == ["uninitialized_read"]

@@ -565,14 +565,16 @@ def evaluate_case(
         if rec["backward"].get("audit_error"):
             rec["audit_error"] = True
     rec["verdict"], rec["reasons"] = judge(rec, thresholds)
-    poison_call = fn if poison and res is not None else None
-    grad_poison = (calls, backward) if poison and backward is not None and keep.grads else None
-    checked = _judged_written(rec, thresholds, keep, poison_call, device, grad_poison)
+    runs = _poison_runs(
+        keep, fn if poison and res is not None else None,
+        (calls, backward) if poison and backward is not None and keep.grads else None, device,
+    )  # fmt: skip
+    checked = _judged_written(rec, thresholds, keep, runs)
     if rec["verdict"] in FAILING:
         rec["diagnosis"], emap = _diagnose(rec, thresholds, keep)
         if emap is not None and error_map is not None:
             error_map["map"] = emap
-    _record_causes(rec, thresholds, keep, poison_call, device, grad_poison, checked)
+    _record_causes(rec, thresholds, keep, runs, checked)
     if tensors is not None:
         tensors["keep"] = keep
     rec["seconds"] = time.perf_counter() - t0
@@ -615,45 +617,57 @@ def _written(n: int, run) -> tuple[dict, tuple[list[Cause], dict]]:
     return written, (found, trace)
 
 
-def _judged_written(rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device, grad_poison) -> dict:
-    """The poisoned runs of a case the checks accepted (a pass or a warn; with ``--poison``), of each
-    half whose results hold values fresh memory could have supplied (:func:`_memory_like`): a
-    kernel that never writes rows whose reference is NaN, inf or 0 passes on memory that happened to
-    hold them (Triton's tutorial's unwritten batch passed on the H200 and in Triton's interpreter,
-    2026-12-04, where it held NaN and the reference was NaN); a backward that never writes the dq
-    of rows that see no key, or the dk, dv of keys no query sees, passes where memory held 0.
-    ``rec["written"]`` (the forward's out and LSE) and ``rec["backward"]["written"]`` (dq, dk, dv:
-    :func:`_written`), and the case judged again with them (the gate's ``unwritten``,
-    ``memory-read``).  Returns what ran, per half ({"forward"|"backward": (causes, trace)}), for
-    the case's causes to reuse."""
+def _poison_runs(keep: CaseTensors, poison_call, grad_poison: tuple | None, device) -> dict:
+    """A case's poisoned re-runs (``audits.engine.poison``), per half, each ``run(trace) -> causes``:
+    ``"forward"`` with ``poison_call`` (``--poison``, the call the case ran through), ``"backward"``
+    with ``grad_poison`` (its ``KernelCalls`` and ``BackwardOptions``, where its gradients were
+    measured: the same dO as the case's backward)."""
+    runs = {}
+    if poison_call is not None:
+        runs["forward"] = lambda trace: poison_causes(
+            call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device, trace=trace
+        )
+    if grad_poison is not None:
+        calls, opts = grad_poison
+        runs["backward"] = lambda trace: grad_poison_causes(
+            calls=calls, x=keep.inputs, do=keep.grad_output, opts=opts, grads=keep.grads, device=device, trace=trace
+        )
+    return runs
+
+
+def _judged_written(rec: dict, thresholds: dict, keep: CaseTensors, runs: dict) -> dict:
+    """The poisoned runs (``runs``, :func:`_poison_runs`) of a case the checks accepted (a pass or a
+    warn), of each half whose results hold values fresh memory could have supplied
+    (:func:`_memory_like`): a kernel that never writes rows whose reference is NaN, inf or 0 passes
+    on memory that happened to hold them (Triton's tutorial's unwritten batch passed on the H200 and
+    in Triton's interpreter, 2026-12-04, where it held NaN and the reference was NaN); a backward
+    that never writes the dq of rows that see no key, or the dk, dv of keys no query sees, passes
+    where memory held 0.  ``rec["written"]`` (the forward's out and LSE) and
+    ``rec["backward"]["written"]`` (dq, dk, dv: :func:`_written`), and the case judged again with
+    them (the gate's ``unwritten``, ``memory-read``).  Returns what ran, per half
+    ({"forward"|"backward": (causes, trace)}), for the case's causes to reuse."""
     checked: dict = {}
     if rec["verdict"] in FAILING or rec["status"] != "ran":
         return checked
-    if poison_call is not None and (n := _memory_like(((keep.out, keep.ref), (keep.lse, keep.ref_lse)))):
-        run = lambda trace: poison_causes(  # noqa: E731
-            call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device, trace=trace
-        )
-        rec["written"], checked["forward"] = _written(n, run)
     grads = {g: keep.grads.get(g) for g in ("dq", "dk", "dv")} if keep.grads else {}
-    pairs = [(t, (keep.grad_refs or {}).get(g)) for g, t in grads.items()]
-    if grad_poison is not None and (n := _memory_like(pairs)):
-        calls, opts = grad_poison
-        run = lambda trace: grad_poison_causes(  # noqa: E731
-            calls=calls, x=keep.inputs, do=keep.grad_output, opts=opts, grads=keep.grads, device=device, trace=trace
-        )
-        rec["backward"]["written"], checked["backward"] = _written(n, run)
+    pairs = {
+        "forward": ((keep.out, keep.ref), (keep.lse, keep.ref_lse)),
+        "backward": [(t, (keep.grad_refs or {}).get(g)) for g, t in grads.items()],
+    }
+    for half, run in runs.items():
+        if n := _memory_like(pairs[half]):
+            where = rec if half == "forward" else rec["backward"]
+            where["written"], checked[half] = _written(n, run)
     if checked:
         rec["verdict"], rec["reasons"] = judge(rec, thresholds)
     return checked
 
 
-def _record_causes(
-    rec: dict, thresholds: dict, keep: CaseTensors, poison_call, device, grad_poison, checked: dict | None = None
-) -> None:
+def _record_causes(rec: dict, thresholds: dict, keep: CaseTensors, runs: dict, checked: dict) -> None:
     """:func:`_causes` into the record's diagnosis: ``causes``, ``poisoned`` (what the poisoned
     re-runs showed when no cause came of them) and ``causes_error`` (why the analysis broke; the
     verdict stands).  ``checked``: the poisoned runs :func:`_judged_written` already ran, reused."""
-    causes, broke, poisoned = _causes(rec, thresholds, keep, poison_call, device, grad_poison, checked)
+    causes, broke, poisoned = _causes(rec, thresholds, keep, runs, checked)
     if causes:
         rec.setdefault("diagnosis", {})["causes"] = [c.as_dict() for c in causes]
     if poisoned:
@@ -663,21 +677,14 @@ def _record_causes(
 
 
 def _causes(
-    rec: dict,
-    thresholds: dict,
-    keep: CaseTensors,
-    poison_call,
-    device,
-    grad_poison: tuple | None = None,
-    checked: dict | None = None,
+    rec: dict, thresholds: dict, keep: CaseTensors, runs: dict, checked: dict
 ) -> tuple[list[Cause], str | None, dict[str, str]]:
     """The tested causes of a judged case (``audits.verdict.causes``), best first, why their
     analysis broke (None when it did not), and what the poisoned re-runs showed where no cause
     came of them ({"forward"|"backward": sentence}): of a failing case, the hypotheses tested on
-    its data and, when ``poison_call`` is given (``--poison``, the call the case ran through), the
-    poisoned re-runs (``audits.engine.poison``), of its backward too when ``grad_poison`` (its
-    ``KernelCalls`` and ``BackwardOptions``) is given; of a case inside its bound, its rounding
-    bias (``audits.verdict.bias``).  An exception in an analysis is recorded, never the case's verdict."""
+    its data and its poisoned re-runs (``runs``, :func:`_poison_runs`; those :func:`_judged_written`
+    made, ``checked``, reused); of a case inside its bound, its rounding bias
+    (``audits.verdict.bias``).  An exception in an analysis is recorded, never the case's verdict."""
     found, broke, poisoned = [], None, {}
     try:
         if rec["verdict"] in FAILING and rec.get("status") == "ran" and keep.out is not None:
@@ -685,27 +692,15 @@ def _causes(
                 found += data_causes(case=keep.case, tensors=keep, rec=rec, th=thresholds)
             except Exception as exc:  # noqa: BLE001 - recorded beside the verdict, which stands
                 broke = f"data hypotheses: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            checked = checked or {}  # the runs _judged_written made (and that failed the case), reused
-            if "forward" in checked:
-                found += checked["forward"][0]
-            elif poison_call is not None:
-                trace: dict = {}
-                found += poison_causes(
-                    call=poison_call, x=keep.inputs, out=keep.out, lse=keep.lse, device=device, trace=trace
-                )
+            for half, run in runs.items():  # the runs _judged_written made (and that failed the case), reused
+                if half in checked:
+                    got, trace = checked[half]
+                else:
+                    trace = {}
+                    got = run(trace)
+                found += got
                 if "summary" in trace:
-                    poisoned["forward"] = trace["summary"]
-            if "backward" in checked:
-                found += checked["backward"][0]
-            elif grad_poison is not None:  # the same dO as the case's backward
-                calls, opts = grad_poison
-                trace = {}
-                found += grad_poison_causes(
-                    calls=calls, x=keep.inputs, do=keep.grad_output, opts=opts, grads=keep.grads, device=device,
-                    trace=trace,
-                )  # fmt: skip
-                if "summary" in trace:
-                    poisoned["backward"] = trace["summary"]
+                    poisoned[half] = trace["summary"]
         # a bias is a finding inside the bound (a warn); past it, the error is beyond rounding and
         # its lean says nothing of rounding (2% of outputs moved by +1 lean high too)
         if rec["verdict"] not in FAILING and (bias := bias_cause(rec, th=thresholds)) is not None:

@@ -44,6 +44,7 @@ poisoned here, in this process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -353,7 +354,7 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
     unwritten: dict[str, torch.Tensor] = {}
     read: dict[str, torch.Tensor] = {}
     nan_only_rows = unstable_total = 0
-    second = _Once(lambda: run(SECOND_PATTERN)[0])
+    second = functools.cache(lambda: run(SECOND_PATTERN)[0])  # made the first time it is asked for
     for name, o in normal.items():
         runs_of = tuple(_of(r, name, o) for r in (control, nan_run, pat_run))
         unwritten[name], read[name], rows, unstable = _classify(name, o, *runs_of, second)
@@ -396,19 +397,7 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
     return sorted(causes, key=lambda c: -c.score)
 
 
-class _Once:
-    """A poisoned run made the first time it is asked for, and only then."""
-
-    def __init__(self, run):
-        self.run, self.done, self.result = run, False, None
-
-    def __call__(self):
-        if not self.done:
-            self.result, self.done = self.run(), True
-        return self.result
-
-
-def _classify(name: str, o, c, n, p, second: _Once) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def _classify(name: str, o, c, n, p, second: Callable) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Tensor ``name``'s elements never written, and read from memory never written (masks), the
     elements counted unwritten on the NaN run alone (whole rows), and how many elements an
     unpoisoned re-run moved: from the normal run ``o`` and the control, NaN and pattern runs' ``c``,
