@@ -396,3 +396,32 @@ def test_a_first_ctrl_c_while_the_report_is_written_is_deferred(capsys):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def _raised_in(filename: str, kind: type[BaseException]):
+    """(kind, value, tb) of ``kind`` raised by code whose file is ``filename``."""
+    code = compile("def serve(kind):\n    raise kind('reset')\n", filename, "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["serve"](kind)
+    except kind as e:
+        return type(e), e, e.__traceback__
+    raise AssertionError("serve did not raise")
+
+
+def test_after_ctrl_c_only_the_killed_workers_reset_is_dropped(monkeypatch):
+    """The hook installed on Ctrl-C drops a connection reset raised in multiprocessing's
+    resource_sharer (a worker killed while fetching a tensor) and hands everything else on; CI
+    once saw the hook itself raise (it read ``frame.filename``), printing two tracebacks."""
+    from audits.engine import run as engine_run
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a[0]))
+    engine_run._quiet_fd_handover()
+    sys.excepthook(*_raised_in("/x/multiprocessing/resource_sharer.py", ConnectionResetError))
+    sys.excepthook(*_raised_in("/x/multiprocessing/resource_sharer.py", EOFError))
+    assert seen == []
+    sys.excepthook(*_raised_in("/x/multiprocessing/resource_sharer.py", ValueError))
+    sys.excepthook(*_raised_in("/x/mine.py", ConnectionResetError))
+    assert seen == [ValueError, ConnectionResetError]

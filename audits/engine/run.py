@@ -118,13 +118,19 @@ def _quiet_fd_handover() -> None:
     hook = sys.excepthook
 
     def quiet(kind, value, tb):
-        if issubclass(kind, (ConnectionError, EOFError)) and any(
-            "resource_sharer" in f.filename for f, _ in traceback.walk_tb(tb)
-        ):
-            return
-        hook(kind, value, tb)
+        if not _is_handover_reset(kind, tb):
+            hook(kind, value, tb)
 
     sys.excepthook = quiet
+
+
+def _is_handover_reset(kind: type[BaseException], tb) -> bool:
+    """Whether an uncaught exception is a killed worker's connection dropped inside
+    ``multiprocessing/resource_sharer.py`` (``traceback.walk_tb`` yields frames, whose file is
+    ``f_code.co_filename``)."""
+    return issubclass(kind, (ConnectionError, EOFError)) and any(
+        Path(f.f_code.co_filename).name == "resource_sharer.py" for f, _ in traceback.walk_tb(tb)
+    )
 
 
 def _kernel_state(kern: str, cases: list[Case], options: RunOptions, several: bool, extra: dict) -> dict:
