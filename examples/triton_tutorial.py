@@ -47,9 +47,9 @@ import contextlib
 import importlib.util
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from unittest import mock
 
 import torch
 
@@ -139,19 +139,12 @@ def _activate_interpreter_driver() -> None:
     triton.runtime.driver.set_active(Sm90Interpreter())
 
 
-@contextlib.contextmanager
-def _as_sm90() -> Iterator[None]:
+def _as_sm90() -> contextlib.AbstractContextManager:
     """Under the interpreter, ``torch.cuda.get_device_capability`` answers ``(9, 0)`` inside the
     block (a CPU build of torch raises there) and is restored after it; otherwise nothing changes."""
     if not interpreted():
-        yield
-        return
-    real = torch.cuda.get_device_capability
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
-    try:
-        yield
-    finally:
-        torch.cuda.get_device_capability = real
+        return contextlib.nullcontext()
+    return mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
 
 
 class _Saved:

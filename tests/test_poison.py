@@ -98,6 +98,11 @@ def test_a_normal_run_that_held_the_pattern_already_is_told_apart_by_the_second_
         out, lse = call(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
     causes = poison_causes(call=call, x=x, out=out, lse=lse, device="cpu")
     assert [(c.cause, c.detail) for c in causes] == [BUGS["uninitialized_accumulator"]]
+    assert "then byte 0x47 where the first pattern reproduced the normal run" in causes[0].evidence
+    # without stale memory the first pattern decides, and the evidence names no second one
+    out, lse = call(x["q"], x["k"], x["v"], return_lse=True, **x["kw"])
+    fresh = poison_causes(call=call, x=x, out=out, lse=lse, device="cpu")
+    assert [c.cause for c in fresh] == ["uninitialized_read"] and "0x47" not in fresh[0].evidence
 
 
 def test_run_to_run_differences_are_not_an_uninitialized_read():

@@ -161,7 +161,10 @@ def _named(tmp_path, device: str) -> tuple[list[str], list[str]]:
         assert unw["detail"] == "out batch 1: every row, heads 0..3", (c["case"], found)
         n_unw = int(re.search(r"([\d,]+) elements? of [\d,]+ took the fill", unw["evidence"])[1].replace(",", ""))
         batch0 = c["out"]["elements"] // 2
-        if c["diagnosis"]["out"]["violations"] - n_unw >= MOVED_SHARE * batch0:
+        # no "out" localization: nothing exceeded a bound (a reference NaN everywhere), the
+        # written check failed the case, and there is no moved row to name
+        violations = c["diagnosis"].get("out", {}).get("violations", 0)
+        if violations - n_unw >= MOVED_SHARE * batch0:
             moved.append(c["case"])
             top = found[0]
             assert (top["cause"], top["detail"]) == ("misplaced_rows", C_STRIDE_1), (c["case"], found)
@@ -189,8 +192,10 @@ def test_the_tutorial_in_tritons_interpreter_is_named_on_every_failing_case(tmp_
     """The tutorial's own code in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, as on
     SM90: examples/triton_tutorial.py): the programs run one at a time in grid order, so batch 1's
     win every row both write, and the batch stride must be named first on every failing case, with
-    batch 1 unwritten (measured 2026-12-04: 8 of 8 failing, named first at 0.99 to 1.0)."""
+    batch 1 unwritten (measured 2026-12-04: 8 of 8 failing, named first at 0.99 to 1.0; 9 of 9
+    with the written check, which fails the NaN case on batch 1 never written)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(tt, "_module", None)
     fails, moved = _named(tmp_path, "cpu")
-    assert moved == fails
+    nan_case = "f16-d64-b2h4k4-s128x128-nan_inf_visible-seed0"  # its reference is NaN: nothing moved to name
+    assert nan_case in fails and moved == [f for f in fails if f != nan_case]

@@ -25,7 +25,8 @@ with the normal one bit for bit:
   cannot reach there gets NaN only, from the ``nan`` run.
 
 A fourth run, under a second pattern (:data:`SECOND_PATTERN`), is made only where the pattern
-run reproduced the normal run on elements the NaN run made NaN (:func:`_classify`).
+run reproduced the normal run on elements the NaN run made NaN (:func:`_classify`); the evidence
+names it when it ran.
 
 An element that took the fill in both poisoned runs (NaN, and the pattern's value) was never
 written: ``unwritten_output``.  An element that changed in a poisoned run but not to the fill
@@ -362,6 +363,8 @@ def _findings(normal: dict, run, violations, what: str, trace: dict | None = Non
         unstable_total += unstable
     causes = []
     fills = f"NaN (torch fill_uninitialized_memory) and byte 0x{POISON_BYTE:02X} ({_pattern_words()})"
+    if second.cache_info().currsize:  # the second pattern ran: it decided elements the first could not
+        fills += f", then byte 0x{SECOND_BYTE:02X} where the first pattern reproduced the normal run"
     failed_text = "".join(f"; the {f} run failed ({why})" for f, why in failed.items())
     unstable_text = _unstable_words(unstable_total) if "control" not in failed else ""
     n_unw = sum(int(m.sum()) for m in unwritten.values())
