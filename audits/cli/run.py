@@ -31,7 +31,7 @@ from audits.report.schema import FAILING
 from audits.verdict.coverage import REQUIRE, arch_of, coverage_summary, missed, unjudgeable
 from audits.verdict.gate import ThresholdsError, load_thresholds, require_backward
 from audits.verdict.known import known_lines
-from audits.verdict.separators import cause_lines
+from audits.verdict.separators import cause_groups, cause_lines, cause_text
 
 #: what a run writes into OUT (and OUT/<kernel>/ with several kernels); --overwrite removes
 #: exactly these, nothing else a user keeps there
@@ -165,6 +165,8 @@ def _print_failing(kern: str, records: list[dict]) -> None:
     if len(bad) > SHOW_FAILING:
         more = sum(n for _, n in bad[SHOW_FAILING:])
         print(f"  ... and {more} more failing cases ({len(bad) - SHOW_FAILING} other reasons) in the report")
+    if sum(n for _, n in bad) > 1 and (tally := cause_text(cause_groups(records))):
+        print(f"  {tally}")  # the causes over every failing case, as the report's views say it
 
 
 def _run_header(args: argparse.Namespace, device: torch.device) -> dict:

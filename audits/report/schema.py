@@ -22,7 +22,7 @@ from audits.suites.case import identity_of
 from audits.suites.cases import Case, case_from_dict
 from audits.suites.domain import Domain, DomainError
 from audits.verdict.coverage import basis_of_coverage, coverage_from_basis
-from audits.verdict.separators import separators
+from audits.verdict.separators import cause_groups, separators
 
 __all__ = [
     "Opt",
@@ -208,6 +208,10 @@ DIAGNOSIS = {
     "separators": Each({"field": str, "rule": str, "failing": int, "passing": int, "exact": bool, "score": NUM}),
     # the contract's breaches by tensor and fault (audits.verdict.separators.fault_groups)
     "faults": Opt(Each({"tensor": str, "fault": str, "cases": int, "first": str})),
+    # the tested causes over the failing and warning cases (audits.verdict.separators.cause_groups)
+    "causes": Opt({"failing": int, "warning": int, "unexplained": int, "untested": int,
+                   "groups": Each({"cause": str, "cases": int, "best": int, "first": str, "detail": str,
+                                   "detail_cases": int})}),
 }  # fmt: skip
 #: a report's ``known`` (``audits.verdict.known.apply_known``): the --known file applied, per entry its status
 KNOWN = {
@@ -267,10 +271,14 @@ def validate_report(rep, where: str) -> dict:
 def upgrade(rep: dict) -> dict:
     """A checked report (or one built from a journal) as this version writes it, in place: the
     fields of :func:`upgrade_report`, and a report written before separators gets its
-    ``diagnosis`` computed from its cases (``audits.verdict.separators``).  Idempotent."""
+    ``diagnosis`` computed from its cases (``audits.verdict.separators``), one written before the
+    causes were tallied (2026-12-05) its ``causes`` (``cause_groups``).  Idempotent."""
     upgrade_report(rep)
     if "diagnosis" not in rep:
         rep["diagnosis"] = separators(rep["cases"], arch=(rep["coverage"] or {}).get("arch"))
+    elif isinstance(rep["diagnosis"], dict) and "causes" not in rep["diagnosis"]:
+        if causes := cause_groups(rep["cases"]):
+            rep["diagnosis"]["causes"] = causes
     return rep
 
 

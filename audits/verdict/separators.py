@@ -57,6 +57,7 @@ from audits.report.records import FAILING, CaseRecord
 from audits.suites.cases import case_from_dict
 from audits.verdict.coverage import classes_ran
 from audits.verdict.findings import count_of
+from audits.verdict.vocabulary import CAUSES
 
 __all__ = [
     "PASSING",
@@ -74,6 +75,8 @@ __all__ = [
     "cause_lines",
     "contract_breaches_of",
     "fault_groups",
+    "cause_groups",
+    "cause_text",
     "reasons_by_fault",
 ]
 
@@ -325,6 +328,8 @@ def separators(cases: list[CaseRecord], *, arch: str | None) -> dict:
     out: dict = {"separators": [], "failing": nf, "passing": np_}
     if faults := fault_groups(records):
         out["faults"] = faults
+    if causes := cause_groups(records):
+        out["causes"] = causes
     if not nf or not np_:
         out["note"] = (
             "no failing case and no passing one: nothing to separate"
@@ -426,6 +431,8 @@ def separator_text(diag: dict | None) -> tuple[str, list[tuple[str, str]]]:
     if diag.get("faults"):  # the contract's breaches, one per tensor and fault (fault_groups)
         each = [f"{g['tensor']}: {g['fault']} ({count_of(g['cases'], ('case', 'cases'))})" for g in diag["faults"]]
         note.append("Contract breaches by fault: " + "; ".join(each))
+    if text := cause_text(diag.get("causes")):
+        note.append(text)
     if not seps:
         return ". ".join([counted, *note]), []
     if all(s["exact"] for s in seps):
@@ -481,6 +488,82 @@ def fault_groups(records: list[CaseRecord]) -> list[dict]:
             g.setdefault("first", rec.get("case", ""))
     order = {t: i for i, t in enumerate(TENSORS)}
     return sorted(groups.values(), key=lambda g: order.get(g["tensor"], len(TENSORS)))
+
+
+def cause_groups(records: list[CaseRecord]) -> dict | None:
+    """The tested causes over the failing and warning cases (``diagnosis["causes"]`` of each,
+    best first, ``audits.verdict.causes``): ``{"failing": n, "warning": m, "unexplained": k,
+    "groups": [{"cause", "cases", "best", "first", "detail", "detail_cases"}]}``.  Per cause:
+    on how many cases it is named (``cases``, a case once however many tensors it names) and
+    named first (``best``), the first such case, and the detail most of them share with how many
+    do (a mapping, an edge, rows: one detail on every case is one defect, many are a pattern).
+    ``unexplained``: the failing cases (verdict ``fail``) no tested cause fits; ``untested``: those
+    that errored, crashed or timed out without one (no result to test causes on).  Groups ordered
+    by ``best``, then ``cases``, then the vocabulary's order; None when no case has a cause and
+    none fails (nothing to say)."""
+    failing = [r for r in records if r.get("verdict") in FAILING]
+    warning = [r for r in records if r.get("verdict") == "warn"]
+    groups: dict[str, dict] = {}
+    details: dict[str, dict[str, int]] = {}
+    unexplained = untested = 0
+    for rec in (*failing, *warning):
+        diag = rec.get("diagnosis")
+        found = [c for c in (diag.get("causes") or []) if isinstance(c, dict)] if isinstance(diag, dict) else []
+        if not found:
+            unexplained += rec.get("verdict") == "fail"
+            untested += rec.get("verdict") in FAILING and rec.get("verdict") != "fail"
+            continue
+        named: dict[str, str] = {}  # a cause once per case (forward and backward may both name it), its first detail
+        for c in found:
+            named.setdefault(c["cause"], c["detail"])
+        for name, detail in named.items():
+            g = groups.setdefault(name, {"cause": name, "cases": 0, "best": 0, "first": rec.get("case", "")})
+            g["cases"] += 1
+            g["best"] += name == found[0]["cause"]
+            details.setdefault(name, {})
+            details[name][detail] = details[name].get(detail, 0) + 1
+    if not groups and not failing:
+        return None
+    order = {c: i for i, c in enumerate(CAUSES)}
+    out = []
+    for name, g in groups.items():
+        detail, n = max(details[name].items(), key=lambda kv: kv[1])  # ties: the first seen
+        out.append({**g, "detail": detail, "detail_cases": n})
+    out.sort(key=lambda g: (-g["best"], -g["cases"], order.get(g["cause"], len(order)), g["cause"]))
+    return {
+        "failing": len(failing),
+        "warning": len(warning),
+        "unexplained": unexplained,
+        "untested": untested,
+        "groups": out,
+    }
+
+
+def cause_text(causes: dict | None) -> str:
+    """:func:`cause_groups` as one sentence for every view ("Likely causes over the 22 failing
+    cases: misplaced_rows first on 20 and named on 21 (all 21: ...); ...; every failing
+    case has one");
+    "" for none."""
+    if not causes or not (causes["groups"] or causes["failing"]):
+        return ""
+    n_f, n_w = causes["failing"], causes["warning"]
+    over = " and ".join(
+        count_of(n, noun)
+        for n, noun in ((n_f, ("failing case", "failing cases")), (n_w, ("warning case", "warning cases")))
+        if n
+    )
+    parts = []
+    for g in causes["groups"]:
+        share = f"all {g['cases']}" if g["detail_cases"] == g["cases"] else f"{g['detail_cases']} of {g['cases']}"
+        parts.append(f"{g['cause']} first on {g['best']} and named on {g['cases']} ({share}: {g['detail']})")
+    fits, untested = causes["unexplained"], causes.get("untested", 0)
+    if fits:
+        parts.append(f"no tested cause fits {count_of(fits, ('failing case', 'failing cases'))}")
+    elif n_f > untested:
+        parts.append("every failing case has one")
+    if untested:
+        parts.append(f"{count_of(untested, ('case', 'cases'))} errored, crashed or timed out: no result to test")
+    return f"Likely causes over the {over}: " + "; ".join(parts)
 
 
 def cause_lines(rec: CaseRecord) -> list[str]:
