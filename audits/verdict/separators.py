@@ -50,6 +50,7 @@ group failing cases by, ``audits.report.build.collapse_reasons``).
 from __future__ import annotations
 
 import re
+from typing import TypedDict
 
 import numpy as np
 
@@ -75,6 +76,8 @@ __all__ = [
     "cause_lines",
     "contract_breaches_of",
     "fault_groups",
+    "CauseGroup",
+    "CauseTally",
     "cause_groups",
     "cause_text",
     "reasons_by_fault",
@@ -490,7 +493,30 @@ def fault_groups(records: list[CaseRecord]) -> list[dict]:
     return sorted(groups.values(), key=lambda g: order.get(g["tensor"], len(TENSORS)))
 
 
-def cause_groups(records: list[CaseRecord]) -> dict | None:
+class CauseGroup(TypedDict):
+    """One cause over a report's cases (:func:`cause_groups`): ``cases`` name it, ``best`` name
+    it first, ``first`` is the first such case; ``detail`` is the detail most of them give, and
+    ``detail_cases`` how many do."""
+
+    cause: str
+    cases: int
+    best: int
+    first: str
+    detail: str
+    detail_cases: int
+
+
+class CauseTally(TypedDict):
+    """A report's ``diagnosis["causes"]`` (:func:`cause_groups`)."""
+
+    failing: int
+    warning: int
+    unexplained: int
+    untested: int
+    groups: list[CauseGroup]
+
+
+def cause_groups(records: list[CaseRecord]) -> CauseTally | None:
     """The tested causes over the failing and warning cases (``diagnosis["causes"]`` of each,
     best first, ``audits.verdict.causes``): ``{"failing": n, "warning": m, "unexplained": k,
     "groups": [{"cause", "cases", "best", "first", "detail", "detail_cases"}]}``.  Per cause:
@@ -503,7 +529,7 @@ def cause_groups(records: list[CaseRecord]) -> dict | None:
     none fails (nothing to say)."""
     failing = [r for r in records if r.get("verdict") in FAILING]
     warning = [r for r in records if r.get("verdict") == "warn"]
-    groups: dict[str, dict] = {}
+    groups: dict[str, CauseGroup] = {}
     details: dict[str, dict[str, int]] = {}
     unexplained = untested = 0
     for rec in (*failing, *warning):
@@ -517,7 +543,10 @@ def cause_groups(records: list[CaseRecord]) -> dict | None:
         for c in found:
             named.setdefault(c["cause"], c["detail"])
         for name, detail in named.items():
-            g = groups.setdefault(name, {"cause": name, "cases": 0, "best": 0, "first": rec.get("case", "")})
+            g = groups.setdefault(
+                name,
+                CauseGroup(cause=name, cases=0, best=0, first=rec.get("case", ""), detail=detail, detail_cases=0),
+            )
             g["cases"] += 1
             g["best"] += name == found[0]["cause"]
             details.setdefault(name, {})
@@ -525,21 +554,17 @@ def cause_groups(records: list[CaseRecord]) -> dict | None:
     if not groups and not failing:
         return None
     order = {c: i for i, c in enumerate(CAUSES)}
-    out = []
     for name, g in groups.items():
-        detail, n = max(details[name].items(), key=lambda kv: kv[1])  # ties: the first seen
-        out.append({**g, "detail": detail, "detail_cases": n})
-    out.sort(key=lambda g: (-g["best"], -g["cases"], order.get(g["cause"], len(order)), g["cause"]))
-    return {
-        "failing": len(failing),
-        "warning": len(warning),
-        "unexplained": unexplained,
-        "untested": untested,
-        "groups": out,
-    }
+        g["detail"], g["detail_cases"] = max(details[name].items(), key=lambda kv: kv[1])  # ties: the first seen
+    out = sorted(
+        groups.values(), key=lambda g: (-g["best"], -g["cases"], order.get(g["cause"], len(order)), g["cause"])
+    )
+    return CauseTally(
+        failing=len(failing), warning=len(warning), unexplained=unexplained, untested=untested, groups=out
+    )
 
 
-def cause_text(causes: dict | None) -> str:
+def cause_text(causes: CauseTally | None) -> str:
     """:func:`cause_groups` as one sentence for every view ("Likely causes over the 22 failing
     cases: misplaced_rows first on 20 and named on 21 (all 21: ...); ...; every failing
     case has one");
