@@ -5,6 +5,7 @@ one sentence in every view and in the run's console."""
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -98,5 +99,6 @@ def test_a_run_tallies_its_causes_in_the_report_its_views_and_the_console(tmp_pa
     assert sentence.endswith("every failing case has one")
     assert f"  {sentence}\n" in console  # the run's console, after its failing cases
     assert sentence in (tmp_path / "report.md").read_text()
+    assert html.escape(sentence) in (tmp_path / "report.html").read_text()
     assert cli.main(["show", str(tmp_path / "report.json")]) == 0
     assert sentence in capsys.readouterr().out.replace("\n", " ")
