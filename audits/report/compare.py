@@ -31,6 +31,7 @@ from audits.common import atomic_write
 from audits.engine.compare import COMPARED, FORWARD_TENSORS, label_run_to_run
 from audits.report.records import FAILING
 from audits.verdict.gate import fa_allowed
+from audits.verdict.separators import CauseTally, cause_groups, cause_lines, cause_text
 from numerics.metrics import ULP_BUCKETS
 
 __all__ = [
@@ -99,6 +100,8 @@ class Comparison:
     tightness: dict = field(
         default_factory=lambda: {"judged": 0, "worst_ratio": None, "worst_case": None, "other_bound": 0}
     )
+    #: the tested causes over the candidate's cases whose verdict got worse (``cause_groups``)
+    causes: CauseTally | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -176,10 +179,10 @@ def _judge_case(c: Comparison, base: dict, rec: dict, th: dict) -> None:
     c.verdicts[f"{base['verdict']} -> {rec['verdict']}"] = (
         c.verdicts.get(f"{base['verdict']} -> {rec['verdict']}", 0) + 1
     )
-    if change == "worse":
-        c.regressions.append(
-            Regression(name, "verdict", f"{base['verdict']} -> {rec['verdict']}: {'; '.join(rec.get('reasons') or [])}")
-        )
+    if change == "worse":  # the candidate's best tested cause first (docs/diagnosis.md, "Causes"), then its reasons
+        said = [line for line in cause_lines(rec)[:1] if line.startswith("likely cause: ")]
+        why = "; ".join([*said, *(rec.get("reasons") or [])])
+        c.regressions.append(Regression(name, "verdict", f"{base['verdict']} -> {rec['verdict']}: {why}"))
     elif change == "refused":
         c.regressions.append(
             Regression(name, "refused", f"the baseline ran it; the candidate refused it: {rec.get('reason')}")
@@ -295,6 +298,10 @@ def compare_reports(
                     {"case": rec["case"], "why": cmp.get("why") or "no comparison recorded (resumed)"}
                 )
             _judge_case(c, base, rec, thresholds)
+        worse = [
+            r for r in rep["cases"] if r["case"] in base_cases and _verdict_change(base_cases[r["case"]], r) == "worse"
+        ]
+        c.causes = cause_groups(worse)
         c.seconds = {"baseline": call_times(reports[baseline]["cases"]), "candidate": call_times(rep["cases"])}
         c.differing.sort(
             key=lambda e: -max((t.get("max_ulp") or 0) for t in e["tensors"].values()) if e["tensors"] else 0
@@ -446,6 +453,8 @@ def summary_lines(c: Comparison) -> list[str]:
             lines.append(f"    {name}: " + "; ".join(f"{r.kind}: {_short(r.detail)}" for r in found))
         if len(cases) > SHOWN:
             lines.append(f"    ... and {len(cases) - SHOWN} more cases (compare.md lists every one)")
+        if tally := cause_text(c.causes, lead="Likely causes of the worse verdicts, over the"):
+            lines.append(f"  {tally}")
     return lines
 
 

@@ -564,11 +564,11 @@ def cause_groups(records: list[CaseRecord]) -> CauseTally | None:
     )
 
 
-def cause_text(causes: CauseTally | None) -> str:
+def cause_text(causes: CauseTally | None, *, lead: str = "Likely causes over the") -> str:
     """:func:`cause_groups` as one sentence for every view ("Likely causes over the 22 failing
     cases: misplaced_rows first on 20 and named on 21 (all 21: ...); ...; every failing
     case has one");
-    "" for none."""
+    "" for none.  ``lead``: the words before the cases counted (``compare``: the worse verdicts')."""
     if not causes or not (causes["groups"] or causes["failing"]):
         return ""
     n_f, n_w = causes["failing"], causes["warning"]
@@ -588,7 +588,7 @@ def cause_text(causes: CauseTally | None) -> str:
         parts.append("every failing case has one")
     if untested:
         parts.append(f"{count_of(untested, ('case', 'cases'))} errored, crashed or timed out: no result to test")
-    return f"Likely causes over the {over}: " + "; ".join(parts)
+    return f"{lead} {over}: " + "; ".join(parts)
 
 
 def cause_lines(rec: CaseRecord) -> list[str]:
