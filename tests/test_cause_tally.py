@@ -102,3 +102,9 @@ def test_a_run_tallies_its_causes_in_the_report_its_views_and_the_console(tmp_pa
     assert html.escape(sentence) in (tmp_path / "report.html").read_text()
     assert cli.main(["show", str(tmp_path / "report.json")]) == 0
     assert sentence in capsys.readouterr().out.replace("\n", " ")
+    # the gate: each failing case with its best cause first, and the tally over the re-judged verdicts
+    assert cli.main(["gate", str(tmp_path / "report.json")]) == 1
+    gated = capsys.readouterr().out
+    fails = [line for line in gated.splitlines() if line.startswith("FAIL ")]
+    assert len(fails) == 3 and all(": likely cause: softmax_scale (c = " in line for line in fails), fails
+    assert f"\n{sentence}\n" in gated

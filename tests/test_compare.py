@@ -158,7 +158,7 @@ def test_seeded_regression_exits_1_and_names_the_cases(tmp_path, capsys):
     assert "REGRESSION" in out and all(n in out for n in causal)
     # each worse verdict leads with the candidate's tested cause, and the worse verdicts' causes are tallied
     details = [r["detail"] for r in c["regressions"] if r["kind"] == "verdict"]
-    assert all(d.startswith("pass -> fail: likely cause: mask_edge (causal mask ignored): ") for d in details), details
+    assert all(d.startswith("pass -> fail: likely cause: mask_edge (causal mask ignored); ") for d in details), details
     n = len(causal)
     top, *others = c["causes"]["groups"]  # others: hypotheses a case also fits, never first
     assert (top["cause"], top["cases"], top["best"], top["detail"]) == ("mask_edge", n, n, "causal mask ignored")

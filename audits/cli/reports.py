@@ -49,7 +49,7 @@ from audits.suites.selection import read_domain
 from audits.verdict.coverage import coverage_lines, coverage_summary
 from audits.verdict.gate import ThresholdsError, load_thresholds, rejudge, require_backward
 from audits.verdict.known import KnownError, apply_known, known_lines, strict_failed
-from audits.verdict.separators import cause_lines, separator_text, where_lines
+from audits.verdict.separators import cause_groups, cause_lines, cause_text, likely_cause, separator_text, where_lines
 
 
 def _is_journal(path: str) -> bool:
@@ -250,9 +250,13 @@ def cmd_gate(args: argparse.Namespace) -> int:
     base, overlap = _baseline(args, rep)
     key = lambda c: case_key(c, ignore_seed=args.ignore_seed)
     new = _known(args, summarize(rejudge(rep, th, base, key=key)), strict=args.strict_known)
-    for c, n in collapse_reasons([c for c in new["cases"] if c["verdict"] in FAILING]):
+    failing = collapse_reasons([c for c in new["cases"] if c["verdict"] in FAILING])
+    for c, n in failing:  # each with its best tested cause first, then its reasons
         also = f" (x{n} cases)" if n > 1 else ""
-        print(f"{c['verdict'].upper():7s} {c['case']}: {'; '.join(c['reasons'])}{also}")
+        why = "; ".join(x for x in (likely_cause(c), *c["reasons"]) if x)
+        print(f"{c['verdict'].upper():7s} {c['case']}: {why}{also}")
+    if sum(n for _, n in failing) > 1 and (tally := cause_text(cause_groups(new["cases"]))):
+        print(tally)  # over the re-judged verdicts
     for line in known_lines(new):  # --known: the known defects, apart from the failures
         print(line)
     print(f"{summary_line(new)} under {th['path']}")

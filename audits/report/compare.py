@@ -31,7 +31,7 @@ from audits.common import atomic_write
 from audits.engine.compare import COMPARED, FORWARD_TENSORS, label_run_to_run
 from audits.report.records import FAILING
 from audits.verdict.gate import fa_allowed
-from audits.verdict.separators import CauseTally, cause_groups, cause_lines, cause_text
+from audits.verdict.separators import CauseTally, cause_groups, cause_text, likely_cause
 from numerics.metrics import ULP_BUCKETS
 
 __all__ = [
@@ -180,8 +180,7 @@ def _judge_case(c: Comparison, base: dict, rec: dict, th: dict) -> None:
         c.verdicts.get(f"{base['verdict']} -> {rec['verdict']}", 0) + 1
     )
     if change == "worse":  # the candidate's best tested cause first (docs/diagnosis.md, "Causes"), then its reasons
-        said = [line for line in cause_lines(rec)[:1] if line.startswith("likely cause: ")]
-        why = "; ".join([*said, *(rec.get("reasons") or [])])
+        why = "; ".join(x for x in (likely_cause(rec), *(rec.get("reasons") or [])) if x)
         c.regressions.append(Regression(name, "verdict", f"{base['verdict']} -> {rec['verdict']}: {why}"))
     elif change == "refused":
         c.regressions.append(

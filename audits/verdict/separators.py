@@ -80,6 +80,7 @@ __all__ = [
     "CauseTally",
     "cause_groups",
     "cause_text",
+    "likely_cause",
     "reasons_by_fault",
 ]
 
@@ -589,6 +590,17 @@ def cause_text(causes: CauseTally | None, *, lead: str = "Likely causes over the
     if untested:
         parts.append(f"{count_of(untested, ('case', 'cases'))} errored, crashed or timed out: no result to test")
     return f"{lead} {over}: " + "; ".join(parts)
+
+
+def likely_cause(rec: CaseRecord) -> str:
+    """The case's best tested cause in a few words, for one-line views (``gate``, ``compare``'s
+    regressions): "likely cause: mask_edge (causal mask ignored)"; "" when none was named
+    (:func:`cause_lines` gives the evidence too)."""
+    diag = rec.get("diagnosis")
+    found = diag.get("causes") if isinstance(diag, dict) else None
+    if not found or not isinstance(found[0], dict):
+        return ""
+    return f"likely cause: {found[0]['cause']} ({found[0]['detail']})"
 
 
 def cause_lines(rec: CaseRecord) -> list[str]:
