@@ -310,10 +310,11 @@ def test_the_tutorials_batch_addressing_leaves_batch_1_unwritten():
 def test_the_console_says_both_poisoned_runs_when_no_cause_is_named(tmp_path, capsys):
     """A backward failure with no cause named: the console prints what the forward's and the
     backward's poisoned runs showed (the H200's head-dim defect printed the forward's alone, while
-    its answer was the backward's, 2026-12-04)."""
+    its answer was the backward's, 2026-12-04).  The bug is one no gradient hypothesis models (dS
+    from another exp2 than the LSE's); dq missing its scale, used before, is now named."""
     from audits import cli
 
-    spec = f"{ROOT / 'tests' / 'bugged_backward.py'}:bug_dq_no_scale"
+    spec = f"{ROOT / 'tests' / 'bugged_backward.py'}:bug_ds_other_exp2"
     argv = ["run", "--kernel", spec, "--backward", "--case", CASE.name, "--out", str(tmp_path / "o")]
     assert cli.main(argv) == 1
     out = capsys.readouterr().out

@@ -55,6 +55,7 @@ from audits.verdict.bias import bias_cause
 from audits.verdict.causes import Cause, data_causes, rank_causes
 from audits.verdict.diagnosis import CaseTensors, diagnose
 from audits.verdict.gate import judge
+from audits.verdict.grad_causes import grad_causes
 from numerics.call import AttentionCall
 from numerics.forward_bound import forward_error_bound
 from numerics.fp import bit_view
@@ -690,6 +691,7 @@ def _causes(
         if rec["verdict"] in FAILING and rec.get("status") == "ran" and keep.out is not None:
             try:
                 found += data_causes(case=keep.case, tensors=keep, rec=rec, th=thresholds)
+                found += grad_causes(tensors=keep, rec=rec)  # the backward's, where it ran
             except Exception as exc:  # noqa: BLE001 - recorded beside the verdict, which stands
                 broke = f"data hypotheses: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             for half, run in runs.items():  # the runs _judged_written made (and that failed the case), reused

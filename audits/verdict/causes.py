@@ -15,7 +15,7 @@ from audits.verdict.vocabulary import CAUSES, Cause
 from numerics.call import AttentionCall
 from numerics.reference import attention_reference, visible_mask
 
-__all__ = ["Cause", "CAUSES", "MIN_SCORE", "data_causes", "rank_causes"]
+__all__ = ["Cause", "CAUSES", "MIN_SCORE", "FALLBACK_ULPS", "MAX_SCORES", "data_causes", "edge_variants", "rank_causes"]
 
 
 # ---- the tested hypotheses --------------------------------------------------------------------
@@ -318,7 +318,7 @@ def _row_sample(sc: _Scope, n: int) -> _Scope:
 # ---- mask_edge --------------------------------------------------------------------------------
 
 
-def _edge_variants(case, call: AttentionCall) -> list[tuple[tuple, str]]:
+def edge_variants(case, call: AttentionCall) -> list[tuple[tuple, str]]:
     """((left, right) effective window, detail) of each mask-edge hypothesis of the call."""
     left, right = call.effective_window()
     right_name = "causal_diagonal" if case.causal else "window_right"
@@ -338,6 +338,8 @@ def _edge_variants(case, call: AttentionCall) -> list[tuple[tuple, str]]:
         out.append(((left, None), "causal mask ignored"))
     elif case.local:
         out.append(((None, None), "window ignored"))
+    if left is not None and right is not None:  # one edge ignored, the other kept
+        out.append(((None, right), "window_left ignored"))
     if right is None:
         out.append(((left, 0), "causal mask applied where none was asked"))
         if off:
@@ -347,7 +349,7 @@ def _edge_variants(case, call: AttentionCall) -> list[tuple[tuple, str]]:
 
 def _mask_edge(sc: _Scope, case) -> Cause | None:
     best = None
-    for window, detail in _edge_variants(case, sc.call):
+    for window, detail in edge_variants(case, sc.call):
         o, lse = _recompute(sc, window=window)
         counts = _counts(sc, o, lse)
         s = _score(counts)

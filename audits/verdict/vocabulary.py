@@ -29,6 +29,7 @@ class Cause:
 #: data cannot tell more (tests/test_causes_data.py, ``nan_from_masked_keys``)
 CAUSES = (
     "softmax_scale",
+    "grad_scale",
     "nan_leak",
     "mask_edge",
     "head_mapping",

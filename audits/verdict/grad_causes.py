@@ -1,0 +1,297 @@
+"""Why a failing backward fails: cause hypotheses on the gradients, each tested against the data
+(docs/diagnosis.md, "Causes of a failing backward"), ranked with the forward's
+(``audits.verdict.causes``) in ``case["diagnosis"]["causes"]``.
+
+Scored as the forward's hypotheses are (``audits.verdict.causes``, module comment), per element
+of dq, dk, dv and dsink: *violating*, the kernel is past the element's tolerance from the FP64
+gradient (its backward bound where finite, else :data:`FALLBACK_ULPS` ULPs of the element's scale,
+the sum of its terms' magnitudes, ``numerics.grad_reference``); *predicted*, the hypothesis'
+gradient is past it too; *explained*, violating, predicted, and the kernel within tolerance of the
+hypothesis (or NaN where it is NaN).  Score = (explained / violating) x (explained / predicted),
+over every gradient: a hypothesis about dq alone explains none of dk's violations.
+
+- ``grad_scale``: one gradient is the FP64 one times a constant c (least squares over its
+  violating elements), named when c is a usual factor: 1/softmax_scale (the scale missing, as
+  TransformerEngine #3216's dQ), softmax_scale (applied twice), -1 (the sign lost, as a sink
+  gradient without d lse / d sink's minus), 0 (never computed).
+- ``mask_edge``: the backward's mask differs from the forward's: the gradients recomputed with the
+  forward's out and LSE (the FP64 ones) but P taken over a moved mask, the variants of
+  ``audits.verdict.causes.edge_variants`` (an edge off by one key, a mask or edge ignored).  The
+  recomputation is FA's backward in float64 (``P = exp(s - lse)`` over the backward's visible keys,
+  ``D = rowsum(O * dO)``, ``dS = P (dP - D)`` times the softcap's chain factor, ``dq = scale dS K``,
+  ``dk = scale dS^T Q``, ``dv = P^T dO`` summed over each kv head's query heads); with the
+  forward's own mask it reproduces ``numerics.grad_reference.attention_grad_reference``
+  (tests/test_grad_causes.py).
+- ``head_mapping``: under GQA, dk and dv taken from one query head of each group instead of
+  summed over it (the same recomputation, the group's first head kept).
+
+Fixed-length cases without mods, of at most :data:`MAX_SCORES` scores; others get no gradient
+hypothesis (the poisoned re-runs still run)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from audits.verdict.causes import FALLBACK_ULPS, MAX_SCORES, MIN_SCORE, edge_variants
+from audits.verdict.diagnosis import CaseTensors
+from audits.verdict.vocabulary import Cause
+from numerics.call import AttentionCall
+from numerics.reference import call_visibility
+
+__all__ = ["grad_causes", "backward_with_mask", "GRADS"]
+
+#: the gradients the hypotheses score, in the order they are named
+GRADS = ("dq", "dk", "dv", "dsink")
+#: |log c| below this is no constant factor (the gradient is right to rounding, c = 1)
+MIN_LOG_FACTOR = 0.005
+#: a fitted constant within this relative distance of a named factor is scored as that factor
+NAMED_WITHIN = 0.01
+
+
+@dataclass
+class _Scope:
+    """The gradients a case's hypotheses are scored on: per name, the kernel's and the FP64
+    gradient (float64), the tolerance, the violating and checked masks, the dtype's epsilon."""
+
+    got: dict[str, torch.Tensor]
+    ref: dict[str, torch.Tensor]
+    tol: dict[str, torch.Tensor]
+    viol: dict[str, torch.Tensor]
+    checked: dict[str, torch.Tensor]
+    eps: dict[str, float]
+
+    def violating(self) -> int:
+        return sum(int(v.sum()) for v in self.viol.values())
+
+
+def _scope(t: CaseTensors) -> _Scope | None:
+    """The gradients with a result and an FP64 reference of the same shape; None when none
+    violates its tolerance."""
+    sc = _Scope({}, {}, {}, {}, {}, {})
+    for n in GRADS:
+        g, r = (t.grads or {}).get(n), (t.grad_refs or {}).get(n)
+        if g is None or r is None or g.shape != r.shape:
+            continue
+        g, r = g.double(), r.double()
+        eps = float(torch.finfo(t.grads[n].dtype).eps) if t.grads[n].dtype.is_floating_point else 2.0**-8
+        scale = (t.grad_refs or {}).get(f"{n}_scale")
+        scale = scale.double().abs() if scale is not None and scale.shape == r.shape else r.abs()
+        tol = FALLBACK_ULPS * eps * torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale)) + 1e-300
+        bound = (t.grad_bounds or {}).get(n)
+        if bound is not None and bound.shape == r.shape:
+            b = bound.double()
+            tol = torch.where(torch.isfinite(b), torch.maximum(b, tol), tol)
+        fin = torch.isfinite(r)
+        sc.got[n], sc.ref[n], sc.tol[n], sc.eps[n], sc.checked[n] = g, r, tol, eps, fin
+        sc.viol[n] = fin & ~((g - r).abs() <= tol)
+    return sc if sc.violating() else None
+
+
+def _counts(sc: _Scope, hyp: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    """(explained, violating, predicted) over every gradient of the scope; ``hyp``: the
+    hypothesis' gradients (a gradient it leaves out is the FP64 one: it predicts no change)."""
+    e = v = p = 0
+    for n, g in sc.got.items():
+        v += int(sc.viol[n].sum())
+        h = hyp.get(n)
+        if h is None:
+            continue
+        r, tol = sc.ref[n], sc.tol[n]
+        close = ((g - h).abs() <= tol + sc.eps[n] * h.abs()) | (g == h) | (torch.isnan(g) & torch.isnan(h))
+        pred = sc.checked[n] & ~((h - r).abs() <= tol)
+        e += int((sc.viol[n] & pred & close).sum())
+        p += int(pred.sum())
+    return e, v, p
+
+
+def _score(counts: tuple[int, int, int]) -> float:
+    e, v, p = counts
+    return 0.0 if not (e and v and p) else (e / v) * (e / p)
+
+
+def _evidence(what: str, counts: tuple[int, int, int]) -> str:
+    e, v, p = counts
+    return (
+        f"the FP64 gradients {what} match {e:,} of the {v:,} violating gradient elements ({e / v:.0%}), "
+        f"and the kernel follows them at {e / p:.0%} of the {p:,} elements they move"
+    )
+
+
+# ---- grad_scale ----------------------------------------------------------------------------------
+
+
+def _named_factors(call: AttentionCall, d: int) -> list[tuple[float, str]]:
+    """(factor, words) of the usual constant factors a gradient can be off by."""
+    scale = call.scale(d)
+    inv, once = (f"sqrt({d})", f"1/sqrt({d})") if call.softmax_scale is None else (f"{1 / scale:.4g}", f"{scale:.4g}")
+    return [
+        (0.0, "never computed: zero"),
+        (-1.0, "the sign flipped"),
+        (1.0 / scale, f"1/softmax_scale = {inv}: the softmax scale missing"),
+        (scale, f"softmax_scale = {once}: the softmax scale applied twice"),
+        (2.0, "doubled"),
+        (0.5, "halved"),
+    ]
+
+
+def _grad_scale(sc: _Scope, call: AttentionCall, d: int) -> Cause | None:
+    best = None
+    for n in sc.got:
+        m = sc.viol[n] & torch.isfinite(sc.got[n])
+        if not bool(m.any()):
+            continue
+        g, r = sc.got[n][m], sc.ref[n][m]
+        den = float((r * r).sum())
+        if not den or not math.isfinite(den):
+            continue
+        c = float((g * r).sum()) / den
+        if not math.isfinite(c):
+            continue
+        name = ""
+        for f, words in _named_factors(call, d):
+            if abs(c - f) <= NAMED_WITHIN * max(abs(f), 1e-3):
+                c, name = f, words
+                break
+        if not name and (c == 0 or abs(math.log(abs(c))) < MIN_LOG_FACTOR):
+            continue
+        counts = _counts(sc, {n: sc.ref[n] * c})
+        s = _score(counts)
+        if s > 0 and (best is None or s > best.score):
+            detail = f"{n} times {c:.4g}" + (f" ({name})" if name else "")
+            if c == 0:
+                detail = f"{n} is zero: never computed"
+            best = Cause("grad_scale", detail, _evidence(f"with {n} times {c:.4g}", counts), s)
+    return best
+
+
+# ---- mask_edge in the backward -------------------------------------------------------------------
+
+
+def backward_with_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    call: AttentionCall,
+    visible: torch.Tensor,
+    group_reduce: str = "sum",
+) -> dict[str, torch.Tensor]:
+    """FA's backward in float64 (module doc) from the forward's ``out`` (b, sq, hq, dv) and ``lse``
+    (b, hq, sq), with P over the keys ``visible`` ((sq, sk) bool) instead of the call's: dq, dk,
+    dv in the inputs' layouts.  A row whose LSE is not finite contributes nothing.
+    ``group_reduce``: "sum" (dk, dv summed over each kv head's query heads, as they must be) or
+    "first" (taken from the group's first query head alone)."""
+    q64, k64, v64, do64 = (x.double() for x in (q, k, v, do))
+    b, sq, hq, d = q64.shape
+    hk = k64.shape[2]
+    g = hq // hk
+    kx = k64.repeat_interleave(g, dim=2)  # (b, sk, hq, d): query head h reads kv head h // g
+    vx = v64.repeat_interleave(g, dim=2)
+    scale = call.scale(d)
+    r = torch.einsum("bihd,bjhd->bhij", q64, kx) * scale
+    chain = None
+    if call.softcap:
+        s = call.softcap * torch.tanh(r / call.softcap)
+        chain = torch.cosh(r / call.softcap) ** -2
+    else:
+        s = r
+    l64 = lse.double()[..., None]
+    p = torch.where(visible.to(q.device) & torch.isfinite(l64), torch.exp(s - l64), torch.zeros_like(s))
+    delta = torch.einsum("bihc,bihc->bhi", out.double(), do64)[..., None]
+    dp = torch.einsum("bihc,bjhc->bhij", do64, vx)
+    ds = p * (dp - delta)
+    if chain is not None:
+        ds = ds * chain
+    dq = torch.einsum("bhij,bjhd->bihd", ds, kx) * scale
+    dkx = torch.einsum("bhij,bihd->bjhd", ds, q64) * scale
+    dvx = torch.einsum("bhij,bihc->bjhc", p, do64)
+    sk = k64.shape[1]
+    reduce = (lambda z: z.sum(3)) if group_reduce == "sum" else (lambda z: z[:, :, :, 0])
+    dk = reduce(dkx.reshape(b, sk, hk, g, d))
+    dv = reduce(dvx.reshape(b, sk, hk, g, -1))
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+def _vis(t: CaseTensors, call: AttentionCall) -> torch.Tensor:
+    case = t.case
+    vis = call_visibility(
+        batch=1, heads=1, seqlen_q=case.seqlen_q, seqlen_k=case.seqlen_k, call=call, device=t.inputs["q"].device
+    )
+    return vis.reshape(case.seqlen_q, case.seqlen_k)
+
+
+def _fwd(t: CaseTensors) -> tuple | None:
+    """The forward's FP64 out and LSE and dO the backward hypotheses recompute from; None without them."""
+    out, lse = (t.grad_refs or {}).get("out"), (t.grad_refs or {}).get("lse")
+    return None if out is None or lse is None or t.grad_output is None else (out, lse, t.grad_output)
+
+
+def _head_mapping(sc: _Scope, t: CaseTensors) -> Cause | None:
+    """GQA: dk and dv from one query head of each group, not summed over the group."""
+    case, x = t.case, t.inputs
+    g = case.heads_q // case.heads_kv
+    if g < 2 or (fwd := _fwd(t)) is None:
+        return None
+    call = AttentionCall.from_kwargs(**x["kw"])
+    hyp = backward_with_mask(
+        x["q"], x["k"], x["v"], fwd[2], fwd[0], fwd[1], call=call, visible=_vis(t, call), group_reduce="first"
+    )
+    hyp.pop("dq")  # dq is per query head: this hypothesis leaves it as it is
+    counts = _counts(sc, hyp)
+    s = _score(counts)
+    if s <= 0:
+        return None
+    detail = f"in the backward only: dk and dv from the first query head of each group of {g}, not summed over it"
+    return Cause(
+        "head_mapping", detail, _evidence("with dk and dv taken from each group's first query head", counts), s
+    )
+
+
+def _mask_edge(sc: _Scope, t: CaseTensors) -> Cause | None:
+    x, case = t.inputs, t.case
+    call = AttentionCall.from_kwargs(**x["kw"])
+    if (fwd := _fwd(t)) is None:
+        return None
+    out, lse, do = fwd
+    best = None
+    for window, detail in edge_variants(case, call):
+        vis = _vis(t, replace(call, causal=False, window_size=window))
+        hyp = backward_with_mask(x["q"], x["k"], x["v"], do, out, lse, call=call, visible=vis)
+        counts = _counts(sc, hyp)
+        s = _score(counts)
+        if s > 0 and (best is None or s > best.score):
+            what = f"recomputed with the backward's P over the window (left, right) = {window}, the forward's kept"
+            best = Cause("mask_edge", f"in the backward only: {detail}", _evidence(what, counts), s)
+    return best
+
+
+# ---- the entry point -----------------------------------------------------------------------------
+
+
+def grad_causes(*, tensors: CaseTensors, rec: dict) -> list[Cause]:
+    """The gradient hypotheses a failing backward's data bears out (module doc), each at least
+    ``MIN_SCORE``, unranked (``audits.verdict.causes.rank_causes`` ranks them with the rest); []
+    when the backward did not run, nothing is past its tolerance, or the case is one this module
+    does not recompute (varlen, mods, more than ``MAX_SCORES`` scores)."""
+    t = tensors
+    b = rec.get("backward") or {}
+    if b.get("status") != "ran" or t is None or t.inputs is None or not t.grads or not t.grad_refs:
+        return []
+    case = t.case
+    call = AttentionCall.from_kwargs(**t.inputs["kw"])
+    if case.varlen or call.score_mod is not None or call.has_mask_mods:
+        return []
+    if case.batch * case.heads_q * case.seqlen_q * case.seqlen_k > MAX_SCORES:
+        return []
+    with torch.no_grad():
+        sc = _scope(t)
+        if sc is None:
+            return []
+        found = [_grad_scale(sc, call, case.d), _mask_edge(sc, t), _head_mapping(sc, t)]
+    return [c for c in found if c is not None and c.score >= MIN_SCORE]
