@@ -24,6 +24,10 @@ over every gradient: a hypothesis about dq alone explains none of dk's violation
   (tests/test_grad_causes.py).
 - ``head_mapping``: under GQA, dk and dv taken from one query head of each group instead of
   summed over it (the same recomputation, the group's first head kept).
+- ``softcap_chain``: with a softcap, dS without its chain factor (the same recomputation;
+  flash-attention #2402).
+- ``dropped_tile``: a gradient's head-dim columns from some column on never computed (zero),
+  as a reduction width the head dim is not a multiple of (flash-attention #2552).
 
 Fixed-length cases without mods, of at most :data:`MAX_SCORES` scores; others get no gradient
 hypothesis (the poisoned re-runs still run)."""
@@ -181,12 +185,14 @@ def backward_with_mask(
     call: AttentionCall,
     visible: torch.Tensor,
     group_reduce: str = "sum",
+    chain: bool = True,
 ) -> dict[str, torch.Tensor]:
     """FA's backward in float64 (module doc) from the forward's ``out`` (b, sq, hq, dv) and ``lse``
     (b, hq, sq), with P over the keys ``visible`` ((sq, sk) bool) instead of the call's: dq, dk,
     dv in the inputs' layouts.  A row whose LSE is not finite contributes nothing.
     ``group_reduce``: "sum" (dk, dv summed over each kv head's query heads, as they must be) or
-    "first" (taken from the group's first query head alone)."""
+    "first" (taken from the group's first query head alone); ``chain``: dS times the softcap's
+    chain factor (False: without it, flash-attention #2402)."""
     q64, k64, v64, do64 = (x.double() for x in (q, k, v, do))
     b, sq, hq, d = q64.shape
     hk = k64.shape[2]
@@ -195,10 +201,10 @@ def backward_with_mask(
     vx = v64.repeat_interleave(g, dim=2)
     scale = call.scale(d)
     r = torch.einsum("bihd,bjhd->bhij", q64, kx) * scale
-    chain = None
+    factor = None
     if call.softcap:
         s = call.softcap * torch.tanh(r / call.softcap)
-        chain = torch.cosh(r / call.softcap) ** -2
+        factor = torch.cosh(r / call.softcap) ** -2 if chain else None
     else:
         s = r
     l64 = lse.double()[..., None]
@@ -206,8 +212,8 @@ def backward_with_mask(
     delta = torch.einsum("bihc,bihc->bhi", out.double(), do64)[..., None]
     dp = torch.einsum("bihc,bjhc->bhij", do64, vx)
     ds = p * (dp - delta)
-    if chain is not None:
-        ds = ds * chain
+    if factor is not None:
+        ds = ds * factor
     dq = torch.einsum("bhij,bjhd->bihd", ds, kx) * scale
     dkx = torch.einsum("bhij,bihd->bjhd", ds, q64) * scale
     dvx = torch.einsum("bhij,bihc->bjhc", p, do64)
@@ -271,6 +277,48 @@ def _mask_edge(sc: _Scope, t: CaseTensors) -> Cause | None:
     return best
 
 
+def _softcap_chain(sc: _Scope, t: CaseTensors) -> Cause | None:
+    """With a softcap: dS not multiplied by the chain factor 1 - tanh^2(r / cap)."""
+    x = t.inputs
+    call = AttentionCall.from_kwargs(**x["kw"])
+    if not call.softcap or (fwd := _fwd(t)) is None:
+        return None
+    hyp = backward_with_mask(
+        x["q"], x["k"], x["v"], fwd[2], fwd[0], fwd[1], call=call, visible=_vis(t, call), chain=False
+    )
+    counts = _counts(sc, hyp)
+    s = _score(counts)
+    if s <= 0:
+        return None
+    detail = f"in the backward only: dS without the softcap's chain factor 1 - tanh^2(r / {call.softcap:g})"
+    return Cause("softcap_chain", detail, _evidence("without the softcap's chain factor", counts), s)
+
+
+def _dropped_columns(sc: _Scope) -> Cause | None:
+    """A gradient's trailing head-dim columns never computed: zero where the FP64 gradient is not,
+    from a column on (a reduction width the head dim is not a multiple of, flash-attention #2552)."""
+    best = None
+    for n, g in sc.got.items():
+        if n == "dsink" or g.dim() != 4 or not bool(sc.viol[n].any()):
+            continue
+        zero = ((g == 0) | ~sc.checked[n]).flatten(0, 2).all(0)  # (dim,): the column is zero everywhere
+        moved = sc.viol[n].flatten(0, 2).any(0)
+        width = g.shape[-1]
+        c0 = width
+        while c0 > 0 and bool(zero[c0 - 1]):
+            c0 -= 1
+        if c0 == width or not bool(moved[c0:].any()):
+            continue
+        hyp = sc.ref[n].clone()
+        hyp[..., c0:] = 0.0
+        counts = _counts(sc, {n: hyp})
+        s = _score(counts)
+        if s > 0 and (best is None or s > best.score):
+            detail = f"{n} columns {c0}..{width - 1} (the head dim from {c0} on) never computed: zero"
+            best = Cause("dropped_tile", detail, _evidence(f"with {n}'s columns {c0}..{width - 1} zero", counts), s)
+    return best
+
+
 # ---- the entry point -----------------------------------------------------------------------------
 
 
@@ -293,5 +341,6 @@ def grad_causes(*, tensors: CaseTensors, rec: dict) -> list[Cause]:
         sc = _scope(t)
         if sc is None:
             return []
-        found = [_grad_scale(sc, call, case.d), _mask_edge(sc, t), _head_mapping(sc, t)]
+        found = [_grad_scale(sc, call, case.d), _mask_edge(sc, t), _head_mapping(sc, t), _softcap_chain(sc, t)]
+        found.append(_dropped_columns(sc))
     return [c for c in found if c is not None and c.score >= MIN_SCORE]

@@ -38,6 +38,7 @@ CAUSES = (
     "uninitialized_read",
     "overflow",
     "dropped_tile",
+    "softcap_chain",
     "rounding_bias",
 )
 
