@@ -10,7 +10,7 @@ import torch
 
 from audits.api import RunOptions, open_session
 from audits.engine.backward import BackwardOptions
-from audits.suites.cases import Case
+from audits.suites.cases import Case, suite
 from audits.suites.inputs import make_grad_output, make_inputs
 from audits.verdict.diagnosis import CaseTensors
 from audits.verdict.grad_causes import backward_with_mask, grad_causes
@@ -99,6 +99,22 @@ def test_each_seeded_backward_bug_is_named_first_through_the_engine(bug):
     found = (rec.get("diagnosis") or {}).get("causes") or []
     assert found and (found[0]["cause"], found[0]["detail"]) == (cause, detail), found
     assert found[0]["score"] >= 0.95, found[0]
+
+
+def test_a_backward_that_overflows_where_the_hypothesis_does_is_named():
+    """The causal mask ignored in the backward on smoke's fp16 drift case: P of the masked pairs
+    overflows, and the kernel returns +-inf where the FP64 gradient is finite.  The hypothesis'
+    gradients, as fp16 holds them, are the same infinities: 48,309 of 48,695 violating elements
+    met, score 0.984 (unrounded the infinities matched nothing: 47,629, 0.957; 2026-12-05)."""
+    case = next(c for c in suite("smoke") if c.name == "f16-d64-b1h2k2-s128x384-causal-drift-seed0")
+    rec = _evaluate("tests.bugged_backward:bug_no_causal_in_bwd", case)
+    assert any("returns +inf" in r for r in rec["reasons"]), rec["reasons"]
+    found = rec["diagnosis"].get("causes") or []
+    assert found and (found[0]["cause"], found[0]["detail"]) == (
+        "mask_edge",
+        "in the backward only: causal mask ignored",
+    )
+    assert found[0]["score"] >= 0.98, found[0]
 
 
 def test_a_backward_bug_outside_the_vocabulary_gets_no_cause():

@@ -7,8 +7,10 @@ of dq, dk, dv and dsink: *violating*, the kernel is past the element's tolerance
 gradient (its backward bound where finite, else :data:`FALLBACK_ULPS` ULPs of the element's scale,
 the sum of its terms' magnitudes, ``numerics.grad_reference``); *predicted*, the hypothesis'
 gradient is past it too; *explained*, violating, predicted, and the kernel within tolerance of the
-hypothesis (or NaN where it is NaN).  Score = (explained / violating) x (explained / predicted),
-over every gradient: a hypothesis about dq alone explains none of dk's violations.
+hypothesis rounded to the gradient's dtype (or NaN where it is NaN; past the dtype's range, its
+infinity: a backward that overflows fp16 where the hypothesis does is met).
+Score = (explained / violating) x (explained / predicted), over every gradient: a hypothesis
+about dq alone explains none of dk's violations.
 
 - ``grad_scale``: one gradient is the FP64 one times a constant c (least squares over its
   violating elements), named when c is a usual factor: 1/softmax_scale (the scale missing, as
@@ -66,6 +68,7 @@ class _Scope:
     viol: dict[str, torch.Tensor]
     checked: dict[str, torch.Tensor]
     eps: dict[str, float]
+    dtype: dict[str, torch.dtype]
 
     def violating(self) -> int:
         return sum(int(v.sum()) for v in self.viol.values())
@@ -74,7 +77,7 @@ class _Scope:
 def _scope(t: CaseTensors) -> _Scope | None:
     """The gradients with a result and an FP64 reference of the same shape; None when none
     violates its tolerance."""
-    sc = _Scope({}, {}, {}, {}, {}, {})
+    sc = _Scope({}, {}, {}, {}, {}, {}, {})
     for n in GRADS:
         g, r = (t.grads or {}).get(n), (t.grad_refs or {}).get(n)
         if g is None or r is None or g.shape != r.shape:
@@ -90,6 +93,7 @@ def _scope(t: CaseTensors) -> _Scope | None:
             tol = torch.where(torch.isfinite(b), torch.maximum(b, tol), tol)
         fin = torch.isfinite(r)
         sc.got[n], sc.ref[n], sc.tol[n], sc.eps[n], sc.checked[n] = g, r, tol, eps, fin
+        sc.dtype[n] = t.grads[n].dtype
         sc.viol[n] = fin & ~((g - r).abs() <= tol)
     return sc if sc.violating() else None
 
@@ -104,6 +108,8 @@ def _counts(sc: _Scope, hyp: dict[str, torch.Tensor]) -> tuple[int, int, int]:
         if h is None:
             continue
         r, tol = sc.ref[n], sc.tol[n]
+        if sc.dtype[n].is_floating_point:  # as the gradient's dtype holds it: past its range, the infinity
+            h = h.to(sc.dtype[n]).double()
         close = ((g - h).abs() <= tol + sc.eps[n] * h.abs()) | (g == h) | (torch.isnan(g) & torch.isnan(h))
         pred = sc.checked[n] & ~((h - r).abs() <= tol)
         e += int((sc.viol[n] & pred & close).sum())
