@@ -689,11 +689,16 @@ def _causes(
     found, broke, poisoned = [], None, {}
     try:
         if rec["verdict"] in FAILING and rec.get("status") == "ran" and keep.out is not None:
-            try:
-                found += data_causes(case=keep.case, tensors=keep, rec=rec, th=thresholds)
-                found += grad_causes(tensors=keep, rec=rec)  # the backward's, where it ran
-            except Exception as exc:  # noqa: BLE001 - recorded beside the verdict, which stands
-                broke = f"data hypotheses: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            analyses = (
+                ("data hypotheses", lambda: data_causes(case=keep.case, tensors=keep, rec=rec, th=thresholds)),
+                ("gradient hypotheses", lambda: grad_causes(tensors=keep, rec=rec)),  # where the backward ran
+            )
+            for what, analysis in analyses:  # one breaking does not keep the other from running
+                try:
+                    found += analysis()
+                except Exception as exc:  # noqa: BLE001 - recorded beside the verdict, which stands
+                    why = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    broke = why if broke is None else f"{broke}; {why}"
             for half, run in runs.items():  # the runs _judged_written made (and that failed the case), reused
                 if half in checked:
                     got, trace = checked[half]

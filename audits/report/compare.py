@@ -297,10 +297,8 @@ def compare_reports(
                     {"case": rec["case"], "why": cmp.get("why") or "no comparison recorded (resumed)"}
                 )
             _judge_case(c, base, rec, thresholds)
-        worse = [
-            r for r in rep["cases"] if r["case"] in base_cases and _verdict_change(base_cases[r["case"]], r) == "worse"
-        ]
-        c.causes = cause_groups(worse)
+        worse = {r.case for r in c.regressions if r.kind == "verdict"}  # the verdicts _judge_case found worse
+        c.causes = cause_groups([r for r in rep["cases"] if r["case"] in worse])
         c.seconds = {"baseline": call_times(reports[baseline]["cases"]), "candidate": call_times(rep["cases"])}
         c.differing.sort(
             key=lambda e: -max((t.get("max_ulp") or 0) for t in e["tensors"].values()) if e["tensors"] else 0

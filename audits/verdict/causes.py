@@ -15,7 +15,10 @@ from audits.verdict.vocabulary import CAUSES, Cause
 from numerics.call import AttentionCall
 from numerics.reference import attention_reference, visible_mask
 
-__all__ = ["Cause", "CAUSES", "MIN_SCORE", "FALLBACK_ULPS", "MAX_SCORES", "data_causes", "edge_variants", "rank_causes"]
+__all__ = [
+    "Cause", "CAUSES", "MIN_SCORE", "FALLBACK_ULPS", "MAX_SCORES", "data_causes", "edge_variants", "explained",
+    "rank_causes", "score_of",
+]  # fmt: skip
 
 
 # ---- the tested hypotheses --------------------------------------------------------------------
@@ -187,25 +190,36 @@ def _recompute(sc: _Scope, *, factor: float = 1.0, window=None, kv=None, drop=No
     return out, lse
 
 
+def explained(
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    hyp: torch.Tensor,
+    tol: torch.Tensor,
+    viol: torch.Tensor,
+    checked: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tensor's (explained, predicted) masks under a hypothesis (module comment above): the
+    kernel's ``got``, the FP64 ``ref``, the hypothesis' ``hyp``, the tolerance ``tol``, the
+    ``viol``-ating and ``checked`` elements, ``eps`` the kernel dtype's (its last-ULP slack).
+    Shared by the gradients' hypotheses (``audits.verdict.grad_causes``)."""
+    # NaN where the hypothesis' reference is NaN is its prediction met (NaN != NaN otherwise
+    # leaves a leak the hypothesis explains unexplained: a causal mask ignored on NaN keys)
+    close = ((got - hyp).abs() <= tol + eps * hyp.abs()) | (got == hyp) | (torch.isnan(got) & torch.isnan(hyp))
+    pred = checked & ~((hyp - ref).abs() <= tol)
+    return viol & pred & close, pred  # fmt: skip
+
+
 def _counts(
     sc: _Scope, out_h: torch.Tensor, lse_h: torch.Tensor | None, *, mask=None, lse_mask=None
 ) -> tuple[int, int, int]:
     """(explained, violating, predicted) of one hypothesis' reference (module comment above);
     ``mask``: only these out elements count, and their rows' LSE unless ``lse_mask`` says which."""
-
-    def one(got, ref, hyp, tol, viol, checked, eps):
-        # NaN where the hypothesis' reference is NaN is its prediction met (NaN != NaN otherwise
-        # leaves a leak the hypothesis explains unexplained: a causal mask ignored on NaN keys)
-        close = ((got - hyp).abs() <= tol + eps * hyp.abs()) | (got == hyp) | (torch.isnan(got) & torch.isnan(hyp))
-        pred = checked & ~((hyp - ref).abs() <= tol)
-        expl = viol & pred & close
-        return expl, viol, pred
-
-    parts = [one(sc.out, sc.ref, out_h, sc.tol, sc.viol, sc.checked, sc.eps)]
+    parts = [(*explained(sc.out, sc.ref, out_h, sc.tol, sc.viol, sc.checked, sc.eps), sc.viol)]
     if sc.lse is not None and lse_h is not None:
-        parts.append(one(sc.lse, sc.ref_lse, lse_h, sc.ltol, sc.lviol, sc.lchecked, 0.0))
+        parts.append((*explained(sc.lse, sc.ref_lse, lse_h, sc.ltol, sc.lviol, sc.lchecked, 0.0), sc.lviol))
     e = v = p = 0
-    for i, (expl, viol, pred) in enumerate(parts):
+    for i, (expl, pred, viol) in enumerate(parts):
         if i == 0 or lse_mask is not None:
             m = mask if i == 0 else lse_mask
         else:  # the LSE of the rows the out mask touches
@@ -216,7 +230,9 @@ def _counts(
     return e, v, p
 
 
-def _score(counts: tuple[int, int, int]) -> float:
+def score_of(counts: tuple[int, int, int]) -> float:
+    """(explained / violating) x (explained / predicted) of (explained, violating, predicted)
+    counts; 0 when any is 0 (module comment above)."""
     e, v, p = counts
     return 0.0 if not (e and v and p) else (e / v) * (e / p)
 
@@ -283,7 +299,7 @@ def _softmax_scale(sc: _Scope, case) -> Cause | None:
     c_used, name = (named[0][0], named[0][1]) if named else (c, "")
     o, lse = _recompute(sc, factor=c_used)
     counts = _counts(sc, o, lse)
-    s = _score(counts)
+    s = score_of(counts)
     if s <= 0:
         return None
     detail = f"c = {c:.4g}" + (f" ({name})" if name else "")
@@ -352,7 +368,7 @@ def _mask_edge(sc: _Scope, case) -> Cause | None:
     for window, detail in edge_variants(case, sc.call):
         o, lse = _recompute(sc, window=window)
         counts = _counts(sc, o, lse)
-        s = _score(counts)
+        s = score_of(counts)
         if s > 0 and (best is None or s > best.score):
             what = f"recomputed with the effective window (left, right) = {window} ({detail})"
             best = Cause("mask_edge", detail, _evidence(what, counts, sc), s)
@@ -389,7 +405,7 @@ def _head_mapping(sc: _Scope, case) -> Cause | None:
         return None
     o, lse = _recompute(sc, kv=found)
     counts = _counts(sc, o, lse)
-    s = _score(counts)
+    s = score_of(counts)
     if s <= 0:
         return None
     if found == [h % hkv for h in range(hq)]:
@@ -453,7 +469,7 @@ def _misplaced_rows(t: CaseTensors, tols: tuple) -> Cause | None:
     for key, _ in sorted(offsets.items(), key=lambda kv: -kv[1])[:3]:
         o_h, l_h = _shifted(ref, t.ref_lse, key)
         counts = _counts(sc, o_h, l_h if lv is not None else None)
-        s = _score(counts)
+        s = score_of(counts)
         if s > 0 and (best is None or s > best.score):
             pred = fin & ~((o_h - ref).abs() <= tol)
             held = viol & pred & ((out - o_h).abs() <= tol + eps * o_h.abs())
@@ -573,7 +589,7 @@ def _batch_stride(t: CaseTensors, tols: tuple) -> Cause | None:
         mask = ~unwritten & ~(raced & ~sc.viol)  # (B, S, H, Dv): the rows it predicts, moved where raced
         lse_mask = None if sc.lviol is None else torch.ones_like(sc.lviol)
         counts = _counts(sc, o_h, lse if tols[4] is not None else None, mask=mask, lse_mask=lse_mask)
-        score = _score(counts)
+        score = score_of(counts)
         if score > 0 and (best is None or score > best.score):
             detail = _STRIDE_WORDS[stride]
             what = f"with batch z's programs on the rows z·{stride} + h·seqlen of the head-major rows"
@@ -618,7 +634,7 @@ def _dropped_tile(sc: _Scope, t: CaseTensors) -> Cause | None:
         drop[lo:hi] = True
         o, lse = _recompute(sc, drop=drop)
         counts = _counts(sc, o, lse)
-        s = _score(counts)
+        s = score_of(counts)
         if s > 0 and (best is None or s > best.score):
             detail = f"keys {lo}..{hi - 1} (tile {j} of {tile_n} keys) dropped"
             best = Cause(

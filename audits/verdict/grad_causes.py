@@ -41,10 +41,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from audits.verdict.causes import FALLBACK_ULPS, MAX_SCORES, MIN_SCORE, edge_variants
+from audits.verdict.causes import FALLBACK_ULPS, MAX_SCORES, MIN_SCORE, edge_variants, explained, score_of
 from audits.verdict.diagnosis import CaseTensors
 from audits.verdict.vocabulary import Cause
 from numerics.call import AttentionCall
+from numerics.metrics import rounded_overflow
 from numerics.reference import call_visibility
 
 __all__ = ["grad_causes", "backward_with_mask", "GRADS"]
@@ -60,7 +61,8 @@ NAMED_WITHIN = 0.01
 @dataclass
 class _Scope:
     """The gradients a case's hypotheses are scored on: per name, the kernel's and the FP64
-    gradient (float64), the tolerance, the violating and checked masks, the dtype's epsilon."""
+    gradient (float64; the FP64 one as the kernel's dtype holds it), the tolerance, the violating
+    and checked masks, the dtype's epsilon, and the kernel's gradient as returned."""
 
     got: dict[str, torch.Tensor]
     ref: dict[str, torch.Tensor]
@@ -68,7 +70,7 @@ class _Scope:
     viol: dict[str, torch.Tensor]
     checked: dict[str, torch.Tensor]
     eps: dict[str, float]
-    dtype: dict[str, torch.dtype]
+    kernel: dict[str, torch.Tensor]  # the kernel's gradients as returned (their dtype's range)
 
     def violating(self) -> int:
         return sum(int(v.sum()) for v in self.viol.values())
@@ -82,7 +84,10 @@ def _scope(t: CaseTensors) -> _Scope | None:
         g, r = (t.grads or {}).get(n), (t.grad_refs or {}).get(n)
         if g is None or r is None or g.shape != r.shape:
             continue
-        g, r = g.double(), r.double()
+        # the reference as the gradient's dtype holds it, as the gate compares it: past its range,
+        # the infinity it rounds to (numerics.metrics.rounded_overflow)
+        kernel, (r, _) = g, rounded_overflow(r, g)
+        g = g.double()
         eps = float(torch.finfo(t.grads[n].dtype).eps) if t.grads[n].dtype.is_floating_point else 2.0**-8
         scale = (t.grad_refs or {}).get(f"{n}_scale")
         scale = scale.double().abs() if scale is not None and scale.shape == r.shape else r.abs()
@@ -93,7 +98,7 @@ def _scope(t: CaseTensors) -> _Scope | None:
             tol = torch.where(torch.isfinite(b), torch.maximum(b, tol), tol)
         fin = torch.isfinite(r)
         sc.got[n], sc.ref[n], sc.tol[n], sc.eps[n], sc.checked[n] = g, r, tol, eps, fin
-        sc.dtype[n] = t.grads[n].dtype
+        sc.kernel[n] = kernel
         sc.viol[n] = fin & ~((g - r).abs() <= tol)
     return sc if sc.violating() else None
 
@@ -102,24 +107,16 @@ def _counts(sc: _Scope, hyp: dict[str, torch.Tensor]) -> tuple[int, int, int]:
     """(explained, violating, predicted) over every gradient of the scope; ``hyp``: the
     hypothesis' gradients (a gradient it leaves out is the FP64 one: it predicts no change)."""
     e = v = p = 0
-    for n, g in sc.got.items():
+    for n in sc.got:
         v += int(sc.viol[n].sum())
         h = hyp.get(n)
         if h is None:
             continue
-        r, tol = sc.ref[n], sc.tol[n]
-        if sc.dtype[n].is_floating_point:  # as the gradient's dtype holds it: past its range, the infinity
-            h = h.to(sc.dtype[n]).double()
-        close = ((g - h).abs() <= tol + sc.eps[n] * h.abs()) | (g == h) | (torch.isnan(g) & torch.isnan(h))
-        pred = sc.checked[n] & ~((h - r).abs() <= tol)
-        e += int((sc.viol[n] & pred & close).sum())
+        h, _ = rounded_overflow(h, sc.kernel[n])  # as the reference: past the dtype's range, its infinity
+        expl, pred = explained(sc.got[n], sc.ref[n], h, sc.tol[n], sc.viol[n], sc.checked[n], sc.eps[n])
+        e += int(expl.sum())
         p += int(pred.sum())
     return e, v, p
-
-
-def _score(counts: tuple[int, int, int]) -> float:
-    e, v, p = counts
-    return 0.0 if not (e and v and p) else (e / v) * (e / p)
 
 
 def _evidence(what: str, counts: tuple[int, int, int]) -> str:
@@ -168,7 +165,7 @@ def _grad_scale(sc: _Scope, call: AttentionCall, d: int) -> Cause | None:
         if not name and (c == 0 or abs(math.log(abs(c))) < MIN_LOG_FACTOR):
             continue
         counts = _counts(sc, {n: sc.ref[n] * c})
-        s = _score(counts)
+        s = score_of(counts)
         if s > 0 and (best is None or s > best.score):
             detail = f"{n} times {c:.4g}" + (f" ({name})" if name else "")
             if c == 0:
@@ -256,7 +253,7 @@ def _head_mapping(sc: _Scope, t: CaseTensors) -> Cause | None:
     )
     hyp.pop("dq")  # dq is per query head: this hypothesis leaves it as it is
     counts = _counts(sc, hyp)
-    s = _score(counts)
+    s = score_of(counts)
     if s <= 0:
         return None
     detail = f"in the backward only: dk and dv from the first query head of each group of {g}, not summed over it"
@@ -276,7 +273,7 @@ def _mask_edge(sc: _Scope, t: CaseTensors) -> Cause | None:
         vis = _vis(t, replace(call, causal=False, window_size=window))
         hyp = backward_with_mask(x["q"], x["k"], x["v"], do, out, lse, call=call, visible=vis)
         counts = _counts(sc, hyp)
-        s = _score(counts)
+        s = score_of(counts)
         if s > 0 and (best is None or s > best.score):
             what = f"recomputed with the backward's P over the window (left, right) = {window}, the forward's kept"
             best = Cause("mask_edge", f"in the backward only: {detail}", _evidence(what, counts), s)
@@ -293,7 +290,7 @@ def _softcap_chain(sc: _Scope, t: CaseTensors) -> Cause | None:
         x["q"], x["k"], x["v"], fwd[2], fwd[0], fwd[1], call=call, visible=_vis(t, call), chain=False
     )
     counts = _counts(sc, hyp)
-    s = _score(counts)
+    s = score_of(counts)
     if s <= 0:
         return None
     detail = f"in the backward only: dS without the softcap's chain factor 1 - tanh^2(r / {call.softcap:g})"
@@ -318,7 +315,7 @@ def _dropped_columns(sc: _Scope) -> Cause | None:
         hyp = sc.ref[n].clone()
         hyp[..., c0:] = 0.0
         counts = _counts(sc, {n: hyp})
-        s = _score(counts)
+        s = score_of(counts)
         if s > 0 and (best is None or s > best.score):
             detail = f"{n} columns {c0}..{width - 1} (the head dim from {c0} on) never computed: zero"
             best = Cause("dropped_tile", detail, _evidence(f"with {n}'s columns {c0}..{width - 1} zero", counts), s)
