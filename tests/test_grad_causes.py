@@ -161,3 +161,28 @@ def test_a_broken_analysis_is_recorded_and_the_other_still_runs(monkeypatch):
     assert rec["verdict"] == "fail"
     assert rec["diagnosis"]["causes_error"] == "data hypotheses: RuntimeError: boom"
     assert [(c["cause"], c["detail"]) for c in rec["diagnosis"]["causes"]] == [(cause, detail)]
+
+
+def test_the_hypotheses_that_read_the_gradients_alone_run_on_mod_cases():
+    """A case with a score_mod and a mask_mod (the backward is not recomputed there): a dq missing
+    its scale and dv's trailing columns never computed are still named, as on any case."""
+    case = Case(**{**BF16, "seqlen_q": 70, "seqlen_k": 100}, score_mod="alibi", mask_mod="document")
+    x = make_inputs(case, device="cpu")
+    do, _ = make_grad_output(case, device="cpu")
+    call = AttentionCall.from_kwargs(**x["kw"])
+    assert call.score_mod is not None and call.has_mask_mods
+    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=call, scales=True)
+    grads = {n: ref[n].to(torch.bfloat16) for n in ("dq", "dk", "dv")}
+    bounds = {n: 1e-2 * ref[f"{n}_scale"] for n in grads}
+    t = CaseTensors(case, inputs=x, grads=grads, grad_refs=ref, grad_bounds=bounds, grad_output=do)
+    ran = {"backward": {"status": "ran"}}
+    assert grad_causes(tensors=t, rec=ran) == []
+    grads["dq"] = (ref["dq"] * 8.0).to(torch.bfloat16)
+    (c,) = grad_causes(tensors=t, rec=ran)
+    assert (c.cause, c.detail) == ("grad_scale", "dq times 8 (1/softmax_scale = sqrt(64): the softmax scale missing)")
+    grads["dq"] = ref["dq"].to(torch.bfloat16)
+    grads["dv"] = grads["dv"].clone()
+    grads["dv"][..., 48:] = 0
+    c = max(grad_causes(tensors=t, rec=ran), key=lambda c: c.score)  # "dv is zero" fits at 0.25 too
+    assert (c.cause, c.score) == ("dropped_tile", 1.0)
+    assert c.detail == "dv columns 48..63 (the head dim from 48 on) never computed: zero"

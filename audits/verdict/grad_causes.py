@@ -31,8 +31,11 @@ about dq alone explains none of dk's violations.
 - ``dropped_tile``: a gradient's head-dim columns from some column on never computed (zero),
   as a reduction width the head dim is not a multiple of (flash-attention #2552).
 
-Fixed-length cases without mods, of at most :data:`MAX_SCORES` scores; others get no gradient
-hypothesis (the poisoned re-runs still run)."""
+``grad_scale`` and ``dropped_tile`` read the gradients alone and are tested on every case whose
+backward ran (varlen, paged and split-KV, mods, any size).  The three that recompute the backward
+(``mask_edge``, ``head_mapping``, ``softcap_chain``) take fixed-length cases without mods, of at
+most :data:`MAX_SCORES` scores; the others get none of those three (the poisoned re-runs still
+run)."""
 
 from __future__ import annotations
 
@@ -302,10 +305,11 @@ def _dropped_columns(sc: _Scope) -> Cause | None:
     from a column on (a reduction width the head dim is not a multiple of, flash-attention #2552)."""
     best = None
     for n, g in sc.got.items():
-        if n == "dsink" or g.dim() != 4 or not bool(sc.viol[n].any()):
+        # (b, s, h, dim) or, packed (varlen), (total, h, dim); dsink (h,) has no head-dim columns
+        if n == "dsink" or g.dim() < 3 or not bool(sc.viol[n].any()):
             continue
-        zero = ((g == 0) | ~sc.checked[n]).flatten(0, 2).all(0)  # (dim,): the column is zero everywhere
-        moved = sc.viol[n].flatten(0, 2).any(0)
+        zero = ((g == 0) | ~sc.checked[n]).flatten(0, -2).all(0)  # (dim,): the column is zero everywhere
+        moved = sc.viol[n].flatten(0, -2).any(0)
         width = g.shape[-1]
         c0 = width
         while c0 > 0 and bool(zero[c0 - 1]):
@@ -328,22 +332,26 @@ def _dropped_columns(sc: _Scope) -> Cause | None:
 def grad_causes(*, tensors: CaseTensors, rec: dict) -> list[Cause]:
     """The gradient hypotheses a failing backward's data bears out (module doc), each at least
     ``MIN_SCORE``, unranked (``audits.verdict.causes.rank_causes`` ranks them with the rest); []
-    when the backward did not run, nothing is past its tolerance, or the case is one this module
-    does not recompute (varlen, mods, more than ``MAX_SCORES`` scores)."""
+    when the backward did not run or nothing is past its tolerance.  The hypotheses that recompute
+    the backward are left out where this module does not recompute it (varlen, mods, more than
+    ``MAX_SCORES`` scores)."""
     t = tensors
     b = rec.get("backward") or {}
     if b.get("status") != "ran" or t is None or t.inputs is None or not t.grads or not t.grad_refs:
         return []
     case = t.case
     call = AttentionCall.from_kwargs(**t.inputs["kw"])
-    if case.varlen or call.score_mod is not None or call.has_mask_mods:
-        return []
-    if case.batch * case.heads_q * case.seqlen_q * case.seqlen_k > MAX_SCORES:
-        return []
+    recomputes = not (
+        case.varlen
+        or call.score_mod is not None
+        or call.has_mask_mods
+        or case.batch * case.heads_q * case.seqlen_q * case.seqlen_k > MAX_SCORES
+    )
     with torch.no_grad():
         sc = _scope(t)
         if sc is None:
             return []
-        found = [_grad_scale(sc, call, case.d), _mask_edge(sc, t), _head_mapping(sc, t), _softcap_chain(sc, t)]
-        found.append(_dropped_columns(sc))
+        found = [_grad_scale(sc, call, case.d), _dropped_columns(sc)]
+        if recomputes:
+            found += [_mask_edge(sc, t), _head_mapping(sc, t), _softcap_chain(sc, t)]
     return [c for c in found if c is not None and c.score >= MIN_SCORE]
