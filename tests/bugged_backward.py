@@ -86,6 +86,11 @@ MORE_BUGS = {
     "dk_bf16_accum": (
         "dK (and its GQA reduction) accumulated over query blocks of 64 rows in a bf16 accumulator instead of float32"
     ),
+    "dq_row_tile_dropped": (
+        "dQ's query rows from the second 64-row block on zero: their accumulator read back from where no block "
+        "wrote (production's SM90 dq at head dim 8, H200 2026-12-05: dq_accum allocated at the head dim "
+        "rounded to 32, written at the tile's padding to 16: fa4.code_paths.sm90_accum_wider)"
+    ),
     "dq_nondeterministic": (
         "nondeterministic dQ under deterministic=True: dQ sums the key blocks (64 keys) in a random order "
         "drawn afresh on every backward call (atomics), although the kernel takes deterministic=True"
@@ -232,6 +237,9 @@ class _Attention(torch.autograd.Function):
             dq = torch.einsum("bhij,bjhd->bihd", ds, kf)
         if bug != "dq_no_scale":
             dq = dq * scale
+        if bug == "dq_row_tile_dropped":
+            dq = dq.clone()
+            dq[:, BLOCK_M:] = 0.0
         dk_h = torch.einsum("bhij,bihd->bjhd", ds, qf) * scale  # per query head (b, sk, hq, d)
         dv_h = torch.einsum("bhij,bihc->bjhc", p, do)
         if bug == "gqa_one_head":

@@ -115,6 +115,7 @@ CAUGHT = {
         ["dq elements: the kernel returns"],
     ),
     "dk_bf16_accum": (cheapest(normal, 2), ["FA criterion: max|dk"]),
+    "dq_row_tile_dropped": (cheapest(lambda c: c.seqlen_q > bb.BLOCK_M), ["FA criterion: max|dq"]),
 }
 DET_CASES = [c for c in smoke_suite() if many_dq_blocks(c) and not c.varlen]
 CASES = list(dict.fromkeys(c for cases, _ in CAUGHT.values() for c in cases))

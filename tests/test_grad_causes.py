@@ -78,6 +78,11 @@ CATALOGUE = {
         "softcap_chain",
         "in the backward only: dS without the softcap's chain factor 1 - tanh^2(r / 5)",
     ),
+    "dq_row_tile_dropped": (
+        Case(**BF16, causal=True),
+        "dropped_tile",
+        "dq rows 64..95 (every batch and head) never computed: zero",
+    ),
     "dv_unaligned_cols": (
         Case(**{**BF16, "dv": 40}),
         "dropped_tile",

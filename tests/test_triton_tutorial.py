@@ -131,15 +131,19 @@ def _tutorial_runs() -> bool:
 
 #: the batch stride's detail when it is taken as one row (the tutorial's ``offset_y``)
 C_STRIDE_1 = _STRIDE_WORDS[1]
-#: a case's share of batch 0's output elements violating outside the unwritten rows, from which on
-#: its rows count as moved (a whole head of them: 1 of the 4 heads the smoke cases have)
-MOVED_SHARE = 0.25
+#: the output elements violating outside the unwritten rows from which on a case counts as moved:
+#: any. Which program wins a row both batches write varies from run to run on the GPU: on the
+#: H200's smoke run of 2026-12-05 batch 0 won nearly every row on some cases (40 elements moved on
+#: the 384 x 384 offset case, 191 on the 128 x 128 flat one, by this count), and the stride was
+#: named first on each at 0.99 or more; a quarter of batch 0, the earlier floor, left none of the
+#: 128 x 128 cases to test in that session's GPU test (docs/h200-results.md, "Causes on real kernels")
+MOVED_MIN = 1
 
 
 def _named(tmp_path, device: str) -> tuple[list[str], list[str]]:
     """The tutorial audited on the smoke cases of 128 x 128 on ``device``; every failing case's
     causes checked: batch 1 never written (``unwritten_output``), and the batch stride named first
-    at >= 0.9 wherever batch 1's programs won a quarter of batch 0's rows or more.  (The failing
+    at >= 0.9 wherever batch 1's programs won a row of batch 0's (``MOVED_MIN``).  (The failing
     cases, the moved ones.)"""
     import json
     import re
@@ -160,11 +164,10 @@ def _named(tmp_path, device: str) -> tuple[list[str], list[str]]:
         unw = next(x for x in found if x["cause"] == "unwritten_output")
         assert unw["detail"] == "out batch 1: every row, heads 0..3", (c["case"], found)
         n_unw = int(re.search(r"([\d,]+) elements? of [\d,]+ took the fill", unw["evidence"])[1].replace(",", ""))
-        batch0 = c["out"]["elements"] // 2
         # no "out" localization: nothing exceeded a bound (a reference NaN everywhere), the
         # written check failed the case, and there is no moved row to name
         violations = c["diagnosis"].get("out", {}).get("violations", 0)
-        if violations - n_unw >= MOVED_SHARE * batch0:
+        if violations - n_unw >= MOVED_MIN:
             moved.append(c["case"])
             top = found[0]
             assert (top["cause"], top["detail"]) == ("misplaced_rows", C_STRIDE_1), (c["case"], found)
@@ -177,8 +180,9 @@ def _named(tmp_path, device: str) -> tuple[list[str], list[str]]:
 def test_the_tutorial_is_named_misplaced_where_it_moved_and_unwritten_everywhere(tmp_path):
     """On the GPU (smoke's 128 x 128 cases: batch 2, 4 heads): batch 1 is never written, on every
     failing case; batch 1's programs' writes land on batch 0's rows where they win the race, and
-    wherever they won a quarter of batch 0 or more, the batch stride is named first and explains it
-    (0.49 at best under the scoring the H200 ran first, 2026-12-04: ``docs/h200-results.md``)."""
+    wherever they won any row (``MOVED_MIN``), the batch stride is named first and explains it (0.49
+    at best under the scoring the H200 ran first, 2026-12-04; 0.98 to 1.0 on 8 of 8 on 2026-12-05:
+    ``docs/h200-results.md``)."""
     fails, moved = _named(tmp_path, "cuda")
     assert moved, "no case's race moved batch 0's rows: nothing here tested the batch stride"
 

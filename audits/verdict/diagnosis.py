@@ -48,6 +48,7 @@ from numerics.reference import visible_mask
 
 __all__ = [
     "AXES",
+    "index_ranges",
     "MASK_REGIONS",
     "TENSORS",
     "CRITERIA",
@@ -305,7 +306,7 @@ def _axis_counts(mask: torch.Tensor, lay: Layout) -> dict[str, tuple[list, list,
     return out
 
 
-def _ranges(values: list[int], *, limit: int = 4) -> str:
+def index_ranges(values: list[int], *, limit: int = 4) -> str:
     """``[0, 1, 2, 5]`` -> "0..2, 5"; more than ``limit`` runs: the first ones and how many."""
     runs = []
     for v in sorted(values):
@@ -342,10 +343,10 @@ def _phrase(axis: str, values: list, live: list, lay: Layout, *, of: bool = True
     one, many = _NOUNS[axis]
     if axis == "batch" and lay.sequences:
         one, many = "sequence", "sequences"
-    text = f"{one if len(values) == 1 else many} {_ranges(values)}"
+    text = f"{one if len(values) == 1 else many} {index_ranges(values)}"
     notes = [extra] if extra else []
     if of and axis in ("row", "col", "dim"):
-        notes.append(f"of {_ranges(live)}")
+        notes.append(f"of {index_ranges(live)}")
     elif of:
         tile = {"row_tile": f", tile_m {lay.tile}", "col_tile": f", tile_n {lay.tile}"}.get(axis, "")
         notes.append(f"of {len(live)}{tile}")
@@ -433,7 +434,7 @@ def _summary(
     chosen = set(axes[first]["values"])
     rest = [v for v in live[first] if v not in chosen]
     clean = all(c == 0 for v, c in zip(vals, viol) if v not in chosen)
-    if rest and clean and (first == "mask_region" or _ranges(rest, limit=3).count(",") < 2):
+    if rest and clean and (first == "mask_region" or index_ranges(rest, limit=3).count(",") < 2):
         text += f"; {_phrase(first, rest, live[first], lay, of=False)} {clean_rest}"
     return text
 

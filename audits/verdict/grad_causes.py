@@ -29,7 +29,9 @@ about dq alone explains none of dk's violations.
 - ``softcap_chain``: with a softcap, dS without its chain factor (the same recomputation;
   flash-attention #2402).
 - ``dropped_tile``: a gradient's head-dim columns from some column on never computed (zero),
-  as a reduction width the head dim is not a multiple of (flash-attention #2552).
+  as a reduction width the head dim is not a multiple of (flash-attention #2552); or runs of its
+  rows (dq's query rows, dk's and dv's keys) zero in every batch and head, as a row tile never
+  accumulated or read back from where nothing was written.
 
 ``grad_scale`` and ``dropped_tile`` read the gradients alone and are tested on every case whose
 backward ran (varlen, paged and split-KV, mods, any size).  The three that recompute the backward
@@ -45,7 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from audits.verdict.causes import FALLBACK_ULPS, MAX_SCORES, MIN_SCORE, edge_variants, explained, score_of
-from audits.verdict.diagnosis import CaseTensors
+from audits.verdict.diagnosis import CaseTensors, index_ranges
 from audits.verdict.vocabulary import Cause
 from numerics.call import AttentionCall
 from numerics.metrics import rounded_overflow
@@ -326,6 +328,43 @@ def _dropped_columns(sc: _Scope) -> Cause | None:
     return best
 
 
+def _dropped_rows(sc: _Scope) -> Cause | None:
+    """A gradient's rows (query rows of dq, keys of dk and dv) never computed: zero in every batch,
+    head and head-dim column where the FP64 gradient is not, as a row tile whose accumulator was
+    never added to or is read back where nothing was written (production's SM90 dq at d = 8, where
+    ``_flash_attn_bwd`` reads ``dq_accum`` at the head dim rounded to 32 while the kernel writes it
+    padded to 16: ``fa4.code_paths.sm90_accum_wider``)."""
+    best = None
+    for n, g in sc.got.items():
+        if n == "dsink" or g.dim() != 4 or not bool(sc.viol[n].any()):
+            continue
+        zero = ((g == 0) | ~sc.checked[n]).all(-1).all(-1).all(0)  # (s,): the row is zero everywhere
+        rows = torch.nonzero(zero & sc.viol[n].any(-1).any(-1).any(0)).flatten().tolist()
+        if not rows:
+            continue
+        # the maximal runs of zero rows holding a violation, whole
+        keep = torch.zeros_like(zero)
+        for r in rows:
+            if bool(keep[r]):
+                continue
+            a = b = r
+            while a > 0 and bool(zero[a - 1]):
+                a -= 1
+            while b + 1 < zero.numel() and bool(zero[b + 1]):
+                b += 1
+            keep[a : b + 1] = True
+        hyp = sc.ref[n].clone()
+        hyp[:, keep] = 0.0
+        counts = _counts(sc, {n: hyp})
+        s = score_of(counts)
+        if s > 0 and (best is None or s > best.score):
+            what = "rows" if n == "dq" else "keys"
+            span = index_ranges(torch.nonzero(keep).flatten().tolist())
+            detail = f"{n} {what} {span} (every batch and head) never computed: zero"
+            best = Cause("dropped_tile", detail, _evidence(f"with {n}'s {what} {span} zero", counts), s)
+    return best
+
+
 # ---- the entry point -----------------------------------------------------------------------------
 
 
@@ -351,7 +390,7 @@ def grad_causes(*, tensors: CaseTensors, rec: dict) -> list[Cause]:
         sc = _scope(t)
         if sc is None:
             return []
-        found = [_grad_scale(sc, call, case.d), _dropped_columns(sc)]
+        found = [_grad_scale(sc, call, case.d), _dropped_columns(sc), _dropped_rows(sc)]
         if recomputes:
             found += [_mask_edge(sc, t), _head_mapping(sc, t), _softcap_chain(sc, t)]
     return [c for c in found if c is not None and c.score >= MIN_SCORE]
