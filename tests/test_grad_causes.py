@@ -5,6 +5,8 @@ recomputation the mask hypotheses use reproduces the gradient reference; noise n
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -191,3 +193,72 @@ def test_the_hypotheses_that_read_the_gradients_alone_run_on_mod_cases():
     c = max(grad_causes(tensors=t, rec=ran), key=lambda c: c.score)  # "dv is zero" fits at 0.25 too
     assert (c.cause, c.score) == ("dropped_tile", 1.0)
     assert c.detail == "dv columns 48..63 (the head dim from 48 on) never computed: zero"
+
+
+#: production's gradients at three head dims where its SM90 backward is wrong (tests/data/README.md)
+H200_GRADS = Path(__file__).parent / "data" / "h200_headdim_grads.pt"
+ACCUM_40 = (
+    "dq read back from its accumulator at a stride of 64 rows x the head dim padded to 32, written at it padded "
+    "to 16 (head dim 40: written 48 wide, read 64): tile t read t x 16 columns past its own, zero past the last "
+    "tile written"
+)
+ACCUM_72_GQA = (
+    "dq, dk and dv read back from their accumulators at a stride of 64 rows (keys for dk, dv) x the head dim "
+    "padded to 32, written at it padded to 16 (head dim 72: written 80 wide, read 96): tile t read t x 16 "
+    "columns past its own, zero past the last tile written"
+)
+ROWS_8 = "dq rows 64..127 (every batch and head) never computed: zero"
+ACCUM_8 = (
+    "dq: every tile of 64 rows after the first read back from past everything written to its accumulator "
+    "(zero): read at a wider stride than written; widths 8/16, 8/32, 8/64, 16/32, 16/64, 32/64 (written/read) "
+    "fit alike"
+)
+
+
+@pytest.mark.parametrize(
+    "name, detail",
+    [
+        ("bf16-d8-b1h1k1-s128x128-normal-seed0", ACCUM_8),
+        ("bf16-d40-b1h1k1-s128x128-causal-normal-seed0", ACCUM_40),
+        ("bf16-d72-b1h2k1-s128x128-normal-seed0", ACCUM_72_GQA),
+    ],
+    ids=["d8", "d40-causal", "d72-gqa"],
+)
+def test_productions_head_dim_defect_is_named_as_the_accumulator_stride(name, detail):
+    """flash-attn-4 4.0.0b40's own gradients from the H200 (2026-12-05): at the head dims where
+    its SM90 backward pads its tile to 16 columns and its accumulators to 32, the stride is named
+    first and explains every violating element but a handful (d8: past everything written, zero,
+    which several widths predict alike: the detail says so instead of picking one, and the zero
+    rows come first)."""
+    from audits.verdict.causes import rank_causes
+
+    saved = torch.load(H200_GRADS)[name]
+    case = Case(**saved["config"])
+    x = make_inputs(case, device="cpu")
+    do, _ = make_grad_output(case, device="cpu")
+    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=AttentionCall.from_kwargs(**x["kw"]), scales=True)
+    grads = {n: saved[n] for n in ("dq", "dk", "dv")}
+    t = CaseTensors(case, inputs=x, grads=grads, grad_refs=ref, grad_output=do)
+    found = rank_causes(grad_causes(tensors=t, rec={"backward": {"status": "ran"}}))
+    if case.d == 8:  # all zero: the zero rows, which claim less, come first in the tie
+        assert (found[0].cause, found[0].detail, found[0].score) == ("dropped_tile", ROWS_8, 1.0), found
+        found = found[1:]
+    assert (found[0].cause, found[0].detail) == ("accum_stride", detail), found
+    assert found[0].score >= 0.99, found[0]
+
+
+def test_the_accumulator_read_shifts_each_row_tile_by_its_stride():
+    """Written 48 wide in tiles of 64 rows, read 64 wide: tile 1's column c is column c + 16 of the
+    gradient, then tile 1's padding (zero), then tile 2's first 8 columns; tile 2 reads 32
+    columns on: its columns 0..7 are columns 32..39, the rest padding (40..47) or past everything
+    written: zero; tile 0 is untouched."""
+    from audits.verdict.grad_causes import accumulator_read
+
+    g = torch.arange(1, 1 + 2 * 192 * 3 * 40, dtype=torch.float64).reshape(2, 192, 3, 40)
+    got = accumulator_read(g, tile=64, written=48, read=64)
+    assert torch.equal(got[:, :64], g[:, :64])
+    assert torch.equal(got[:, 64:128, :, :24], g[:, 64:128, :, 16:40])
+    assert not got[:, 64:128, :, 24:32].any()  # tile 1's padding
+    assert torch.equal(got[:, 64:128, :, 32:], g[:, 128:, :, :8])  # tile 2's first columns
+    assert torch.equal(got[:, 128:, :, :8], g[:, 128:, :, 32:40])
+    assert not got[:, 128:, :, 8:].any()

@@ -28,6 +28,11 @@ about dq alone explains none of dk's violations.
   summed over it (the same recomputation, the group's first head kept).
 - ``softcap_chain``: with a softcap, dS without its chain factor (the same recomputation;
   flash-attention #2402).
+- ``accum_stride``: a gradient read back from its fp32 accumulator at another row-tile stride
+  than it was written at (module comment at :func:`accumulator_read`): production's SM90
+  backward at the head dims where ``_flash_attn_bwd`` rounds its accumulators to 32 columns and
+  ``FlashAttentionBackwardSm90`` pads its tile to 16 (``fa4.code_paths.sm90_accum_wider``;
+  flash-attention PR #2896).
 - ``dropped_tile``: a gradient's head-dim columns from some column on never computed (zero),
   as a reduction width the head dim is not a multiple of (flash-attention #2552); or runs of its
   rows (dq's query rows, dk's and dv's keys) zero in every batch and head, as a row tile never
@@ -53,7 +58,7 @@ from numerics.call import AttentionCall
 from numerics.metrics import rounded_overflow
 from numerics.reference import call_visibility
 
-__all__ = ["grad_causes", "backward_with_mask", "GRADS"]
+__all__ = ["grad_causes", "backward_with_mask", "accumulator_read", "GRADS", "ACCUM_TILES", "ACCUM_PADS"]
 
 #: the gradients the hypotheses score, in the order they are named
 GRADS = ("dq", "dk", "dv", "dsink")
@@ -365,6 +370,126 @@ def _dropped_rows(sc: _Scope) -> Cause | None:
     return best
 
 
+# ---- accum_stride ---------------------------------------------------------------------------------
+
+#: the row tiles (query rows of dq, keys of dk and dv) an accumulator's tiles can hold: SM90's
+#: backward tiles (``_tile_size_bwd_sm90``: 64 or 128 query rows, 80 or 128 keys) and 96
+ACCUM_TILES = (64, 80, 96, 128)
+#: the granularities a tile's columns are padded to: the kernel's tile (16), the accumulator's
+#: allocation (32, 64 with dKV_swapAB): ``fa4.code_paths.hdim_multiple`` and ``sm90_accum_wider``
+ACCUM_PADS = (8, 16, 32, 64)
+
+
+def _pad(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def accumulator_read(ref: torch.Tensor, *, tile: int, written: int, read: int) -> torch.Tensor:
+    """A gradient (b, s, h, w) as a kernel returns it when it writes row tile t of ``tile`` rows
+    into a flat fp32 accumulator per (batch, head) at offset ``t * tile * written``, column-major
+    within the tile (element (r, c) at ``c * tile + r``; columns ``w..written-1`` zero padding),
+    and reads tile t back at ``t * tile * read``: the element read for (t * tile + r, c) is
+    the one written at that flat offset, zero past everything written (the accumulator is
+    allocated at the reader's size and zero-filled: ``flash_bwd_preprocess.py``).
+
+    With ``read - written`` = 16 and ``tile`` 64 this is production's dq on SM90 at the head dims
+    ``fa4.code_paths.sm90_accum_wider`` names: row tile 1 shifted 16 columns left (column c holds
+    the FP64 dq's column c + 16), its last 16 columns zero, and at d = 8 all of it zero (H200,
+    2026-12-05, flash-attn-4 4.0.0b40; under GQA dk and dv alike, their accumulators the same
+    width).  Column-major and 8-column chunks predict the same shifts (multiples of 8 columns),
+    so the data cannot tell them apart; the shift is what is tested."""
+    b, s, h, w = ref.shape
+    n_tiles = -(-s // tile)
+    buf = ref.new_zeros(b, h, n_tiles, written, tile)  # the accumulator as written, per (batch, head)
+    padded = ref.new_zeros(b, n_tiles * tile, h, w)
+    padded[:, :s] = ref
+    buf[..., :w, :] = padded.reshape(b, n_tiles, tile, h, w).permute(0, 3, 1, 4, 2)
+    flat = buf.reshape(b, h, -1)
+    rows = torch.arange(s, device=ref.device)
+    t, r = rows // tile, rows % tile
+    cols = torch.arange(w, device=ref.device)
+    at = t[:, None] * tile * read + cols[None, :] * tile + r[:, None]  # (s, w): the flat offset read
+    inside = at < flat.shape[-1]
+    got = flat[:, :, at.clamp(max=flat.shape[-1] - 1)]  # (b, h, s, w)
+    got = torch.where(inside, got, torch.zeros_like(got))
+    return got.permute(0, 2, 1, 3)
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _accum_stride(sc: _Scope) -> Cause | None:
+    """The gradients (dq, dk, dv: each alone, and together, as GQA's share their widths) read
+    back at another row-tile stride than written (:func:`accumulator_read`): over the tiles of
+    :data:`ACCUM_TILES`, each gradient's head dim padded to two granularities of
+    :data:`ACCUM_PADS` (written at the finer, read at the coarser); gradients of at most
+    ``MAX_SCORES`` elements (the accumulator is materialized per hypothesis).  Where several pairs fit
+    alike (every tile after the first read from past everything written: all zero), the detail
+    says so instead of picking one."""
+    names = [
+        n
+        for n in ("dq", "dk", "dv")
+        if n in sc.ref and sc.ref[n].dim() == 4 and sc.ref[n].numel() <= MAX_SCORES and bool(sc.viol[n].any())
+    ]
+    reads: dict[tuple, torch.Tensor] = {}  # (name, tile, written, read) -> the gradient so read
+    fits = {}  # (tile, ((name, written, read), ...)) -> (score, (fine, coarse), counts): the finest pads first
+    for tile in ACCUM_TILES:
+        for fine in ACCUM_PADS:
+            for coarse in ACCUM_PADS:
+                if coarse <= fine:
+                    continue
+                hyps = {}
+                for n in names:
+                    s, w = sc.ref[n].shape[1], sc.ref[n].shape[-1]
+                    if tile < s and _pad(w, fine) != _pad(w, coarse):  # one tile: its offset is 0 at any stride
+                        hyps[n] = (_pad(w, fine), _pad(w, coarse))
+                subsets = [[n] for n in hyps] + ([list(hyps)] if len(hyps) > 1 else [])
+                for sub in subsets:
+                    key = (tile, tuple((n, *hyps[n]) for n in sub))
+                    if key in fits:
+                        continue  # the same widths from coarser pads: the same hypothesis
+                    for n in sub:
+                        if (n, tile, *hyps[n]) not in reads:
+                            w, r = hyps[n]
+                            reads[(n, tile, w, r)] = accumulator_read(_finite(sc.ref[n]), tile=tile, written=w, read=r)
+                    pred = {n: reads[(n, tile, *hyps[n])] for n in sub}
+                    counts = _counts(sc, pred)
+                    fits[key] = (score_of(counts), (fine, coarse), counts)
+    fits = {k: v for k, v in fits.items() if v[0] > 0}
+    if not fits:
+        return None
+    top = max(v[0] for v in fits.values())
+    # of the best, the most gradients first, then the smallest tile and paddings
+    (tile, widths), (score, (fine, coarse), counts) = min(
+        ((k, v) for k, v in fits.items() if v[0] >= top - 0.005), key=lambda kv: (-len(kv[0][1]), kv[0][0], kv[1][1])
+    )
+    which = tuple(n for n, _, _ in widths)
+    alike = [k[1] for k, v in fits.items() if v[0] >= top - 0.005 and k[0] == tile and len(k[1]) == len(widths)]
+    alike = [a for a in alike if tuple(n for n, _, _ in a) == which]
+    grads = " and ".join(which) if len(which) < 3 else "dq, dk and dv"
+    its = "its accumulator" if len(which) == 1 else "their accumulators"
+    unit = "rows" if which == ("dq",) else "keys" if "dq" not in which else "rows (keys for dk, dv)"
+    if len(alike) > 1:
+        pairs = ", ".join(sorted({f"{a[0][1]}/{a[0][2]}" for a in alike}, key=lambda t: tuple(map(int, t.split("/")))))
+        detail = (
+            f"{grads}: every tile of {tile} {unit} after the first read back from past everything written to "
+            f"{its} (zero): read at a wider stride than written; widths {pairs} (written/read) "
+            "fit alike"
+        )
+    else:
+        dims = "; ".join(sorted({f"{sc.ref[n].shape[-1]}: written {a} wide, read {b}" for n, a, b in widths}))
+        detail = (
+            f"{grads} read back from {its} at a stride of {tile} {unit} x the head dim padded to "
+            f"{coarse}, written at it padded to {fine} (head dim {dims}): tile t read t x "
+            f"{widths[0][2] - widths[0][1]} columns past its own, zero past the last tile written"
+        )
+    what = f"with {grads} written in tiles of {tile} at the head dim padded to {fine} and read at it padded to {coarse}"
+    if len(alike) > 1:
+        what += " (or any of the widths alike)"
+    return Cause("accum_stride", detail, _evidence(what, counts), score)
+
+
 # ---- the entry point -----------------------------------------------------------------------------
 
 
@@ -390,7 +515,7 @@ def grad_causes(*, tensors: CaseTensors, rec: dict) -> list[Cause]:
         sc = _scope(t)
         if sc is None:
             return []
-        found = [_grad_scale(sc, call, case.d), _dropped_columns(sc), _dropped_rows(sc)]
+        found = [_grad_scale(sc, call, case.d), _dropped_columns(sc), _dropped_rows(sc), _accum_stride(sc)]
         if recomputes:
             found += [_mask_edge(sc, t), _head_mapping(sc, t), _softcap_chain(sc, t)]
     return [c for c in found if c is not None and c.score >= MIN_SCORE]

@@ -26,7 +26,10 @@ class Cause:
 #: the cause vocabulary, in the order ties are broken.  ``nan_leak`` before ``mask_edge``: where
 #: every violation is NaN from masked keys, a mask ignored (or an edge moved onto a NaN key)
 #: predicts the same NaN as the leak; the leak claims less (finite masked keys stay out), and the
-#: data cannot tell more (tests/test_causes_data.py, ``nan_from_masked_keys``)
+#: data cannot tell more (tests/test_causes_data.py, ``nan_from_masked_keys``).  ``dropped_tile``
+#: before ``accum_stride`` for the same reason: a row tile read from past everything written is
+#: zero, which both predict, and the zero rows claim less than a stride the data cannot pin
+#: (production's dq at d = 8, where six pairs of widths fit alike: docs/diagnosis.md)
 CAUSES = (
     "softmax_scale",
     "grad_scale",
@@ -38,6 +41,7 @@ CAUSES = (
     "uninitialized_read",
     "overflow",
     "dropped_tile",
+    "accum_stride",
     "softcap_chain",
     "rounding_bias",
 )
