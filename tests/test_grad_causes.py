@@ -198,14 +198,12 @@ def test_the_hypotheses_that_read_the_gradients_alone_run_on_mod_cases():
 #: production's gradients at three head dims where its SM90 backward is wrong (tests/data/README.md)
 H200_GRADS = Path(__file__).parent / "data" / "h200_headdim_grads.pt"
 ACCUM_40 = (
-    "dq read back from its accumulator at a stride of 64 rows x the head dim padded to 32, written at it padded "
-    "to 16 (head dim 40: written 48 wide, read 64): tile t read t x 16 columns past its own, zero past the last "
-    "tile written"
+    "dq read back from its accumulator at a stride of 64 rows x 64 columns, written at 64 x 48 (head dim 40): "
+    "tile t read t x 16 columns past its own, zero past the last tile written"
 )
 ACCUM_72_GQA = (
-    "dq, dk and dv read back from their accumulators at a stride of 64 rows (keys for dk, dv) x the head dim "
-    "padded to 32, written at it padded to 16 (head dim 72: written 80 wide, read 96): tile t read t x 16 "
-    "columns past its own, zero past the last tile written"
+    "dq, dk and dv read back from their accumulators at a stride of 64 rows (keys for dk, dv) x 96 columns, "
+    "written at 64 x 80 (head dim 72): tile t read t x 16 columns past its own, zero past the last tile written"
 )
 ROWS_8 = "dq rows 64..127 (every batch and head) never computed: zero"
 ACCUM_8 = (
@@ -262,3 +260,28 @@ def test_the_accumulator_read_shifts_each_row_tile_by_its_stride():
     assert torch.equal(got[:, 64:128, :, 32:], g[:, 128:, :, :8])  # tile 2's first columns
     assert torch.equal(got[:, 128:, :, :8], g[:, 128:, :, 32:40])
     assert not got[:, 128:, :, 8:].any()
+
+
+def test_the_accumulator_stride_names_each_head_dims_widths():
+    """d 40 and dv 72 under GQA, every gradient read back as production's SM90 does (written at
+    the head dim padded to 16, read at it padded to 32): one hypothesis over the three, the widths
+    given per head dim."""
+    from audits.verdict.grad_causes import accumulator_read
+
+    case = Case(**{**BF16, "d": 40, "dv": 72, "seqlen_q": 128, "seqlen_k": 128}, heads_q=4, heads_kv=2)
+    x = make_inputs(case, device="cpu")
+    do, _ = make_grad_output(case, device="cpu")
+    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=AttentionCall.from_kwargs(**x["kw"]), scales=True)
+    pad = {40: (48, 64), 72: (80, 96)}
+    grads = {}
+    for n in ("dq", "dk", "dv"):
+        written, read = pad[ref[n].shape[-1]]
+        grads[n] = accumulator_read(ref[n], tile=64, written=written, read=read).to(torch.bfloat16)
+    t = CaseTensors(case, inputs=x, grads=grads, grad_refs=ref, grad_output=do)
+    found = [c for c in grad_causes(tensors=t, rec={"backward": {"status": "ran"}}) if c.cause == "accum_stride"]
+    assert [c.detail for c in found] == [
+        "dq, dk and dv read back from their accumulators at a stride of 64 rows (keys for dk, dv) x the width "
+        "read, written at the width written (head dim 40: 48 written, 64 read; head dim 72: 80 written, 96 read): "
+        "tile t read t x 16 columns past its own, zero past the last tile written"
+    ]
+    assert found[0].score >= 0.99, found[0]

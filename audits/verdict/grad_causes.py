@@ -38,11 +38,11 @@ about dq alone explains none of dk's violations.
   rows (dq's query rows, dk's and dv's keys) zero in every batch and head, as a row tile never
   accumulated or read back from where nothing was written.
 
-``grad_scale`` and ``dropped_tile`` read the gradients alone and are tested on every case whose
-backward ran (varlen, paged and split-KV, mods, any size).  The three that recompute the backward
-(``mask_edge``, ``head_mapping``, ``softcap_chain``) take fixed-length cases without mods, of at
-most :data:`MAX_SCORES` scores; the others get none of those three (the poisoned re-runs still
-run)."""
+``grad_scale``, ``dropped_tile`` and ``accum_stride`` read the gradients alone and are tested on
+every case whose backward ran (mods, any size; varlen cases audit the forward only).  The three
+that recompute the backward (``mask_edge``, ``head_mapping``, ``softcap_chain``) take
+fixed-length cases without mods, of at most :data:`MAX_SCORES` scores; the others get none of
+those three (the poisoned re-runs still run)."""
 
 from __future__ import annotations
 
@@ -433,7 +433,7 @@ def _accum_stride(sc: _Scope) -> Cause | None:
         if n in sc.ref and sc.ref[n].dim() == 4 and sc.ref[n].numel() <= MAX_SCORES and bool(sc.viol[n].any())
     ]
     reads: dict[tuple, torch.Tensor] = {}  # (name, tile, written, read) -> the gradient so read
-    fits = {}  # (tile, ((name, written, read), ...)) -> (score, (fine, coarse), counts): the finest pads first
+    fits = {}  # (tile, ((name, written, read), ...)) -> (score, (fine, coarse), counts)
     for tile in ACCUM_TILES:
         for fine in ACCUM_PADS:
             for coarse in ACCUM_PADS:
@@ -478,13 +478,19 @@ def _accum_stride(sc: _Scope) -> Cause | None:
             "fit alike"
         )
     else:
-        dims = "; ".join(sorted({f"{sc.ref[n].shape[-1]}: written {a} wide, read {b}" for n, a, b in widths}))
+        shapes = sorted({(sc.ref[n].shape[-1], a, b) for n, a, b in widths})
+        if len(shapes) == 1:
+            ((w, a, b),) = shapes
+            stride = f"{tile} {unit} x {b} columns, written at {tile} x {a} (head dim {w})"
+        else:
+            dims = "; ".join(f"head dim {w}: {a} written, {b} read" for w, a, b in shapes)
+            stride = f"{tile} {unit} x the width read, written at the width written ({dims})"
         detail = (
-            f"{grads} read back from {its} at a stride of {tile} {unit} x the head dim padded to "
-            f"{coarse}, written at it padded to {fine} (head dim {dims}): tile t read t x "
-            f"{widths[0][2] - widths[0][1]} columns past its own, zero past the last tile written"
+            f"{grads} read back from {its} at a stride of {stride}: tile t read t x {widths[0][2] - widths[0][1]} "
+            "columns past its own, zero past the last tile written"
         )
-    what = f"with {grads} written in tiles of {tile} at the head dim padded to {fine} and read at it padded to {coarse}"
+    sizes = ", ".join(sorted({f"{a} wide and read {b} wide" for _, a, b in widths}))
+    what = f"with {grads} written in tiles of {tile} {unit.split()[0]} {sizes}"
     if len(alike) > 1:
         what += " (or any of the widths alike)"
     return Cause("accum_stride", detail, _evidence(what, counts), score)
