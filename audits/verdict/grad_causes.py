@@ -485,9 +485,11 @@ def _accum_stride(sc: _Scope) -> Cause | None:
         else:
             dims = "; ".join(f"head dim {w}: {a} written, {b} read" for w, a, b in shapes)
             stride = f"{tile} {unit} x the width read, written at the width written ({dims})"
+        shifts = {b - a for _, a, b in widths}
+        shift = f"{shifts.pop()} columns" if len(shifts) == 1 else "(the width read - the width written) columns"
         detail = (
-            f"{grads} read back from {its} at a stride of {stride}: tile t read t x {widths[0][2] - widths[0][1]} "
-            "columns past its own, zero past the last tile written"
+            f"{grads} read back from {its} at a stride of {stride}: tile t read t x {shift} past its own, "
+            "zero past the last tile written"
         )
     sizes = ", ".join(sorted({f"{a} wide and read {b} wide" for _, a, b in widths}))
     what = f"with {grads} written in tiles of {tile} {unit.split()[0]} {sizes}"
