@@ -54,6 +54,7 @@ __all__ = [
     "sm100_fwd_geometry",
     "sm100_bwd_tile",
     "hdim_multiple",
+    "pad_to",
     "SM100_TILE_M",
     "SM100_TILE_N",
 ]
@@ -221,7 +222,9 @@ def hdim_multiple(*, arch: str, direction: str, d: int, block_sparse: tuple = ()
     return 32
 
 
-def _pad(x: int, m: int) -> int:
+def pad_to(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m`` (a head dim padded to a tile's or an accumulator's
+    granularity)."""
     return -(-x // m) * m
 
 
@@ -242,7 +245,7 @@ def sm90_accum_wider(*, d: int, dv: int, block_sparse: tuple = ()) -> bool:
     ``block_sparse``: as :func:`hdim_multiple`."""
     m = hdim_multiple(arch="sm90", direction="backward", d=d, block_sparse=block_sparse)
     acc = 64 if m == 64 else 32
-    return _pad(d, acc) != _pad(d, m) or _pad(dv, acc) != _pad(dv, m)
+    return pad_to(d, acc) != pad_to(d, m) or pad_to(dv, acc) != pad_to(dv, m)
 
 
 def sm100_fwd_geometry(
@@ -269,8 +272,8 @@ def sm100_fwd_geometry(
     packed); None: a long sequence."""
     # production compares head_dim_v with 256 and tests is_hdim256 = (d, dv) == (256, 256); on the
     # pairs SM100 accepts (_validate_head_dims) that is the padded head dims' test used here
-    q_stage = 2 if packed_rows is None or (packed_rows > SM100_TILE_M and _pad(dv, 16) != 256) else 1
-    hd256 = _pad(d, 16) == 256
+    q_stage = 2 if packed_rows is None or (packed_rows > SM100_TILE_M and pad_to(dv, 16) != 256) else 1
+    hd256 = pad_to(d, 16) == 256
     one_m_block = packed_rows is not None and packed_rows <= q_stage * SM100_TILE_M
     use_2cta = (
         not split
@@ -279,7 +282,7 @@ def sm100_fwd_geometry(
         and not paged
         and (not one_m_block or hd256)
         and (SM100_TILE_M % qhead_per_kvhead == 0 or not pack_gqa)
-        and (hd256 or (not causal and not local and _pad(d, 16) in (128, 192) and _pad(dv, 16) == 128))
+        and (hd256 or (not causal and not local and pad_to(d, 16) in (128, 192) and pad_to(dv, 16) == 128))
     )
     return q_stage, use_2cta
 
@@ -655,7 +658,7 @@ def classes_of(arch: str, call: Call, *, direction: str) -> tuple[str, ...]:
             wider = sm90_accum_wider(d=call.d, dv=call.dv, block_sparse=bs)
             names.append("accum.wider_than_tile" if wider else "accum.same_as_tile")
             t = sm90_bwd_tile(d=call.d, dv=call.dv, causal=call.causal, local=call.local, block_sparse=bs)
-            if t.dq_swap_ab and _pad(call.d, m) % 64:
+            if t.dq_swap_ab and pad_to(call.d, m) % 64:
                 names.append("dq_swapab.hdim_not64")
             dv_part = ".dv256" if t.tile_n == 96 and t.stages_do == 1 else ""
             names.append(f"tile{t.tile_m}x{t.tile_n}{dv_part}.hd{_band(call.d)}")

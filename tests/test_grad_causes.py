@@ -93,6 +93,14 @@ CATALOGUE = {
 }
 
 
+def _fp64(case: Case) -> tuple[dict, torch.Tensor, dict]:
+    """The case's inputs, its dO and its FP64 gradients with their scales, on the CPU."""
+    x = make_inputs(case, device="cpu")
+    do, _ = make_grad_output(case, device="cpu")
+    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=AttentionCall.from_kwargs(**x["kw"]), scales=True)
+    return x, do, ref
+
+
 def _evaluate(spec: str, case: Case, keep: bool = False):
     with open_session(spec, RunOptions(backward=BackwardOptions(repeat=1), poison=False, isolate=False)) as s:
         return s.evaluate(case)
@@ -135,10 +143,7 @@ def test_noise_past_the_bound_names_no_gradient_cause():
     """The clean backward's gradients with 1% of their elements pushed 1.5 bounds off: an
     imprecise kernel, not one wrong in a way; no hypothesis claims it."""
     case = Case(**BF16, causal=True, heads_q=4, heads_kv=2)
-    x = make_inputs(case, device="cpu")
-    do, _ = make_grad_output(case, device="cpu")
-    call = AttentionCall.from_kwargs(**x["kw"])
-    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=call, scales=True)
+    x, do, ref = _fp64(case)
     g = torch.Generator().manual_seed(3)
     grads, bounds = {}, {}
     for n in ("dq", "dk", "dv"):
@@ -174,11 +179,9 @@ def test_the_hypotheses_that_read_the_gradients_alone_run_on_mod_cases():
     """A case with a score_mod and a mask_mod (the backward is not recomputed there): a dq missing
     its scale and dv's trailing columns never computed are still named, as on any case."""
     case = Case(**{**BF16, "seqlen_q": 70, "seqlen_k": 100}, score_mod="alibi", mask_mod="document")
-    x = make_inputs(case, device="cpu")
-    do, _ = make_grad_output(case, device="cpu")
+    x, do, ref = _fp64(case)
     call = AttentionCall.from_kwargs(**x["kw"])
     assert call.score_mod is not None and call.has_mask_mods
-    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=call, scales=True)
     grads = {n: ref[n].to(torch.bfloat16) for n in ("dq", "dk", "dv")}
     bounds = {n: 1e-2 * ref[f"{n}_scale"] for n in grads}
     t = CaseTensors(case, inputs=x, grads=grads, grad_refs=ref, grad_bounds=bounds, grad_output=do)
@@ -232,9 +235,7 @@ def test_productions_head_dim_defect_is_named_as_the_accumulator_stride(name, de
 
     saved = torch.load(H200_GRADS)[name]
     case = Case(**saved["config"])
-    x = make_inputs(case, device="cpu")
-    do, _ = make_grad_output(case, device="cpu")
-    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=AttentionCall.from_kwargs(**x["kw"]), scales=True)
+    x, do, ref = _fp64(case)
     grads = {n: saved[n] for n in ("dq", "dk", "dv")}
     t = CaseTensors(case, inputs=x, grads=grads, grad_refs=ref, grad_output=do)
     found = rank_causes(grad_causes(tensors=t, rec={"backward": {"status": "ran"}}))
@@ -269,9 +270,7 @@ def test_the_accumulator_stride_names_each_head_dims_widths():
     from audits.verdict.grad_causes import accumulator_read
 
     case = Case(**{**BF16, "d": 40, "dv": 72, "seqlen_q": 128, "seqlen_k": 128}, heads_q=4, heads_kv=2)
-    x = make_inputs(case, device="cpu")
-    do, _ = make_grad_output(case, device="cpu")
-    ref = attention_grad_reference(x["q"], x["k"], x["v"], do, call=AttentionCall.from_kwargs(**x["kw"]), scales=True)
+    x, do, ref = _fp64(case)
     pad = {40: (48, 64), 72: (80, 96)}
     grads = {}
     for n in ("dq", "dk", "dv"):

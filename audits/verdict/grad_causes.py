@@ -54,6 +54,7 @@ import torch
 from audits.verdict.causes import FALLBACK_ULPS, MAX_SCORES, MIN_SCORE, edge_variants, explained, score_of
 from audits.verdict.diagnosis import CaseTensors, index_ranges
 from audits.verdict.vocabulary import Cause
+from fa4.code_paths import pad_to
 from numerics.call import AttentionCall
 from numerics.metrics import rounded_overflow
 from numerics.reference import call_visibility
@@ -245,22 +246,23 @@ def _vis(t: CaseTensors, call: AttentionCall) -> torch.Tensor:
     return vis.reshape(case.seqlen_q, case.seqlen_k)
 
 
-def _fwd(t: CaseTensors) -> tuple | None:
-    """The forward's FP64 out and LSE and dO the backward hypotheses recompute from; None without them."""
-    out, lse = (t.grad_refs or {}).get("out"), (t.grad_refs or {}).get("lse")
-    return None if out is None or lse is None or t.grad_output is None else (out, lse, t.grad_output)
-
-
-def _head_mapping(sc: _Scope, t: CaseTensors) -> Cause | None:
-    """GQA: dk and dv from one query head of each group, not summed over the group."""
-    case, x = t.case, t.inputs
-    g = case.heads_q // case.heads_kv
-    if g < 2 or (fwd := _fwd(t)) is None:
+def _recomputed(t: CaseTensors, call: AttentionCall, visible: torch.Tensor | None = None, **kw) -> dict | None:
+    """:func:`backward_with_mask` on the case's inputs, from the forward's FP64 out and LSE and the
+    dO the kernel's backward got, with P over ``visible`` (the call's own mask when None) and
+    ``kw`` (``group_reduce``, ``chain``); None without the forward's references."""
+    out, lse, do = (t.grad_refs or {}).get("out"), (t.grad_refs or {}).get("lse"), t.grad_output
+    if out is None or lse is None or do is None:
         return None
-    call = AttentionCall.from_kwargs(**x["kw"])
-    hyp = backward_with_mask(
-        x["q"], x["k"], x["v"], fwd[2], fwd[0], fwd[1], call=call, visible=_vis(t, call), group_reduce="first"
-    )
+    x = t.inputs
+    visible = _vis(t, call) if visible is None else visible
+    return backward_with_mask(x["q"], x["k"], x["v"], do, out, lse, call=call, visible=visible, **kw)
+
+
+def _head_mapping(sc: _Scope, t: CaseTensors, call: AttentionCall) -> Cause | None:
+    """GQA: dk and dv from one query head of each group, not summed over the group."""
+    g = t.case.heads_q // t.case.heads_kv
+    if g < 2 or (hyp := _recomputed(t, call, group_reduce="first")) is None:
+        return None
     hyp.pop("dq")  # dq is per query head: this hypothesis leaves it as it is
     counts = _counts(sc, hyp)
     s = score_of(counts)
@@ -272,16 +274,12 @@ def _head_mapping(sc: _Scope, t: CaseTensors) -> Cause | None:
     )
 
 
-def _mask_edge(sc: _Scope, t: CaseTensors) -> Cause | None:
-    x, case = t.inputs, t.case
-    call = AttentionCall.from_kwargs(**x["kw"])
-    if (fwd := _fwd(t)) is None:
-        return None
-    out, lse, do = fwd
+def _mask_edge(sc: _Scope, t: CaseTensors, call: AttentionCall) -> Cause | None:
     best = None
-    for window, detail in edge_variants(case, call):
-        vis = _vis(t, replace(call, causal=False, window_size=window))
-        hyp = backward_with_mask(x["q"], x["k"], x["v"], do, out, lse, call=call, visible=vis)
+    for window, detail in edge_variants(t.case, call):
+        hyp = _recomputed(t, call, _vis(t, replace(call, causal=False, window_size=window)))
+        if hyp is None:
+            return None
         counts = _counts(sc, hyp)
         s = score_of(counts)
         if s > 0 and (best is None or s > best.score):
@@ -290,15 +288,10 @@ def _mask_edge(sc: _Scope, t: CaseTensors) -> Cause | None:
     return best
 
 
-def _softcap_chain(sc: _Scope, t: CaseTensors) -> Cause | None:
+def _softcap_chain(sc: _Scope, t: CaseTensors, call: AttentionCall) -> Cause | None:
     """With a softcap: dS not multiplied by the chain factor 1 - tanh^2(r / cap)."""
-    x = t.inputs
-    call = AttentionCall.from_kwargs(**x["kw"])
-    if not call.softcap or (fwd := _fwd(t)) is None:
+    if not call.softcap or (hyp := _recomputed(t, call, chain=False)) is None:
         return None
-    hyp = backward_with_mask(
-        x["q"], x["k"], x["v"], fwd[2], fwd[0], fwd[1], call=call, visible=_vis(t, call), chain=False
-    )
     counts = _counts(sc, hyp)
     s = score_of(counts)
     if s <= 0:
@@ -344,20 +337,12 @@ def _dropped_rows(sc: _Scope) -> Cause | None:
         if n == "dsink" or g.dim() != 4 or not bool(sc.viol[n].any()):
             continue
         zero = ((g == 0) | ~sc.checked[n]).all(-1).all(-1).all(0)  # (s,): the row is zero everywhere
-        rows = torch.nonzero(zero & sc.viol[n].any(-1).any(-1).any(0)).flatten().tolist()
-        if not rows:
+        hit = zero & sc.viol[n].any(-1).any(-1).any(0)  # zero rows holding a violation
+        if not bool(hit.any()):
             continue
-        # the maximal runs of zero rows holding a violation, whole
-        keep = torch.zeros_like(zero)
-        for r in rows:
-            if bool(keep[r]):
-                continue
-            a = b = r
-            while a > 0 and bool(zero[a - 1]):
-                a -= 1
-            while b + 1 < zero.numel() and bool(zero[b + 1]):
-                b += 1
-            keep[a : b + 1] = True
+        # the maximal runs of zero rows holding a violation, whole: runs numbered from their first row
+        run = torch.cumsum(zero & ~torch.cat([zero.new_zeros(1), zero[:-1]]), 0)
+        keep = zero & torch.isin(run, run[hit])
         hyp = sc.ref[n].clone()
         hyp[:, keep] = 0.0
         counts = _counts(sc, {n: hyp})
@@ -378,10 +363,6 @@ ACCUM_TILES = (64, 80, 96, 128)
 #: the granularities a tile's columns are padded to: the kernel's tile (16), the accumulator's
 #: allocation (32, 64 with dKV_swapAB): ``fa4.code_paths.hdim_multiple`` and ``sm90_accum_wider``
 ACCUM_PADS = (8, 16, 32, 64)
-
-
-def _pad(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def accumulator_read(ref: torch.Tensor, *, tile: int, written: int, read: int) -> torch.Tensor:
@@ -442,8 +423,8 @@ def _accum_stride(sc: _Scope) -> Cause | None:
                 hyps = {}
                 for n in names:
                     s, w = sc.ref[n].shape[1], sc.ref[n].shape[-1]
-                    if tile < s and _pad(w, fine) != _pad(w, coarse):  # one tile: its offset is 0 at any stride
-                        hyps[n] = (_pad(w, fine), _pad(w, coarse))
+                    if tile < s and pad_to(w, fine) != pad_to(w, coarse):  # one tile: its offset is 0 at any stride
+                        hyps[n] = (pad_to(w, fine), pad_to(w, coarse))
                 subsets = [[n] for n in hyps] + ([list(hyps)] if len(hyps) > 1 else [])
                 for sub in subsets:
                     key = (tile, tuple((n, *hyps[n]) for n in sub))
@@ -525,5 +506,5 @@ def grad_causes(*, tensors: CaseTensors, rec: dict) -> list[Cause]:
             return []
         found = [_grad_scale(sc, call, case.d), _dropped_columns(sc), _dropped_rows(sc), _accum_stride(sc)]
         if recomputes:
-            found += [_mask_edge(sc, t), _head_mapping(sc, t), _softcap_chain(sc, t)]
+            found += [_mask_edge(sc, t, call), _head_mapping(sc, t, call), _softcap_chain(sc, t, call)]
     return [c for c in found if c is not None and c.score >= MIN_SCORE]
